@@ -1,0 +1,436 @@
+// The averaging kernels. Every kernel sums the replicas in rank order 0..R-1 in fp32 and
+// divides once by R with IEEE rounding (__fdiv_rn, matching the host's '/'), so every rank
+// writes the same bits and the host implementation is an exact reference.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "pympgu.h"
+
+static_assert(sizeof(pmg_signal) == PMG_MAX_BLOCKS * PMG_MAX_RANKS * 4 + PMG_MAX_BLOCKS * 4,
+              "pmg_signal is shared between processes: its layout is part of the ABI");
+static_assert(sizeof(pmg_peers) == 128, "pmg_peers is a kernel parameter: keep it small");
+static_assert(sizeof(pmg_tensor) == 80, "pmg_tensor is uploaded as raw bytes from Python");
+
+namespace {
+
+constexpr int kThreads = 512;
+// One-shot rounds: vectors per thread loaded before the round's barrier.
+constexpr int kOneShotVecs = 2;
+
+template <typename T>
+struct Elem;
+template <>
+struct Elem<float> {
+  __device__ static float load(float x) { return x; }
+  __device__ static float store(float x) { return x; }
+};
+template <>
+struct Elem<__half> {
+  __device__ static float load(__half x) { return __half2float(x); }
+  __device__ static __half store(float x) { return __float2half_rn(x); }
+};
+template <>
+struct Elem<__nv_bfloat16> {
+  __device__ static float load(__nv_bfloat16 x) { return __bfloat162float(x); }
+  __device__ static __nv_bfloat16 store(float x) { return __float2bfloat16_rn(x); }
+};
+
+// Elements per 16-byte vector: every replica buffer is 16-byte aligned, so the bulk moves as
+// ld.128/st.128 and only the last n % kPerVec elements go one at a time.
+template <typename T>
+constexpr int kPerVec = 16 / sizeof(T);
+
+template <typename T>
+__device__ __forceinline__ void acc_first(float *acc, const uint4 &raw) {
+  const T *e = reinterpret_cast<const T *>(&raw);
+#pragma unroll
+  for (int i = 0; i < kPerVec<T>; ++i) acc[i] = Elem<T>::load(e[i]);
+}
+
+template <typename T>
+__device__ __forceinline__ void acc_add(float *acc, const uint4 &raw) {
+  const T *e = reinterpret_cast<const T *>(&raw);
+#pragma unroll
+  for (int i = 0; i < kPerVec<T>; ++i) acc[i] += Elem<T>::load(e[i]);
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 finish(const float *acc, float denom) {
+  uint4 raw;
+  T *e = reinterpret_cast<T *>(&raw);
+#pragma unroll
+  for (int i = 0; i < kPerVec<T>; ++i) e[i] = Elem<T>::store(__fdiv_rn(acc[i], denom));
+  return raw;
+}
+
+template <typename T>
+__device__ __forceinline__ float scalar_mean(const pmg_peers &p, int nranks, size_t i) {
+  float a = Elem<T>::load(static_cast<const T *>(p.data[0])[i]);
+  for (int r = 1; r < nranks; ++r) a += Elem<T>::load(static_cast<const T *>(p.data[r])[i]);
+  return __fdiv_rn(a, float(nranks));
+}
+
+__device__ __forceinline__ uint64_t globaltimer() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// System scope, because the flag's reader is another GPU (or another process on this one).
+__device__ __forceinline__ void st_release_sys(uint32_t *p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t *p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Block blockIdx.x of every rank meets here. Each rank keeps its own monotonic count per
+// block (counter[b], never touched by peers); thread t announces the new count in rank t's
+// flags[b][rank] with a release store, then waits with acquire loads until rank t's
+// announcement in our own flags[b][t] reaches it. The __syncthreads on either side make
+// the release cover the whole block's earlier accesses and the acquire order the whole
+// block's later ones. Counts only grow, so a peer already one barrier ahead still passes
+// the comparison, and the signed difference survives wrap-around. Every rank runs the same
+// grid, so block b always has partners; a peer that never arrives (it died) traps the
+// kernel after timeout_ns instead of hanging the process forever.
+__device__ void block_barrier(const pmg_peers &p, int rank, int nranks, uint64_t timeout_ns) {
+  __syncthreads();
+  pmg_signal *self = p.signal[rank];
+  const uint32_t flag = self->counter[blockIdx.x] + 1;
+  if (threadIdx.x < nranks) {
+    const int peer = threadIdx.x;
+    st_release_sys(&p.signal[peer]->flags[blockIdx.x][rank], flag);
+    const uint32_t *mine = &self->flags[blockIdx.x][peer];
+    uint64_t start = 0;
+    while (static_cast<int32_t>(ld_acquire_sys(mine) - flag) < 0) {
+      const uint64_t now = globaltimer();
+      if (start == 0) {
+        start = now;
+      } else if (now - start > timeout_ns) {
+        __trap();
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) self->counter[blockIdx.x] = flag;
+}
+
+// One-shot, in place: every rank reads all R replicas of a round's elements, then, after a
+// barrier that proves every rank has read that round, writes the mean into its own replica.
+// Rounds keep the reads of round k+1 clear of the writes of round k on any rank, because an
+// element belongs to the same block and round on every rank.
+template <typename T, int R>
+__global__ void __launch_bounds__(kThreads)
+    oneshot_kernel(pmg_peers p, int rank, size_t n, uint64_t timeout_ns) {
+  constexpr int P = kPerVec<T>;
+  const size_t nvec = n / P;
+  const size_t tid = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const size_t nthreads = size_t(gridDim.x) * blockDim.x;
+  const float denom = float(R);
+  block_barrier(p, rank, R, timeout_ns);  // every replica holds this exchange's input
+  for (size_t base = 0; base < nvec; base += nthreads * kOneShotVecs) {
+    float acc[kOneShotVecs][P];
+#pragma unroll
+    for (int k = 0; k < kOneShotVecs; ++k) {
+      const size_t v = base + k * nthreads + tid;
+      if (v < nvec) {
+        uint4 raw[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) raw[r] = __ldcg(static_cast<const uint4 *>(p.data[r]) + v);
+        acc_first<T>(acc[k], raw[0]);
+#pragma unroll
+        for (int r = 1; r < R; ++r) acc_add<T>(acc[k], raw[r]);
+      }
+    }
+    block_barrier(p, rank, R, timeout_ns);  // every rank has read this round
+#pragma unroll
+    for (int k = 0; k < kOneShotVecs; ++k) {
+      const size_t v = base + k * nthreads + tid;
+      if (v < nvec) __stcg(static_cast<uint4 *>(p.data[rank]) + v, finish<T>(acc[k], denom));
+    }
+  }
+  const size_t tail = n - nvec * P;
+  if (tail) {
+    const size_t i = nvec * P + tid;
+    float mean = 0.f;
+    if (tid < tail) mean = scalar_mean<T>(p, R, i);
+    block_barrier(p, rank, R, timeout_ns);
+    if (tid < tail) static_cast<T *>(p.data[rank])[i] = Elem<T>::store(mean);
+  }
+}
+
+// Vectors per thread per two-shot iteration: enough loads in flight to cover NVLink latency
+// while R * kUnroll 16-byte registers still fit at kThreads threads per block.
+template <int R>
+constexpr int kTwoShotUnroll = R <= 2 ? 4 : (R <= 4 ? 2 : 1);
+
+// Two-shot, in place: rank k averages the k-th 1/R slice of all replicas and writes it into
+// every replica (reduce-scatter and all-gather in one pass). Slices are disjoint and each is
+// read and written by its owner only, so no round barriers are needed; the closing barrier
+// makes every peer's writes into our replica visible before the kernel ends.
+template <typename T, int R>
+__global__ void __launch_bounds__(kThreads)
+    twoshot_kernel(pmg_peers p, int rank, size_t n, uint64_t timeout_ns) {
+  constexpr int P = kPerVec<T>;
+  constexpr int U = kTwoShotUnroll<R>;
+  const size_t nvec = n / P;
+  const size_t slice = (nvec + R - 1) / R;
+  const size_t lo = min(nvec, size_t(rank) * slice);
+  const size_t hi = min(nvec, lo + slice);
+  const size_t tid = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const size_t nthreads = size_t(gridDim.x) * blockDim.x;
+  const float denom = float(R);
+  block_barrier(p, rank, R, timeout_ns);
+  for (size_t v0 = lo + tid; v0 < hi; v0 += nthreads * U) {
+    uint4 raw[U][R];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const size_t v = v0 + u * nthreads;
+      if (v < hi) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) raw[u][r] = __ldcg(static_cast<const uint4 *>(p.data[r]) + v);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const size_t v = v0 + u * nthreads;
+      if (v < hi) {
+        float acc[P];
+        acc_first<T>(acc, raw[u][0]);
+#pragma unroll
+        for (int r = 1; r < R; ++r) acc_add<T>(acc, raw[u][r]);
+        const uint4 out = finish<T>(acc, denom);
+        // Start with the next rank so that R ranks do not all write to rank 0 first.
+#pragma unroll
+        for (int j = 1; j <= R; ++j) {
+          const int r = (rank + j) % R;
+          __stcg(static_cast<uint4 *>(p.data[r]) + v, out);
+        }
+      }
+    }
+  }
+  // The last rank owns the scalar tail (its slice is the shortest).
+  const size_t tail = n - nvec * P;
+  if (rank == R - 1 && tid < tail) {
+    const size_t i = nvec * P + tid;
+    const T out = Elem<T>::store(scalar_mean<T>(p, R, i));
+    for (int r = 0; r < R; ++r) static_cast<T *>(p.data[r])[i] = out;
+  }
+  block_barrier(p, rank, R, timeout_ns);
+}
+
+__global__ void barrier_kernel(pmg_peers p, int rank, int nranks, uint64_t timeout_ns) {
+  block_barrier(p, rank, nranks, timeout_ns);
+}
+
+// Local averaging of replicas this process addresses directly. An output that aliases an
+// input is fine: each element is read and written by the same thread.
+template <typename T>
+__device__ void average_tensor(const pmg_tensor &d, int nranks) {
+  constexpr int P = kPerVec<T>;
+  const size_t tid = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const size_t nthreads = size_t(gridDim.x) * blockDim.x;
+  const float denom = float(nranks);
+  bool aligned = (reinterpret_cast<uintptr_t>(d.out) & 15) == 0;
+  for (int r = 0; r < nranks; ++r) aligned &= (reinterpret_cast<uintptr_t>(d.inputs[r]) & 15) == 0;
+  const size_t nvec = aligned ? d.n / P : 0;
+  for (size_t v = tid; v < nvec; v += nthreads) {
+    float acc[P];
+    acc_first<T>(acc, __ldcg(static_cast<const uint4 *>(d.inputs[0]) + v));
+    for (int r = 1; r < nranks; ++r) acc_add<T>(acc, __ldcg(static_cast<const uint4 *>(d.inputs[r]) + v));
+    static_cast<uint4 *>(d.out)[v] = finish<T>(acc, denom);
+  }
+  for (size_t i = nvec * P + tid; i < d.n; i += nthreads) {
+    float a = Elem<T>::load(static_cast<const T *>(d.inputs[0])[i]);
+    for (int r = 1; r < nranks; ++r) a += Elem<T>::load(static_cast<const T *>(d.inputs[r])[i]);
+    static_cast<T *>(d.out)[i] = Elem<T>::store(__fdiv_rn(a, denom));
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) single_average_kernel(pmg_tensor d, int nranks) {
+  average_tensor<T>(d, nranks);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    multi_average_kernel(const pmg_tensor *table, int ntensors, int nranks) {
+  for (int t = 0; t < ntensors; ++t) {
+    const pmg_tensor d = table[t];
+    average_tensor<T>(d, nranks);
+  }
+}
+
+unsigned grid_for(size_t work_items, size_t per_block, int max_blocks) {
+  size_t b = (work_items + per_block - 1) / per_block;
+  if (b < 1) b = 1;
+  if (b > size_t(max_blocks)) b = max_blocks;
+  return unsigned(b);
+}
+
+// Block count for plain (barrier-free) launches: enough to fill an H200 several times over.
+constexpr int kPlainMaxBlocks = 1024;
+
+int check_ranks(int rank, int nranks) {
+  if (nranks < 1 || nranks > PMG_MAX_RANKS || rank < 0 || rank >= nranks)
+    return PMG_ERR_BAD_RANK_COUNT;
+  return 0;
+}
+
+int check_peers(const pmg_peers *peers, int nranks) {
+  if (!peers) return PMG_ERR_INVALID_ARGUMENT;
+  for (int r = 0; r < nranks; ++r) {
+    if (!peers->data[r] || !peers->signal[r]) return PMG_ERR_INVALID_ARGUMENT;
+    if (reinterpret_cast<uintptr_t>(peers->data[r]) & 15) return PMG_ERR_MISALIGNED;
+  }
+  return 0;
+}
+
+template <typename T, int R>
+void launch_allreduce(const pmg_peers &p, int rank, size_t n, int algo, int max_blocks,
+                      uint64_t timeout_ns, cudaStream_t stream) {
+  const size_t nvec = n / kPerVec<T>;
+  if (algo == PMG_ALGO_ONESHOT) {
+    unsigned blocks = grid_for(nvec, size_t(kThreads) * kOneShotVecs, max_blocks);
+    oneshot_kernel<T, R><<<blocks, kThreads, 0, stream>>>(p, rank, n, timeout_ns);
+  } else {
+    const size_t slice = (nvec + R - 1) / R;
+    unsigned blocks = grid_for(slice, size_t(kThreads) * kTwoShotUnroll<R>, max_blocks);
+    twoshot_kernel<T, R><<<blocks, kThreads, 0, stream>>>(p, rank, n, timeout_ns);
+  }
+}
+
+template <typename T>
+void dispatch_ranks(const pmg_peers &p, int rank, int nranks, size_t n, int algo,
+                    int max_blocks, uint64_t timeout_ns, cudaStream_t stream) {
+  switch (nranks) {
+    case 1: launch_allreduce<T, 1>(p, rank, n, algo, max_blocks, timeout_ns, stream); break;
+    case 2: launch_allreduce<T, 2>(p, rank, n, algo, max_blocks, timeout_ns, stream); break;
+    case 3: launch_allreduce<T, 3>(p, rank, n, algo, max_blocks, timeout_ns, stream); break;
+    case 4: launch_allreduce<T, 4>(p, rank, n, algo, max_blocks, timeout_ns, stream); break;
+    case 5: launch_allreduce<T, 5>(p, rank, n, algo, max_blocks, timeout_ns, stream); break;
+    case 6: launch_allreduce<T, 6>(p, rank, n, algo, max_blocks, timeout_ns, stream); break;
+    case 7: launch_allreduce<T, 7>(p, rank, n, algo, max_blocks, timeout_ns, stream); break;
+    case 8: launch_allreduce<T, 8>(p, rank, n, algo, max_blocks, timeout_ns, stream); break;
+  }
+}
+
+int launched() { return cudaGetLastError(); }
+
+}  // namespace
+
+extern "C" {
+
+int pmg_average(const void *const *inputs, int nranks, void *out, size_t n, int dtype,
+                cudaStream_t stream) {
+  if (nranks < 1 || nranks > PMG_MAX_RANKS) return PMG_ERR_BAD_RANK_COUNT;
+  if (!inputs || !out) return PMG_ERR_INVALID_ARGUMENT;
+  pmg_tensor d = {};
+  for (int r = 0; r < nranks; ++r) {
+    if (!inputs[r]) return PMG_ERR_INVALID_ARGUMENT;
+    d.inputs[r] = inputs[r];
+  }
+  d.out = out;
+  d.n = n;
+  if (n == 0) return 0;
+  unsigned blocks = grid_for(n / 4 + 1, kThreads, kPlainMaxBlocks);
+  switch (dtype) {
+    case PMG_FLOAT32: single_average_kernel<float><<<blocks, kThreads, 0, stream>>>(d, nranks); break;
+    case PMG_FLOAT16: single_average_kernel<__half><<<blocks, kThreads, 0, stream>>>(d, nranks); break;
+    case PMG_BFLOAT16: single_average_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(d, nranks); break;
+    default: return PMG_ERR_UNSUPPORTED_DTYPE;
+  }
+  return launched();
+}
+
+int pmg_multi_average(const pmg_tensor *table, int ntensors, int nranks, uint64_t max_n,
+                      int dtype, cudaStream_t stream) {
+  if (nranks < 1 || nranks > PMG_MAX_RANKS) return PMG_ERR_BAD_RANK_COUNT;
+  if (ntensors < 0 || (ntensors > 0 && !table)) return PMG_ERR_INVALID_ARGUMENT;
+  if (ntensors == 0 || max_n == 0) return 0;
+  unsigned blocks = grid_for(max_n / 4 + 1, kThreads, kPlainMaxBlocks);
+  switch (dtype) {
+    case PMG_FLOAT32: multi_average_kernel<float><<<blocks, kThreads, 0, stream>>>(table, ntensors, nranks); break;
+    case PMG_FLOAT16: multi_average_kernel<__half><<<blocks, kThreads, 0, stream>>>(table, ntensors, nranks); break;
+    case PMG_BFLOAT16: multi_average_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(table, ntensors, nranks); break;
+    default: return PMG_ERR_UNSUPPORTED_DTYPE;
+  }
+  return launched();
+}
+
+int pmg_allreduce_average(const pmg_peers *peers, int rank, int nranks, size_t n, int dtype,
+                          int algo, int max_blocks, uint64_t timeout_ns, cudaStream_t stream) {
+  if (int err = check_ranks(rank, nranks)) return err;
+  if (int err = check_peers(peers, nranks)) return err;
+  if (algo != PMG_ALGO_ONESHOT && algo != PMG_ALGO_TWOSHOT) return PMG_ERR_INVALID_ARGUMENT;
+  if (max_blocks < 1 || max_blocks > PMG_MAX_BLOCKS) return PMG_ERR_INVALID_ARGUMENT;
+  switch (dtype) {
+    case PMG_FLOAT32: dispatch_ranks<float>(*peers, rank, nranks, n, algo, max_blocks, timeout_ns, stream); break;
+    case PMG_FLOAT16: dispatch_ranks<__half>(*peers, rank, nranks, n, algo, max_blocks, timeout_ns, stream); break;
+    case PMG_BFLOAT16: dispatch_ranks<__nv_bfloat16>(*peers, rank, nranks, n, algo, max_blocks, timeout_ns, stream); break;
+    default: return PMG_ERR_UNSUPPORTED_DTYPE;
+  }
+  return launched();
+}
+
+int pmg_device_barrier(const pmg_peers *peers, int rank, int nranks, uint64_t timeout_ns,
+                       cudaStream_t stream) {
+  if (int err = check_ranks(rank, nranks)) return err;
+  if (int err = check_peers(peers, nranks)) return err;
+  barrier_kernel<<<1, 32, 0, stream>>>(*peers, rank, nranks, timeout_ns);
+  return launched();
+}
+
+int pmg_gather_peers(const pmg_peers *peers, int rank, int nranks, void *shadow, size_t n,
+                     int dtype, cudaStream_t stream) {
+  if (int err = check_ranks(rank, nranks)) return err;
+  if (int err = check_peers(peers, nranks)) return err;
+  const size_t esize = pmg_dtype_size(dtype);
+  if (!esize) return PMG_ERR_UNSUPPORTED_DTYPE;
+  if (!shadow && nranks > 1) return PMG_ERR_INVALID_ARGUMENT;
+  const size_t nbytes = n * esize;
+  char *slot = static_cast<char *>(shadow);
+  for (int r = 0; r < nranks; ++r) {
+    if (r == rank) continue;
+    // DMA through the copy engines over P2P, as the seed's memcpy_peer did.
+    cudaError_t err = cudaMemcpyAsync(slot, peers->data[r], nbytes, cudaMemcpyDefault, stream);
+    if (err != cudaSuccess) return err;
+    slot += nbytes;
+  }
+  return 0;
+}
+
+int pmg_shadow_average(const pmg_peers *peers, int rank, int nranks, const void *shadow,
+                       size_t n, int dtype, cudaStream_t stream) {
+  if (int err = check_ranks(rank, nranks)) return err;
+  if (int err = check_peers(peers, nranks)) return err;
+  const size_t esize = pmg_dtype_size(dtype);
+  if (!esize) return PMG_ERR_UNSUPPORTED_DTYPE;
+  const void *inputs[PMG_MAX_RANKS];
+  const char *slot = static_cast<const char *>(shadow);
+  for (int r = 0; r < nranks; ++r) {
+    if (r == rank) {
+      inputs[r] = peers->data[r];
+    } else {
+      inputs[r] = slot;
+      slot += n * esize;
+    }
+  }
+  return pmg_average(inputs, nranks, peers->data[rank], n, dtype, stream);
+}
+
+int pmg_copy_average(const pmg_peers *peers, int rank, int nranks, void *shadow, size_t n,
+                     int dtype, uint64_t timeout_ns, cudaStream_t stream) {
+  // barrier: every replica is packed; gather; barrier: every peer has copied ours, so it
+  // may be overwritten; then the local average in place.
+  if (int err = pmg_device_barrier(peers, rank, nranks, timeout_ns, stream)) return err;
+  if (int err = pmg_gather_peers(peers, rank, nranks, shadow, n, dtype, stream)) return err;
+  if (int err = pmg_device_barrier(peers, rank, nranks, timeout_ns, stream)) return err;
+  return pmg_shadow_average(peers, rank, nranks, shadow, n, dtype, stream);
+}
+
+}  // extern "C"

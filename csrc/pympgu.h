@@ -1,0 +1,143 @@
+/* pympgu's C API: the CUDA runtime calls pympgu uses, the averaging kernels, and the
+ * host (CPU) averaging that follows the same summation order.
+ *
+ * Conventions, stated once:
+ *  - Every function returns an int status: 0 on success, a cudaError_t value for a CUDA
+ *    failure, or one of the PMG_ERR_* codes below (all >= 10000) for a bad argument.
+ *    pmg_error_name / pmg_error_string turn any status into text.
+ *  - Nothing here prints, aborts or exits: the caller decides what a failure means.
+ *  - Results come back through out-pointers; pointers are plain device (UVA) addresses.
+ *  - Averages are summed in rank order 0..R-1 in fp32 and divided by R (IEEE division),
+ *    so every rank, and the host implementation, produce the same bits.
+ */
+#ifndef PYMPGU_H
+#define PYMPGU_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define PMG_MAX_RANKS 8
+#define PMG_MAX_BLOCKS 512
+#define PMG_IPC_HANDLE_BYTES 64
+
+enum pmg_dtype { PMG_FLOAT32 = 0, PMG_FLOAT16 = 1, PMG_BFLOAT16 = 2 };
+
+enum pmg_algo { PMG_ALGO_ONESHOT = 0, PMG_ALGO_TWOSHOT = 1 };
+
+enum pmg_status {
+  PMG_SUCCESS = 0,
+  PMG_ERR_INVALID_ARGUMENT = 10001,
+  PMG_ERR_UNSUPPORTED_DTYPE = 10002,
+  PMG_ERR_BAD_RANK_COUNT = 10003,
+  PMG_ERR_MISALIGNED = 10004,
+  PMG_ERR_NO_CUDA = 10005
+};
+
+/* Peer-visible control block at the start of every registered (IPC-shared) allocation.
+ * flags[b][r]: the last barrier value that rank r announced to this rank's block b.
+ * counter[b]: this rank's own count of barriers crossed by block b (never written by peers). */
+typedef struct pmg_signal {
+  uint32_t flags[PMG_MAX_BLOCKS][PMG_MAX_RANKS];
+  uint32_t counter[PMG_MAX_BLOCKS];
+} pmg_signal;
+
+/* The R replicas as this process sees them: data[r] and signal[r] are local pointers for
+ * r == rank and IPC/P2P mappings of the peers' allocations otherwise. Passed by value to
+ * kernels (128 bytes). */
+typedef struct pmg_peers {
+  void *data[PMG_MAX_RANKS];
+  pmg_signal *signal[PMG_MAX_RANKS];
+} pmg_peers;
+
+/* One entry of a multi-tensor table: out[i] = mean over r < nranks of inputs[r][i], i < n. */
+typedef struct pmg_tensor {
+  const void *inputs[PMG_MAX_RANKS];
+  void *out;
+  uint64_t n;
+} pmg_tensor;
+
+/* ---- pympgu's own statuses (host-only: NULL for a code that is not PMG_*) ---- */
+const char *pmg_status_name(int status);
+const char *pmg_status_string(int status);
+size_t pmg_dtype_size(int dtype); /* 0 for an unknown dtype */
+
+/* ---- host averaging (csrc/host_average.cpp; builds without CUDA) ---- */
+int pmg_host_average(const void *const *inputs, int nranks, void *out, size_t n, int dtype);
+
+#ifdef PMG_WITH_CUDA
+#include <cuda_runtime_api.h>
+/* ---- runtime (csrc/runtime.cu) ---- */
+/* Any status, CUDA's or pympgu's, as text. */
+const char *pmg_error_name(int status);
+const char *pmg_error_string(int status);
+/* Clears CUDA's last (non-sticky) error, so that one failure is not reported twice. */
+void pmg_clear_last_error(void);
+int pmg_runtime_version(int *version);
+int pmg_driver_version(int *version);
+int pmg_get_device_count(int *count);
+int pmg_get_device(int *device);
+int pmg_set_device(int device);
+int pmg_device_name(int device, char *name, size_t len);
+int pmg_device_sm_count(int device, int *count);
+int pmg_device_synchronize(void);
+int pmg_pointer_device(const void *ptr, int *device); /* the GPU that holds ptr; -1 if host */
+int pmg_can_access_peer(int device, int peer, int *can);
+int pmg_enable_peer_access(int peer); /* already enabled counts as success */
+int pmg_malloc(void **ptr, size_t nbytes);
+int pmg_free(void *ptr);
+int pmg_memset_async(void *ptr, int value, size_t nbytes, cudaStream_t stream);
+int pmg_memcpy_async(void *dst, const void *src, size_t nbytes, cudaStream_t stream);
+int pmg_memcpy_peer_async(void *dst, int dst_device, const void *src, int src_device,
+                          size_t nbytes, cudaStream_t stream);
+int pmg_ipc_get_handle(void *base, void *handle /* 64 bytes */);
+int pmg_ipc_open_handle(const void *handle, void **ptr);
+int pmg_ipc_close_handle(void *ptr);
+int pmg_stream_create(cudaStream_t *stream);
+int pmg_stream_destroy(cudaStream_t stream);
+int pmg_stream_synchronize(cudaStream_t stream);
+int pmg_event_create(cudaEvent_t *event, int timing);
+int pmg_event_destroy(cudaEvent_t event);
+int pmg_event_record(cudaEvent_t event, cudaStream_t stream);
+int pmg_event_synchronize(cudaEvent_t event);
+int pmg_event_elapsed_ms(cudaEvent_t start, cudaEvent_t end, float *ms);
+
+/* ---- kernels (csrc/average.cu) ---- */
+/* out = mean of inputs[0..nranks-1], one launch, no barrier: for replicas that one process
+ * can address (one GPU, or P2P between GPUs of one process). out may alias an input. */
+int pmg_average(const void *const *inputs, int nranks, void *out, size_t n, int dtype,
+                cudaStream_t stream);
+/* Many tensors in one launch. table points to ntensors entries in DEVICE memory; max_n is
+ * the largest entry's n (it sizes the grid). nranks == 1 makes this a multi-tensor copy,
+ * which is how the exchanger packs parameters into its buffer. */
+int pmg_multi_average(const pmg_tensor *table, int ntensors, int nranks, uint64_t max_n,
+                      int dtype, cudaStream_t stream);
+/* All-reduce-average, in place in peers->data[*], with GPU-side barriers through the
+ * signal blocks: every rank calls it with the same n, dtype, algo and max_blocks.
+ * timeout_ns bounds each barrier wait; past it the kernel traps (a peer never arrived). */
+int pmg_allreduce_average(const pmg_peers *peers, int rank, int nranks, size_t n, int dtype,
+                          int algo, int max_blocks, uint64_t timeout_ns, cudaStream_t stream);
+/* A GPU-side barrier alone (one block), for methods that move data with copies. */
+int pmg_device_barrier(const pmg_peers *peers, int rank, int nranks, uint64_t timeout_ns,
+                       cudaStream_t stream);
+/* The seed's method, in two parts. pmg_gather_peers copies every peer's replica (n elements)
+ * into shadow, nranks-1 slots in rank order skipping this rank, by DMA over P2P.
+ * pmg_shadow_average then averages [own or shadow slot] in rank order, in place in own.
+ * Peers must not change their replicas during the gather, and nobody may overwrite its own
+ * replica before every peer's gather has finished: pmg_copy_average fences both with GPU
+ * barriers; without peer access the caller puts host barriers between the two parts. */
+int pmg_gather_peers(const pmg_peers *peers, int rank, int nranks, void *shadow, size_t n,
+                     int dtype, cudaStream_t stream);
+int pmg_shadow_average(const pmg_peers *peers, int rank, int nranks, const void *shadow,
+                       size_t n, int dtype, cudaStream_t stream);
+int pmg_copy_average(const pmg_peers *peers, int rank, int nranks, void *shadow, size_t n,
+                     int dtype, uint64_t timeout_ns, cudaStream_t stream);
+#endif
+
+#ifdef __cplusplus
+}
+#endif
+#endif

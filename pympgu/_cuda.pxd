@@ -1,0 +1,105 @@
+# Declarations of pympgu's CUDA C API (csrc/pympgu.h built with PMG_WITH_CUDA).
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint64_t
+
+cdef extern from "cuda_runtime_api.h" nogil:
+    ctypedef void *cudaStream_t
+    ctypedef void *cudaEvent_t
+
+cdef extern from "pympgu.h" nogil:
+    enum:
+        PMG_MAX_RANKS
+        PMG_MAX_BLOCKS
+        PMG_IPC_HANDLE_BYTES
+        PMG_ALGO_ONESHOT
+        PMG_ALGO_TWOSHOT
+        PMG_ERR_INVALID_ARGUMENT
+
+    ctypedef struct pmg_signal:
+        pass
+
+    ctypedef struct pmg_peers:
+        void *data[PMG_MAX_RANKS]
+        pmg_signal *signal[PMG_MAX_RANKS]
+
+    ctypedef struct pmg_tensor:
+        const void *inputs[PMG_MAX_RANKS]
+        void *out
+        uint64_t n
+
+    const char *pmg_error_name(int status)
+    const char *pmg_error_string(int status)
+    void pmg_clear_last_error()
+    size_t pmg_dtype_size(int dtype)
+
+    int pmg_runtime_version(int *version)
+    int pmg_driver_version(int *version)
+    int pmg_get_device_count(int *count)
+    int pmg_get_device(int *device)
+    int pmg_set_device(int device)
+    int pmg_device_name(int device, char *name, size_t length)
+    int pmg_device_sm_count(int device, int *count)
+    int pmg_device_synchronize()
+    int pmg_pointer_device(const void *ptr, int *device)
+    int pmg_can_access_peer(int device, int peer, int *can)
+    int pmg_enable_peer_access(int peer)
+    int pmg_malloc(void **ptr, size_t nbytes)
+    int pmg_free(void *ptr)
+    int pmg_memset_async(void *ptr, int value, size_t nbytes, cudaStream_t stream)
+    int pmg_memcpy_async(void *dst, const void *src, size_t nbytes, cudaStream_t stream)
+    int pmg_memcpy_peer_async(void *dst, int dst_device, const void *src, int src_device,
+                              size_t nbytes, cudaStream_t stream)
+    int pmg_ipc_get_handle(void *base, void *handle)
+    int pmg_ipc_open_handle(const void *handle, void **ptr)
+    int pmg_ipc_close_handle(void *ptr)
+    int pmg_stream_create(cudaStream_t *stream)
+    int pmg_stream_destroy(cudaStream_t stream)
+    int pmg_stream_synchronize(cudaStream_t stream)
+    int pmg_event_create(cudaEvent_t *event, int timing)
+    int pmg_event_destroy(cudaEvent_t event)
+    int pmg_event_record(cudaEvent_t event, cudaStream_t stream)
+    int pmg_event_synchronize(cudaEvent_t event)
+    int pmg_event_elapsed_ms(cudaEvent_t start, cudaEvent_t end, float *ms)
+
+    int pmg_average(const void *const *inputs, int nranks, void *out, size_t n, int dtype,
+                    cudaStream_t stream)
+    int pmg_multi_average(const pmg_tensor *table, int ntensors, int nranks, uint64_t max_n,
+                          int dtype, cudaStream_t stream)
+    int pmg_allreduce_average(const pmg_peers *peers, int rank, int nranks, size_t n, int dtype,
+                              int algo, int max_blocks, uint64_t timeout_ns, cudaStream_t stream)
+    int pmg_device_barrier(const pmg_peers *peers, int rank, int nranks, uint64_t timeout_ns,
+                           cudaStream_t stream)
+    int pmg_gather_peers(const pmg_peers *peers, int rank, int nranks, void *shadow, size_t n,
+                         int dtype, cudaStream_t stream)
+    int pmg_shadow_average(const pmg_peers *peers, int rank, int nranks, const void *shadow,
+                           size_t n, int dtype, cudaStream_t stream)
+    int pmg_copy_average(const pmg_peers *peers, int rank, int nranks, void *shadow, size_t n,
+                         int dtype, uint64_t timeout_ns, cudaStream_t stream)
+
+cdef extern from "dlpack.h" nogil:
+    ctypedef struct DLDevice:
+        int32_t device_type
+        int32_t device_id
+    ctypedef struct DLDataType:
+        uint8_t code
+        uint8_t bits
+        uint16_t lanes
+    ctypedef struct DLTensor:
+        void *data
+        DLDevice device
+        int32_t ndim
+        DLDataType dtype
+        int64_t *shape
+        int64_t *strides
+        uint64_t byte_offset
+    ctypedef struct DLManagedTensor:
+        DLTensor dl_tensor
+        void *manager_ctx
+        void (*deleter)(DLManagedTensor *)
+    enum:
+        kDLCUDA
+        kDLInt
+        kDLUInt
+        kDLFloat
+        kDLBfloat
+
+cdef int check(int status) except -1 nogil

@@ -1,0 +1,899 @@
+# cython: language_level=3
+"""pympgu's CUDA layer: the runtime calls pympgu needs, device memory, IPC, and the kernels.
+
+Rules of this module, stated once:
+
+* Every CUDA failure raises :class:`pympgu.CudaError` carrying CUDA's own error name and
+  message; CUDA's last (non-sticky) error is cleared first, so one failure is reported once.
+* The ``cuda``/``pmg_`` prefixes are dropped: ``get_device_count`` wraps ``cudaGetDeviceCount``.
+  Results are returned, never passed through out-arguments.
+* Pointers are Python ints (device addresses under UVA); IPC handles are 64 ``bytes``.
+* Calls that can block (synchronisation, allocation, copies, opening handles) release the GIL.
+* Enabling peer access that is already enabled counts as success.
+"""
+from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_IsValid, PyCapsule_New
+from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
+from libc.stdint cimport int64_t, uint64_t, uintptr_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy, memset
+
+import os
+
+import numpy as np
+
+from .errors import CudaError
+
+MAX_RANKS = PMG_MAX_RANKS
+IPC_HANDLE_BYTES = PMG_IPC_HANDLE_BYTES
+DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "uint8": 1}
+_TYPESTR = {"float32": "<f4", "float16": "<f2", "uint8": "|u1"}
+_FROM_TYPESTR = {"<f4": "float32", "<f2": "float16", "|u1": "uint8", "<u1": "uint8"}
+# Registered allocations put the peer-visible signal block first; the data that follows
+# starts at this alignment so that every replica takes 16-byte vector loads (and more).
+_ALIGN = 256
+
+
+cdef int check(int status) except -1 nogil:
+    if status != 0:
+        with gil:
+            _raise(status, None)
+    return 0
+
+
+cdef _raise(int status, context):
+    pmg_clear_last_error()
+    raise CudaError(status, pmg_error_name(status).decode(), pmg_error_string(status).decode(),
+                    context)
+
+
+cdef size_t _align(size_t n, size_t a) noexcept nogil:
+    return (n + a - 1) // a * a
+
+
+def dtype_code(dtype):
+    """The C API's code for a dtype name, or ValueError naming the dtypes pympgu averages."""
+    try:
+        return DTYPES[str(dtype)]
+    except KeyError:
+        raise ValueError(
+            f"unsupported dtype {str(dtype)!r}: pympgu averages float32, float16 and bfloat16"
+        ) from None
+
+
+# ---------------------------------------------------------------- devices
+
+def runtime_version():
+    """The CUDA runtime version pympgu was linked against, as an int (13000 for 13.0)."""
+    cdef int v = 0
+    check(pmg_runtime_version(&v))
+    return v
+
+
+def driver_version():
+    """The installed driver's CUDA version as an int; 0 when no driver is present."""
+    cdef int v = 0
+    check(pmg_driver_version(&v))
+    return v
+
+
+def get_device_count():
+    """The number of visible CUDA devices; raises CudaError when no driver or GPU works."""
+    cdef int n = 0
+    with nogil:
+        check(pmg_get_device_count(&n))
+    return n
+
+
+def get_device():
+    """The calling thread's current device."""
+    cdef int d = 0
+    check(pmg_get_device(&d))
+    return d
+
+
+def set_device(int device):
+    """Make device current for the calling thread."""
+    with nogil:
+        check(pmg_set_device(device))
+
+
+def device_name(int device):
+    """The device's marketing name, as CUDA reports it."""
+    cdef char buf[256]
+    check(pmg_device_name(device, buf, sizeof(buf)))
+    return buf.decode()
+
+
+def device_sm_count(int device):
+    """The number of streaming multiprocessors on device."""
+    cdef int n = 0
+    check(pmg_device_sm_count(device, &n))
+    return n
+
+
+def synchronize():
+    """Wait for all work on the current device."""
+    with nogil:
+        check(pmg_device_synchronize())
+
+
+def pointer_device(uintptr_t ptr):
+    """The device that holds the memory at ptr, or -1 for host memory."""
+    cdef int d = -1
+    check(pmg_pointer_device(<const void *>ptr, &d))
+    return d
+
+
+def can_access_peer(int device, int peer):
+    """Whether device can read and write peer's memory directly (P2P)."""
+    cdef int can = 0
+    check(pmg_can_access_peer(device, peer, &can))
+    return bool(can)
+
+
+def enable_peer_access(int peer):
+    """Let the current device access peer's memory; calling it twice is fine."""
+    with nogil:
+        check(pmg_enable_peer_access(peer))
+
+
+# ---------------------------------------------------------------- streams and events
+
+cdef class Stream:
+    """A non-blocking CUDA stream on the device current at creation."""
+    cdef cudaStream_t handle
+    cdef readonly int device
+
+    def __cinit__(self):
+        self.handle = NULL
+        self.device = get_device()
+        check(pmg_stream_create(&self.handle))
+
+    @property
+    def ptr(self):
+        return <uintptr_t>self.handle
+
+    def synchronize(self):
+        """Wait for everything queued on this stream."""
+        with nogil:
+            check(pmg_stream_synchronize(self.handle))
+
+    def close(self):
+        """Destroy the stream; further use is an error."""
+        if self.handle != NULL:
+            pmg_stream_destroy(self.handle)
+            self.handle = NULL
+
+    def __dealloc__(self):
+        if self.handle != NULL:
+            pmg_stream_destroy(self.handle)
+
+
+cdef cudaStream_t _stream_of(stream) except? NULL:
+    if stream is None or stream == 0:
+        return NULL
+    if isinstance(stream, Stream):
+        return (<Stream>stream).handle
+    return <cudaStream_t><uintptr_t>int(stream)
+
+
+cdef class Event:
+    """A CUDA event with timing, for measuring device time between two records."""
+    cdef cudaEvent_t handle
+
+    def __cinit__(self):
+        self.handle = NULL
+        check(pmg_event_create(&self.handle, 1))
+
+    def record(self, stream=None):
+        """Record the event on stream (None: the legacy default stream)."""
+        check(pmg_event_record(self.handle, _stream_of(stream)))
+
+    def synchronize(self):
+        """Wait until the event has completed."""
+        with nogil:
+            check(pmg_event_synchronize(self.handle))
+
+    def elapsed_ms(self, Event end):
+        """Milliseconds from this event to end (both recorded and completed)."""
+        cdef float ms = 0
+        check(pmg_event_elapsed_ms(self.handle, end.handle, &ms))
+        return ms
+
+    def __dealloc__(self):
+        if self.handle != NULL:
+            pmg_event_destroy(self.handle)
+
+
+# ---------------------------------------------------------------- device memory
+
+cdef void _dlpack_deleter(DLManagedTensor *m) noexcept nogil:
+    with gil:
+        Py_DECREF(<object>m.manager_ctx)
+    free(m.dl_tensor.shape)
+    free(m)
+
+
+cdef void _dlpack_capsule_destructor(object capsule) noexcept:
+    # A capsule nobody consumed still owns its tensor; a consumer renames it "used_dltensor".
+    cdef DLManagedTensor *m
+    if PyCapsule_IsValid(capsule, b"dltensor"):
+        m = <DLManagedTensor *>PyCapsule_GetPointer(capsule, b"dltensor")
+        m.deleter(m)
+
+
+cdef class DeviceArray:
+    """A typed, C-contiguous view of device memory that pympgu owns (or has mapped).
+
+    It exports ``__cuda_array_interface__`` (v3) and DLPack, so CuPy, PyTorch and JAX can see
+    it without a copy; it keeps its owner alive for as long as any consumer holds it.
+    """
+    cdef readonly object owner
+    cdef readonly uintptr_t ptr
+    cdef readonly tuple shape
+    cdef readonly str dtype
+    cdef readonly int device
+
+    def __init__(self, owner, uintptr_t ptr, shape, dtype, int device):
+        if str(dtype) not in _ITEMSIZE:
+            raise ValueError(f"unsupported dtype {dtype!r}")
+        self.owner = owner
+        self.ptr = ptr
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = str(dtype)
+        self.device = device
+
+    @property
+    def size(self):
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self):
+        return self.size * _ITEMSIZE[self.dtype]
+
+    @property
+    def __cuda_array_interface__(self):
+        if self.dtype not in _TYPESTR:
+            raise TypeError("bfloat16 has no __cuda_array_interface__ type string; use DLPack")
+        return {"shape": self.shape, "typestr": _TYPESTR[self.dtype], "data": (self.ptr, False),
+                "strides": None, "version": 3, "stream": None}
+
+    def __dlpack_device__(self):
+        return (kDLCUDA, self.device)
+
+    def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+        # pympgu finishes its own work before returning control (every entry point
+        # synchronises its stream unless told otherwise), so no stream handshake is needed.
+        cdef DLManagedTensor *m = <DLManagedTensor *>malloc(sizeof(DLManagedTensor))
+        if m == NULL:
+            raise MemoryError()
+        cdef int ndim = len(self.shape)
+        cdef int64_t *shape = <int64_t *>malloc(sizeof(int64_t) * max(ndim, 1))
+        if shape == NULL:
+            free(m)
+            raise MemoryError()
+        for i in range(ndim):
+            shape[i] = self.shape[i]
+        memset(m, 0, sizeof(DLManagedTensor))
+        m.dl_tensor.data = <void *>self.ptr
+        m.dl_tensor.device.device_type = kDLCUDA
+        m.dl_tensor.device.device_id = self.device
+        m.dl_tensor.ndim = ndim
+        m.dl_tensor.shape = shape
+        m.dl_tensor.strides = NULL
+        m.dl_tensor.byte_offset = 0
+        m.dl_tensor.dtype.lanes = 1
+        m.dl_tensor.dtype.bits = 8 * _ITEMSIZE[self.dtype]
+        m.dl_tensor.dtype.code = {"float32": kDLFloat, "float16": kDLFloat,
+                                  "bfloat16": kDLBfloat, "uint8": kDLUInt}[self.dtype]
+        Py_INCREF(self)
+        m.manager_ctx = <void *>self
+        m.deleter = _dlpack_deleter
+        return PyCapsule_New(m, b"dltensor", _dlpack_capsule_destructor)
+
+    def copy_from_host(self, array):
+        """Copy a host array of the same byte size into this view (blocking)."""
+        a = np.ascontiguousarray(array)
+        if a.nbytes != self.nbytes:
+            raise ValueError(f"host array has {a.nbytes} bytes, the view {self.nbytes}")
+        _memcpy(self.ptr, a.ctypes.data, a.nbytes)
+
+    def copy_to_host(self):
+        """A numpy copy of the view (bfloat16 comes back as uint16 storage)."""
+        npdtype = np.uint16 if self.dtype == "bfloat16" else np.dtype(self.dtype)
+        out = np.empty(self.shape, dtype=npdtype)
+        _memcpy(out.ctypes.data, self.ptr, out.nbytes)
+        return out
+
+    def fill_bytes(self, int value):
+        """Set every byte of the view to value (blocking); used to poison outputs."""
+        cdef void *p = <void *>self.ptr
+        cdef size_t n = self.nbytes
+        with nogil:
+            check(pmg_memset_async(p, value, n, NULL))
+            check(pmg_device_synchronize())
+
+    def __repr__(self):
+        return f"DeviceArray(shape={self.shape}, dtype={self.dtype}, device={self.device})"
+
+
+def _memcpy(uintptr_t dst, uintptr_t src, size_t nbytes):
+    with nogil:
+        check(pmg_memcpy_async(<void *>dst, <const void *>src, nbytes, NULL))
+        check(pmg_device_synchronize())
+
+
+cdef class DeviceBuffer:
+    """``nbytes`` of device memory from cudaMalloc on ``device`` (default: the current one).
+
+    A context manager; ``close()`` frees the memory at once, and views taken with ``view()``
+    must not be used after that. Exports the whole buffer as uint8 through the array protocols.
+    """
+    cdef void *_ptr
+    cdef readonly size_t nbytes
+    cdef readonly int device
+
+    def __cinit__(self, size_t nbytes, device=None):
+        self._ptr = NULL
+        if device is not None:
+            set_device(device)
+        self.device = get_device()
+        self.nbytes = nbytes
+        with nogil:
+            check(pmg_malloc(&self._ptr, nbytes if nbytes else 1))
+
+    @property
+    def ptr(self):
+        if self._ptr == NULL:
+            raise ValueError("DeviceBuffer is closed")
+        return <uintptr_t>self._ptr
+
+    def view(self, dtype="uint8", shape=None, size_t offset=0):
+        """A DeviceArray of dtype and shape starting offset bytes into the buffer."""
+        itemsize = _ITEMSIZE.get(str(dtype))
+        if itemsize is None:
+            raise ValueError(f"unsupported dtype {dtype!r}")
+        if shape is None:
+            shape = ((self.nbytes - offset) // itemsize,)
+        elif isinstance(shape, int):
+            shape = (shape,)
+        count = 1
+        for s in shape:
+            count *= int(s)
+        if offset + count * itemsize > self.nbytes:
+            raise ValueError(f"view of {count * itemsize} bytes at offset {offset} overruns "
+                             f"a buffer of {self.nbytes} bytes")
+        return DeviceArray(self, self.ptr + offset, shape, dtype, self.device)
+
+    @property
+    def __cuda_array_interface__(self):
+        return self.view().__cuda_array_interface__
+
+    def __dlpack__(self, **kwargs):
+        return self.view().__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return (kDLCUDA, self.device)
+
+    def close(self):
+        """Free the memory now; calling it again does nothing."""
+        if self._ptr != NULL:
+            pmg_free(self._ptr)
+            self._ptr = NULL
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __dealloc__(self):
+        if self._ptr != NULL:
+            pmg_free(self._ptr)
+
+
+# ---------------------------------------------------------------- foreign arrays
+
+class ArrayInfo:
+    """Where a device array lives: pointer, element count, dtype name and device."""
+    __slots__ = ("ptr", "size", "dtype", "device", "keepalive")
+
+    def __init__(self, ptr, size, dtype, device, keepalive):
+        self.ptr, self.size, self.dtype, self.device, self.keepalive = (
+            ptr, size, dtype, device, keepalive)
+
+
+def array_info(obj, what="array"):
+    """Describe a C-contiguous device array from any framework.
+
+    ``__cuda_array_interface__`` is read first, DLPack second; ``what`` names the argument in
+    error messages.
+    """
+    if isinstance(obj, DeviceArray):
+        a = <DeviceArray>obj
+        return ArrayInfo(a.ptr, a.size, a.dtype, a.device, a)
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is not None:
+        return _from_cai(cai, obj, what)
+    if hasattr(obj, "__dlpack__"):
+        return _from_dlpack(obj, what)
+    raise TypeError(f"{what} is a {type(obj).__name__}, not a device array: pympgu reads "
+                    "__cuda_array_interface__ or DLPack")
+
+
+def _size_and_contiguity(shape, strides, itemsize, what):
+    n = 1
+    for s in shape:
+        n *= int(s)
+    if strides is not None and n > 1:
+        expect = itemsize
+        for dim, stride in zip(reversed(shape), reversed(strides)):
+            if dim != 1 and stride != expect:
+                raise ValueError(f"{what} is not C-contiguous")
+            expect *= dim
+    return n
+
+
+def _from_cai(cai, obj, what):
+    typestr = cai["typestr"]
+    dtype = _FROM_TYPESTR.get(typestr)
+    if dtype is None:
+        raise ValueError(f"{what} has element type {typestr!r}: pympgu averages float32, "
+                         "float16 and bfloat16 (bfloat16 through DLPack)")
+    n = _size_and_contiguity(tuple(cai["shape"]), cai.get("strides"), _ITEMSIZE[dtype], what)
+    ptr = int(cai["data"][0])
+    stream = cai.get("stream")
+    if stream not in (None, 0, 1, 2):
+        # CAI v3: the producer's work may still be running on its stream.
+        _sync_stream(int(stream))
+    device = pointer_device(ptr) if n else get_device()
+    return ArrayInfo(ptr, n, dtype, device, obj)
+
+
+def _from_dlpack(obj, what):
+    capsule = obj.__dlpack__()
+    cdef DLManagedTensor *m = <DLManagedTensor *>PyCapsule_GetPointer(capsule, b"dltensor")
+    cdef DLTensor *t = &m.dl_tensor
+    if t.device.device_type != kDLCUDA:
+        raise ValueError(f"{what} is not on a CUDA device (DLPack device type "
+                         f"{t.device.device_type})")
+    key = (t.dtype.code, t.dtype.bits, t.dtype.lanes)
+    dtype = {(kDLFloat, 32, 1): "float32", (kDLFloat, 16, 1): "float16",
+             (kDLBfloat, 16, 1): "bfloat16", (kDLUInt, 8, 1): "uint8"}.get(key)
+    if dtype is None:
+        raise ValueError(f"{what} has DLPack dtype {key}: pympgu averages float32, float16 "
+                         "and bfloat16")
+    shape = tuple(t.shape[i] for i in range(t.ndim))
+    strides = None
+    if t.strides != NULL:
+        strides = tuple(t.strides[i] * _ITEMSIZE[dtype] for i in range(t.ndim))
+    n = _size_and_contiguity(shape, strides, _ITEMSIZE[dtype], what)
+    ptr = <uintptr_t>t.data + t.byte_offset
+    # The capsule stays unconsumed and alive in keepalive; its destructor releases the
+    # producer's tensor once pympgu is done with the pointer.
+    return ArrayInfo(ptr, n, dtype, t.device.device_id, capsule)
+
+
+# ---------------------------------------------------------------- averaging of arrays
+
+def average(inputs, out=None, stream=None, synchronize=True):
+    """Write the mean of the device arrays in inputs (rank order) into out, in one launch.
+
+    The arrays (1 to 8, any framework) must have one shape and dtype, and every input must
+    be addressable from out's device: the same GPU, or a peer with peer access enabled.
+    out defaults to inputs[0] (in place). Runs on stream (None: the legacy default stream),
+    then waits for it unless synchronize is False. Returns out.
+    """
+    if out is None:
+        out = inputs[0]
+    cdef int nranks = len(inputs)
+    if nranks < 1 or nranks > PMG_MAX_RANKS:
+        raise ValueError(f"average takes 1 to {PMG_MAX_RANKS} inputs, got {nranks}")
+    o = array_info(out, "out")
+    infos = [array_info(a, f"inputs[{r}]") for r, a in enumerate(inputs)]
+    for r, info in enumerate(infos):
+        if info.size != o.size or info.dtype != o.dtype:
+            raise ValueError(f"inputs[{r}] has {info.size} {info.dtype} elements, out has "
+                             f"{o.size} {o.dtype}")
+    cdef int code = dtype_code(o.dtype)
+    cdef const void *ptrs[PMG_MAX_RANKS]
+    for r, info in enumerate(infos):
+        ptrs[r] = <const void *><uintptr_t>info.ptr
+    cdef void *dst = <void *><uintptr_t>o.ptr
+    cdef size_t n = o.size
+    cdef cudaStream_t s = _stream_of(stream)
+    set_device(o.device)
+    check(pmg_average(ptrs, nranks, dst, n, code, s))
+    if synchronize:
+        with nogil:
+            check(pmg_stream_synchronize(s))
+    return out
+
+
+def average_many(replicas, outs=None, stream=None, synchronize=True):
+    """Average many tensors in one launch: outs[t] = mean over r of replicas[r][t].
+
+    replicas is a list (one per rank, 1 to 8) of equally long lists of device arrays; every
+    tensor shares one dtype. outs defaults to replicas[0] (in place). Returns outs.
+    """
+    nranks = len(replicas)
+    if nranks < 1 or nranks > PMG_MAX_RANKS:
+        raise ValueError(f"average_many takes 1 to {PMG_MAX_RANKS} replica lists, got {nranks}")
+    if outs is None:
+        outs = replicas[0]
+    ntensors = len(outs)
+    for r, lst in enumerate(replicas):
+        if len(lst) != ntensors:
+            raise ValueError(f"replicas[{r}] has {len(lst)} tensors, outs has {ntensors}")
+    if ntensors == 0:
+        return outs
+    o_infos = [array_info(x, f"outs[{t}]") for t, x in enumerate(outs)]
+    dtype = o_infos[0].dtype
+    cdef int code = dtype_code(dtype)
+    cdef pmg_tensor *table = <pmg_tensor *>malloc(sizeof(pmg_tensor) * ntensors)
+    if table == NULL:
+        raise MemoryError()
+    keep = []
+    max_n = 0
+    try:
+        memset(table, 0, sizeof(pmg_tensor) * ntensors)
+        for t, o in enumerate(o_infos):
+            if o.dtype != dtype:
+                raise ValueError(f"outs[{t}] is {o.dtype}, outs[0] is {dtype}: one dtype per call")
+            table[t].out = <void *><uintptr_t>o.ptr
+            table[t].n = o.size
+            max_n = max(max_n, o.size)
+            for r in range(nranks):
+                info = array_info(replicas[r][t], f"replicas[{r}][{t}]")
+                keep.append(info)
+                if info.size != o.size or info.dtype != dtype:
+                    raise ValueError(f"replicas[{r}][{t}] has {info.size} {info.dtype} elements, "
+                                     f"outs[{t}] has {o.size} {dtype}")
+                table[t].inputs[r] = <const void *><uintptr_t>info.ptr
+        set_device(o_infos[0].device)
+        dtable = DeviceBuffer(sizeof(pmg_tensor) * ntensors)
+        with dtable:
+            _memcpy(dtable.ptr, <uintptr_t>table, sizeof(pmg_tensor) * ntensors)
+            check(pmg_multi_average(<const pmg_tensor *><uintptr_t>dtable.ptr, ntensors, nranks,
+                                    max_n, code, _stream_of(stream)))
+            # The table must outlive the kernel, so this call always waits for it.
+            _sync_stream(stream)
+    finally:
+        free(table)
+    return outs
+
+
+def _sync_stream(stream):
+    cdef cudaStream_t s = _stream_of(stream)
+    with nogil:
+        check(pmg_stream_synchronize(s))
+
+
+cdef class TensorTable:
+    """A multi-tensor table kept on the device, for launching the same gather repeatedly.
+
+    entries: a list of (input pointers tuple, output pointer, n). Used by the exchanger to
+    pack every parameter into its buffer in one launch.
+    """
+    cdef readonly object buffer
+    cdef readonly int ntensors
+    cdef readonly int nranks
+    cdef readonly uint64_t max_n
+    cdef readonly int dtype_code
+
+    def __init__(self, entries, int nranks, dtype):
+        self.ntensors = len(entries)
+        self.nranks = nranks
+        self.dtype_code = dtype_code(dtype)
+        cdef size_t nb = sizeof(pmg_tensor) * max(self.ntensors, 1)
+        cdef pmg_tensor *table = <pmg_tensor *>malloc(nb)
+        if table == NULL:
+            raise MemoryError()
+        self.max_n = 0
+        try:
+            memset(table, 0, nb)
+            for t, (ins, out, n) in enumerate(entries):
+                if len(ins) != nranks:
+                    raise ValueError(f"entry {t} has {len(ins)} inputs, expected {nranks}")
+                for r, p in enumerate(ins):
+                    table[t].inputs[r] = <const void *><uintptr_t>p
+                table[t].out = <void *><uintptr_t>out
+                table[t].n = n
+                self.max_n = max(self.max_n, n)
+            self.buffer = DeviceBuffer(nb)
+            _memcpy(self.buffer.ptr, <uintptr_t>table, nb)
+        finally:
+            free(table)
+
+    def launch(self, stream=None):
+        """Run the multi-tensor average/copy on stream (no synchronisation)."""
+        check(pmg_multi_average(<const pmg_tensor *><uintptr_t>self.buffer.ptr, self.ntensors,
+                                self.nranks, self.max_n, self.dtype_code, _stream_of(stream)))
+
+
+# ---------------------------------------------------------------- IPC
+
+def ipc_get_handle(buffer):
+    """The 64-byte IPC handle of a DeviceBuffer's allocation (its base address)."""
+    cdef char handle[PMG_IPC_HANDLE_BYTES]
+    cdef uintptr_t base = buffer.ptr
+    check(pmg_ipc_get_handle(<void *>base, handle))
+    return handle[:PMG_IPC_HANDLE_BYTES]
+
+
+cdef class IpcMapping:
+    """Another process's allocation mapped into this one; close() unmaps it."""
+    cdef void *_ptr
+    cdef readonly int device
+
+    def __cinit__(self, bytes handle):
+        if len(handle) != PMG_IPC_HANDLE_BYTES:
+            raise ValueError(f"an IPC handle is {PMG_IPC_HANDLE_BYTES} bytes, got {len(handle)}")
+        self._ptr = NULL
+        self.device = get_device()
+        cdef const char *h = handle
+        with nogil:
+            check(pmg_ipc_open_handle(h, &self._ptr))
+
+    @property
+    def ptr(self):
+        if self._ptr == NULL:
+            raise ValueError("IpcMapping is closed")
+        return <uintptr_t>self._ptr
+
+    def close(self):
+        """Unmap; calling it again does nothing."""
+        if self._ptr != NULL:
+            p = self._ptr
+            self._ptr = NULL
+            check(pmg_ipc_close_handle(p))
+
+    def __dealloc__(self):
+        if self._ptr != NULL:
+            pmg_ipc_close_handle(self._ptr)
+
+
+def ipc_open_handle(bytes handle):
+    """Map the allocation behind a peer's 64-byte IPC handle; returns an IpcMapping."""
+    return IpcMapping(handle)
+
+
+# ---------------------------------------------------------------- the peer group
+
+def oneshot_max_bytes(int nranks):
+    """Largest buffer the 'auto' algorithm sends one-shot; above it, two-shot.
+
+    Override with PYMPGU_ONESHOT_MAX_BYTES. The defaults come from docs/BENCHMARKS.md.
+    """
+    env = os.environ.get("PYMPGU_ONESHOT_MAX_BYTES")
+    if env:
+        return int(env)
+    return 512 * 1024 if nranks <= 2 else 256 * 1024
+
+
+cdef class PeerGroup:
+    """This process's replica in a group of nranks processes that average a buffer together.
+
+    It allocates one registered block on the current (or given) device: a signal area that
+    peers write barrier flags into, then ``nbytes`` of data. Share ``handle`` (64 bytes) with
+    the peers, then ``connect()`` with every rank's handle in rank order; after that
+    ``allreduce()`` averages the data buffers of all ranks in place with no host round-trip.
+    ``close()`` unmaps the peers and frees the block.
+    """
+    cdef pmg_peers peers
+    cdef readonly int rank
+    cdef readonly int nranks
+    cdef readonly size_t nbytes
+    cdef readonly size_t data_offset
+    cdef readonly int device
+    cdef readonly int max_blocks
+    cdef readonly bint connected
+    cdef public uint64_t timeout_ns
+    cdef readonly object block
+    cdef readonly Stream stream
+    cdef object mappings
+    cdef object shadow
+
+    def __init__(self, int rank, int nranks, size_t nbytes, device=None, double timeout=60.0):
+        if nranks < 1 or nranks > PMG_MAX_RANKS:
+            raise ValueError(f"nranks must be 1 to {PMG_MAX_RANKS}, got {nranks}")
+        if rank < 0 or rank >= nranks:
+            raise ValueError(f"rank {rank} is outside 0..{nranks - 1}")
+        if device is not None:
+            set_device(device)
+        self.device = get_device()
+        self.rank = rank
+        self.nranks = nranks
+        self.nbytes = nbytes
+        self.timeout_ns = <uint64_t>(timeout * 1e9)
+        self.data_offset = _align(sizeof(pmg_signal), _ALIGN)
+        self.block = DeviceBuffer(self.data_offset + _align(nbytes, _ALIGN))
+        self.stream = Stream()
+        self.mappings = []
+        self.shadow = None
+        self.connected = False
+        self.max_blocks = min(2 * device_sm_count(self.device), PMG_MAX_BLOCKS)
+        memset(&self.peers, 0, sizeof(pmg_peers))
+        cdef void *base = <void *><uintptr_t>self.block.ptr
+        # Zero the flags and counters before the handle leaves this process: a peer may
+        # signal into them as soon as it has mapped them.
+        with nogil:
+            check(pmg_memset_async(base, 0, sizeof(pmg_signal), NULL))
+            check(pmg_device_synchronize())
+
+    @property
+    def handle(self):
+        """The 64-byte IPC handle of this rank's registered block."""
+        return ipc_get_handle(self.block)
+
+    @property
+    def sm_count(self):
+        return device_sm_count(self.device)
+
+    def data(self, dtype="uint8", shape=None, size_t offset=0):
+        """A DeviceArray view of this rank's data buffer."""
+        if shape is None:
+            shape = ((self.nbytes - offset) // _ITEMSIZE[str(dtype)],)
+        if offset + (np.prod(shape, dtype=np.int64) * _ITEMSIZE[str(dtype)]) > self.nbytes:
+            raise ValueError("view overruns the group's data buffer")
+        return self.block.view(dtype, shape, self.data_offset + offset)
+
+    @property
+    def data_ptr(self):
+        return self.block.ptr + self.data_offset
+
+    def connect(self, handles, max_blocks=None):
+        """Map every peer's block; handles[r] is rank r's handle (ours is skipped).
+
+        max_blocks must be the same on every rank (the launcher passes twice the smallest
+        SM count in the group); by default twice this device's.
+        """
+        if self.connected:
+            raise RuntimeError("PeerGroup.connect called twice")
+        if len(handles) != self.nranks:
+            raise ValueError(f"connect needs {self.nranks} handles, got {len(handles)}")
+        if max_blocks is not None:
+            if not 1 <= max_blocks <= PMG_MAX_BLOCKS:
+                raise ValueError(f"max_blocks must be 1 to {PMG_MAX_BLOCKS}, got {max_blocks}")
+            self.max_blocks = max_blocks
+        set_device(self.device)
+        cdef uintptr_t base
+        try:
+            for r, h in enumerate(handles):
+                if r == self.rank:
+                    base = self.block.ptr
+                else:
+                    m = IpcMapping(bytes(h))
+                    self.mappings.append(m)
+                    base = m.ptr
+                self.peers.signal[r] = <pmg_signal *>base
+                self.peers.data[r] = <void *>(base + self.data_offset)
+        except CudaError as e:
+            self._unmap()
+            raise CudaError(e.status, e.name, e.message,
+                            f"rank {self.rank} could not map rank {r}'s buffer") from None
+        self.connected = True
+
+    cdef _require(self, size_t n, int code):
+        if not self.connected:
+            raise RuntimeError("PeerGroup is not connected: call connect(handles) first")
+        if n * pmg_dtype_size(code) > self.nbytes:
+            raise ValueError(f"{n} elements do not fit the group's {self.nbytes}-byte buffer")
+
+    def algorithm(self, size_t nbytes, algo="auto"):
+        """The algorithm ('oneshot' or 'twoshot') that allreduce would use for nbytes."""
+        if algo == "auto":
+            return "oneshot" if nbytes <= oneshot_max_bytes(self.nranks) else "twoshot"
+        if algo not in ("oneshot", "twoshot"):
+            raise ValueError(f"algo must be 'auto', 'oneshot' or 'twoshot', got {algo!r}")
+        return algo
+
+    def allreduce(self, size_t n, dtype="float32", algo="auto", bint synchronize=True):
+        """Average the first n elements of every rank's data buffer, in place, on the GPU.
+
+        Every rank must call it with the same n, dtype and algo. Returns the algorithm used.
+        """
+        cdef int code = dtype_code(dtype)
+        self._require(n, code)
+        chosen = self.algorithm(n * pmg_dtype_size(code), algo)
+        cdef int a = PMG_ALGO_ONESHOT if chosen == "oneshot" else PMG_ALGO_TWOSHOT
+        set_device(self.device)
+        self._launched(pmg_allreduce_average(&self.peers, self.rank, self.nranks, n, code, a,
+                                             self.max_blocks, self.timeout_ns,
+                                             self.stream.handle), synchronize)
+        return chosen
+
+    def copy_average(self, size_t n, dtype="float32", bint synchronize=True):
+        """The seed's method: copy each peer's buffer into a shadow, then average locally."""
+        cdef int code = dtype_code(dtype)
+        self._require(n, code)
+        cdef void *shadow = self._shadow()
+        set_device(self.device)
+        self._launched(pmg_copy_average(&self.peers, self.rank, self.nranks, shadow, n, code,
+                                        self.timeout_ns, self.stream.handle), synchronize)
+
+    def gather(self, size_t n, dtype="float32"):
+        """First half of the copy method without GPU barriers: copy peers into the shadow.
+
+        For GPUs without peer access to each other's memory: hold a host barrier before
+        this and after it returns, then call shadow_average.
+        """
+        cdef int code = dtype_code(dtype)
+        self._require(n, code)
+        set_device(self.device)
+        self._launched(pmg_gather_peers(&self.peers, self.rank, self.nranks, self._shadow(), n,
+                                        code, self.stream.handle), True)
+
+    def shadow_average(self, size_t n, dtype="float32", bint synchronize=True):
+        """Second half of the copy method: average own buffer and the shadow, in place."""
+        cdef int code = dtype_code(dtype)
+        self._require(n, code)
+        set_device(self.device)
+        self._launched(pmg_shadow_average(&self.peers, self.rank, self.nranks, self._shadow(),
+                                          n, code, self.stream.handle), synchronize)
+
+    def barrier(self, bint synchronize=True):
+        """A GPU-side barrier of the whole group, queued on the group's stream."""
+        if not self.connected:
+            raise RuntimeError("PeerGroup is not connected: call connect(handles) first")
+        set_device(self.device)
+        self._launched(pmg_device_barrier(&self.peers, self.rank, self.nranks, self.timeout_ns,
+                                          self.stream.handle), synchronize)
+
+    def synchronize(self):
+        """Wait for the group's stream."""
+        self._launched(0, True)
+
+    cdef void *_shadow(self) except? NULL:
+        if self.nranks == 1:
+            return NULL
+        if self.shadow is None:
+            self.shadow = DeviceBuffer((self.nranks - 1) * _align(self.nbytes, _ALIGN),
+                                       self.device)
+        return <void *><uintptr_t>self.shadow.ptr
+
+    cdef _launched(self, int status, bint synchronize):
+        if status == 0 and synchronize:
+            with nogil:
+                status = pmg_stream_synchronize(self.stream.handle)
+        if status != 0:
+            context = f"rank {self.rank} of {self.nranks}"
+            if status == 719:  # cudaErrorLaunchFailure: how a barrier timeout surfaces
+                context += (f" (if a peer died or stopped exchanging, the GPU barrier traps "
+                            f"after {self.timeout_ns / 1e9:g} s)")
+            _raise(status, context)
+
+    cdef _unmap(self):
+        errors = []
+        for m in self.mappings:
+            try:
+                m.close()
+            except CudaError as e:
+                errors.append(e)
+        self.mappings = []
+        memset(&self.peers, 0, sizeof(pmg_peers))
+        self.connected = False
+        return errors
+
+    def close(self):
+        """Unmap every peer and free this rank's memory; calling it again does nothing."""
+        errors = self._unmap()
+        if self.shadow is not None:
+            self.shadow.close()
+            self.shadow = None
+        if self.block is not None:
+            self.block.close()
+        if self.stream is not None:
+            self.stream.close()
+        if errors:
+            raise errors[0]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

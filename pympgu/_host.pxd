@@ -1,0 +1,11 @@
+# Declarations of pympgu's host (CPU) C API: csrc/host_average.cpp, built without CUDA.
+cdef extern from "pympgu.h" nogil:
+    enum:
+        PMG_MAX_RANKS
+        PMG_FLOAT32
+        PMG_FLOAT16
+        PMG_BFLOAT16
+    const char *pmg_status_name(int status)
+    const char *pmg_status_string(int status)
+    size_t pmg_dtype_size(int dtype)
+    int pmg_host_average(const void *const *inputs, int nranks, void *out, size_t n, int dtype)

@@ -1,0 +1,108 @@
+"""Build pympgu: Cython modules, plus csrc/*.cu compiled by nvcc when a CUDA toolkit is found.
+
+The toolkit is looked for in CUDA_HOME (or CUDA_PATH), next to the nvcc on PATH, then in
+/usr/local/cuda. Without one, only the host module is built and pympgu.cuda_available()
+says why. PYMPGU_NO_CUDA=1 forces that host-only build; PYMPGU_CUDA_ARCH="80;90" picks the
+real architectures (PTX for the highest is always embedded so newer GPUs can JIT it).
+"""
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+CSRC = "csrc"
+
+
+def find_cuda():
+    """The toolkit root (with headers and libcudart_static), or None."""
+    if os.environ.get("PYMPGU_NO_CUDA") == "1":
+        return None
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    candidates.append("/usr/local/cuda")
+    for home in candidates:
+        if not home:
+            continue
+        has_header = os.path.exists(os.path.join(home, "include", "cuda_runtime_api.h"))
+        if has_header and os.path.exists(os.path.join(home, "bin", "nvcc")):
+            return home
+    return None
+
+
+def cuda_libdir(home):
+    for sub in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib")):
+        if os.path.exists(os.path.join(home, sub, "libcudart_static.a")):
+            return os.path.join(home, sub)
+    raise RuntimeError(f"CUDA toolkit at {home} has no libcudart_static.a")
+
+
+def gencode_flags():
+    archs = os.environ.get("PYMPGU_CUDA_ARCH", "80;90").replace(",", ";").split(";")
+    archs = sorted({a.strip() for a in archs if a.strip()}, key=int)
+    flags = []
+    for a in archs:
+        flags += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+    top = archs[-1]
+    flags += ["-gencode", f"arch=compute_{top},code=compute_{top}"]
+    return flags
+
+
+class BuildExt(build_ext):
+    """Compiles the CUDA sources with nvcc and links them into pympgu._cuda."""
+
+    def build_extension(self, ext):
+        # cythonize() copies the Extension objects, so the CUDA one is recognised by name.
+        cuda_home = find_cuda() if ext.name == "pympgu._cuda" else None
+        if cuda_home:
+            nvcc = os.path.join(cuda_home, "bin", "nvcc")
+            objects = []
+            os.makedirs(self.build_temp, exist_ok=True)
+            for src in sorted(glob.glob(os.path.join(CSRC, "*.cu"))):
+                obj = os.path.join(self.build_temp, os.path.basename(src) + ".o")
+                if self.force or not os.path.exists(obj) or _newer(src, obj):
+                    cmd = [nvcc, "-O3", "-std=c++17", "-DPMG_WITH_CUDA", "-Xcompiler", "-fPIC",
+                           "-I", CSRC, *gencode_flags(), "-c", src, "-o", obj]
+                    print(" ".join(cmd), flush=True)
+                    subprocess.check_call(cmd)
+                objects.append(obj)
+            ext.extra_objects = objects
+        super().build_extension(ext)
+
+
+def _newer(src, obj):
+    deps = [src] + glob.glob(os.path.join(CSRC, "*.h"))
+    return max(os.path.getmtime(d) for d in deps) > os.path.getmtime(obj)
+
+
+def extensions():
+    cxx = ["-O3", "-std=c++17"]
+    exts = [
+        Extension("pympgu._host", ["pympgu/_host.pyx", f"{CSRC}/host_average.cpp"],
+                  include_dirs=[CSRC], language="c++", extra_compile_args=cxx),
+    ]
+    home = find_cuda()
+    if home is None:
+        print("pympgu: no CUDA toolkit found; building the host part only", file=sys.stderr)
+    else:
+        ext = Extension(
+            "pympgu._cuda", ["pympgu/_cuda.pyx", f"{CSRC}/host_average.cpp"],
+            include_dirs=[CSRC, os.path.join(home, "include")], language="c++",
+            define_macros=[("PMG_WITH_CUDA", "1")], extra_compile_args=cxx,
+            library_dirs=[cuda_libdir(home)],
+            # The static runtime: the module then loads on machines with a driver but no
+            # toolkit, and on machines with neither it imports and reports the missing driver.
+            libraries=["cudart_static", "rt", "pthread", "dl"],
+        )
+        exts.append(ext)
+    return cythonize(exts, compiler_directives={"language_level": "3"}, quiet=True)
+
+
+setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExt})

@@ -1,0 +1,85 @@
+"""The host averaging kernel against a float64 reference and an exact numpy model."""
+import numpy as np
+import pytest
+
+import pympgu
+from reference import mean64, model_average, random_replicas, same_bits, to_f32
+
+DTYPES = ["float32", "float16", "bfloat16"]
+# Relative error bound of one rounding into each storage type (half an ulp) plus the fp32
+# accumulation's own rounding.
+REL_TOL = {"float32": 2 ** -23, "float16": 2 ** -10, "bfloat16": 2 ** -7}
+LENGTHS = [1, 2, 3, 7, 8, 9, 15, 17, 1000, 4097, 65537, 1_000_003, 3_000_001]
+
+
+def storage_empty(n, dtype):
+    return np.empty(n, dtype=np.uint16 if dtype == "bfloat16" else dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("nranks", [1, 2, 3, 8])
+def test_matches_model_and_float64(dtype, n, nranks):
+    rng = np.random.default_rng()  # fresh inputs every run
+    inputs = random_replicas(rng, nranks, n, dtype, scale=rng.uniform(0.01, 100))
+    out = storage_empty(n, dtype)
+    out[:] = 0xFF if dtype != "float32" else np.nan  # poison: every element must be written
+    pympgu.host_average(inputs, out, dtype=dtype)
+    assert same_bits(out, model_average(inputs, dtype), dtype)
+    ref = mean64(inputs, dtype)
+    got = to_f32(out, dtype).astype(np.float64)
+    scale = np.max([np.abs(to_f32(a, dtype)) for a in inputs], axis=0)
+    assert np.all(np.abs(got - ref) <= 2 * REL_TOL[dtype] * scale + 1e-45)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_in_place(dtype):
+    rng = np.random.default_rng()
+    inputs = random_replicas(rng, 4, 1001, dtype)
+    expected = model_average(inputs, dtype)
+    pympgu.host_average(inputs, inputs[2], dtype=dtype)
+    assert same_bits(inputs[2], expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_and_inf_propagate(dtype):
+    rng = np.random.default_rng()
+    a, b = (to_f32(x, dtype) for x in random_replicas(rng, 2, 64, dtype))
+    a[3], a[5], b[5], a[7], b[7] = np.nan, np.inf, np.inf, np.inf, -np.inf
+    b[9] = -np.inf
+    from reference import from_f32
+    inputs = [from_f32(a, dtype), from_f32(b, dtype)]
+    out = storage_empty(64, dtype)
+    pympgu.host_average(inputs, out, dtype=dtype)
+    got = to_f32(out, dtype)
+    assert np.isnan(got[3]) and np.isnan(got[7])
+    assert got[5] == np.inf and got[9] == -np.inf
+    assert same_bits(out, model_average(inputs, dtype), dtype)
+
+
+def test_negative_zero_survives():
+    z = np.array([-0.0], dtype=np.float32)
+    out = np.empty(1, np.float32)
+    pympgu.host_average([z, z.copy()], out)
+    assert np.signbit(out[0])
+
+
+def test_fp16_overflow_and_subnormals():
+    big = np.array([65504, 60000, 6e-8, -6e-8, 1e-5], dtype=np.float16)
+    out = np.empty_like(big)
+    pympgu.host_average([big, big.copy()], out)
+    assert np.array_equal(out, big)
+    pympgu.host_average([big, big.copy(), big.copy()], out)
+    assert same_bits(out, model_average([big] * 3, "float16"), "float16")
+
+
+def test_bad_arguments_name_the_problem():
+    a = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="unsupported dtype 'float64'"):
+        pympgu.host_average([a.astype(np.float64)], a.astype(np.float64))
+    with pytest.raises(ValueError, match="input 1 has 3 items"):
+        pympgu.host_average([a, a[:3]], a)
+    with pytest.raises(ValueError, match="1 to 8 inputs"):
+        pympgu.host_average([a] * 9, a)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        pympgu.host_average([a, np.zeros(8, np.float32)[::2]], a)

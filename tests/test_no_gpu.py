@@ -1,0 +1,34 @@
+"""Without a usable GPU, pympgu imports, reports why, and raises CudaError instead of crashing."""
+import pickle
+
+import pytest
+
+import pympgu
+
+pytestmark = pytest.mark.skipif(pympgu.cuda_available(), reason="a GPU is usable here")
+
+
+def test_import_and_reason():
+    reason = pympgu.cuda_unavailable_reason()
+    assert reason and ("cuda" in reason.lower() or "gpu" in reason.lower())
+
+
+@pytest.mark.parametrize("call", [
+    lambda: pympgu.cuda.get_device_count(),
+    lambda: pympgu.cuda.DeviceBuffer(1024),
+    lambda: pympgu.cuda.PeerGroup(0, 2, 1024),
+    lambda: pympgu.cuda.set_device(0),
+])
+def test_cuda_calls_raise_cuda_error(call):
+    with pytest.raises(pympgu.CudaError) as info:
+        call()
+    err = info.value
+    assert isinstance(err, RuntimeError)
+    assert err.name.startswith(("cuda", "pmg")) and err.message
+    assert err.name in str(err)
+    again = pickle.loads(pickle.dumps(err))
+    assert (again.status, again.name, again.message) == (err.status, err.name, err.message)
+
+
+def test_device_count_is_zero_not_an_error():
+    assert pympgu.cuda.device_count() == 0
