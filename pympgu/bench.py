@@ -1,0 +1,286 @@
+"""Benchmark of the exchange: pympgu's algorithms against the seed's copy method and NCCL.
+
+    python -m pympgu.bench --gpus 0 1                 # 4 KiB .. 1 GiB, every method
+    python -m pympgu.bench --gpus 0 --procs 4         # 4 ranks sharing one GPU (logic, not speed)
+
+One process per rank. For each size every method averages an fp32 buffer in place; device
+time per exchange comes from CUDA events around back-to-back exchanges (median of several
+repeats), so it includes the GPU barrier but not Python. "e2e" is the host's wall time of one
+exchange called from Python and waited for, which is what a training step pays. GB/s is
+buffer bytes over device time. NCCL is all_reduce(op=AVG) through torch.distributed, run when
+torch is importable and every rank has its own GPU.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+METHODS = ("auto", "oneshot", "twoshot", "copy")
+DEFAULT_SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20,
+                 256 << 20, 1 << 30]
+
+
+def parse_size(text):
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def fmt_size(n):
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div and n % div == 0:
+            return f"{n // div} {unit}"
+    return f"{n} B"
+
+
+def _iters(nbytes):
+    return int(max(5, min(200, (2 << 30) // max(nbytes, 1))))
+
+
+def _time_device(run, stream, iters, repeats=5):
+    """Median device µs of one call of run(), from events around iters back-to-back calls."""
+    from pympgu import cuda
+    samples = []
+    for _ in range(repeats):
+        start, end = cuda.Event(), cuda.Event()
+        start.record(stream)
+        for _ in range(iters):
+            run()
+        end.record(stream)
+        end.synchronize()
+        samples.append(start.elapsed_ms(end) * 1000 / iters)
+    return statistics.median(samples)
+
+
+def _time_host(run, sync, iters):
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        run()
+        sync()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(samples)
+
+
+def rank_main(rank, nranks, device, sizes, methods, conn, init_file, use_nccl):
+    """One rank of the benchmark; rank 0 returns the measurements."""
+    import numpy as np
+
+    from pympgu import cuda
+    results = []
+    group = cuda.PeerGroup(rank, nranks, max(sizes), device=device, timeout=120)
+    try:
+        conn.send(("handle", (group.handle, group.sm_count)))
+        handles, sms = conn.recv()
+        group.connect(handles, max_blocks=min(2 * min(sms), 512))
+        rng = np.random.default_rng(rank)
+        for nbytes in sizes:
+            n = nbytes // 4
+            x = rng.standard_normal(n, dtype=np.float32)
+            group.data("float32", n).copy_from_host(x)  # random data: never time zeros
+            row = {"bytes": nbytes}
+            for method in methods:
+                if method == "copy":
+                    def run(n=n):
+                        group.copy_average(n, "float32", synchronize=False)
+                else:
+                    def run(n=n, m=method):
+                        group.allreduce(n, "float32", algo=m, synchronize=False)
+                iters = _iters(nbytes)
+                for _ in range(3):
+                    run()
+                group.synchronize()
+                row[method] = {"us": _time_device(run, group.stream, iters)}
+                if nbytes <= (1 << 20):
+                    row[method]["e2e_us"] = _time_host(run, group.synchronize, 200)
+                if method == "auto":
+                    row[method]["algo"] = group.algorithm(nbytes)
+            results.append(row)
+    finally:
+        group.close()
+    if use_nccl:
+        _nccl(rank, nranks, device, sizes, results, init_file)
+    return results if rank == 0 else None
+
+
+def _nccl(rank, nranks, device, sizes, results, init_file):
+    import torch
+    import torch.distributed as dist
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
+                            world_size=nranks)
+    try:
+        stream = torch.cuda.current_stream()
+        for row, nbytes in zip(results, sizes):
+            t = torch.randn(nbytes // 4, device=f"cuda:{device}")
+
+            def run():
+                dist.all_reduce(t, op=dist.ReduceOp.AVG)
+            for _ in range(3):
+                run()
+            torch.cuda.synchronize()
+            samples = []
+            iters = _iters(nbytes)
+            for _ in range(5):
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                for _ in range(iters):
+                    run()
+                end.record(stream)
+                end.synchronize()
+                samples.append(start.elapsed_time(end) * 1000 / iters)
+            row["nccl"] = {"us": statistics.median(samples)}
+            if nbytes <= (1 << 20):
+                row["nccl"]["e2e_us"] = _time_host(run, torch.cuda.synchronize, 200)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(devices, sizes, methods, use_nccl, timeout=1200):
+    """Start one process per rank on devices; return rank 0's measurements."""
+    import multiprocessing as mp
+    import tempfile
+    ctx = mp.get_context("spawn")
+    nranks = len(devices)
+    tmp = tempfile.mkdtemp(prefix="pympgu-bench-")
+    init_file = os.path.join(tmp, "nccl-init")
+    pipes, procs = [], []
+    for rank in range(nranks):
+        a, b = ctx.Pipe()
+        p = ctx.Process(target=_rank_entry,
+                        args=(rank, nranks, devices[rank], sizes, methods, b, init_file, use_nccl),
+                        daemon=True)
+        p.start()
+        pipes.append(a)
+        procs.append(p)
+    try:
+        first = [_recv(pipe, rank, timeout) for rank, pipe in enumerate(pipes)]
+        handles = [h for h, _ in first]
+        sms = [s for _, s in first]
+        for pipe in pipes:
+            pipe.send((handles, sms))
+        out = [_recv(pipe, rank, timeout) for rank, pipe in enumerate(pipes)]
+        for rank, p in enumerate(procs):
+            p.join(60)
+            if p.exitcode != 0:
+                raise RuntimeError(f"benchmark rank {rank} exited with {p.exitcode}")
+        return out[0]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        try:
+            os.unlink(init_file)
+        except FileNotFoundError:
+            pass
+        os.rmdir(tmp)
+
+
+def _rank_entry(rank, nranks, device, sizes, methods, conn, init_file, use_nccl):
+    try:
+        res = rank_main(rank, nranks, device, sizes, methods, conn, init_file, use_nccl)
+        conn.send(("result", res))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        raise SystemExit(1)
+
+
+def _recv(pipe, rank, timeout):
+    if not pipe.poll(timeout):
+        raise RuntimeError(f"benchmark rank {rank} said nothing for {timeout} s")
+    kind, value = pipe.recv()
+    if kind == "error":
+        raise RuntimeError(f"benchmark rank {rank} failed:\n{value}")
+    return value
+
+
+def table(results, methods):
+    """The printed table: µs, GB/s and ratio to NCCL's throughput per method and size."""
+    cols = list(methods) + (["nccl"] if "nccl" in results[0] else [])
+    lines = []
+    head = f"{'size':>9} |" + "".join(f" {c + ' us':>11} {c + ' GB/s':>10} |" for c in cols)
+    if "nccl" in cols:
+        head += "".join(f" {c + '/nccl':>12}" for c in methods)
+    lines.append(head)
+    lines.append("-" * len(head))
+    for row in results:
+        line = f"{fmt_size(row['bytes']):>9} |"
+        for c in cols:
+            us = row[c]["us"]
+            line += f" {us:11.1f} {row['bytes'] / us / 1e3:10.1f} |"
+        if "nccl" in cols:
+            line += "".join(f" {row['nccl']['us'] / row[c]['us']:12.2f}" for c in methods)
+        lines.append(line)
+    small = [r for r in results if "e2e_us" in r[cols[0]]]
+    if small:
+        lines.append("")
+        lines.append("end to end from Python, one exchange waited for (median µs):")
+        lines.append(f"{'size':>9} |" + "".join(f" {c:>9}" for c in cols))
+        for row in small:
+            lines.append(f"{fmt_size(row['bytes']):>9} |" +
+                         "".join(f" {row[c].get('e2e_us', float('nan')):9.1f}" for c in cols))
+    auto = [f"{fmt_size(r['bytes'])}:{r['auto']['algo']}" for r in results if "auto" in r]
+    if auto:
+        lines.append("")
+        lines.append("auto chose: " + ", ".join(auto))
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m pympgu.bench", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpus", type=int, nargs="+", default=None,
+                        help="GPU indexes, one rank each (default: every visible GPU)")
+    parser.add_argument("--procs", type=int, default=None,
+                        help="number of ranks, spread round-robin over --gpus (default: one "
+                             "per GPU); more ranks than GPUs checks logic, not link speed")
+    parser.add_argument("--sizes", nargs="+", default=None,
+                        help="buffer sizes such as 4K 64M 1G (default: 4 KiB to 1 GiB)")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
+                        help="pympgu methods to time (default: all)")
+    parser.add_argument("--no-nccl", action="store_true", help="skip the NCCL baseline")
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    args = parser.parse_args(argv)
+
+    from pympgu import cuda
+    ok, info = cuda.availability()
+    if not ok:
+        parser.error(f"no usable GPU: {info}")
+    gpus = args.gpus if args.gpus is not None else list(range(info))
+    for g in gpus:
+        if not 0 <= g < info:
+            parser.error(f"--gpus: GPU {g} does not exist ({info} visible)")
+    if len(set(gpus)) != len(gpus):
+        parser.error("--gpus: indexes must be distinct")
+    nranks = args.procs or len(gpus)
+    if not 2 <= nranks <= 8:
+        parser.error(f"the benchmark needs 2 to 8 ranks, got {nranks} (give --procs)")
+    devices = [gpus[r % len(gpus)] for r in range(nranks)]
+    sizes = [parse_size(s) for s in args.sizes] if args.sizes else DEFAULT_SIZES
+    use_nccl = not args.no_nccl and len(set(devices)) == nranks
+    if use_nccl:
+        try:
+            import torch.distributed  # noqa: F401
+        except ImportError:
+            use_nccl = False
+    names = ", ".join(cuda.device_name(d) for d in sorted(set(devices)))
+    print(f"pympgu.bench: {nranks} ranks on GPUs {devices} ({names}); fp32; "
+          f"NCCL {'on' if use_nccl else 'off'}", flush=True)
+    results = run_ranks(devices, sizes, args.methods, use_nccl)
+    print(table(results, args.methods))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"devices": devices, "names": names, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

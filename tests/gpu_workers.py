@@ -1,0 +1,120 @@
+"""Worker processes for the GPU tests: one process per replica, handles swapped over pipes.
+
+Functions here run in spawned children, so they live in an importable module. Each child
+reports a result or its traceback; the parent checks every exit code.
+"""
+import traceback
+
+import numpy as np
+
+from reference import random_replicas
+
+GUARD = 4096  # bytes after the averaged region that must stay untouched
+
+
+def case_inputs(seed, rank, nranks, n, dtype, integers=False):
+    """The input of one rank for one case; the parent recomputes all ranks' inputs."""
+    rng = np.random.default_rng([seed, rank])
+    if integers:
+        return rng.integers(-1000, 1000, n).astype(np.float32)
+    return random_replicas(rng, 1, n, dtype, scale=10.0)[0]
+
+
+def run_children(target, nranks, args, timeout=240):
+    """Start nranks children running target(rank, conn, *args); return their results."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    pipes, procs = [], []
+    for rank in range(nranks):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_child, args=(target, rank, child, args), daemon=True)
+        p.start()
+        pipes.append(parent)
+        procs.append(p)
+    try:
+        handles = [_first_message(pipe, rank, procs, timeout) for rank, pipe in enumerate(pipes)]
+        for pipe in pipes:
+            pipe.send(handles)
+        results = []
+        for rank, pipe in enumerate(pipes):
+            if not pipe.poll(timeout):
+                _fail(procs, f"rank {rank} sent no result within {timeout} s")
+            kind, value = pipe.recv()
+            if kind == "error":
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            results.append(value)
+        for rank, p in enumerate(procs):
+            p.join(30)
+            assert p.exitcode == 0, f"rank {rank} exited with {p.exitcode}"
+        return results
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def _first_message(pipe, rank, procs, timeout):
+    if not pipe.poll(timeout):
+        _fail(procs, f"rank {rank} sent no handle within {timeout} s")
+    msg = pipe.recv()
+    if isinstance(msg, tuple) and msg[0] == "error":
+        raise AssertionError(f"rank {rank} failed:\n{msg[1]}")
+    return msg
+
+
+def _fail(procs, why):
+    codes = [p.exitcode for p in procs]
+    raise AssertionError(f"{why}; exit codes {codes}")
+
+
+def _child(target, rank, conn, args):
+    try:
+        conn.send(("result", target(rank, conn, *args)))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        raise SystemExit(1)
+
+
+def exchange_cases(rank, conn, nranks, ngpus, cases, max_blocks, capacity):
+    """Average every case through a PeerGroup; returns [(bytes, guard intact)] per case."""
+    from pympgu import cuda
+    group = cuda.PeerGroup(rank, nranks, capacity + GUARD, device=rank % ngpus, timeout=60)
+    try:
+        conn.send(group.handle)
+        group.connect(conn.recv(), max_blocks=max_blocks)
+        out = []
+        for seed, n, dtype, method, integers in cases:
+            x = case_inputs(seed, rank, nranks, n, dtype, integers)
+            whole = group.data("uint8", x.nbytes + GUARD)
+            whole.fill_bytes(0xA5)  # poison, then write the input over its part
+            group.data("uint8", x.nbytes).copy_from_host(x.view(np.uint8))
+            group.barrier()  # nobody starts before every rank has written its input
+            if method == "copy":
+                group.copy_average(n, dtype)
+            else:
+                assert group.allreduce(n, dtype, algo=method) == method
+            raw = whole.copy_to_host()
+            out.append((raw[:x.nbytes].tobytes(), bool(np.all(raw[x.nbytes:] == 0xA5))))
+            group.barrier()  # nobody rewrites its input while a peer still reads it
+        return out
+    finally:
+        group.close()
+
+
+def nccl_average(rank, conn, nranks, seed, n, init_file):
+    """NCCL all_reduce(AVG) of this rank's integer-valued input, beside pympgu's result."""
+    import torch
+    import torch.distributed as dist
+    conn.send(None)
+    conn.recv()
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
+                            world_size=nranks)
+    try:
+        t = torch.from_numpy(case_inputs(seed, rank, nranks, n, "float32", True)).cuda()
+        dist.all_reduce(t, op=dist.ReduceOp.AVG)
+        torch.cuda.synchronize()
+        return t.cpu().numpy().tobytes()
+    finally:
+        dist.destroy_process_group()

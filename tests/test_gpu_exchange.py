@@ -1,0 +1,123 @@
+"""GPU tests: replicas averaged across processes through IPC, checked bit for bit.
+
+Run through the device tool. With fewer GPUs than ranks, ranks share GPUs round-robin
+(CUDA IPC works between processes on one device), which checks every R-way code path.
+"""
+import os
+import tempfile
+
+import numpy as np
+import pytest
+
+import pympgu
+from conftest import visible_gpus
+from gpu_workers import case_inputs, exchange_cases, nccl_average, run_children
+from reference import mean64, model_average, same_bits, to_f32
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
+
+DTYPES = ["float32", "float16", "bfloat16"]
+# PYMPGU_TEST_MAX_N trims the sizes, for runs under compute-sanitizer.
+SIZES = [n for n in [1, 7, 8, 9, 1000, 4097, 65537, (1 << 20) + 3, (8 << 20) + 5]
+         if n <= int(os.environ.get("PYMPGU_TEST_MAX_N", 1 << 40))]
+
+
+def check_results(results, cases, nranks):
+    for c, (seed, n, dtype, method, integers) in enumerate(cases):
+        inputs = [case_inputs(seed, r, nranks, n, dtype, integers) for r in range(nranks)]
+        expected = model_average(inputs, dtype)
+        what = f"case n={n} {dtype} {method} R={nranks}"
+        first = results[0][c][0]
+        for rank in range(nranks):
+            raw, guard_ok = results[rank][c]
+            assert guard_ok, f"{what}: rank {rank} wrote past the end of the buffer"
+            assert raw == first, f"{what}: rank {rank} differs from rank 0"
+        got = np.frombuffer(first, dtype=expected.dtype)
+        assert same_bits(got, expected, dtype), f"{what}: not the exact fp32 rank-order mean"
+        err = np.abs(to_f32(got, dtype) - mean64(inputs, dtype))
+        assert np.all(err <= np.abs(mean64(inputs, dtype)) * 2 ** -7 + 1e-6), what
+
+
+@pytest.mark.parametrize("nranks", [2, 3, 4])
+@pytest.mark.parametrize("max_blocks", [None, 3])
+def test_peer_group_all_methods(nranks, max_blocks):
+    seed = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run
+    sizes = SIZES if max_blocks is None else SIZES[:-1]
+    cases = [(seed + i, n, dtype, method, False)
+             for i, (n, dtype, method) in enumerate(
+                 (n, d, m) for n in sizes for d in DTYPES for m in ("oneshot", "twoshot", "copy"))]
+    capacity = max(n for n in sizes) * 4
+    results = run_children(exchange_cases, nranks,
+                           (nranks, visible_gpus(), cases, max_blocks, capacity))
+    check_results(results, cases, nranks)
+
+
+@pytest.mark.multi_gpu(2)
+def test_matches_nccl_on_integer_inputs():
+    torch = pytest.importorskip("torch")
+    assert torch.cuda.device_count() >= 2
+    seed = int.from_bytes(os.urandom(4), "little")
+    n = (4 << 20) + 3
+    with tempfile.TemporaryDirectory() as tmp:
+        nccl = run_children(nccl_average, 2, (2, seed, n, os.path.join(tmp, "init")))
+    cases = [(seed, n, "float32", m, True) for m in ("oneshot", "twoshot", "copy")]
+    ours = run_children(exchange_cases, 2, (2, 2, cases, None, n * 4))
+    assert nccl[0] == nccl[1]
+    for c in range(len(cases)):
+        assert ours[0][c][0] == nccl[0], f"{cases[c][3]} differs from NCCL AVG"
+
+
+def test_direct_average_on_framework_arrays():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng()
+    devs = list(range(min(visible_gpus(), 2)))
+    if len(devs) == 2 and pympgu.cuda.can_access_peer(0, 1):
+        pympgu.cuda.set_device(0)
+        pympgu.cuda.enable_peer_access(1)
+        pympgu.cuda.enable_peer_access(1)  # idempotent
+    else:
+        devs = [0, 0]
+    for dtype, tdtype in [("float32", torch.float32), ("float16", torch.float16),
+                          ("bfloat16", torch.bfloat16)]:
+        n = 100_003
+        xs = [torch.randn(n, dtype=tdtype, device=f"cuda:{d}") for d in devs]
+        out = torch.full((n,), float("nan"), dtype=tdtype, device="cuda:0")
+        pympgu.average(xs, out)  # bf16 goes through DLPack, the others through CAI
+        host = [x.view(torch.int16).cpu().numpy().view(np.uint16) if dtype == "bfloat16"
+                else x.cpu().numpy() for x in xs]
+        got = (out.view(torch.int16).cpu().numpy().view(np.uint16) if dtype == "bfloat16"
+               else out.cpu().numpy())
+        assert same_bits(got, model_average(host, dtype), dtype), dtype
+    # Many tensors in one launch, in place into replica 0.
+    shapes = [(3,), (500, 7), (1,), (4096,)]
+    reps = [[torch.randn(s, device="cuda:0") for s in shapes] for _ in range(3)]
+    expected = [model_average([reps[r][t].cpu().numpy().ravel() for r in range(3)], "float32")
+                for t in range(len(shapes))]
+    pympgu.average_many(reps)
+    for t in range(len(shapes)):
+        assert np.array_equal(reps[0][t].cpu().numpy().ravel(), expected[t])
+
+
+def test_device_buffer_is_seen_without_a_copy():
+    torch = pytest.importorskip("torch")
+    with pympgu.cuda.DeviceBuffer(4096, device=0) as buf:
+        view = buf.view("float32", (32, 32))
+        t = torch.from_dlpack(view)
+        assert t.data_ptr() == view.ptr and t.shape == (32, 32)
+        t.fill_(3.0)
+        torch.cuda.synchronize()
+        assert np.all(view.copy_to_host() == 3.0)
+        cupy = pytest.importorskip("cupy")
+        c = cupy.asarray(view)
+        assert c.data.ptr == view.ptr
+        b16 = torch.from_dlpack(buf.view("bfloat16", (2048,)))
+        assert b16.dtype == torch.bfloat16 and b16.data_ptr() == buf.ptr
+
+
+def test_cuda_errors_carry_cuda_message():
+    with pytest.raises(pympgu.CudaError) as info:
+        pympgu.cuda.set_device(999)
+    assert info.value.name == "cudaErrorInvalidDevice"
+    with pytest.raises(pympgu.CudaError):
+        pympgu.cuda.ipc_open_handle(b"\0" * 64)
+    pympgu.cuda.get_device_count()  # the error was cleared, the runtime still works
