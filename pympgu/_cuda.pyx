@@ -417,7 +417,8 @@ def array_info(obj, what="array"):
         a = <DeviceArray>obj
         return ArrayInfo(a.ptr, a.size, a.dtype, a.device, a)
     cai = getattr(obj, "__cuda_array_interface__", None)
-    if cai is not None:
+    # Some producers (torch) describe bfloat16 in CAI as an opaque '<V2': DLPack says more.
+    if cai is not None and not (cai["typestr"] not in _FROM_TYPESTR and hasattr(obj, "__dlpack__")):
         return _from_cai(cai, obj, what)
     if hasattr(obj, "__dlpack__"):
         return _from_dlpack(obj, what)
