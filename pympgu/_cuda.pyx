@@ -519,7 +519,8 @@ def average_many(replicas, outs=None, stream=None, synchronize=True):
     """Average many tensors in one launch: outs[t] = mean over r of replicas[r][t].
 
     replicas is a list (one per rank, 1 to 8) of equally long lists of device arrays; every
-    tensor shares one dtype. outs defaults to replicas[0] (in place). Returns outs.
+    tensor shares one dtype. outs defaults to replicas[0] (in place). Returns outs. The
+    call always waits for the launch, since the uploaded table must outlive it.
     """
     nranks = len(replicas)
     if nranks < 1 or nranks > PMG_MAX_RANKS:
@@ -534,37 +535,24 @@ def average_many(replicas, outs=None, stream=None, synchronize=True):
         return outs
     o_infos = [array_info(x, f"outs[{t}]") for t, x in enumerate(outs)]
     dtype = o_infos[0].dtype
-    cdef int code = dtype_code(dtype)
-    cdef pmg_tensor *table = <pmg_tensor *>malloc(sizeof(pmg_tensor) * ntensors)
-    if table == NULL:
-        raise MemoryError()
-    keep = []
-    max_n = 0
-    try:
-        memset(table, 0, sizeof(pmg_tensor) * ntensors)
-        for t, o in enumerate(o_infos):
-            if o.dtype != dtype:
-                raise ValueError(f"outs[{t}] is {o.dtype}, outs[0] is {dtype}: one dtype per call")
-            table[t].out = <void *><uintptr_t>o.ptr
-            table[t].n = o.size
-            max_n = max(max_n, o.size)
-            for r in range(nranks):
-                info = array_info(replicas[r][t], f"replicas[{r}][{t}]")
-                keep.append(info)
-                if info.size != o.size or info.dtype != dtype:
-                    raise ValueError(f"replicas[{r}][{t}] has {info.size} {info.dtype} elements, "
-                                     f"outs[{t}] has {o.size} {dtype}")
-                table[t].inputs[r] = <const void *><uintptr_t>info.ptr
-        set_device(o_infos[0].device)
-        dtable = DeviceBuffer(sizeof(pmg_tensor) * ntensors)
-        with dtable:
-            _memcpy(dtable.ptr, <uintptr_t>table, sizeof(pmg_tensor) * ntensors)
-            check(pmg_multi_average(<const pmg_tensor *><uintptr_t>dtable.ptr, ntensors, nranks,
-                                    max_n, code, _stream_of(stream)))
-            # The table must outlive the kernel, so this call always waits for it.
-            _sync_stream(stream)
-    finally:
-        free(table)
+    entries, keep = [], []
+    for t, o in enumerate(o_infos):
+        if o.dtype != dtype:
+            raise ValueError(f"outs[{t}] is {o.dtype}, outs[0] is {dtype}: one dtype per call")
+        ins = []
+        for r in range(nranks):
+            info = array_info(replicas[r][t], f"replicas[{r}][{t}]")
+            if info.size != o.size or info.dtype != dtype:
+                raise ValueError(f"replicas[{r}][{t}] has {info.size} {info.dtype} elements, "
+                                 f"outs[{t}] has {o.size} {dtype}")
+            keep.append(info)
+            ins.append(info.ptr)
+        entries.append((ins, o.ptr, o.size))
+    set_device(o_infos[0].device)
+    table = TensorTable(ntensors, nranks, dtype)
+    table.set(entries)
+    table.launch(stream)
+    _sync_stream(stream)
     return outs
 
 
@@ -575,45 +563,55 @@ def _sync_stream(stream):
 
 
 cdef class TensorTable:
-    """A multi-tensor table kept on the device, for launching the same gather repeatedly.
+    """A multi-tensor table kept in device memory, refilled and relaunched many times.
 
-    entries: a list of (input pointers tuple, output pointer, n). Used by the exchanger to
-    pack every parameter into its buffer in one launch.
+    set() takes entries (input pointers tuple, output pointer, n) and uploads them; launch()
+    runs the multi-tensor average over them (with one input per entry it is a gather copy,
+    which is how the exchanger packs parameters into its buffer in one launch).
     """
     cdef readonly object buffer
+    cdef readonly int capacity
     cdef readonly int ntensors
     cdef readonly int nranks
     cdef readonly uint64_t max_n
     cdef readonly int dtype_code
+    cdef pmg_tensor *host
 
-    def __init__(self, entries, int nranks, dtype):
-        self.ntensors = len(entries)
-        self.nranks = nranks
+    def __cinit__(self, int capacity, int nranks, dtype):
+        self.host = NULL
+        if capacity < 1 or nranks < 1 or nranks > PMG_MAX_RANKS:
+            raise ValueError(f"TensorTable needs capacity >= 1 and 1 to {PMG_MAX_RANKS} ranks")
+        self.capacity, self.nranks, self.ntensors, self.max_n = capacity, nranks, 0, 0
         self.dtype_code = dtype_code(dtype)
-        cdef size_t nb = sizeof(pmg_tensor) * max(self.ntensors, 1)
-        cdef pmg_tensor *table = <pmg_tensor *>malloc(nb)
-        if table == NULL:
+        self.host = <pmg_tensor *>malloc(sizeof(pmg_tensor) * capacity)
+        if self.host == NULL:
             raise MemoryError()
+        self.buffer = DeviceBuffer(sizeof(pmg_tensor) * capacity)
+
+    def set(self, entries):
+        """Upload entries: a list of (input pointers, output pointer, element count)."""
+        if len(entries) > self.capacity:
+            raise ValueError(f"{len(entries)} entries exceed the table's {self.capacity}")
+        memset(self.host, 0, sizeof(pmg_tensor) * self.capacity)
         self.max_n = 0
-        try:
-            memset(table, 0, nb)
-            for t, (ins, out, n) in enumerate(entries):
-                if len(ins) != nranks:
-                    raise ValueError(f"entry {t} has {len(ins)} inputs, expected {nranks}")
-                for r, p in enumerate(ins):
-                    table[t].inputs[r] = <const void *><uintptr_t>p
-                table[t].out = <void *><uintptr_t>out
-                table[t].n = n
-                self.max_n = max(self.max_n, n)
-            self.buffer = DeviceBuffer(nb)
-            _memcpy(self.buffer.ptr, <uintptr_t>table, nb)
-        finally:
-            free(table)
+        for t, (ins, out, n) in enumerate(entries):
+            if len(ins) != self.nranks:
+                raise ValueError(f"entry {t} has {len(ins)} inputs, expected {self.nranks}")
+            for r, p in enumerate(ins):
+                self.host[t].inputs[r] = <const void *><uintptr_t>p
+            self.host[t].out = <void *><uintptr_t>out
+            self.host[t].n = n
+            self.max_n = max(self.max_n, n)
+        self.ntensors = len(entries)
+        _memcpy(self.buffer.ptr, <uintptr_t>self.host, sizeof(pmg_tensor) * self.capacity)
 
     def launch(self, stream=None):
-        """Run the multi-tensor average/copy on stream (no synchronisation)."""
+        """Run the multi-tensor kernel over the table on stream (no synchronisation)."""
         check(pmg_multi_average(<const pmg_tensor *><uintptr_t>self.buffer.ptr, self.ntensors,
                                 self.nranks, self.max_n, self.dtype_code, _stream_of(stream)))
+
+    def __dealloc__(self):
+        free(self.host)
 
 
 # ---------------------------------------------------------------- IPC

@@ -1,0 +1,125 @@
+"""The runtime on CPU workers: exchange, failures, bad input, concurrent runs."""
+import glob
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from pympgu.launch import WorkerFailed, launch
+from runtime_targets import attack_then_average, average_rounds
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def shm_segments():
+    return set(glob.glob("/dev/shm/pympgu-*"))
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("nworkers", [2, 3, 4])
+def test_cpu_workers_average_exactly(nworkers):
+    before = shm_segments()
+    metrics = []
+    results = launch(average_rounds, (3,), cpu=nworkers,
+                     on_metric=lambda rank, data: metrics.append((rank, data["round"])))
+    assert len({r["digest"] for r in results}) == 1
+    assert all(r["stats"]["exchanges"] == 3 for r in results)
+    assert sorted(metrics) == sorted((r, k) for r in range(nworkers) for k in range(3))
+    assert shm_segments() == before
+
+
+@pytest.mark.parametrize("how", ["kill", "raise"])
+def test_failing_worker_stops_the_run(tmp_path, how):
+    before = shm_segments()
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailed) as info:
+        launch(average_rounds, (50, str(tmp_path), (1, 2, how)), cpu=3)
+    assert time.monotonic() - t0 < 10
+    err = info.value
+    assert err.rank == 1
+    assert "rank 1" in str(err)
+    if how == "kill":
+        assert "signal 9" in str(err)
+    else:
+        assert "boom at round 2" in err.details
+    pids = [int(open(p).read()) for p in glob.glob(str(tmp_path / "*.pid"))]
+    assert len(pids) == 3
+    assert not [p for p in pids if alive(p)], "a worker outlived the run"
+    assert shm_segments() == before
+
+
+
+
+def test_layout_mismatch_is_a_clear_error():
+    with pytest.raises(WorkerFailed) as info:
+        launch(average_rounds, (1, None, None, "mismatch"), cpu=2)
+    text = str(info.value)
+    assert "different parameter layout" in text
+    assert "b2 (5,) float32" in text and "b2 (6,) float32" in text
+
+
+def test_garbage_is_rejected_and_the_run_goes_on():
+    logs = []
+    results = launch(attack_then_average, (20,), cpu=2, log=logs.append)
+    assert len({r["digest"] for r in results}) == 1
+    rejected = [line for line in logs if "rejected" in line]
+    assert any("wrong run token" in line for line in rejected), logs
+    assert any("frames" in line for line in rejected), logs
+    assert any("not JSON" in line for line in rejected), logs
+
+
+def test_two_runs_at_once_do_not_clash():
+    out = {}
+
+    def run(key):
+        out[key] = launch(average_rounds, (5,), cpu=2)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(100)
+    assert len({r["digest"] for r in out["a"]}) == 1
+    assert out["a"][0]["digest"] == out["b"][0]["digest"]
+
+
+def test_ctrl_c_stops_every_worker(tmp_path):
+    script = (
+        "import sys; sys.path.insert(0, 'tests');"
+        "from pympgu.launch import launch; from runtime_targets import attack_then_average, average_rounds;"
+        f"launch(average_rounds, (100000, {str(tmp_path)!r}), cpu=2)"
+    )
+    before = shm_segments()
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(glob.glob(str(tmp_path / "*.pid"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert b"KeyboardInterrupt" in err
+    pids = [int(open(p).read()) for p in glob.glob(str(tmp_path / "*.pid"))]
+    time.sleep(0.5)
+    assert not [p for p in pids if alive(p)]
+    assert shm_segments() == before
