@@ -1,0 +1,163 @@
+"""Datasets: the seed's mnist.pkl.gz, MNIST-format IDX files, Fashion-MNIST, and an embedded
+default (the MNIST test set shipped inside pympgu) so training runs offline.
+
+Every loader returns a :class:`Dataset` of float32 images in [0, 1] (flattened) and int32
+labels, split into train, valid and test. A missing, truncated or corrupt file raises
+:class:`DataError` naming the file.
+"""
+import gzip
+import os
+import pickle
+
+import numpy as np
+
+EMBEDDED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "datasets")
+FASHION_DIR = "/usr/share/datasets/fashion-mnist"  # Debian's dataset-fashion-mnist
+IMAGE_MAGIC, LABEL_MAGIC = 2051, 2049
+
+
+class DataError(ValueError):
+    """A dataset file is missing, truncated or not what it claims to be."""
+
+
+class Dataset:
+    """Three splits of (images float32 [n, d], labels int32 [n]) and a name."""
+
+    def __init__(self, name, train, valid, test, n_classes=10):
+        self.name, self.train, self.valid, self.test = name, train, valid, test
+        self.n_classes = n_classes
+        self.n_in = train[0].shape[1]
+
+    def __repr__(self):
+        sizes = "/".join(str(len(s[1])) for s in (self.train, self.valid, self.test))
+        return f"{self.name} ({sizes} train/valid/test, {self.n_in} inputs)"
+
+
+def _open(path):
+    if not os.path.exists(path):
+        raise DataError(f"{path}: no such file")
+    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+def read_idx(path, magic):
+    """An IDX file's array (uint8), checking its magic number and its length."""
+    try:
+        with _open(path) as f:
+            raw = f.read()
+    except (OSError, EOFError, gzip.BadGzipFile) as e:
+        raise DataError(f"{path}: cannot be read ({e})") from None
+    if len(raw) < 8:
+        raise DataError(f"{path}: truncated ({len(raw)} bytes, no IDX header)")
+    found = int.from_bytes(raw[:4], "big")
+    if found != magic:
+        raise DataError(f"{path}: IDX magic number {found}, expected {magic}")
+    ndim = raw[3]
+    header = 4 + 4 * ndim
+    dims = [int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
+    expected = header + int(np.prod(dims))
+    if len(raw) != expected:
+        raise DataError(f"{path}: {len(raw)} bytes, the header {dims} needs {expected} "
+                        "(truncated or corrupt)")
+    return np.frombuffer(raw, np.uint8, offset=header).reshape(dims)
+
+
+def _find(directory, stem):
+    for name in (stem + ".gz", stem, stem.replace("-idx", ".idx") + ".gz",
+                 stem.replace("-idx", ".idx")):
+        path = os.path.join(directory, name)
+        if os.path.exists(path):
+            return path
+    return os.path.join(directory, stem + ".gz")  # the error then names the usual file
+
+
+def load_idx_pair(directory, prefix):
+    images = read_idx(_find(directory, f"{prefix}-images-idx3-ubyte"), IMAGE_MAGIC)
+    labels = read_idx(_find(directory, f"{prefix}-labels-idx1-ubyte"), LABEL_MAGIC)
+    if len(images) != len(labels):
+        raise DataError(f"{directory}: {len(images)} {prefix} images but {len(labels)} labels")
+    x = images.reshape(len(images), -1).astype(np.float32) / 255.0
+    return x, labels.astype(np.int32)
+
+
+def _split(x, y, n_valid, n_test):
+    n = len(y)
+    a, b = n - n_valid - n_test, n - n_test
+    return (x[:a], y[:a]), (x[a:b], y[a:b]), (x[b:], y[b:])
+
+
+def load_idx_dir(directory, name=None, n_valid=10000):
+    """train-* and t10k-* IDX files; the last n_valid training images become validation.
+
+    A directory with only the t10k files is split 8:1:1 (that is the embedded default).
+    """
+    name = name or os.path.basename(os.path.normpath(directory))
+    if not os.path.isdir(directory):
+        raise DataError(f"{directory}: no such directory")
+    has_train = os.path.exists(_find(directory, "train-images-idx3-ubyte"))
+    test = load_idx_pair(directory, "t10k")
+    if not has_train:
+        n = len(test[1])
+        train, valid, test = _split(*test, n // 10, n // 10)
+        return Dataset(name + " (t10k split)", train, valid, test)
+    x, y = load_idx_pair(directory, "train")
+    train, valid = (x[:-n_valid], y[:-n_valid]), (x[-n_valid:], y[-n_valid:])
+    return Dataset(name, train, valid, test)
+
+
+def load_pickle(path):
+    """The seed's mnist.pkl.gz: ((train_x, train_y), (valid_x, valid_y), (test_x, test_y))."""
+    try:
+        with _open(path) as f:
+            splits = pickle.load(f, encoding="latin1")
+    except DataError:
+        raise
+    except Exception as e:
+        raise DataError(f"{path}: not a readable mnist.pkl.gz ({type(e).__name__}: {e})") from None
+    try:
+        out = [(np.asarray(x, np.float32).reshape(len(y), -1), np.asarray(y, np.int32))
+               for x, y in splits]
+        train, valid, test = out
+    except (TypeError, ValueError) as e:
+        raise DataError(f"{path}: expected three (images, labels) pairs ({e})") from None
+    return Dataset(os.path.basename(path), train, valid, test)
+
+
+def load(spec=None):
+    """Load a dataset by name or path.
+
+    None or 'embedded': the MNIST test set shipped with pympgu; 'fashion': Debian's
+    Fashion-MNIST; 'digits': scikit-learn's 8x8 digits; a path ending in .pkl or .pkl.gz:
+    the seed's pickle; any other path: a directory of IDX files.
+    """
+    if spec in (None, "embedded"):
+        return load_idx_dir(EMBEDDED_DIR, "mnist-t10k (embedded)")
+    if spec == "fashion":
+        if not os.path.isdir(FASHION_DIR):
+            raise DataError(f"{FASHION_DIR}: no such directory (apt-get install "
+                            "dataset-fashion-mnist, or give --data-dir)")
+        return load_idx_dir(FASHION_DIR, "fashion-mnist")
+    if spec == "digits":
+        from sklearn.datasets import load_digits
+        d = load_digits()
+        x = (d.data / 16.0).astype(np.float32)
+        y = d.target.astype(np.int32)
+        perm = np.random.default_rng(0).permutation(len(y))
+        return Dataset("sklearn digits", *_split(x[perm], y[perm], 300, 300))
+    if spec.endswith((".pkl", ".pkl.gz")):
+        return load_pickle(spec)
+    return load_idx_dir(spec)
+
+
+def shard_batches(n_train, batch_size, nranks, rank, seed, epoch):
+    """This rank's minibatch index arrays for one epoch.
+
+    Every rank draws the same permutation (from seed and epoch), cuts it into full batches,
+    and takes every nranks-th batch starting at its rank: the seed's odd/even split for two
+    workers, generalised. Ranks get disjoint batches and the same number of them.
+    """
+    perm = np.random.default_rng([seed, epoch]).permutation(n_train).astype(np.int32)
+    nbatches = n_train // batch_size // nranks * nranks
+    if nbatches == 0:
+        raise ValueError(f"batch size {batch_size} x {nranks} workers exceeds the "
+                         f"{n_train} training examples")
+    return [perm[b * batch_size:(b + 1) * batch_size] for b in range(rank, nbatches, nranks)]

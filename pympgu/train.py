@@ -1,0 +1,418 @@
+"""Train one network on several GPUs (or CPU workers) by data parallelism.
+
+    python -m pympgu.train --gpus 0 1            # one worker per GPU
+    python -m pympgu.train --cpu 2               # two CPU workers, no GPU needed
+    python -m pympgu.train                       # every visible GPU, else 2 CPU workers
+
+Each worker trains a replica on its own minibatches (disjoint shards of every epoch); every
+--sync-every steps the replicas' parameters and momentum are averaged GPU to GPU by
+pympgu's fused kernel (CPU workers: through shared memory). Without --data-dir the MNIST
+test set shipped with pympgu is used, so it runs offline.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+PRESETS = {
+    # The 2014 seed: MLP 784-500-10, plain SGD, lr 0.13, batch 5000, L2 1e-4, 10 epochs.
+    "dual_mlp": dict(hidden=[500], lr=0.13, momentum=0.0, batch_size=5000, l1=0.0, l2=1e-4,
+                     epochs=10),
+}
+DEFAULTS = dict(hidden=[500], lr=0.05, momentum=0.9, batch_size=128, l1=0.0, l2=1e-4, epochs=5)
+CHECKPOINT = "checkpoint.npz"
+
+
+# ---------------------------------------------------------------- the worker
+
+def _setup_backend(ctx, backend):
+    """Environment for PyTensor and JAX in this worker; must run before they are imported."""
+    if backend == "jax":
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        if ctx.device is not None:
+            # JAX sees only this worker's GPU, so its arrays land there; pympgu's own CUDA
+            # context still sees every GPU, which IPC to the peers needs.
+            os.environ["JAX_CUDA_VISIBLE_DEVICES"] = str(ctx.device)
+        else:
+            os.environ["JAX_PLATFORMS"] = "cpu"
+    # Workers compile the same graphs at once; separate cache dirs avoid lock waits.
+    flags = os.environ.get("PYTENSOR_FLAGS", "")
+    if "compiledir" not in flags and ctx.nranks > 1:
+        base = os.path.expanduser("~/.pytensor")
+        flags = ",".join(f for f in (flags, f"base_compiledir={base}/rank{ctx.rank}") if f)
+        os.environ["PYTENSOR_FLAGS"] = flags
+
+
+def _assign(shared, value):
+    """Give a shared variable a new value without a host round-trip.
+
+    set_value() would copy a jax.Array to the host; storing it in the container is what
+    PyTensor's own updates do after every call.
+    """
+    if isinstance(value, __import__("numpy").ndarray):
+        shared.set_value(value, borrow=True)
+    else:
+        shared.container.storage[0] = value
+
+
+class Replica:
+    """One worker's model, its compiled functions, and its share of each epoch."""
+
+    def __init__(self, ctx, cfg):
+        import numpy as np
+
+        from . import data, models
+        self.np, self.ctx, self.cfg = np, ctx, cfg
+        self.dataset = data.load(cfg["data"])
+        ds = self.dataset
+        self.model = models.MLP(ds.n_in, cfg["hidden"], ds.n_classes, seed=1234)
+        mode = "JAX" if cfg["backend"] == "jax" else "FAST_RUN"
+        self.eval_batch = min(500, len(ds.valid[1]) + len(ds.test[1]))
+        self.train_fn, self.eval_fn = self.model.compile(
+            ds, cfg["batch_size"], self.eval_batch, cfg["lr"], cfg["momentum"], cfg["l1"],
+            cfg["l2"], mode)
+        self.jax = None
+        if cfg["backend"] == "jax":
+            import jax
+            import jax.numpy as jnp
+            self.jax, self.jnp = jax, jnp
+
+    def values(self):
+        return [s.get_value(borrow=True) for s in self.model.state]
+
+    def set_values(self, values):
+        for s, v in zip(self.model.state, values):
+            _assign(s, v)
+
+    def wait(self):
+        if self.jax is not None:
+            self.jax.block_until_ready(self.values())
+
+    def exchange(self, ex):
+        """Average parameters and momentum with every other replica."""
+        ex.pack(self.values())
+        ex.average()
+        out = ex.unpack()
+        if not self.ctx.is_cpu:
+            # DLPack import of pympgu's buffer, then a JAX-owned copy: the staging buffer
+            # is reused by the next exchange, so JAX must not keep pointing into it.
+            out = [self.jnp.array(self.jax.dlpack.from_dlpack(v), copy=True) for v in out]
+            self.jax.block_until_ready(out)
+        self.set_values(out)
+
+    def errors(self):
+        from .models import error_rates
+        return error_rates(self.eval_fn, len(self.dataset.valid[1]), len(self.dataset.test[1]),
+                           self.eval_batch)
+
+    def save(self, path, epoch, history):
+        np = self.np
+        arrays = {s.name: np.asarray(v) for s, v in zip(self.model.state, self.values())}
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as f:
+            np.savez(f, __epoch__=epoch, __history__=json.dumps(history), **arrays)
+        os.replace(tmp, path)  # atomic: a crash leaves the previous checkpoint intact
+
+    def load(self, path):
+        np = self.np
+        try:
+            with np.load(path) as f:
+                epoch = int(f["__epoch__"])
+                history = json.loads(str(f["__history__"]))
+                values = []
+                for s in self.model.state:
+                    if s.name not in f:
+                        raise ValueError(f"it has no {s.name!r}")
+                    v = f[s.name]
+                    if v.shape != s.get_value().shape:
+                        raise ValueError(f"{s.name!r} is {v.shape}, this model's is "
+                                         f"{s.get_value().shape}")
+                    values.append(v.astype(np.float32))
+        except (OSError, ValueError, KeyError) as e:
+            raise ValueError(f"--resume {path}: cannot resume from it: {e}") from None
+        if self.jax is not None:
+            values = [self.jnp.asarray(v) for v in values]
+        self.set_values(values)
+        return epoch, history
+
+
+def worker(ctx, cfg):
+    """The training loop of one worker; returns its summary."""
+    _setup_backend(ctx, cfg["backend"])
+    from . import data
+    from .exchange import Exchanger
+    rep = Replica(ctx, cfg)
+    np = rep.np
+    start_epoch, history = 0, []
+    if cfg["resume"]:
+        start_epoch, history = rep.load(cfg["resume"])
+    ex = None
+    if ctx.nranks > 1:
+        layout = [(s.name, list(s.get_value(borrow=True).shape), "float32")
+                  for s in rep.model.state]
+        ex = Exchanger(ctx, layout, method=cfg["method"])
+        ex.pack(rep.values())  # replicas start identical (seed 1234); average anyway to
+        ex.average()  # prove the exchange before the first step
+    ntrain = len(rep.dataset.train[1])
+    k = cfg["sync_every"]
+    try:
+        for epoch in range(start_epoch, cfg["epochs"]):
+            batches = data.shard_batches(ntrain, cfg["batch_size"], ctx.nranks, ctx.rank,
+                                         cfg["seed"], epoch)
+            costs, exchange_s = [], 0.0
+            report_every = max(1, len(batches) // 20)
+            t_epoch = time.perf_counter()
+            for step, idx in enumerate(batches):
+                costs.append(rep.train_fn(idx))
+                last = step == len(batches) - 1
+                if ex is not None and ((step + 1) % k == 0 or last):
+                    rep.wait()  # compute time is the step's, not the exchange's
+                    t0 = time.perf_counter()
+                    rep.exchange(ex)
+                    exchange_s += time.perf_counter() - t0
+                if ctx.rank == 0 and (step % report_every == 0 or last):
+                    ctx.metric(kind="progress", epoch=epoch + 1, step=step + 1, steps=len(batches))
+            rep.wait()
+            epoch_s = time.perf_counter() - t_epoch
+            loss = float(np.mean([float(c) for c in costs]))
+            record = {"epoch": epoch + 1, "loss": loss, "time_s": epoch_s,
+                      "samples_per_s": ctx.nranks * len(batches) * cfg["batch_size"] / epoch_s,
+                      "exchange_share": exchange_s / epoch_s}
+            if ctx.rank == 0:
+                record["valid_error"], record["test_error"] = rep.errors()
+                history.append(record)
+                ctx.metric(kind="epoch", **record)
+                if cfg["out"]:
+                    rep.save(os.path.join(cfg["out"], CHECKPOINT), epoch + 1, history)
+    finally:
+        if ex is not None:
+            ex.close()
+    return {"rank": ctx.rank, "history": history if ctx.rank == 0 else None}
+
+
+# ---------------------------------------------------------------- the launcher side
+
+class Reporter:
+    """Prints the progress bar and one line per epoch; appends metrics.jsonl."""
+
+    def __init__(self, out, epochs, stream=sys.stderr, quiet=False):
+        self.metrics = open(os.path.join(out, "metrics.jsonl"), "a") if out else None
+        self.epochs, self.stream, self.quiet = epochs, stream, quiet
+        self.tty = stream.isatty()
+
+    def __call__(self, rank, data):
+        kind = data.pop("kind", None)
+        data.pop("rank", None)
+        if kind == "progress" and self.tty and not self.quiet:
+            width = 30
+            done = int(width * data["step"] / data["steps"])
+            self.stream.write(f"\repoch {data['epoch']}/{self.epochs} "
+                              f"[{'#' * done}{'.' * (width - done)}] {data['step']}/{data['steps']}")
+            self.stream.flush()
+        elif kind == "epoch":
+            if self.tty and not self.quiet:
+                self.stream.write("\r" + " " * 70 + "\r")
+            print(f"epoch {data['epoch']:3d}  loss {data['loss']:.4f}  "
+                  f"valid {100 * data['valid_error']:6.2f}%  test {100 * data['test_error']:6.2f}%  "
+                  f"{data['samples_per_s']:9.0f} samples/s  exchange {100 * data['exchange_share']:5.1f}%",
+                  flush=True)
+            if self.metrics:
+                self.metrics.write(json.dumps(data) + "\n")
+                self.metrics.flush()
+
+    def close(self):
+        if self.metrics:
+            self.metrics.close()
+
+
+def plot(history, path):
+    """Loss and error curves as a PNG (skipped, with a note, without matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("pympgu: matplotlib is not installed; no plot written", file=sys.stderr)
+        return
+    epochs = [h["epoch"] for h in history]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(epochs, [h["loss"] for h in history], marker="o")
+    a.set_xlabel("epoch")
+    a.set_ylabel("training loss")
+    b.plot(epochs, [100 * h["valid_error"] for h in history], marker="o", label="validation")
+    b.plot(epochs, [100 * h["test_error"] for h in history], marker="o", label="test")
+    b.set_xlabel("epoch")
+    b.set_ylabel("error (%)")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python -m pympgu.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    where = p.add_argument_group("where to run")
+    where.add_argument("--gpus", type=int, nargs="+", metavar="I",
+                       help="GPU indexes, one worker each (default: every visible GPU)")
+    where.add_argument("--cpu", type=int, metavar="N",
+                       help="run N CPU workers instead of GPUs (default when no GPU is usable: 2)")
+    where.add_argument("--backend", choices=["auto", "c", "jax"], default="auto",
+                       help="PyTensor backend: 'jax' (the default on GPUs) or 'c' (PyTensor's C "
+                            "backend, the default on CPUs); 'jax' on CPUs uses CPU JAX")
+    where.add_argument("--method", choices=["auto", "oneshot", "twoshot", "copy"], default="auto",
+                       help="GPU averaging algorithm; 'copy' is the seed's peer-copy method "
+                            "(default: auto, by buffer size)")
+    where.add_argument("--port", type=int, default=None,
+                       help="coordinator port on 127.0.0.1 (default: a free one)")
+    d = p.add_argument_group("data")
+    d.add_argument("--data-dir", default=None,
+                   help="MNIST-format IDX files (gzipped or not), or a path to the seed's "
+                        "mnist.pkl.gz; 'fashion' for Debian's Fashion-MNIST; 'digits' for "
+                        "scikit-learn's 8x8 digits (default: the embedded MNIST test set)")
+    m = p.add_argument_group("model and optimiser")
+    m.add_argument("--preset", choices=sorted(PRESETS),
+                   help="dual_mlp: the 2014 seed's run (MLP 500, lr 0.13, batch 5000, L2 1e-4, "
+                        "10 epochs); explicit flags override it")
+    m.add_argument("--hidden", type=int, nargs="+", metavar="H",
+                   help=f"hidden layer widths, e.g. 4096 4096 (default: {DEFAULTS['hidden'][0]})")
+    m.add_argument("--epochs", type=int, help=f"epochs (default: {DEFAULTS['epochs']})")
+    m.add_argument("--batch-size", type=int, help="minibatch per worker "
+                   f"(default: {DEFAULTS['batch_size']})")
+    m.add_argument("--lr", type=float, help=f"learning rate (default: {DEFAULTS['lr']})")
+    m.add_argument("--momentum", type=float, help=f"momentum (default: {DEFAULTS['momentum']})")
+    m.add_argument("--l1", type=float, help="L1 weight penalty (default: 0)")
+    m.add_argument("--l2", type=float, help=f"L2 weight penalty (default: {DEFAULTS['l2']})")
+    m.add_argument("--sync-every", type=int, default=1, metavar="K",
+                   help="average parameters and momentum every K steps (default: 1, the seed's)")
+    m.add_argument("--seed", type=int, default=0, help="seed of the minibatch order (default: 0)")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", default=None, metavar="DIR",
+                   help="write config.json, metrics.jsonl, checkpoint.npz and curves.png here")
+    o.add_argument("--resume", default=None, metavar="PATH",
+                   help="continue from a checkpoint (a file, or an --out directory)")
+    o.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def resolve(args, parser):
+    """The run's configuration and devices from the flags, or a parser error naming the flag."""
+    from . import cuda
+    cfg = dict(DEFAULTS)
+    if args.preset:
+        cfg.update(PRESETS[args.preset])
+    for key in ("hidden", "epochs", "batch_size", "lr", "momentum", "l1", "l2"):
+        if getattr(args, key) is not None:
+            cfg[key] = getattr(args, key)
+    for key in ("epochs", "batch_size", "sync_every"):
+        value = cfg[key] if key in cfg else getattr(args, key)
+        if value < 1:
+            parser.error(f"--{key.replace('_', '-')} must be at least 1, got {value}")
+    if any(h < 1 for h in cfg["hidden"]):
+        parser.error(f"--hidden widths must be positive, got {cfg['hidden']}")
+    if args.gpus is not None and args.cpu is not None:
+        parser.error("give --gpus or --cpu, not both")
+    note = None
+    if args.cpu is not None:
+        if not 1 <= args.cpu <= 8:
+            parser.error(f"--cpu must be 1 to 8, got {args.cpu}")
+        devices = [None] * args.cpu
+    else:
+        ok, info = cuda.availability()
+        if args.gpus is not None:
+            if not ok:
+                parser.error(f"--gpus: no usable GPU here ({info})")
+            if len(set(args.gpus)) != len(args.gpus):
+                parser.error(f"--gpus: indexes must be distinct, got {args.gpus}")
+            bad = [g for g in args.gpus if not 0 <= g < info]
+            if bad:
+                parser.error(f"--gpus: GPU {bad[0]} does not exist ({info} visible: 0..{info - 1})")
+            if len(args.gpus) > 8:
+                parser.error("--gpus: at most 8 GPUs")
+            devices = list(args.gpus)
+        elif ok:
+            devices = list(range(min(info, 8)))
+        else:
+            devices = [None, None]
+            note = f"no usable GPU ({info}); running 2 CPU workers"
+    cpu = devices[0] is None
+    backend = args.backend if args.backend != "auto" else ("c" if cpu else "jax")
+    if not cpu and backend != "jax":
+        parser.error("--backend c runs on CPUs only; GPU workers use --backend jax")
+    data = args.data_dir
+    if data is not None and data not in ("fashion", "digits") and not os.path.exists(data):
+        parser.error(f"--data-dir {data}: no such file or directory")
+    resume = args.resume
+    if resume:
+        if os.path.isdir(resume):
+            resume = os.path.join(resume, CHECKPOINT)
+        if not os.path.isfile(resume):
+            parser.error(f"--resume {args.resume}: no checkpoint there")
+    cfg.update(data=data, backend=backend, method=args.method, sync_every=args.sync_every,
+               seed=args.seed, out=args.out, resume=resume,
+               devices=["cpu" if d is None else d for d in devices])
+    return cfg, devices, note
+
+
+def run(cfg, devices, port=None, quiet=False):
+    """Launch the workers, report as they go, and return rank 0's history."""
+    from . import data
+    from .launch import launch
+    ds = data.load(cfg["data"])  # fail here, with the file's name, before any worker starts
+    if cfg["out"]:
+        os.makedirs(cfg["out"], exist_ok=True)
+        with open(os.path.join(cfg["out"], "config.json"), "w") as f:
+            json.dump(cfg, f, indent=1)
+    where = (f"{len(devices)} CPU workers" if devices[0] is None
+             else f"GPUs {devices}")
+    print(f"pympgu: {ds} | MLP {'-'.join(map(str, [ds.n_in, *cfg['hidden'], ds.n_classes]))} | "
+          f"{where} | batch {cfg['batch_size']}/worker | sync every {cfg['sync_every']} | "
+          f"backend {cfg['backend']}", flush=True)
+    reporter = Reporter(cfg["out"], cfg["epochs"], quiet=quiet)
+    t0 = time.perf_counter()
+    try:
+        if devices[0] is None:
+            results = launch(worker, (cfg,), cpu=len(devices), port=port, on_metric=reporter)
+        else:
+            results = launch(worker, (cfg,), gpus=devices, port=port, on_metric=reporter)
+    finally:
+        reporter.close()
+    total = time.perf_counter() - t0
+    history = results[0]["history"]
+    if history:
+        best = min(history, key=lambda h: h["valid_error"])
+        mean_rate = sum(h["samples_per_s"] for h in history) / len(history)
+        print(f"done in {total:.1f} s: best validation error {100 * best['valid_error']:.2f}% "
+              f"(epoch {best['epoch']}), its test error {100 * best['test_error']:.2f}%, "
+              f"{mean_rate:.0f} samples/s")
+        if cfg["out"]:
+            plot(history, os.path.join(cfg["out"], "curves.png"))
+    return history
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cfg, devices, note = resolve(args, parser)
+    if note:
+        print(f"pympgu: {note}", file=sys.stderr)
+    from .data import DataError
+    from .launch import WorkerFailed
+    try:
+        run(cfg, devices, port=args.port, quiet=args.quiet)
+    except DataError as e:
+        print(f"pympgu: {e}", file=sys.stderr)
+        return 2
+    except WorkerFailed as e:
+        print(f"pympgu: training failed: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("pympgu: interrupted; every worker was stopped", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
