@@ -72,3 +72,23 @@ def attack_then_average(ctx, rounds):
         d.close()
         zctx.term()
     return average_rounds(ctx, rounds)
+
+
+def average_rounds_gpu(ctx, rounds):
+    """GPU workers: parameters as torch CUDA tensors, exchanged through the runtime."""
+    import torch
+
+    from pympgu.exchange import Exchanger
+    torch.cuda.set_device(ctx.device)
+    with Exchanger(ctx, LAYOUT) as ex:
+        digest = None
+        for k in range(rounds):
+            mine = [torch.from_numpy(a).cuda() for a in rank_params(ctx.rank, k)]
+            out = [v.copy_to_host() for v in ex.average_arrays(mine)]
+            for t, got in enumerate(out):
+                expected = model_average(
+                    [rank_params(r, k)[t].ravel() for r in range(ctx.nranks)], "float32")
+                if not np.array_equal(got.ravel(), expected):
+                    raise AssertionError(f"rank {ctx.rank} round {k} tensor {t} is wrong")
+            digest = hashlib.sha256(b"".join(a.tobytes() for a in out)).hexdigest()
+        return {"digest": digest, "stats": ex.stats}

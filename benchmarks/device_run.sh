@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device-tool call: build, GPU tests, sanitizer, training runs and the exchange benchmark.
+# Usage there: bash benchmarks/device_run.sh [steps...]; logs go to $OUT.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+nvidia-smi -L
+./build.sh > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+steps=${*:-tests sanitize train bench}
+for step in $steps; do
+  echo "=== $step"
+  case $step in
+    tests) timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_exchange.py tests/test_gpu_runtime.py 2>&1 | tail -15 ;;
+    sanitize)
+      for tool in memcheck racecheck; do
+        PYMPGU_TEST_MAX_N=70000 timeout 200 compute-sanitizer --tool $tool --target-processes all \
+          python3 -m pytest -q -p no:cacheprovider tests/test_gpu_exchange.py -k "all_methods and None-2" 2>&1 | tail -3
+      done ;;
+    train)
+      d=${DATA:-.data/fashion}
+      timeout 300 python3 -m pympgu.train --gpus 0 --data-dir $d --preset dual_mlp --quiet --out $OUT/seed1 2>&1 | grep -v -i warn | tail -13
+      timeout 300 python3 -c "from pympgu import train; import sys; a = train.build_parser().parse_args(['--cpu','2','--data-dir','$d','--preset','dual_mlp']); cfg,_,_ = train.resolve(a, train.build_parser()); cfg.update(backend='jax', out='$OUT/seed2'); train.run(cfg, [0, 0], quiet=True)" 2>&1 | grep -v -i warn | tail -13
+      timeout 300 python3 -m pympgu.train --gpus 0 --data-dir $d --hidden 4096 4096 --batch-size 1024 --epochs 3 --quiet 2>&1 | grep -v -i warn | tail -5 ;;
+    conv) timeout 200 python3 benchmarks/probe_conv.py 2>&1 | tail -8 ;;
+    bench) timeout 300 python3 -m pympgu.bench --gpus 0 --procs 2 --sizes 4K 64K 1M 64M --json "$OUT/bench.json" 2>&1 | tail -20 ;;
+    pip) timeout 300 python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/pipcheck . && (cd /tmp && PYTHONPATH=/tmp/pipcheck python3 -c "import pympgu; print('pip install ok', pympgu.cuda_available())") ;;
+  esac
+done

@@ -1,0 +1,28 @@
+"""GPU workers exchanging through the whole runtime (launcher, ZMQ, Exchanger, IPC)."""
+import pytest
+
+from conftest import visible_gpus
+from pympgu.launch import WorkerFailed, launch
+from runtime_targets import average_rounds_gpu
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
+
+
+def devices(nranks):
+    n = visible_gpus()
+    return [r % n for r in range(nranks)]  # ranks share GPUs when there are fewer
+
+
+@pytest.mark.parametrize("nranks", [2, 4])
+def test_gpu_workers_exchange_through_runtime(nranks):
+    pytest.importorskip("torch")
+    results = launch(average_rounds_gpu, (4,), gpus=devices(nranks))
+    assert len({r["digest"] for r in results}) == 1
+    assert all(r["stats"]["exchanges"] == 4 for r in results)
+
+
+def test_gpu_worker_failure_is_reported():
+    pytest.importorskip("torch")
+    with pytest.raises(WorkerFailed) as info:
+        launch(average_rounds_gpu, ("not a number",), gpus=devices(2))
+    assert "TypeError" in info.value.details

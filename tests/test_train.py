@@ -1,0 +1,148 @@
+"""Training end to end on CPU workers, the data loaders' errors, and the CLI's checks."""
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pympgu import data, train
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def config(**over):
+    cfg = dict(train.DEFAULTS, data=None, backend="c", method="auto", sync_every=1, seed=0,
+               out=None, resume=None, devices=["cpu", "cpu"])
+    cfg.update(over)
+    return cfg
+
+
+def test_two_cpu_workers_learn_real_digits(tmp_path):
+    out = str(tmp_path / "run")
+    hist = train.run(config(epochs=2, out=out), [None, None])
+    assert len(hist) == 2
+    assert hist[-1]["test_error"] < 0.25, hist  # chance is 0.9
+    assert hist[-1]["loss"] < hist[0]["loss"]
+    for name in ("config.json", "metrics.jsonl", "checkpoint.npz", "curves.png"):
+        assert os.path.getsize(os.path.join(out, name)) > 0, name
+    lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    assert [x["epoch"] for x in lines] == [1, 2]
+    # Resume for a third epoch: it starts where the checkpoint ended.
+    more = train.run(config(epochs=3, out=out, resume=os.path.join(out, "checkpoint.npz")),
+                     [None, None])
+    assert [h["epoch"] for h in more] == [1, 2, 3]
+    assert more[:2] == hist
+
+
+def test_cpu_runs_are_reproducible():
+    a = train.run(config(epochs=1, hidden=[64]), [None, None])
+    b = train.run(config(epochs=1, hidden=[64]), [None, None])
+    keys = ("loss", "valid_error", "test_error")
+    assert [[h[k] for k in keys] for h in a] == [[h[k] for k in keys] for h in b]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir(data.FASHION_DIR), reason="dataset-fashion-mnist not installed")
+def test_fashion_two_workers_match_one(tmp_path):
+    """Two workers of batch 128 averaged every step against one worker of batch 256."""
+    one = train.run(config(data="fashion", epochs=2, batch_size=256, hidden=[256]), [None])
+    two = train.run(config(data="fashion", epochs=2, batch_size=128, hidden=[256]), [None, None])
+    e1, e2 = one[-1]["test_error"], two[-1]["test_error"]
+    print(f"fashion-mnist test error: 1 worker {100 * e1:.2f}%, 2 workers {100 * e2:.2f}%")
+    assert abs(e1 - e2) <= 0.005
+    assert e2 < 0.2
+
+
+def test_jax_graph_agrees_with_c_backend_on_one_step():
+    pytest.importorskip("jax")
+    code = (
+        "import os; os.environ['JAX_PLATFORMS']='cpu';"
+        "import numpy as np; from pympgu import data, models;"
+        "ds = data.load(); idx = np.arange(64, dtype=np.int32); out = {}\n"
+        "for mode in ('FAST_RUN', 'JAX'):\n"
+        "    m = models.MLP(ds.n_in, [32, 16], 10)\n"
+        "    tr, ev = m.compile(ds, 64, 100, 0.1, 0.9, 1e-5, 1e-4, mode)\n"
+        "    c = [float(tr(idx)) for _ in range(3)]\n"
+        "    out[mode] = (c, [np.asarray(p.get_value()) for p in m.state],"
+        "                 models.error_rates(ev, 1000, 1000, 100))\n"
+        "(c1, p1, e1), (c2, p2, e2) = out['FAST_RUN'], out['JAX']\n"
+        "assert np.allclose(c1, c2, rtol=1e-5), (c1, c2)\n"
+        "assert all(np.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(p1, p2))\n"
+        "assert abs(e1[0] - e2[0]) < 0.005, (e1, e2)\n"
+        "print('agree', c1, c2)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=500)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "agree" in r.stdout
+
+
+def test_shards_are_disjoint_and_even():
+    for nranks in (1, 2, 3, 8):
+        shards = [data.shard_batches(1000, 16, nranks, r, seed=5, epoch=2) for r in range(nranks)]
+        flat = np.concatenate([np.concatenate(s) for s in shards])
+        assert len(set(flat.tolist())) == len(flat)
+        assert len({len(s) for s in shards}) == 1
+    a = data.shard_batches(1000, 16, 2, 0, seed=5, epoch=2)
+    b = data.shard_batches(1000, 16, 2, 0, seed=5, epoch=3)
+    assert not np.array_equal(a[0], b[0])
+
+
+def test_data_errors_name_the_file(tmp_path):
+    src = data.EMBEDDED_DIR
+    shutil.copy(os.path.join(src, "t10k-labels-idx1-ubyte.gz"), tmp_path)
+    with pytest.raises(data.DataError, match="t10k-images-idx3-ubyte.gz: no such file"):
+        data.load(str(tmp_path))
+    raw = gzip.open(os.path.join(src, "t10k-images-idx3-ubyte.gz")).read()
+    with gzip.open(tmp_path / "t10k-images-idx3-ubyte.gz", "wb") as f:
+        f.write(raw[:100000])
+    with pytest.raises(data.DataError, match=r"t10k-images-idx3-ubyte.gz: 100000 bytes.*truncated"):
+        data.load(str(tmp_path))
+    (tmp_path / "t10k-images-idx3-ubyte.gz").write_bytes(b"not gzip at all")
+    with pytest.raises(data.DataError, match="t10k-images-idx3-ubyte.gz: cannot be read"):
+        data.load(str(tmp_path))
+    (tmp_path / "t10k-images-idx3-ubyte.gz").unlink()
+    (tmp_path / "t10k-images-idx3-ubyte").write_bytes(raw[:8] + raw[16:])  # header cut
+    with pytest.raises(data.DataError, match="magic|bytes"):
+        data.load(str(tmp_path))
+    (tmp_path / "mnist.pkl.gz").write_bytes(gzip.compress(b"garbage"))
+    with pytest.raises(data.DataError, match="mnist.pkl.gz: not a readable"):
+        data.load(str(tmp_path / "mnist.pkl.gz"))
+
+
+def test_seed_pickle_format(tmp_path):
+    import pickle
+    rng = np.random.default_rng(0)
+    splits = [(rng.random((n, 784), dtype=np.float32), rng.integers(0, 10, n)) for n in (50, 20, 20)]
+    path = tmp_path / "mnist.pkl.gz"
+    with gzip.open(path, "wb") as f:
+        pickle.dump(tuple(splits), f)
+    ds = data.load(str(path))
+    assert len(ds.train[1]) == 50 and ds.n_in == 784
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--gpus", "0", "0"], "--gpus"),
+    (["--cpu", "0"], "--cpu must be 1 to 8"),
+    (["--cpu", "2", "--gpus", "0"], "not both"),
+    (["--cpu", "2", "--batch-size", "0"], "--batch-size must be at least 1"),
+    (["--cpu", "2", "--data-dir", "/nonexistent/x"], "--data-dir /nonexistent/x"),
+    (["--cpu", "2", "--resume", "/nonexistent"], "--resume /nonexistent"),
+])
+def test_cli_rejects_bad_flags(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        train.main(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_explains_every_flag():
+    r = subprocess.run([sys.executable, "-m", "pympgu.train", "--help"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0
+    for flag in ("--gpus", "--cpu", "--sync-every", "--preset", "--out", "--resume",
+                 "--data-dir", "--hidden", "--method"):
+        assert flag in r.stdout
