@@ -79,6 +79,7 @@ class MLP:
         eval_x = pytensor.shared(np.concatenate([dataset.valid[0], dataset.test[0]]), name="eval_x")
         eval_y = pytensor.shared(one_hot(np.concatenate([dataset.valid[1], dataset.test[1]]),
                                          n_classes), name="eval_y")
+        self.data_vars = [train_x, train_y, eval_x, eval_y]
 
         idx = pt.tensor("idx", dtype="int32", shape=(batch_size,))
         x, y = train_x[idx], train_y[idx]

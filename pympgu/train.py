@@ -78,6 +78,11 @@ class Replica:
             import jax
             import jax.numpy as jnp
             self.jax, self.jnp = jax, jnp
+            # Shared variables hold numpy arrays until a function first updates them, and
+            # the dataset never is updated: left alone, every call would copy it from the
+            # host. Put every one on the device once.
+            for s in self.model.state + self.model.data_vars:
+                _assign(s, jax.device_put(s.get_value(borrow=True)))
 
     def values(self):
         return [s.get_value(borrow=True) for s in self.model.state]
