@@ -24,7 +24,8 @@ for step in $steps; do
       timeout 300 python3 -c "from pympgu import train; import sys; a = train.build_parser().parse_args(['--cpu','2','--data-dir','$d','--preset','dual_mlp']); cfg,_,_ = train.resolve(a, train.build_parser()); cfg.update(backend='jax', out='$OUT/seed2'); train.run(cfg, [0, 0], quiet=True)" 2>&1 | grep -v -i warn | tail -13
       timeout 300 python3 -m pympgu.train --gpus 0 --data-dir $d --hidden 4096 4096 --batch-size 1024 --epochs 3 --quiet 2>&1 | grep -v -i warn | tail -5 ;;
     conv) timeout 200 python3 benchmarks/probe_conv.py 2>&1 | tail -8 ;;
-    bench) timeout 300 python3 -m pympgu.bench --gpus 0 --procs 2 --sizes 4K 64K 1M 64M --json "$OUT/bench.json" 2>&1 | tail -20 ;;
+    # BENCH="--gpus 0 1" on the 2-GPU kind; the default puts 2 ranks on one GPU.
+    bench) timeout 500 python3 -m pympgu.bench ${BENCH:---gpus 0 --procs 2 --sizes 4K 64K 1M 64M} --json "$OUT/bench.json" 2>&1 | tail -25 ;;
     pip) timeout 300 python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/pipcheck . && (cd /tmp && PYTHONPATH=/tmp/pipcheck python3 -c "import pympgu; print('pip install ok', pympgu.cuda_available())") ;;
   esac
 done
