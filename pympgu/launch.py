@@ -113,48 +113,50 @@ def launch(target, args=(), *, gpus=None, cpu=None, host="127.0.0.1", port=None,
 
 def _supervise(coord, procs, on_metric, heartbeat_timeout):
     n = len(procs)
-    hello, registered, results = {}, {}, {}
-    barrier_waiting = {}
+    hello, registered, results, barrier_waiting = {}, {}, {}, {}
     last_beat = {r: time.monotonic() for r in range(n)}
+
+    def handle(msg):
+        rank, kind, data, blobs = msg
+        last_beat[rank] = time.monotonic()
+        if kind == "HELLO":
+            hello[rank] = data
+            if len(hello) == n:
+                coord.broadcast("RUN")
+        elif kind == "REGISTER":
+            registered[rank] = (data, blobs[0] if blobs else b"")
+            if len(registered) == n:
+                _send_peers(coord, registered)
+                registered.clear()
+        elif kind == "BARRIER":
+            barrier_waiting[rank] = data.get("seq")
+            if len(barrier_waiting) == n:
+                seqs = set(barrier_waiting.values())
+                if len(seqs) != 1:
+                    raise WorkerFailed(min(barrier_waiting), "is out of step",
+                                       f"barrier sequence numbers {barrier_waiting}")
+                coord.broadcast("RELEASE", {"seq": seqs.pop()})
+                barrier_waiting.clear()
+        elif kind == "METRIC":
+            if on_metric is not None:
+                on_metric(rank, data)
+        elif kind == "ERROR":
+            raise WorkerFailed(rank, "raised an exception", data.get("traceback", ""))
+        elif kind == "DONE":
+            results[rank] = data.get("result")
+
     while len(results) < n:
         msg = coord.receive(100)
-        now = time.monotonic()
         if msg is not None:
-            rank, kind, data, blobs = msg
-            last_beat[rank] = now
-            if kind == "HELLO":
-                hello[rank] = data
-                if len(hello) == n:
-                    coord.broadcast("RUN")
-            elif kind == "REGISTER":
-                registered[rank] = (data, blobs[0] if blobs else b"")
-                if len(registered) == n:
-                    _send_peers(coord, registered)
-                    registered = {}
-            elif kind == "BARRIER":
-                barrier_waiting[rank] = data.get("seq")
-                if len(barrier_waiting) == n:
-                    seqs = set(barrier_waiting.values())
-                    if len(seqs) != 1:
-                        raise WorkerFailed(min(barrier_waiting), "is out of step",
-                                           f"barrier sequence numbers {barrier_waiting}")
-                    coord.broadcast("RELEASE", {"seq": seqs.pop()})
-                    barrier_waiting = {}
-            elif kind == "METRIC":
-                if on_metric is not None:
-                    on_metric(rank, data)
-            elif kind == "ERROR":
-                raise WorkerFailed(rank, "raised an exception", data.get("traceback", ""))
-            elif kind == "DONE":
-                results[rank] = data.get("result")
+            handle(msg)
+        now = time.monotonic()
         for rank, p in enumerate(procs):
             if rank not in results and p.exitcode is not None:
-                # Drain what it may have said on its way out (its traceback, say).
-                late = coord.receive(200)
-                if late and late[1] == "ERROR":
-                    raise WorkerFailed(late[0], "raised an exception", late[2].get("traceback", ""))
-                if late and late[1] == "DONE":
-                    results[late[0]] = late[2].get("result")
+                # It may have exited before its last words (DONE, or its traceback) were
+                # read: handle everything still queued before judging it.
+                while (late := coord.receive(200)) is not None:
+                    handle(late)
+                if rank in results:
                     continue
                 how = (f"was killed by signal {-p.exitcode}" if p.exitcode < 0
                        else f"exited with status {p.exitcode}")
