@@ -265,6 +265,63 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The low-precision wire (see pmg_host_delta). Four fp32 elements per thread and step: two
+// 16-byte loads in, one 8-byte store out; __fsub_rn/__fadd_rn keep the host's rounding.
+template <typename T>
+struct Wire4 {
+  T e[4];
+};
+
+template <typename T>
+__device__ void delta_tensor(const pmg_tensor &d) {
+  const float *x = static_cast<const float *>(d.inputs[0]);
+  const float *ref = static_cast<const float *>(d.inputs[1]);
+  T *out = static_cast<T *>(d.out);
+  const size_t tid = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const size_t nthreads = size_t(gridDim.x) * blockDim.x;
+  const bool aligned = ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(ref)) & 15) == 0 &&
+                       (reinterpret_cast<uintptr_t>(out) & 7) == 0;
+  const size_t nvec = aligned ? d.n / 4 : 0;
+  for (size_t v = tid; v < nvec; v += nthreads) {
+    const float4 a = __ldcg(reinterpret_cast<const float4 *>(x) + v);
+    const float4 b = __ldcg(reinterpret_cast<const float4 *>(ref) + v);
+    Wire4<T> w;
+    w.e[0] = Elem<T>::store(__fsub_rn(a.x, b.x));
+    w.e[1] = Elem<T>::store(__fsub_rn(a.y, b.y));
+    w.e[2] = Elem<T>::store(__fsub_rn(a.z, b.z));
+    w.e[3] = Elem<T>::store(__fsub_rn(a.w, b.w));
+    reinterpret_cast<Wire4<T> *>(out)[v] = w;
+  }
+  for (size_t i = nvec * 4 + tid; i < d.n; i += nthreads) out[i] = Elem<T>::store(__fsub_rn(x[i], ref[i]));
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    multi_delta_kernel(const pmg_tensor *table, int ntensors) {
+  for (int t = 0; t < ntensors; ++t) {
+    const pmg_tensor d = table[t];
+    delta_tensor<T>(d);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) accumulate_kernel(float *ref, const T *avg, size_t n) {
+  const size_t tid = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const size_t nthreads = size_t(gridDim.x) * blockDim.x;
+  const bool aligned = ((reinterpret_cast<uintptr_t>(ref) & 15) | (reinterpret_cast<uintptr_t>(avg) & 7)) == 0;
+  const size_t nvec = aligned ? n / 4 : 0;
+  for (size_t v = tid; v < nvec; v += nthreads) {
+    float4 r = reinterpret_cast<const float4 *>(ref)[v];
+    const Wire4<T> w = reinterpret_cast<const Wire4<T> *>(avg)[v];
+    r.x = __fadd_rn(r.x, Elem<T>::load(w.e[0]));
+    r.y = __fadd_rn(r.y, Elem<T>::load(w.e[1]));
+    r.z = __fadd_rn(r.z, Elem<T>::load(w.e[2]));
+    r.w = __fadd_rn(r.w, Elem<T>::load(w.e[3]));
+    reinterpret_cast<float4 *>(ref)[v] = r;
+  }
+  for (size_t i = nvec * 4 + tid; i < n; i += nthreads) ref[i] = __fadd_rn(ref[i], Elem<T>::load(avg[i]));
+}
+
 unsigned grid_for(size_t work_items, size_t per_block, int max_blocks) {
   size_t b = (work_items + per_block - 1) / per_block;
   if (b < 1) b = 1;
@@ -359,6 +416,31 @@ int pmg_multi_average(const pmg_tensor *table, int ntensors, int nranks, uint64_
     case PMG_BFLOAT16: multi_average_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(table, ntensors, nranks); break;
     default: return PMG_ERR_UNSUPPORTED_DTYPE;
   }
+  return launched();
+}
+
+int pmg_multi_delta(const pmg_tensor *table, int ntensors, uint64_t max_n, int wire_dtype,
+                    cudaStream_t stream) {
+  if (ntensors < 0 || (ntensors > 0 && !table)) return PMG_ERR_INVALID_ARGUMENT;
+  if (wire_dtype != PMG_FLOAT16 && wire_dtype != PMG_BFLOAT16) return PMG_ERR_UNSUPPORTED_DTYPE;
+  if (ntensors == 0 || max_n == 0) return 0;
+  unsigned blocks = grid_for(max_n / 4 + 1, kThreads, kPlainMaxBlocks);
+  if (wire_dtype == PMG_FLOAT16)
+    multi_delta_kernel<__half><<<blocks, kThreads, 0, stream>>>(table, ntensors);
+  else
+    multi_delta_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(table, ntensors);
+  return launched();
+}
+
+int pmg_accumulate(float *ref, const void *avg, size_t n, int wire_dtype, cudaStream_t stream) {
+  if (wire_dtype != PMG_FLOAT16 && wire_dtype != PMG_BFLOAT16) return PMG_ERR_UNSUPPORTED_DTYPE;
+  if (n == 0) return 0;
+  if (!ref || !avg) return PMG_ERR_INVALID_ARGUMENT;
+  unsigned blocks = grid_for(n / 4 + 1, kThreads, kPlainMaxBlocks);
+  if (wire_dtype == PMG_FLOAT16)
+    accumulate_kernel<__half><<<blocks, kThreads, 0, stream>>>(ref, static_cast<const __half *>(avg), n);
+  else
+    accumulate_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(ref, static_cast<const __nv_bfloat16 *>(avg), n);
   return launched();
 }
 

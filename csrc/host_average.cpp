@@ -94,6 +94,18 @@ void average(const void *const *inputs, int nranks, void *out, size_t n) {
   }
 }
 
+template <typename K>
+void delta(const float *x, const float *ref, void *wire, size_t n) {
+  auto *w = static_cast<typename K::storage *>(wire);
+  for (size_t i = 0; i < n; ++i) w[i] = K::store(x[i] - ref[i]);
+}
+
+template <typename K>
+void accumulate(float *ref, const void *avg, size_t n) {
+  const auto *a = static_cast<const typename K::storage *>(avg);
+  for (size_t i = 0; i < n; ++i) ref[i] += K::load(a[i]);
+}
+
 }  // namespace
 
 extern "C" {
@@ -140,6 +152,24 @@ int pmg_host_average(const void *const *inputs, int nranks, void *out, size_t n,
     case PMG_FLOAT32: average<F32>(inputs, nranks, out, n); return 0;
     case PMG_FLOAT16: average<F16>(inputs, nranks, out, n); return 0;
     case PMG_BFLOAT16: average<BF16>(inputs, nranks, out, n); return 0;
+    default: return PMG_ERR_UNSUPPORTED_DTYPE;
+  }
+}
+
+int pmg_host_delta(const float *x, const float *ref, void *wire, size_t n, int wire_dtype) {
+  if (n && (!x || !ref || !wire)) return PMG_ERR_INVALID_ARGUMENT;
+  switch (wire_dtype) {
+    case PMG_FLOAT16: delta<F16>(x, ref, wire, n); return 0;
+    case PMG_BFLOAT16: delta<BF16>(x, ref, wire, n); return 0;
+    default: return PMG_ERR_UNSUPPORTED_DTYPE;  // a float32 wire needs no delta
+  }
+}
+
+int pmg_host_accumulate(float *ref, const void *avg, size_t n, int wire_dtype) {
+  if (n && (!ref || !avg)) return PMG_ERR_INVALID_ARGUMENT;
+  switch (wire_dtype) {
+    case PMG_FLOAT16: accumulate<F16>(ref, avg, n); return 0;
+    case PMG_BFLOAT16: accumulate<BF16>(ref, avg, n); return 0;
     default: return PMG_ERR_UNSUPPORTED_DTYPE;
   }
 }

@@ -68,6 +68,15 @@ size_t pmg_dtype_size(int dtype); /* 0 for an unknown dtype */
 /* ---- host averaging (csrc/host_average.cpp; builds without CUDA) ---- */
 int pmg_host_average(const void *const *inputs, int nranks, void *out, size_t n, int dtype);
 
+/* A low-precision wire for fp32 parameters. Every rank keeps ref, the fp32 result of the
+ * last exchange (identical on every rank). It sends wire[i] = round(x[i] - ref[i]) in
+ * wire_dtype (float16 or bfloat16, round to nearest even), the replicas average the wire
+ * buffers, and every rank then adds the averaged wire back: ref[i] += avg[i] in fp32. The
+ * rounding error is relative to the change since the last exchange, not to the parameter,
+ * and ref stays bit-identical across ranks. The device versions below match bit for bit. */
+int pmg_host_delta(const float *x, const float *ref, void *wire, size_t n, int wire_dtype);
+int pmg_host_accumulate(float *ref, const void *avg, size_t n, int wire_dtype);
+
 #ifdef PMG_WITH_CUDA
 #include <cuda_runtime_api.h>
 /* ---- runtime (csrc/runtime.cu) ---- */
@@ -115,6 +124,12 @@ int pmg_average(const void *const *inputs, int nranks, void *out, size_t n, int 
  * which is how the exchanger packs parameters into its buffer. */
 int pmg_multi_average(const pmg_tensor *table, int ntensors, int nranks, uint64_t max_n,
                       int dtype, cudaStream_t stream);
+/* pmg_host_delta over a table in one launch: entry t has inputs[0] = fp32 x, inputs[1] =
+ * fp32 ref, out = the wire slot (wire_dtype); max_n sizes the grid. */
+int pmg_multi_delta(const pmg_tensor *table, int ntensors, uint64_t max_n, int wire_dtype,
+                    cudaStream_t stream);
+/* pmg_host_accumulate on the device: ref[i] += avg[i] (avg in wire_dtype), i < n. */
+int pmg_accumulate(float *ref, const void *avg, size_t n, int wire_dtype, cudaStream_t stream);
 /* All-reduce-average, in place in peers->data[*], with GPU-side barriers through the
  * signal blocks: every rank calls it with the same n, dtype, algo and max_blocks.
  * timeout_ns bounds each barrier wait; past it the kernel traps (a peer never arrived). */

@@ -64,6 +64,9 @@ cdef extern from "pympgu.h" nogil:
                     cudaStream_t stream)
     int pmg_multi_average(const pmg_tensor *table, int ntensors, int nranks, uint64_t max_n,
                           int dtype, cudaStream_t stream)
+    int pmg_multi_delta(const pmg_tensor *table, int ntensors, uint64_t max_n, int wire_dtype,
+                        cudaStream_t stream)
+    int pmg_accumulate(float *ref, const void *avg, size_t n, int wire_dtype, cudaStream_t stream)
     int pmg_allreduce_average(const pmg_peers *peers, int rank, int nranks, size_t n, int dtype,
                               int algo, int max_blocks, uint64_t timeout_ns, cudaStream_t stream)
     int pmg_device_barrier(const pmg_peers *peers, int rank, int nranks, uint64_t timeout_ns,

@@ -302,6 +302,14 @@ cdef class DeviceArray:
             raise ValueError(f"host array has {a.nbytes} bytes, the view {self.nbytes}")
         _memcpy(self.ptr, a.ctypes.data, a.nbytes)
 
+    def copy_from(self, src):
+        """Copy a device array of the same byte size (any framework) into this view (blocking)."""
+        info = array_info(src, "src")
+        if info.size * _ITEMSIZE[info.dtype] != self.nbytes:
+            raise ValueError(f"src has {info.size * _ITEMSIZE[info.dtype]} bytes, the view "
+                             f"{self.nbytes}")
+        _memcpy(self.ptr, info.ptr, self.nbytes)
+
     def copy_to_host(self):
         """A numpy copy of the view (bfloat16 comes back as uint16 storage)."""
         npdtype = np.uint16 if self.dtype == "bfloat16" else np.dtype(self.dtype)
@@ -556,6 +564,29 @@ def average_many(replicas, outs=None, stream=None, synchronize=True):
     return outs
 
 
+def accumulate(ref, avg, stream=None, synchronize=True):
+    """ref += avg on the GPU: ref float32, avg float16 or bfloat16 of the same size.
+
+    The second half of the low-precision wire (TensorTable op "delta" is the first); the
+    same arithmetic as pympgu.host_accumulate. Returns ref.
+    """
+    r = array_info(ref, "ref")
+    a = array_info(avg, "avg")
+    if r.dtype != "float32":
+        raise ValueError(f"ref must be float32, got {r.dtype}")
+    if a.size != r.size:
+        raise ValueError(f"avg has {a.size} elements, ref has {r.size}")
+    cdef int code = dtype_code(a.dtype)
+    cdef cudaStream_t s = _stream_of(stream)
+    set_device(r.device)
+    check(pmg_accumulate(<float *><uintptr_t>r.ptr, <const void *><uintptr_t>a.ptr, r.size,
+                         code, s))
+    if synchronize:
+        with nogil:
+            check(pmg_stream_synchronize(s))
+    return ref
+
+
 def _sync_stream(stream):
     cdef cudaStream_t s = _stream_of(stream)
     with nogil:
@@ -566,8 +597,11 @@ cdef class TensorTable:
     """A multi-tensor table kept in device memory, refilled and relaunched many times.
 
     set() takes entries (input pointers tuple, output pointer, n) and uploads them; launch()
-    runs the multi-tensor average over them (with one input per entry it is a gather copy,
-    which is how the exchanger packs parameters into its buffer in one launch).
+    runs one kernel over all of them. op "average" (the default) writes the mean of an
+    entry's nranks inputs (with nranks 1 it is a gather copy, which is how the exchanger
+    packs parameters into its buffer in one launch). op "delta" takes two float32 inputs
+    (x, ref) and writes round(x - ref) in dtype, float16 or bfloat16: the low-precision
+    wire of pmg_host_delta.
     """
     cdef readonly object buffer
     cdef readonly int capacity
@@ -575,14 +609,20 @@ cdef class TensorTable:
     cdef readonly int nranks
     cdef readonly uint64_t max_n
     cdef readonly int dtype_code
+    cdef readonly str op
     cdef pmg_tensor *host
 
-    def __cinit__(self, int capacity, int nranks, dtype):
+    def __cinit__(self, int capacity, int nranks, dtype, op="average"):
         self.host = NULL
         if capacity < 1 or nranks < 1 or nranks > PMG_MAX_RANKS:
             raise ValueError(f"TensorTable needs capacity >= 1 and 1 to {PMG_MAX_RANKS} ranks")
+        if op not in ("average", "delta"):
+            raise ValueError(f"op must be 'average' or 'delta', got {op!r}")
+        if op == "delta" and (nranks != 2 or str(dtype) not in ("float16", "bfloat16")):
+            raise ValueError("op 'delta' takes 2 inputs (x, ref) and a float16 or bfloat16 output")
         self.capacity, self.nranks, self.ntensors, self.max_n = capacity, nranks, 0, 0
         self.dtype_code = dtype_code(dtype)
+        self.op = op
         self.host = <pmg_tensor *>malloc(sizeof(pmg_tensor) * capacity)
         if self.host == NULL:
             raise MemoryError()
@@ -607,8 +647,13 @@ cdef class TensorTable:
 
     def launch(self, stream=None):
         """Run the multi-tensor kernel over the table on stream (no synchronisation)."""
-        check(pmg_multi_average(<const pmg_tensor *><uintptr_t>self.buffer.ptr, self.ntensors,
-                                self.nranks, self.max_n, self.dtype_code, _stream_of(stream)))
+        cdef const pmg_tensor *table = <const pmg_tensor *><uintptr_t>self.buffer.ptr
+        if self.op == "delta":
+            check(pmg_multi_delta(table, self.ntensors, self.max_n, self.dtype_code,
+                                  _stream_of(stream)))
+        else:
+            check(pmg_multi_average(table, self.ntensors, self.nranks, self.max_n,
+                                    self.dtype_code, _stream_of(stream)))
 
     def __dealloc__(self):
         free(self.host)

@@ -9,3 +9,5 @@ cdef extern from "pympgu.h" nogil:
     const char *pmg_status_string(int status)
     size_t pmg_dtype_size(int dtype)
     int pmg_host_average(const void *const *inputs, int nranks, void *out, size_t n, int dtype)
+    int pmg_host_delta(const float *x, const float *ref, void *wire, size_t n, int wire_dtype)
+    int pmg_host_accumulate(float *ref, const void *avg, size_t n, int wire_dtype)

@@ -24,6 +24,58 @@ def dtype_code(dtype):
         ) from None
 
 
+def _check(status):
+    if status != 0:
+        raise ValueError(f"{pmg_status_name(status).decode()}: {pmg_status_string(status).decode()}")
+
+
+def _wire_code(wire_dtype):
+    if str(wire_dtype) not in ("float16", "bfloat16"):
+        raise ValueError(f"wire dtype must be float16 or bfloat16, got {wire_dtype!r}")
+    return dtype_code(wire_dtype)
+
+
+cdef uintptr_t _flat(a, what, size_t itemsize, size_t n, bint writable) except 0:
+    if not a.flags.c_contiguous or (writable and not a.flags.writeable):
+        raise ValueError(f"{what} must be a {'writable ' if writable else ''}C-contiguous array")
+    if a.itemsize != itemsize or a.size != n:
+        raise ValueError(f"{what} has {a.size} items of {a.itemsize} bytes, expected "
+                         f"{n} of {itemsize}")
+    # 0 is this function's error value; an empty array's pointer is never dereferenced.
+    return <uintptr_t>a.ctypes.data if a.size else <uintptr_t>1
+
+
+def host_delta(x, ref, wire, wire_dtype="bfloat16"):
+    """wire = round(x - ref) in wire_dtype: x and ref float32, wire 2-byte storage."""
+    cdef int code = _wire_code(wire_dtype)
+    cdef size_t n = x.size
+    if x.dtype != np.float32 or ref.dtype != np.float32:
+        raise ValueError("x and ref must be float32")
+    cdef const float *px = <const float *>_flat(x, "x", 4, n, False)
+    cdef const float *pr = <const float *>_flat(ref, "ref", 4, n, False)
+    cdef void *pw = <void *>_flat(wire, "wire", 2, n, True)
+    cdef int status
+    with nogil:
+        status = pmg_host_delta(px, pr, pw, n, code)
+    _check(status)
+    return wire
+
+
+def host_accumulate(ref, avg, wire_dtype="bfloat16"):
+    """ref += avg in float32, where avg holds wire_dtype values (2-byte storage)."""
+    cdef int code = _wire_code(wire_dtype)
+    cdef size_t n = ref.size
+    if ref.dtype != np.float32:
+        raise ValueError("ref must be float32")
+    cdef float *pr = <float *>_flat(ref, "ref", 4, n, True)
+    cdef const void *pa = <const void *>_flat(avg, "avg", 2, n, False)
+    cdef int status
+    with nogil:
+        status = pmg_host_accumulate(pr, pa, n, code)
+    _check(status)
+    return ref
+
+
 def host_average(inputs, out, dtype=None):
     """Write the mean of the arrays in inputs (rank order) into out; out may be one of them."""
     cdef const void *ptrs[PMG_MAX_RANKS]
@@ -50,6 +102,5 @@ def host_average(inputs, out, dtype=None):
     cdef int status
     with nogil:
         status = pmg_host_average(ptrs, nranks, dst, n, code)
-    if status != 0:
-        raise ValueError(f"{pmg_status_name(status).decode()}: {pmg_status_string(status).decode()}")
+    _check(status)
     return out

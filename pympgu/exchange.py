@@ -4,15 +4,26 @@ Each worker owns one shared staging buffer holding all its parameters back to ba
 starting on a 256-byte boundary). An exchange is three steps, each one pass over the
 parameters:
 
-1. ``pack``: copy the parameters into the staging buffer (GPU: one multi-tensor launch);
-2. ``average``: average every rank's staging buffer in place (GPU: the fused kernel with its
+1. pack: copy the parameters into the staging buffer (GPU: one multi-tensor launch);
+2. average: average every rank's staging buffer in place (GPU: the fused kernel with its
    GPU barrier; CPU: each rank averages its 1/R slice with the host kernel and writes it into
    every rank's buffer, between two host barriers);
-3. ``unpack``: hand the result back. On the CPU these are new numpy arrays. On the GPU they
-   are DeviceArray views of the staging buffer, valid until the next ``pack``; the caller
+3. unpack: hand the result back. On the CPU these are new numpy arrays. On the GPU they
+   are DeviceArray views of pympgu memory, valid until the next exchange starts; the caller
    imports them into its framework and copies them there (``jax.dlpack`` then a copy), so
    results only ever reach a framework through DLPack and never by writing into memory the
    framework owns.
+
+``start(arrays)`` does steps 1 and 2 and, on the GPU, returns while the average still runs on
+pympgu's own stream; ``finish()`` waits and does step 3. Between the two the caller may
+compute (the training loop's ``--overlap``). ``average_arrays`` is both at once.
+
+A low-precision wire (``wire_dtype='bfloat16'`` or ``'float16'``) halves the bytes that cross
+the link. The parameters stay float32: every rank keeps ``ref``, the float32 result of the
+last exchange (identical on every rank), sends round(x - ref) in the wire dtype, and adds
+the averaged wire back to ref in float32. Rounding then costs a fraction of the change since
+the last exchange, not of the parameter, and replicas stay bit-identical. The first exchange
+is exact (float32 on the wire) to set ref.
 
 Layouts (names, shapes, dtypes) must be identical on every rank; the launcher compares them
 before any training and names both layouts if they differ.
@@ -29,6 +40,7 @@ from . import _host, shm
 ALIGN_BYTES = 256
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 METHODS = ("auto", "oneshot", "twoshot", "copy")
+WIRE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def plan_layout(layout):
@@ -52,11 +64,12 @@ class Exchanger:
     """Averages a fixed list of parameter arrays across every worker of a run.
 
     ``layout`` is a list of (name, shape, dtype); ``method`` is 'auto', 'oneshot', 'twoshot'
-    or 'copy' (the seed's peer-copy method) and only matters on GPUs. The counters in
-    ``stats`` add up the seconds spent in each step and the number of exchanges.
+    or 'copy' (the seed's peer-copy method) and only matters on GPUs. ``wire_dtype`` is
+    None (the layout's dtype), or 'bfloat16' / 'float16' for float32 layouts (see the module
+    docstring). ``stats`` adds up the seconds spent in each step and counts exchanges.
     """
 
-    def __init__(self, ctx, layout, method="auto", timeout=60.0):
+    def __init__(self, ctx, layout, method="auto", wire_dtype=None, timeout=60.0):
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         self.ctx = ctx
@@ -64,43 +77,74 @@ class Exchanger:
         self.offsets, self.total, self.dtype = plan_layout(self.layout)
         self.sizes = [math.prod(shape) for _, shape, _ in self.layout]
         self.method = method
+        if wire_dtype in (None, self.dtype):
+            self.wire_dtype = None
+        elif wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire dtype must be one of {WIRE_DTYPES}, got {wire_dtype!r}")
+        elif self.dtype != "float32":
+            raise ValueError(f"a {wire_dtype} wire needs float32 parameters, the layout is "
+                             f"{self.dtype}")
+        else:
+            self.wire_dtype = wire_dtype
+        self.primed = self.wire_dtype is None  # ref is set by the first (exact) exchange
+        self.pending = None  # the kind of exchange started and not finished
         self.stats = {"pack_s": 0.0, "average_s": 0.0, "unpack_s": 0.0, "exchanges": 0}
-        # Passes over the parameters per exchange besides the average itself.
+        # Passes over the parameters per exchange besides the average itself: pack reads the
+        # parameters (and ref) and writes the staging buffer; unpack reads the result (and,
+        # with a wire dtype, adds it into ref); the caller's copy-back is one more.
         self.extra_passes = {"pack": 1, "unpack": 1}
         backend = _HostBackend if ctx.is_cpu else _CudaBackend
         self.backend = backend(self, timeout)
 
     @property
     def nbytes(self):
+        """Bytes of the staging buffer (enough for an exact exchange)."""
         return self.total * ITEMSIZE[self.dtype]
 
-    def pack(self, arrays):
-        """Copy this rank's current parameter arrays into the staging buffer."""
+    @property
+    def wire_nbytes(self):
+        """Bytes each rank's buffer holds on the wire in a regular exchange."""
+        return self.total * ITEMSIZE[self.wire_dtype or self.dtype]
+
+    def start(self, arrays):
+        """Pack this rank's arrays and start averaging them; every rank must call it.
+
+        On the GPU the average may still be running when this returns: the arrays must stay
+        unchanged until finish(), and are kept alive until then.
+        """
+        if self.pending is not None:
+            raise RuntimeError("Exchanger.start called twice without finish()")
         if len(arrays) != len(self.layout):
-            raise ValueError(f"pack got {len(arrays)} arrays for a layout of {len(self.layout)}")
+            raise ValueError(f"start got {len(arrays)} arrays for a layout of {len(self.layout)}")
+        kind = "delta" if self.primed and self.wire_dtype else "exact"
         t0 = time.perf_counter()
-        self.backend.pack(arrays)
-        self.stats["pack_s"] += time.perf_counter() - t0
+        self.backend.pack(arrays, kind)
+        t1 = time.perf_counter()
+        self.backend.average(self.wire_dtype if kind == "delta" else self.dtype)
+        self.stats["pack_s"] += t1 - t0
+        self.stats["average_s"] += time.perf_counter() - t1
+        self.pending = kind
 
-    def average(self):
-        """Average the staging buffers of all ranks in place; every rank must call it."""
+    def finish(self):
+        """Wait for the started exchange; the averaged arrays (numpy, or DeviceArray views)."""
+        if self.pending is None:
+            raise RuntimeError("Exchanger.finish called with no exchange started")
+        kind, self.pending = self.pending, None
         t0 = time.perf_counter()
-        self.backend.average()
-        self.stats["average_s"] += time.perf_counter() - t0
+        self.backend.wait()
+        t1 = time.perf_counter()
+        out = self.backend.unpack(kind)
+        if kind == "exact" and self.wire_dtype:
+            self.primed = True
+        self.stats["average_s"] += t1 - t0
+        self.stats["unpack_s"] += time.perf_counter() - t1
         self.stats["exchanges"] += 1
-
-    def unpack(self):
-        """The averaged parameters: numpy arrays (CPU) or DeviceArray views (GPU)."""
-        t0 = time.perf_counter()
-        out = self.backend.unpack()
-        self.stats["unpack_s"] += time.perf_counter() - t0
         return out
 
     def average_arrays(self, arrays):
-        """pack, average and unpack in one call."""
-        self.pack(arrays)
-        self.average()
-        return self.unpack()
+        """start and finish in one call."""
+        self.start(arrays)
+        return self.finish()
 
     def close(self):
         """Release the staging buffer and every peer mapping; calling it again does nothing."""
@@ -114,6 +158,9 @@ class Exchanger:
     def __exit__(self, *exc):
         self.close()
 
+    def _entries(self):
+        return zip(self.layout, self.offsets, self.sizes)
+
 
 class _HostBackend:
     """CPU workers: staging buffers in POSIX shared memory, averaged by the host kernel."""
@@ -122,7 +169,6 @@ class _HostBackend:
         ctx = self.ctx = ex.ctx
         self.ex = ex
         nbytes = ex.nbytes
-        self.storage = np.uint16 if ex.dtype == "bfloat16" else np.dtype(ex.dtype)
         name = shm.segment_name(ctx.token, ctx.rank)
         self.segments = []
         self.own = shm.Segment(name, nbytes, create=True)
@@ -134,37 +180,57 @@ class _HostBackend:
         except BaseException:
             self.close()
             raise
-        self.arrays = [np.frombuffer(s.buffer, dtype=self.storage, count=ex.total)
-                       for s in self.segments]
+        self.views = {}
+        for dtype in {ex.dtype, ex.wire_dtype or ex.dtype}:
+            storage = np.uint16 if dtype == "bfloat16" else np.dtype(dtype)
+            self.views[dtype] = [np.frombuffer(s.buffer, dtype=storage, count=ex.total)
+                                 for s in self.segments]
+        self.ref = np.zeros(ex.total, np.float32) if ex.wire_dtype else None
         chunk = -(-ex.total // ctx.nranks)
         self.lo = min(ex.total, ctx.rank * chunk)
         self.hi = min(ex.total, self.lo + chunk)
 
-    def pack(self, arrays):
-        own = self.arrays[self.ctx.rank]
-        for (name, shape, _), off, size, a in zip(self.ex.layout, self.ex.offsets, self.ex.sizes, arrays):
+    def pack(self, arrays, kind):
+        ex, rank = self.ex, self.ctx.rank
+        own = self.views[ex.wire_dtype if kind == "delta" else ex.dtype][rank]
+        for ((name, _, _), off, size), a in zip(ex._entries(), arrays):
             a = np.asarray(a)
             if a.size != size:
                 raise ValueError(f"parameter {name!r} has {a.size} elements, layout says {size}")
-            own[off:off + size] = a.reshape(-1)
+            if kind == "delta":
+                _host.host_delta(np.ascontiguousarray(a, np.float32).reshape(-1),
+                                 self.ref[off:off + size], own[off:off + size], ex.wire_dtype)
+            else:
+                own[off:off + size] = a.reshape(-1)
 
-    def average(self):
+    def average(self, dtype):
         rank, lo, hi = self.ctx.rank, self.lo, self.hi
+        arrays = self.views[dtype]
         self.ctx.barrier()  # every rank has packed
-        mine = self.arrays[rank][lo:hi]
-        _host.host_average([a[lo:hi] for a in self.arrays], mine, dtype=self.ex.dtype)
-        for r, a in enumerate(self.arrays):
+        mine = arrays[rank][lo:hi]
+        _host.host_average([a[lo:hi] for a in arrays], mine, dtype=dtype)
+        for r, a in enumerate(arrays):
             if r != rank:
                 a[lo:hi] = mine
         self.ctx.barrier()  # every slice has reached every rank
 
-    def unpack(self):
-        own = self.arrays[self.ctx.rank]
-        return [own[off:off + size].reshape(shape).copy()
-                for (_, shape, _), off, size in zip(self.ex.layout, self.ex.offsets, self.ex.sizes)]
+    def wait(self):
+        pass  # the host average is complete when average() returns
+
+    def unpack(self, kind):
+        ex, rank = self.ex, self.ctx.rank
+        result = self.views[ex.dtype][rank]
+        if ex.wire_dtype:
+            if kind == "delta":
+                _host.host_accumulate(self.ref, self.views[ex.wire_dtype][rank], ex.wire_dtype)
+            else:
+                self.ref[:] = result
+            result = self.ref
+        return [result[off:off + size].reshape(shape).copy()
+                for (_, shape, _), off, size in ex._entries()]
 
     def close(self):
-        self.arrays = []  # drop the numpy views first, or the mappings cannot close
+        self.views = {}  # drop the numpy views first, or the mappings cannot close
         for seg in self.segments:
             if seg is not self.own:
                 seg.close()
@@ -173,13 +239,18 @@ class _HostBackend:
 
 
 class _CudaBackend:
-    """GPU workers: a PeerGroup buffer shared through CUDA IPC, averaged by the fused kernel."""
+    """GPU workers: a PeerGroup buffer shared through CUDA IPC, averaged by the fused kernel.
+
+    Everything runs on the group's stream, in order: pack, average, and (wire dtype) the
+    accumulation into ref; wait() synchronises it once.
+    """
 
     def __init__(self, ex, timeout):
         from . import cuda
         self.cuda = cuda
         ctx = self.ctx = ex.ctx
         self.ex = ex
+        self.keep = None
         self.group = cuda.PeerGroup(ctx.rank, ctx.nranks, ex.nbytes, device=ctx.device,
                                     timeout=timeout)
         try:
@@ -195,16 +266,22 @@ class _CudaBackend:
             self.group.connect(blobs, max_blocks=max_blocks)
             # Padding between parameters is averaged too: give it defined contents.
             self.group.data("uint8").fill_bytes(0)
-            self.table = cuda.TensorTable(len(ex.layout), 1, ex.dtype)
+            self.copy_table = cuda.TensorTable(len(ex.layout), 1, ex.dtype)
+            self.ref = self.delta_table = None
+            if ex.wire_dtype:
+                self.ref = cuda.DeviceBuffer(ex.nbytes, ctx.device)
+                self.delta_table = cuda.TensorTable(len(ex.layout), 2, ex.wire_dtype, op="delta")
         except BaseException:
             self.group.close()
             raise
 
-    def pack(self, arrays):
-        itemsize = ITEMSIZE[self.ex.dtype]
+    def pack(self, arrays, kind):
+        ex = self.ex
+        out_dtype = ex.wire_dtype if kind == "delta" else ex.dtype
+        out_size, in_size = ITEMSIZE[out_dtype], ITEMSIZE[ex.dtype]
         base = self.group.data_ptr
         entries, keep = [], []
-        for (name, _, dtype), off, size, a in zip(self.ex.layout, self.ex.offsets, self.ex.sizes, arrays):
+        for ((name, _, dtype), off, size), a in zip(ex._entries(), arrays):
             if hasattr(a, "block_until_ready"):
                 a.block_until_ready()  # JAX computes asynchronously on its own streams
             info = self.cuda.array_info(a, f"parameter {name!r}")
@@ -212,27 +289,54 @@ class _CudaBackend:
                 raise ValueError(f"parameter {name!r} is {info.size} {info.dtype} elements, "
                                  f"the layout says {size} {dtype}")
             keep.append(info)
-            entries.append(((info.ptr,), base + off * itemsize, size))
-        self.table.set(entries)
-        self.table.launch(self.group.stream)
-        self.group.synchronize()  # the arrays may be freed by their owner once we return
+            ins = (info.ptr, self.ref.ptr + off * in_size) if kind == "delta" else (info.ptr,)
+            entries.append((ins, base + off * out_size, size))
+        table = self.delta_table if kind == "delta" else self.copy_table
+        table.set(entries)
+        table.launch(self.group.stream)
+        # The kernels read the arrays until wait(): their owner must not free them before.
+        self.keep = keep
 
-    def average(self):
-        n, dtype, g = self.ex.total, self.ex.dtype, self.group
+    def average(self, dtype):
+        n, g = self.ex.total, self.group
         if not self.peer_ok:
+            g.synchronize()  # packed, before the host barrier tells peers to copy
             self.ctx.barrier()
             g.gather(n, dtype)
             self.ctx.barrier()
-            g.shadow_average(n, dtype)
+            g.shadow_average(n, dtype, synchronize=False)
         elif self.ex.method == "copy":
-            g.copy_average(n, dtype)
+            g.copy_average(n, dtype, synchronize=False)
         else:
-            g.allreduce(n, dtype, algo=self.ex.method)
+            g.allreduce(n, dtype, algo=self.ex.method, synchronize=False)
 
-    def unpack(self):
-        itemsize = ITEMSIZE[self.ex.dtype]
-        return [self.group.data(dtype, shape, off * itemsize)
-                for (_, shape, dtype), off in zip(self.ex.layout, self.ex.offsets)]
+    def wait(self):
+        try:
+            self.group.synchronize()
+        finally:
+            self.keep = None
+
+    def unpack(self, kind):
+        ex, g = self.ex, self.group
+        source = g
+        if ex.wire_dtype:
+            if kind == "delta":
+                self.cuda.accumulate(self.ref.view("float32", (ex.total,)),
+                                     g.data(ex.wire_dtype, (ex.total,)), stream=g.stream)
+            else:
+                # The exact exchange sets ref; later regular exchanges only write the wire
+                # slots of their entries, so clear the float32 bytes that padding would read.
+                self.ref.view("uint8").copy_from(g.data("uint8", (ex.nbytes,)))
+                g.data("uint8").fill_bytes(0)
+            source = self.ref
+        itemsize = ITEMSIZE[ex.dtype]
+        if source is g:
+            return [g.data(dtype, shape, off * itemsize)
+                    for (_, shape, dtype), off, _ in ex._entries()]
+        return [source.view(dtype, shape, off * itemsize)
+                for (_, shape, dtype), off, _ in ex._entries()]
 
     def close(self):
+        if self.ref is not None:
+            self.ref.close()
         self.group.close()

@@ -10,6 +10,7 @@ pympgu's fused kernel (CPU workers: through shared memory). Without --data-dir t
 test set shipped with pympgu is used, so it runs offline.
 """
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -83,6 +84,9 @@ class Replica:
             # host. Put every one on the device once.
             for s in self.model.state + self.model.data_vars:
                 _assign(s, jax.device_put(s.get_value(borrow=True)))
+            # One fused pass for the overlap correction over every array.
+            self._correct = jax.jit(lambda now, avg, snap: [v + (a - s) for v, a, s in
+                                                            zip(now, avg, snap)])
 
     def values(self):
         return [s.get_value(borrow=True) for s in self.model.state]
@@ -96,16 +100,46 @@ class Replica:
             self.jax.block_until_ready(self.values())
 
     def exchange(self, ex):
-        """Average parameters and momentum with every other replica."""
-        ex.pack(self.values())
-        ex.average()
-        out = ex.unpack()
-        if not self.ctx.is_cpu:
-            # DLPack import of pympgu's buffer, then a JAX-owned copy: the staging buffer
-            # is reused by the next exchange, so JAX must not keep pointing into it.
-            out = [self.jnp.array(self.jax.dlpack.from_dlpack(v), copy=True) for v in out]
-            self.jax.block_until_ready(out)
-        self.set_values(out)
+        """Average parameters and momentum with every other replica, and wait for it."""
+        ex.start(self.values())
+        self.set_values(self._adopt(ex.finish()))
+
+    def exchange_start(self, ex):
+        """Start averaging the current values; training may go on while it runs (--overlap)."""
+        self.snapshot = self.values()
+        if self.jax is None:
+            # PyTensor's C backend updates shared variables in place: keep a copy. JAX
+            # arrays are immutable, so holding them is enough.
+            self.snapshot = [self.np.array(v, copy=True) for v in self.snapshot]
+        ex.start(self.snapshot)
+
+    def exchange_correct(self, ex, stepped=True):
+        """Finish the exchange begun by exchange_start, after `stepped` training steps.
+
+        The steps taken since then are kept and the average replaces what they started
+        from: values += average - snapshot (the one-step-delayed correction). With no step
+        taken in between (stepped False), the values simply become the average, so every
+        replica is identical again.
+        """
+        out = ex.finish()
+        now, snap, self.snapshot = self.values(), self.snapshot, None
+        if not stepped:
+            self.set_values(self._adopt(out))
+        elif self.ctx.is_cpu:
+            self.set_values([v + (a - s) for v, a, s in zip(now, out, snap)])
+        else:
+            new = self._correct(now, [self.jax.dlpack.from_dlpack(a) for a in out], snap)
+            self.jax.block_until_ready(new)  # it reads pympgu's buffer, reused next exchange
+            self.set_values(new)
+
+    def _adopt(self, out):
+        if self.ctx.is_cpu:
+            return out
+        # DLPack import of pympgu's buffer, then a JAX-owned copy: the buffer is reused by
+        # the next exchange, so JAX must not keep pointing into it.
+        out = [self.jnp.array(self.jax.dlpack.from_dlpack(v), copy=True) for v in out]
+        self.jax.block_until_ready(out)
+        return out
 
     def errors(self):
         from .models import error_rates
@@ -143,58 +177,104 @@ class Replica:
         return epoch, history
 
 
+class Sync:
+    """When and how a replica meets the others: every ``every`` steps, plainly or overlapped.
+
+    Plain: wait for the step, average, carry on. Overlapped: finish the exchange started at
+    the previous sync point (correcting the steps taken meanwhile), then start averaging the
+    current values and return at once, so the next steps compute while it runs. ``seconds``
+    adds up the time the training loop spends here.
+    """
+
+    def __init__(self, rep, ex, every=1, overlap=False):
+        self.rep, self.ex, self.every, self.overlap = rep, ex, every, overlap
+        self.seconds = 0.0
+        self.stepped = False  # a step was taken since the pending exchange started
+
+    def after_step(self, step, last=False):
+        """Call after step `step` (counted from 0) of an epoch; `last` forces a sync."""
+        self.stepped = True
+        if self.ex is None or ((step + 1) % self.every and not last):
+            return
+        self.rep.wait()  # compute time is the step's, not the exchange's
+        t0 = time.perf_counter()
+        if self.overlap:
+            if self.ex.pending:
+                self.rep.exchange_correct(self.ex)
+            self.rep.exchange_start(self.ex)
+            self.stepped = False
+        else:
+            self.rep.exchange(self.ex)
+        self.seconds += time.perf_counter() - t0
+
+    def drain(self):
+        """Finish an overlapped exchange: afterwards every replica holds the same values."""
+        if self.ex is not None and self.ex.pending:
+            t0 = time.perf_counter()
+            self.rep.exchange_correct(self.ex, self.stepped)
+            self.seconds += time.perf_counter() - t0
+
+
+def make_exchanger(ctx, rep, cfg):
+    """The worker's Exchanger, after one exact exchange (which also proves it works)."""
+    from .exchange import Exchanger
+    if ctx.nranks == 1:
+        return None
+    layout = [(s.name, list(s.get_value(borrow=True).shape), "float32") for s in rep.model.state]
+    ex = Exchanger(ctx, layout, method=cfg["method"], wire_dtype=cfg["exchange_dtype"])
+    try:
+        rep.exchange(ex)  # replicas start identical (seed 1234); a resumed run too
+    except BaseException:
+        ex.close()
+        raise
+    return ex
+
+
 def worker(ctx, cfg):
     """The training loop of one worker; returns its summary."""
     _setup_backend(ctx, cfg["backend"])
     from . import data
-    from .exchange import Exchanger
     rep = Replica(ctx, cfg)
     np = rep.np
     start_epoch, history = 0, []
     if cfg["resume"]:
         start_epoch, history = rep.load(cfg["resume"])
-    ex = None
-    if ctx.nranks > 1:
-        layout = [(s.name, list(s.get_value(borrow=True).shape), "float32")
-                  for s in rep.model.state]
-        ex = Exchanger(ctx, layout, method=cfg["method"])
-        ex.pack(rep.values())  # replicas start identical (seed 1234); average anyway to
-        ex.average()  # prove the exchange before the first step
+    ex = make_exchanger(ctx, rep, cfg)
     ntrain = len(rep.dataset.train[1])
-    k = cfg["sync_every"]
     try:
         for epoch in range(start_epoch, cfg["epochs"]):
             batches = data.shard_batches(ntrain, cfg["batch_size"], ctx.nranks, ctx.rank,
                                          cfg["seed"], epoch)
-            costs, exchange_s = [], 0.0
+            sync = Sync(rep, ex, cfg["sync_every"], cfg["overlap"])
+            costs = []
             report_every = max(1, len(batches) // 20)
             t_epoch = time.perf_counter()
             for step, idx in enumerate(batches):
                 costs.append(rep.train_fn(idx))
                 last = step == len(batches) - 1
-                if ex is not None and ((step + 1) % k == 0 or last):
-                    rep.wait()  # compute time is the step's, not the exchange's
-                    t0 = time.perf_counter()
-                    rep.exchange(ex)
-                    exchange_s += time.perf_counter() - t0
+                sync.after_step(step, last)
                 if ctx.rank == 0 and (step % report_every == 0 or last):
                     ctx.metric(kind="progress", epoch=epoch + 1, step=step + 1, steps=len(batches))
+            sync.drain()
             rep.wait()
             epoch_s = time.perf_counter() - t_epoch
             loss = float(np.mean([float(c) for c in costs]))
             record = {"epoch": epoch + 1, "loss": loss, "time_s": epoch_s,
                       "samples_per_s": ctx.nranks * len(batches) * cfg["batch_size"] / epoch_s,
-                      "exchange_share": exchange_s / epoch_s}
+                      "exchange_share": sync.seconds / epoch_s}
             if ctx.rank == 0:
                 record["valid_error"], record["test_error"] = rep.errors()
                 history.append(record)
                 ctx.metric(kind="epoch", **record)
                 if cfg["out"]:
                     rep.save(os.path.join(cfg["out"], CHECKPOINT), epoch + 1, history)
+        # Replicas must end identical: a digest per rank lets the launcher's caller check.
+        digest = hashlib.sha256(b"".join(np.asarray(v).tobytes() for v in rep.values()))
     finally:
         if ex is not None:
             ex.close()
-    return {"rank": ctx.rank, "history": history if ctx.rank == 0 else None}
+    return {"rank": ctx.rank, "history": history if ctx.rank == 0 else None,
+            "digest": digest.hexdigest()}
 
 
 # ---------------------------------------------------------------- the launcher side
@@ -292,6 +372,17 @@ def build_parser():
     m.add_argument("--l2", type=float, help=f"L2 weight penalty (default: {DEFAULTS['l2']})")
     m.add_argument("--sync-every", type=int, default=1, metavar="K",
                    help="average parameters and momentum every K steps (default: 1, the seed's)")
+    m.add_argument("--overlap", action="store_true",
+                   help="average step t's parameters on pympgu's own CUDA stream while step "
+                        "t+1 computes, then apply the average with a one-step-delayed "
+                        "correction (default: off; wait for every average). With "
+                        "--sync-every K the average arrives K steps late, which with high "
+                        "momentum slows convergence: see docs/TRAINING.md")
+    m.add_argument("--exchange-dtype", choices=["float32", "bfloat16", "float16"],
+                   default="float32",
+                   help="dtype on the wire: bfloat16 or float16 send each sync's change in "
+                        "half the bytes; parameters and accumulation stay float32 "
+                        "(default: float32, exact)")
     m.add_argument("--seed", type=int, default=0, help="seed of the minibatch order (default: 0)")
     o = p.add_argument_group("output")
     o.add_argument("--out", default=None, metavar="DIR",
@@ -356,6 +447,7 @@ def resolve(args, parser):
         if not os.path.isfile(resume):
             parser.error(f"--resume {args.resume}: no checkpoint there")
     cfg.update(data=data, backend=backend, method=args.method, sync_every=args.sync_every,
+               overlap=args.overlap, exchange_dtype=args.exchange_dtype,
                seed=args.seed, out=args.out, resume=resume,
                devices=["cpu" if d is None else d for d in devices])
     return cfg, devices, note
@@ -373,7 +465,9 @@ def run(cfg, devices, port=None, quiet=False):
     where = (f"{len(devices)} CPU workers" if devices[0] is None
              else f"GPUs {devices}")
     print(f"pympgu: {ds} | MLP {'-'.join(map(str, [ds.n_in, *cfg['hidden'], ds.n_classes]))} | "
-          f"{where} | batch {cfg['batch_size']}/worker | sync every {cfg['sync_every']} | "
+          f"{where} | batch {cfg['batch_size']}/worker | sync every {cfg['sync_every']}"
+          f"{' overlapped' if cfg['overlap'] else ''}"
+          f"{'' if cfg['exchange_dtype'] == 'float32' else ', ' + cfg['exchange_dtype'] + ' wire'} | "
           f"backend {cfg['backend']}", flush=True)
     reporter = Reporter(cfg["out"], cfg["epochs"], quiet=quiet)
     t0 = time.perf_counter()
@@ -385,6 +479,9 @@ def run(cfg, devices, port=None, quiet=False):
     finally:
         reporter.close()
     total = time.perf_counter() - t0
+    if len({r["digest"] for r in results}) != 1:
+        raise RuntimeError("the replicas ended with different parameters: " +
+                           ", ".join(f"rank {r['rank']} {r['digest'][:12]}" for r in results))
     history = results[0]["history"]
     if history:
         best = min(history, key=lambda h: h["valid_error"])

@@ -54,3 +54,21 @@ def same_bits(a, b, dtype):
     return bool(np.array_equal(nan, np.isnan(fb)) and
                 np.array_equal(a.view(np.uint8).reshape(len(a), -1)[~nan],
                                b.view(np.uint8).reshape(len(b), -1)[~nan]))
+
+
+def model_wire_exchanges(rounds_inputs, wire):
+    """Results of successive exchanges of float32 arrays over a low-precision wire.
+
+    rounds_inputs[k][r] is rank r's array at exchange k. The first exchange is exact and sets
+    ref; each later one sends round(x - ref) in `wire`, averages the wire values and adds the
+    average to ref in float32 (pmg_host_delta / pmg_host_accumulate). Returns every
+    exchange's result.
+    """
+    ref = model_average(rounds_inputs[0], "float32")
+    results = [ref.copy()]
+    with np.errstate(all="ignore"):
+        for inputs in rounds_inputs[1:]:
+            wires = [from_f32(x - ref, wire) for x in inputs]
+            ref = ref + to_f32(model_average(wires, wire), wire)
+            results.append(ref.copy())
+    return results

@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from reference import model_average
+from reference import model_average, model_wire_exchanges
 
 LAYOUT = [("w1", [31, 17], "float32"), ("b1", [17], "float32"), ("w2", [17, 5], "float32"),
           ("b2", [5], "float32")]
@@ -92,3 +92,46 @@ def average_rounds_gpu(ctx, rounds):
                     raise AssertionError(f"rank {ctx.rank} round {k} tensor {t} is wrong")
             digest = hashlib.sha256(b"".join(a.tobytes() for a in out)).hexdigest()
         return {"digest": digest, "stats": ex.stats}
+
+
+def wire_rounds(ctx, rounds, wire, overlap=False):
+    """Exchange over a low-precision wire (CPU arrays, or torch CUDA tensors on GPU workers);
+    check every result bit for bit against the reference model. With overlap the caller
+    computes between start() and finish(), as the training loop's --overlap does."""
+    from pympgu.exchange import Exchanger
+    torch = None
+    if not ctx.is_cpu:
+        import torch
+        torch.cuda.set_device(ctx.device)
+
+    def inputs(rank, k):  # drifting parameters: round k is round 0 plus small steps
+        base = rank_params(0, 0)
+        return [b + np.float32(0.01 * (k + 1)) * d
+                for b, d in zip(base, rank_params(rank, k + 1))]
+
+    with Exchanger(ctx, LAYOUT, wire_dtype=wire) as ex:
+        for k in range(rounds):
+            mine = inputs(ctx.rank, k)
+            if torch is not None:
+                mine = [torch.from_numpy(a).cuda() for a in mine]
+            ex.start(mine)
+            if overlap:
+                busy = float(np.sum(np.arange(10000.0)))  # host work while the average runs
+                assert busy > 0
+            out = ex.finish()
+            if torch is not None:
+                out = [v.copy_to_host() for v in out]
+            for t, got in enumerate(out):
+                model = model_wire_exchanges(
+                    [[inputs(r, j)[t].ravel() for r in range(ctx.nranks)] for j in range(k + 1)],
+                    wire)[-1]
+                if not np.array_equal(got.ravel(), model):
+                    raise AssertionError(f"rank {ctx.rank} round {k} tensor {t} differs from "
+                                         f"the wire model")
+                exact = model_average([inputs(r, k)[t].ravel() for r in range(ctx.nranks)],
+                                      "float32")
+                err = np.max(np.abs(got.ravel() - exact)) if k else 0.0
+                if err > 0.01 * 2 ** -7 * 10:  # a wire rounding of a ~0.01 change, with margin
+                    raise AssertionError(f"rank {ctx.rank} round {k}: {err} from the exact mean")
+        return {"stats": ex.stats, "digest": hashlib.sha256(
+            b"".join(np.asarray(a).tobytes() for a in out)).hexdigest()}

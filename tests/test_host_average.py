@@ -83,3 +83,38 @@ def test_bad_arguments_name_the_problem():
         pympgu.host_average([a] * 9, a)
     with pytest.raises(ValueError, match="C-contiguous"):
         pympgu.host_average([a, np.zeros(8, np.float32)[::2]], a)
+
+
+@pytest.mark.parametrize("wire", ["float16", "bfloat16"])
+@pytest.mark.parametrize("n", [1, 5, 1000, 65537])
+def test_wire_delta_and_accumulate_match_model(wire, n):
+    from pympgu._host import host_accumulate, host_delta
+    from reference import from_f32
+    rng = np.random.default_rng()
+    ref = rng.standard_normal(n).astype(np.float32)
+    x = ref + (rng.standard_normal(n) * 0.01).astype(np.float32)
+    x[0] = np.inf if n > 1 else x[0]  # an overflow must travel as Inf, not be clipped
+    w = storage_empty(n, wire)
+    w[:] = 0xFF if wire == "bfloat16" else np.nan
+    host_delta(x, ref, w, wire)
+    with np.errstate(all="ignore"):
+        assert same_bits(w, from_f32(x - ref, wire), wire)
+    acc = ref.copy()
+    host_accumulate(acc, w, wire)
+    finite = np.isfinite(x)
+    with np.errstate(all="ignore"):
+        assert np.array_equal(acc, ref + to_f32(w, wire))
+        # only the change since ref was rounded: the error is relative to |x - ref|
+        err = np.abs(acc - x)[finite]
+    assert np.all(err <= np.abs(x - ref)[finite] * REL_TOL[wire] + 1e-7)
+
+
+def test_wire_rejects_bad_arguments():
+    from pympgu._host import host_accumulate, host_delta
+    x = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="wire dtype"):
+        host_delta(x, x, np.zeros(4, np.float32), "float32")
+    with pytest.raises(ValueError, match="wire has 3 items"):
+        host_delta(x, x, np.zeros(3, np.uint16), "bfloat16")
+    with pytest.raises(ValueError, match="ref must be float32"):
+        host_accumulate(np.zeros(4, np.float64), np.zeros(4, np.uint16), "bfloat16")

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from pympgu.launch import WorkerFailed, launch
-from runtime_targets import attack_then_average, average_rounds
+from runtime_targets import attack_then_average, average_rounds, wire_rounds
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -101,7 +101,7 @@ def test_two_runs_at_once_do_not_clash():
 def test_ctrl_c_stops_every_worker(tmp_path):
     script = (
         "import sys; sys.path.insert(0, 'tests');"
-        "from pympgu.launch import launch; from runtime_targets import attack_then_average, average_rounds;"
+        "from pympgu.launch import launch; from runtime_targets import attack_then_average, average_rounds, wire_rounds;"
         f"launch(average_rounds, (100000, {str(tmp_path)!r}), cpu=2)"
     )
     before = shm_segments()
@@ -123,3 +123,11 @@ def test_ctrl_c_stops_every_worker(tmp_path):
     time.sleep(0.5)
     assert not [p for p in pids if alive(p)]
     assert shm_segments() == before
+
+
+@pytest.mark.parametrize("wire", ["bfloat16", "float16"])
+@pytest.mark.parametrize("nworkers,overlap", [(2, False), (3, True)])
+def test_cpu_workers_low_precision_wire(wire, nworkers, overlap):
+    results = launch(wire_rounds, (4, wire, overlap), cpu=nworkers)
+    assert len({r["digest"] for r in results}) == 1  # replicas stay bit-identical
+    assert all(r["stats"]["exchanges"] == 4 for r in results)

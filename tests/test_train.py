@@ -16,7 +16,8 @@ pytestmark = pytest.mark.timeout(600)
 
 def config(**over):
     cfg = dict(train.DEFAULTS, data=None, backend="c", method="auto", sync_every=1, seed=0,
-               out=None, resume=None, devices=["cpu", "cpu"])
+               overlap=False, exchange_dtype="float32", out=None, resume=None,
+               devices=["cpu", "cpu"])
     cfg.update(over)
     return cfg
 
@@ -55,6 +56,30 @@ def test_fashion_two_workers_match_one(tmp_path):
     print(f"fashion-mnist test error: 1 worker {100 * e1:.2f}%, 2 workers {100 * e2:.2f}%")
     assert abs(e1 - e2) <= 0.005
     assert e2 < 0.2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir(data.FASHION_DIR), reason="dataset-fashion-mnist not installed")
+def test_fashion_exchange_variants_match_plain_averaging():
+    """--overlap, a bfloat16 wire and --sync-every 4 against plain per-step averaging."""
+    base = dict(data="fashion", epochs=2, batch_size=128, hidden=[256])
+    runs = {"plain": {}, "overlap": dict(overlap=True), "bf16 wire": dict(exchange_dtype="bfloat16"),
+            "sync every 4": dict(sync_every=4),
+            "overlap + bf16": dict(overlap=True, exchange_dtype="bfloat16")}
+    errors = {}
+    for name, over in runs.items():
+        errors[name] = train.run(config(**base, **over), [None, None])[-1]["test_error"]
+    print("fashion-mnist test error, 2 workers: " +
+          ", ".join(f"{k} {100 * v:.2f}%" for k, v in errors.items()))
+    for name, err in errors.items():
+        assert abs(err - errors["plain"]) <= 0.005, (name, errors)
+
+
+def test_overlap_and_wire_dtype_keep_replicas_identical():
+    # run() checks every rank's final digest and raises if the replicas differ
+    hist = train.run(config(epochs=1, hidden=[32], overlap=True, exchange_dtype="bfloat16",
+                            sync_every=3), [None, None, None])
+    assert hist[-1]["test_error"] < 0.5
 
 
 def test_jax_graph_agrees_with_c_backend_on_one_step():
@@ -144,5 +169,5 @@ def test_help_explains_every_flag():
                        text=True, timeout=60)
     assert r.returncode == 0
     for flag in ("--gpus", "--cpu", "--sync-every", "--preset", "--out", "--resume",
-                 "--data-dir", "--hidden", "--method"):
+                 "--data-dir", "--hidden", "--method", "--overlap", "--exchange-dtype"):
         assert flag in r.stdout
