@@ -12,17 +12,23 @@ steps=${*:-tests sanitize train bench}
 for step in $steps; do
   echo "=== $step"
   case $step in
-    tests) timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_exchange.py tests/test_gpu_runtime.py 2>&1 | tail -15 ;;
+    tests) timeout 540 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_exchange.py tests/test_gpu_runtime.py 2>&1 | tail -15 ;;
     sanitize)
       for tool in memcheck racecheck; do
         PYMPGU_TEST_MAX_N=70000 timeout 200 compute-sanitizer --tool $tool --target-processes all \
-          python3 -m pytest -q -p no:cacheprovider tests/test_gpu_exchange.py -k "all_methods and None-2" 2>&1 | tail -3
+          python3 -m pytest -q -p no:cacheprovider tests/test_gpu_exchange.py -k "all_methods and 2-None or wire_kernels" 2>&1 | tail -3
       done ;;
     train)
       d=${DATA:-.data/fashion}
       timeout 300 python3 -m pympgu.train --gpus 0 --data-dir $d --preset dual_mlp --quiet --out $OUT/seed1 2>&1 | grep -v -i warn | tail -13
       timeout 300 python3 -c "from pympgu import train; import sys; a = train.build_parser().parse_args(['--cpu','2','--data-dir','$d','--preset','dual_mlp']); cfg,_,_ = train.resolve(a, train.build_parser()); cfg.update(backend='jax', out='$OUT/seed2'); train.run(cfg, [0, 0], quiet=True)" 2>&1 | grep -v -i warn | tail -13
       timeout 300 python3 -m pympgu.train --gpus 0 --data-dir $d --hidden 4096 4096 --batch-size 1024 --epochs 3 --quiet 2>&1 | grep -v -i warn | tail -5 ;;
+    # 1-GPU rows (pympgu, plain JAX, DDP); then the multi-rank variants with 2 ranks on GPU 0
+    # (logic only: they time-slice). TRAINBENCH="--gpus 0 1" on the 2-GPU kind.
+    trainbench)
+      timeout 400 python3 -m pympgu.bench train ${TRAINBENCH:---gpus 0} --json "$OUT/train_bench.json" 2>&1 | grep -v -i warn | tail -14
+      [ -z "${TRAINBENCH:-}" ] && timeout 150 python3 -m pympgu.bench train --gpus 0 0 --models wide --steps 10 --warmup 3 --no-ddp 2>&1 | grep -v -i warn | tail -8 ;;
+    variants) timeout 400 python3 benchmarks/accuracy_variants.py --data-dir ${DATA:-.data/fashion} --gpus ${VGPUS:-0 0} 2>&1 | grep -v -i warn | tail -8 ;;
     conv) timeout 200 python3 benchmarks/probe_conv.py 2>&1 | tail -8 ;;
     # BENCH="--gpus 0 1" on the 2-GPU kind; the default puts 2 ranks on one GPU.
     bench) timeout 500 python3 -m pympgu.bench ${BENCH:---gpus 0 --procs 2 --sizes 4K 64K 1M 64M} --json "$OUT/bench.json" 2>&1 | tail -25 ;;

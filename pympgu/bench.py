@@ -2,6 +2,7 @@
 
     python -m pympgu.bench --gpus 0 1                 # 4 KiB .. 1 GiB, every method
     python -m pympgu.bench --gpus 0 --procs 4         # 4 ranks sharing one GPU (logic, not speed)
+    python -m pympgu.bench train --gpus 0 1           # training: against DDP (see --help there)
 
 One process per rank. For each size every method averages an fp32 buffer in place; device
 time per exchange comes from CUDA events around back-to-back exchanges (median of several
@@ -42,18 +43,25 @@ def _iters(nbytes):
     return int(max(5, min(200, (2 << 30) // max(nbytes, 1))))
 
 
-def _time_device(run, stream, iters, repeats=5):
-    """Median device µs of one call of run(), from events around iters back-to-back calls."""
-    from pympgu import cuda
+def _time_device(run, stream, iters, repeats=5, new_event=None):
+    """Median device µs of one call of run(), from events around iters back-to-back calls.
+
+    Events are pympgu's by default; new_event() may make another framework's (torch's), for
+    work queued on that framework's stream.
+    """
+    if new_event is None:
+        from pympgu import cuda
+        new_event = cuda.Event
     samples = []
     for _ in range(repeats):
-        start, end = cuda.Event(), cuda.Event()
+        start, end = new_event(), new_event()
         start.record(stream)
         for _ in range(iters):
             run()
         end.record(stream)
         end.synchronize()
-        samples.append(start.elapsed_ms(end) * 1000 / iters)
+        ms = start.elapsed_ms(end) if hasattr(start, "elapsed_ms") else start.elapsed_time(end)
+        samples.append(ms * 1000 / iters)
     return statistics.median(samples)
 
 
@@ -124,18 +132,9 @@ def _nccl(rank, nranks, device, sizes, results, init_file):
             for _ in range(3):
                 run()
             torch.cuda.synchronize()
-            samples = []
-            iters = _iters(nbytes)
-            for _ in range(5):
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record(stream)
-                for _ in range(iters):
-                    run()
-                end.record(stream)
-                end.synchronize()
-                samples.append(start.elapsed_time(end) * 1000 / iters)
-            row["nccl"] = {"us": statistics.median(samples)}
+            row["nccl"] = {"us": _time_device(
+                run, stream, _iters(nbytes),
+                new_event=lambda: torch.cuda.Event(enable_timing=True))}
             if nbytes <= (1 << 20):
                 row["nccl"]["e2e_us"] = _time_host(run, torch.cuda.synchronize, 200)
     finally:
@@ -234,6 +233,10 @@ def table(results, methods):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "train":
+        from pympgu import bench_train
+        return bench_train.main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m pympgu.bench", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -38,8 +38,8 @@ def check_results(results, cases, nranks):
         assert np.all(err <= np.abs(mean64(inputs, dtype)) * 2 ** -7 + 1e-6), what
 
 
-@pytest.mark.parametrize("nranks", [2, 3, 4])
-@pytest.mark.parametrize("max_blocks", [None, 3])
+@pytest.mark.parametrize("nranks,max_blocks", [(2, None), (3, None), (4, None), (8, None),
+                                               (2, 3), (3, 3), (4, 3)])
 def test_peer_group_all_methods(nranks, max_blocks):
     seed = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run
     sizes = SIZES if max_blocks is None else SIZES[:-1]
@@ -96,6 +96,39 @@ def test_direct_average_on_framework_arrays():
     pympgu.average_many(reps)
     for t in range(len(shapes)):
         assert np.array_equal(reps[0][t].cpu().numpy().ravel(), expected[t])
+
+
+@pytest.mark.parametrize("wire", ["float16", "bfloat16"])
+def test_wire_kernels_match_host(wire):
+    """The multi-tensor delta and the accumulation on the GPU, bit for bit against the host
+    functions, over odd lengths and offsets that break 16-byte alignment."""
+    torch = pytest.importorskip("torch")
+    from pympgu._host import host_accumulate, host_delta
+    tdtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}[wire]
+    rng = np.random.default_rng()
+    sizes, shift = [1, 5, 4096, 100_003, 1_000_001], [0, 1, 0, 3, 2]
+    xs = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+    refs = [x - (rng.standard_normal(n) * 0.01).astype(np.float32) for x, n in zip(xs, sizes)]
+    xs[3][7] = np.inf
+    # each x is a slice starting `shift` elements into a larger tensor: unaligned pointers
+    dx = [torch.from_numpy(np.concatenate([np.zeros(s, np.float32), x])).cuda()[s:]
+          for x, s in zip(xs, shift)]
+    dref = [torch.from_numpy(r).cuda() for r in refs]
+    dwire = [torch.full((n,), float("nan"), dtype=tdtype, device="cuda:0") for n in sizes]
+    table = pympgu.cuda.TensorTable(len(sizes), 2, wire, op="delta")
+    table.set([((x.data_ptr(), r.data_ptr()), w.data_ptr(), n)
+               for x, r, w, n in zip(dx, dref, dwire, sizes)])
+    table.launch()
+    pympgu.cuda.synchronize()
+    for x, r, w, n in zip(xs, refs, dwire, sizes):
+        host = np.empty(n, np.uint16)
+        host_delta(x, r, host, wire)
+        assert np.array_equal(w.view(torch.int16).cpu().numpy().view(np.uint16), host), n
+        acc = r.copy()
+        host_accumulate(acc, host, wire)
+        dacc = torch.from_numpy(r).cuda()
+        pympgu.cuda.accumulate(dacc, w)
+        assert np.array_equal(dacc.cpu().numpy(), acc, equal_nan=True), n
 
 
 def test_device_buffer_is_seen_without_a_copy():

@@ -3,7 +3,7 @@ import pytest
 
 from conftest import visible_gpus
 from pympgu.launch import WorkerFailed, launch
-from runtime_targets import average_rounds_gpu
+from runtime_targets import average_rounds_gpu, wire_rounds
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
@@ -13,7 +13,7 @@ def devices(nranks):
     return [r % n for r in range(nranks)]  # ranks share GPUs when there are fewer
 
 
-@pytest.mark.parametrize("nranks", [2, 4])
+@pytest.mark.parametrize("nranks", [2, 4, 8])
 def test_gpu_workers_exchange_through_runtime(nranks):
     pytest.importorskip("torch")
     results = launch(average_rounds_gpu, (4,), gpus=devices(nranks))
@@ -26,3 +26,11 @@ def test_gpu_worker_failure_is_reported():
     with pytest.raises(WorkerFailed) as info:
         launch(average_rounds_gpu, ("not a number",), gpus=devices(2))
     assert "TypeError" in info.value.details
+
+
+@pytest.mark.parametrize("nranks,wire,overlap", [(2, "bfloat16", True), (3, "float16", False)])
+def test_gpu_workers_low_precision_wire(nranks, wire, overlap):
+    pytest.importorskip("torch")
+    results = launch(wire_rounds, (4, wire, overlap), gpus=devices(nranks))
+    assert len({r["digest"] for r in results}) == 1
+    assert all(r["stats"]["exchanges"] == 4 for r in results)

@@ -1,0 +1,370 @@
+"""Training benchmark: pympgu against PyTorch DDP and a plain JAX step, at 1 and N GPUs.
+
+    python -m pympgu.bench train --gpus 0 1            # every row, seed and wide MLPs
+    python -m pympgu.bench train --gpus 0 --models wide
+
+For each model (the seed's MLP 784-500-10 at batch 5000, plain SGD; the wide MLP
+784-4096-4096-10 at batch 1024 with momentum 0.9) it times ``--steps`` training steps after
+``--warmup`` and prints samples/s (all GPUs together) for:
+
+- pympgu on the first GPU alone, and on all GPUs given with --sync-every 1, --sync-every 4,
+  --overlap and a bfloat16 wire;
+- PyTorch DistributedDataParallel on the same architecture, batch and optimiser (when
+  torch is importable and every rank has its own GPU);
+- a plain JAX step (jax.grad of the same loss, jitted) against the PyTensor-compiled call,
+  on one GPU: the per-step cost of PyTensor's wrapper.
+
+Scaling efficiency is N-GPU samples/s over N times the same system's 1-GPU samples/s. For
+pympgu it also prints the exchange time per step the training loop saw, beside the bare
+kernel's device time for the same bytes. Minibatches are random indices into the dataset
+(the embedded MNIST test set unless --data-dir): speed does not depend on the labels.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+MODELS = {
+    "seed": dict(hidden=[500], lr=0.13, momentum=0.0, batch_size=5000, l1=0.0, l2=1e-4),
+    "wide": dict(hidden=[4096, 4096], lr=0.05, momentum=0.9, batch_size=1024, l1=0.0, l2=1e-4),
+}
+VARIANTS = {  # name: (sync_every, overlap, exchange dtype)
+    "sync1": (1, False, "float32"),
+    "sync4": (4, False, "float32"),
+    "overlap": (1, True, "float32"),
+    "bf16": (1, False, "bfloat16"),
+}
+
+
+# ---------------------------------------------------------------- pympgu workers
+
+def pympgu_worker(ctx, cfg, steps, warmup, plain_jax):
+    """One rank: time `steps` training steps with exchanges, as the training loop runs them."""
+    import numpy as np
+
+    from .train import Replica, Sync, _setup_backend, make_exchanger
+    _setup_backend(ctx, "jax")
+    rep = Replica(ctx, cfg)
+    ex = make_exchanger(ctx, rep, cfg)
+    try:
+        ntrain = len(rep.dataset.train[1])
+        rng = np.random.default_rng(ctx.rank)
+        batches = [rng.integers(0, ntrain, cfg["batch_size"]).astype(np.int32)
+                   for _ in range(warmup + steps)]
+        sync = Sync(rep, ex, cfg["sync_every"], cfg["overlap"])
+        for i, idx in enumerate(batches[:warmup]):
+            rep.train_fn(idx)
+            sync.after_step(i, last=i == warmup - 1)
+        sync.drain()
+        rep.wait()
+        if ctx.nranks > 1:
+            ctx.barrier()
+        sync.seconds = 0.0
+        t0 = time.perf_counter()
+        for i, idx in enumerate(batches[warmup:]):
+            rep.train_fn(idx)
+            sync.after_step(i, last=i == steps - 1)
+        sync.drain()
+        rep.wait()
+        wall = time.perf_counter() - t0
+        out = {"samples_per_s": ctx.nranks * cfg["batch_size"] * steps / wall,
+               "ms_per_step": 1e3 * wall / steps,
+               "exchange_ms_per_step": 1e3 * sync.seconds / steps}
+        if ex is not None:
+            out["wire_bytes"] = ex.wire_nbytes
+            out["exchanges"] = ex.stats["exchanges"]
+            if not ctx.is_cpu:
+                out["bare_kernel_ms"] = _bare_kernel_ms(ex)
+        if plain_jax:
+            out["pytensor_ms"] = _time_calls(lambda idx: rep.train_fn(idx), rep.wait, batches)
+            out["plain_jax_ms"] = _plain_jax_ms(rep, cfg, batches)
+        return out
+    finally:
+        if ex is not None:
+            ex.close()
+
+
+def _bare_kernel_ms(ex):
+    """Device time of the exchange kernel alone for the exchanger's wire bytes (every rank
+    runs it together: each call crosses the GPU barrier)."""
+    from .bench import _time_device
+    g = ex.backend.group
+    dtype = ex.wire_dtype or ex.dtype
+    if ex.method == "copy":
+        def run():
+            g.copy_average(ex.total, dtype, synchronize=False)
+    else:
+        def run():
+            g.allreduce(ex.total, dtype, algo=ex.method, synchronize=False)
+    for _ in range(3):
+        run()
+    g.synchronize()
+    return _time_device(run, g.stream, 20) / 1e3
+
+
+def _time_calls(call, wait, batches, repeats=3):
+    """Median ms per call over the batches, calls dispatched back to back."""
+    samples = []
+    for _ in range(repeats):
+        wait()
+        t0 = time.perf_counter()
+        for idx in batches:
+            call(idx)
+        wait()
+        samples.append(1e3 * (time.perf_counter() - t0) / len(batches))
+    return statistics.median(samples)
+
+
+def _plain_jax_ms(rep, cfg, batches):
+    """The same step written directly in JAX (grad of the same loss, one jitted function)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    model = rep.model
+    params = [jnp.asarray(np.asarray(p.get_value())) for p in model.params]
+    vel = [jnp.zeros_like(p) for p in params]
+    x_all, y_all = (jnp.asarray(np.asarray(v.get_value())) for v in model.data_vars[:2])
+    lr, mu, l2 = (np.float32(cfg[k]) for k in ("lr", "momentum", "l2"))
+
+    def loss(params, x, y):
+        h = x
+        for i in range(0, len(params) - 2, 2):
+            h = jnp.tanh(h @ params[i] + params[i + 1])
+        logits = h @ params[-2] + params[-1]
+        nll = -jnp.mean(jnp.sum(y * jax.nn.log_softmax(logits, axis=1), axis=1))
+        return nll + l2 * sum(jnp.sum(params[i] ** 2) for i in range(0, len(params), 2))
+
+    @jax.jit
+    def step(params, vel, idx):
+        cost, g = jax.value_and_grad(loss)(params, x_all[idx], y_all[idx])
+        vel = [mu * v - lr * gi for v, gi in zip(vel, g)]
+        return [p + v for p, v in zip(params, vel)], vel, cost
+
+    state = [params, vel]
+
+    def call(idx):
+        state[0], state[1], _ = step(state[0], state[1], jnp.asarray(idx))
+
+    return _time_calls(call, lambda: jax.block_until_ready(state), batches)
+
+
+# ---------------------------------------------------------------- DDP
+
+def ddp_rank(rank, world, devices, cfg, n_in, n_out, steps, warmup, init_file):
+    """One DDP rank: the same MLP, batch and optimiser in PyTorch; rank 0 returns timings."""
+    import torch
+    import torch.distributed as dist
+    device = devices[rank]
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        sizes = [n_in, *cfg["hidden"], n_out]
+        layers = []
+        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+            layers.append(torch.nn.Linear(a, b))
+            if i < len(sizes) - 2:
+                layers.append(torch.nn.Tanh())
+        model = torch.nn.Sequential(*layers).cuda()
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device])
+        weights = [m.weight for m in model if isinstance(m, torch.nn.Linear)]
+        biases = [m.bias for m in model if isinstance(m, torch.nn.Linear)]
+        # pympgu's cost has l2 * sum(W^2), whose gradient is 2 * l2 * W: weight decay 2 * l2.
+        opt = torch.optim.SGD([{"params": weights, "weight_decay": 2 * cfg["l2"]},
+                               {"params": biases, "weight_decay": 0.0}],
+                              lr=cfg["lr"], momentum=cfg["momentum"])
+        gen = torch.Generator(device="cuda").manual_seed(rank)
+        ntrain = 8000
+        x_all = torch.randn(ntrain, n_in, device="cuda", generator=gen)
+        y_all = torch.randint(0, n_out, (ntrain,), device="cuda", generator=gen)
+
+        def step():
+            idx = torch.randint(0, ntrain, (cfg["batch_size"],), device="cuda", generator=gen)
+            loss = torch.nn.functional.cross_entropy(ddp(x_all[idx]), y_all[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+        for _ in range(warmup):
+            step()
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        return {"samples_per_s": world * cfg["batch_size"] * steps / wall,
+                "ms_per_step": 1e3 * wall / steps}
+    finally:
+        dist.destroy_process_group()
+
+
+def _ddp_entry(rank, conn, args):
+    try:
+        conn.send(("result", ddp_rank(rank, *args)))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        raise SystemExit(1)
+
+
+def run_ddp(devices, cfg, n_in, n_out, steps, warmup, timeout=600):
+    """DDP over devices in spawned processes; rank 0's timings. Every child is reaped."""
+    import multiprocessing as mp
+    import tempfile
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="pympgu-ddp-") as tmp:
+        args = (len(devices), devices, cfg, n_in, n_out, steps, warmup, os.path.join(tmp, "init"))
+        pipes, procs = [], []
+        try:
+            for rank in range(len(devices)):
+                a, b = ctx.Pipe()
+                p = ctx.Process(target=_ddp_entry, args=(rank, b, args), daemon=True)
+                p.start()
+                pipes.append(a)
+                procs.append(p)
+            results = []
+            for rank, pipe in enumerate(pipes):
+                if not pipe.poll(timeout):
+                    raise RuntimeError(f"DDP rank {rank} said nothing for {timeout} s")
+                kind, value = pipe.recv()
+                if kind == "error":
+                    raise RuntimeError(f"DDP rank {rank} failed:\n{value}")
+                results.append(value)
+            return results[0]
+        finally:
+            for p in procs:
+                p.join(30)
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+
+
+# ---------------------------------------------------------------- driver
+
+def run_pympgu(devices, cfg, steps, warmup, plain_jax=False):
+    """pympgu on devices (None entries: CPU workers); rank 0's timings."""
+    from .launch import launch
+    args = (cfg, steps, warmup, plain_jax)
+    if devices[0] is None:
+        return launch(pympgu_worker, args, cpu=len(devices))[0]
+    return launch(pympgu_worker, args, gpus=devices)[0]
+
+
+def measure(gpus, models, variants, steps, warmup, data, use_ddp, log=print):
+    """Every row of the benchmark, as a list of dicts."""
+    from . import data as datamod
+    ds = datamod.load(data)
+    rows = []
+    multi = len(gpus) > 1
+    for name in models:
+        base = dict(MODELS[name], data=data, backend="jax", method="auto", seed=0, epochs=1,
+                    resume=None, out=None, sync_every=1, overlap=False,
+                    exchange_dtype="float32")
+        runs = [("pympgu", gpus[:1], "-", base, True)]
+        if multi:
+            for v in variants:
+                k, overlap, wire = VARIANTS[v]
+                runs.append(("pympgu", gpus, v, dict(base, sync_every=k, overlap=overlap,
+                                                      exchange_dtype=wire), False))
+        if use_ddp and gpus[0] is not None:
+            runs.append(("DDP", gpus[:1], "-", base, False))
+            if multi and len(set(gpus)) == len(gpus):
+                runs.append(("DDP", gpus, "-", base, False))
+        for system, devs, variant, cfg, plain in runs:
+            where = f"{len(devs)} CPU workers" if devs[0] is None else f"GPUs {devs}"
+            log(f"  {name}: {system} on {where}, variant {variant}", flush=True)
+            if system == "pympgu":
+                r = run_pympgu(devs, cfg, steps, warmup, plain)
+            else:
+                r = run_ddp(devs, cfg, ds.n_in, ds.n_classes, steps, warmup)
+            rows.append(dict(r, model=name, system=system, gpus=list(devs), variant=variant,
+                             batch=cfg["batch_size"]))
+    for row in rows:  # scaling against the same system's 1-GPU row
+        one = next(r for r in rows if r["model"] == row["model"] and
+                   r["system"] == row["system"] and len(r["gpus"]) == 1)
+        row["scaling"] = row["samples_per_s"] / (len(row["gpus"]) * one["samples_per_s"])
+    return rows
+
+
+def table(rows):
+    head = (f"{'model':<5} {'system':<7} {'GPUs':<10} {'variant':<10} {'batch/GPU':>9} "
+            f"{'samples/s':>12} {'ms/step':>8} {'scaling':>8} {'exch ms/step':>12} "
+            f"{'kernel ms':>10} {'wire MB':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        def opt(key, fmt):
+            return format(r[key], fmt) if key in r else "-"
+        where = ",".join("cpu" if g is None else str(g) for g in r["gpus"])
+        lines.append(f"{r['model']:<5} {r['system']:<7} {where:<10} "
+                     f"{r['variant']:<10} {r['batch']:>9} {r['samples_per_s']:12.0f} "
+                     f"{r['ms_per_step']:8.3f} {r['scaling']:8.2f} "
+                     f"{opt('exchange_ms_per_step', '12.3f'):>12} {opt('bare_kernel_ms', '10.3f'):>10} "
+                     f"{(format(r['wire_bytes'] / 1e6, '8.1f') if 'wire_bytes' in r else '-'):>8}")
+    for r in rows:
+        if "plain_jax_ms" in r:
+            lines.append(f"{r['model']}: PyTensor-compiled step {r['pytensor_ms']:.3f} ms, plain "
+                         f"JAX step {r['plain_jax_ms']:.3f} ms: PyTensor's overhead "
+                         f"{r['pytensor_ms'] - r['plain_jax_ms']:+.3f} ms per step")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m pympgu.bench train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpus", type=int, nargs="+", default=None,
+                        help="GPU indexes (default: every visible GPU); a repeated index puts "
+                             "several ranks on one GPU, which checks logic, not speed")
+    parser.add_argument("--cpu", type=int, default=None, metavar="N",
+                        help="N CPU workers (JAX on CPU) instead of GPUs: a smoke test of the "
+                             "benchmark itself, no DDP")
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["seed", "wide"],
+                        help="models to time (default: both)")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                        help="pympgu variants for the multi-GPU rows (default: all)")
+    parser.add_argument("--steps", type=int, default=100, help="timed steps (default: 100)")
+    parser.add_argument("--warmup", type=int, default=20,
+                        help="untimed steps first, compilation included (default: 20)")
+    parser.add_argument("--data-dir", default=None, help="dataset, as for pympgu.train")
+    parser.add_argument("--no-ddp", action="store_true", help="skip PyTorch DDP")
+    parser.add_argument("--json", default=None, help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    from . import cuda
+    if args.steps < 1 or args.warmup < 1:
+        parser.error("--steps and --warmup must be at least 1")
+    if args.cpu is not None:
+        if args.gpus is not None or not 1 <= args.cpu <= 8:
+            parser.error("--cpu takes 1 to 8 workers and excludes --gpus")
+        gpus, names = [None] * args.cpu, "CPU workers"
+    else:
+        ok, info = cuda.availability()
+        if not ok:
+            parser.error(f"no usable GPU: {info} (--cpu N runs a smoke test on CPU workers)")
+        gpus = args.gpus if args.gpus is not None else list(range(min(info, 8)))
+        bad = [g for g in gpus if not 0 <= g < info]
+        if bad:
+            parser.error(f"--gpus: GPU {bad[0]} does not exist ({info} visible)")
+        if not 1 <= len(gpus) <= 8:
+            parser.error("--gpus: 1 to 8 ranks")
+        names = ", ".join(cuda.device_name(d) for d in sorted(set(gpus)))
+    use_ddp = not args.no_ddp and args.cpu is None
+    if use_ddp:
+        try:
+            import torch.distributed  # noqa: F401
+        except ImportError:
+            print("pympgu.bench train: torch is not importable; no DDP rows", file=sys.stderr)
+            use_ddp = False
+    print(f"pympgu.bench train: {len(gpus)} ranks on {gpus} ({names}); {args.steps} steps after "
+          f"{args.warmup} warm-up", flush=True)
+    if len(gpus) == 1:
+        print("  one GPU: only the 1-GPU rows (give two or more GPUs for scaling)", flush=True)
+    rows = measure(gpus, args.models, args.variants, args.steps, args.warmup, args.data_dir,
+                   use_ddp)
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpus": gpus, "names": names, "rows": rows}, f, indent=1)
+    return 0

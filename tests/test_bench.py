@@ -1,0 +1,30 @@
+"""The training benchmark's own logic, on CPU workers (its GPU numbers come from the device)."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_train_bench_smoke_on_cpu_workers(tmp_path):
+    out = tmp_path / "rows.json"
+    r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "2", "--models",
+                        "seed", "--steps", "2", "--warmup", "1", "--variants", "sync4", "overlap",
+                        "bf16", "--json", str(out)], capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(len(x["gpus"]), x["variant"]) for x in rows] == [
+        (1, "-"), (2, "sync4"), (2, "overlap"), (2, "bf16")]
+    assert all(x["samples_per_s"] > 0 for x in rows)
+    # the bf16 wire carries half the bytes of the float32 one
+    wire = {x["variant"]: x["wire_bytes"] for x in rows if "wire_bytes" in x}
+    assert wire["bf16"] * 2 == wire["overlap"]
+    assert "plain JAX step" in r.stdout and "scaling" in r.stdout
+
+
+def test_train_bench_rejects_bad_flags():
+    r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "9"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--cpu takes 1 to 8" in r.stderr
