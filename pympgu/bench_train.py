@@ -82,6 +82,8 @@ def pympgu_worker(ctx, cfg, steps, warmup, plain_jax):
         if plain_jax:
             out["pytensor_ms"] = _time_calls(lambda idx: rep.train_fn(idx), rep.wait, batches)
             out["plain_jax_ms"] = _plain_jax_ms(rep, cfg, batches)
+            if not ctx.is_cpu and ctx.nranks == 1:
+                out["r1"] = _exchange_overhead(ctx, rep, cfg)
         return out
     finally:
         if ex is not None:
@@ -104,6 +106,28 @@ def _bare_kernel_ms(ex):
         run()
     g.synchronize()
     return _time_device(run, g.stream, 20) / 1e3
+
+
+def _exchange_overhead(ctx, rep, cfg, calls=20):
+    """One whole exchange of the replica's state with R = 1 (pack, kernel, unpack and the
+    JAX copy-back: every pass but the link's), beside the kernel alone on the same bytes.
+    On one GPU this isolates what the Exchanger adds around the kernel."""
+    from .exchange import Exchanger
+    from .train import state_layout
+    with Exchanger(ctx, state_layout(rep), method=cfg["method"]) as ex:
+        rep.exchange(ex)
+        before = dict(ex.stats)
+        samples = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            rep.exchange(ex)
+            samples.append(1e3 * (time.perf_counter() - t0))
+        per = {k: 1e3 * (ex.stats[k] - before[k]) / calls for k in ("pack_s", "average_s",
+                                                                     "unpack_s")}
+        return {"exchange_ms": statistics.median(samples), "kernel_ms": _bare_kernel_ms(ex),
+                "bytes": ex.nbytes, "pack_ms": per["pack_s"], "average_ms": per["average_s"],
+                "unpack_ms": per["unpack_s"],
+                "copy_back_ms": statistics.mean(samples) - sum(per.values())}
 
 
 def _time_calls(call, wait, batches, repeats=3):
@@ -315,6 +339,12 @@ def table(rows):
             lines.append(f"{r['model']}: PyTensor-compiled step {r['pytensor_ms']:.3f} ms, plain "
                          f"JAX step {r['plain_jax_ms']:.3f} ms: PyTensor's overhead "
                          f"{r['pytensor_ms'] - r['plain_jax_ms']:+.3f} ms per step")
+        if "r1" in r:
+            o = r["r1"]
+            lines.append(f"{r['model']}: one exchange of {o['bytes'] / 1e6:.1f} MB at R = 1 takes "
+                         f"{o['exchange_ms']:.3f} ms, the kernel alone {o['kernel_ms']:.3f} ms "
+                         f"(host time: pack {o['pack_ms']:.3f}, average {o['average_ms']:.3f}, "
+                         f"unpack {o['unpack_ms']:.3f}, JAX copy-back {o['copy_back_ms']:.3f} ms)")
     return "\n".join(lines)
 
 

@@ -125,15 +125,19 @@ class Exchanger:
         self.stats["average_s"] += time.perf_counter() - t1
         self.pending = kind
 
-    def finish(self):
-        """Wait for the started exchange; the averaged arrays (numpy, or DeviceArray views)."""
+    def finish(self, flat=False):
+        """Wait for the started exchange; the averaged arrays (numpy, or DeviceArray views).
+
+        flat=True returns one 1-D array of ``total`` elements instead, each entry at its
+        offset in ``offsets``: a framework then imports the result once, not per array.
+        """
         if self.pending is None:
             raise RuntimeError("Exchanger.finish called with no exchange started")
         kind, self.pending = self.pending, None
         t0 = time.perf_counter()
         self.backend.wait()
         t1 = time.perf_counter()
-        out = self.backend.unpack(kind)
+        out = self.backend.unpack(kind, flat)
         if kind == "exact" and self.wire_dtype:
             self.primed = True
         self.stats["average_s"] += t1 - t0
@@ -217,7 +221,7 @@ class _HostBackend:
     def wait(self):
         pass  # the host average is complete when average() returns
 
-    def unpack(self, kind):
+    def unpack(self, kind, flat):
         ex, rank = self.ex, self.ctx.rank
         result = self.views[ex.dtype][rank]
         if ex.wire_dtype:
@@ -226,6 +230,8 @@ class _HostBackend:
             else:
                 self.ref[:] = result
             result = self.ref
+        if flat:
+            return result.copy()
         return [result[off:off + size].reshape(shape).copy()
                 for (_, shape, _), off, size in ex._entries()]
 
@@ -316,7 +322,7 @@ class _CudaBackend:
         finally:
             self.keep = None
 
-    def unpack(self, kind):
+    def unpack(self, kind, flat):
         ex, g = self.ex, self.group
         source = g
         if ex.wire_dtype:
@@ -330,11 +336,10 @@ class _CudaBackend:
                 g.data("uint8").fill_bytes(0)
             source = self.ref
         itemsize = ITEMSIZE[ex.dtype]
-        if source is g:
-            return [g.data(dtype, shape, off * itemsize)
-                    for (_, shape, dtype), off, _ in ex._entries()]
-        return [source.view(dtype, shape, off * itemsize)
-                for (_, shape, dtype), off, _ in ex._entries()]
+        view = g.data if source is g else source.view
+        if flat:
+            return view(ex.dtype, (ex.total,), 0)
+        return [view(dtype, shape, off * itemsize) for (_, shape, dtype), off, _ in ex._entries()]
 
     def close(self):
         if self.ref is not None:

@@ -75,6 +75,7 @@ class Replica:
             ds, cfg["batch_size"], self.eval_batch, cfg["lr"], cfg["momentum"], cfg["l1"],
             cfg["l2"], mode)
         self.jax = None
+        self._jit_cache = {}
         if cfg["backend"] == "jax":
             import jax
             import jax.numpy as jnp
@@ -84,9 +85,6 @@ class Replica:
             # host. Put every one on the device once.
             for s in self.model.state + self.model.data_vars:
                 _assign(s, jax.device_put(s.get_value(borrow=True)))
-            # One fused pass for the overlap correction over every array.
-            self._correct = jax.jit(lambda now, avg, snap: [v + (a - s) for v, a, s in
-                                                            zip(now, avg, snap)])
 
     def values(self):
         return [s.get_value(borrow=True) for s in self.model.state]
@@ -102,7 +100,7 @@ class Replica:
     def exchange(self, ex):
         """Average parameters and momentum with every other replica, and wait for it."""
         ex.start(self.values())
-        self.set_values(self._adopt(ex.finish()))
+        self.set_values(self._adopt(ex))
 
     def exchange_start(self, ex):
         """Start averaging the current values; training may go on while it runs (--overlap)."""
@@ -121,25 +119,47 @@ class Replica:
         taken in between (stepped False), the values simply become the average, so every
         replica is identical again.
         """
-        out = ex.finish()
         now, snap, self.snapshot = self.values(), self.snapshot, None
         if not stepped:
-            self.set_values(self._adopt(out))
+            self.set_values(self._adopt(ex))
         elif self.ctx.is_cpu:
-            self.set_values([v + (a - s) for v, a, s in zip(now, out, snap)])
+            self.set_values([v + (a - s) for v, a, s in zip(now, ex.finish(), snap)])
         else:
-            new = self._correct(now, [self.jax.dlpack.from_dlpack(a) for a in out], snap)
+            flat = self.jax.dlpack.from_dlpack(ex.finish(flat=True))
+            new = self._jitted(ex, "correct")(now, flat, snap)
             self.jax.block_until_ready(new)  # it reads pympgu's buffer, reused next exchange
             self.set_values(new)
 
-    def _adopt(self, out):
+    def _adopt(self, ex):
+        """Finish ex and return its result as this backend's arrays."""
         if self.ctx.is_cpu:
-            return out
-        # DLPack import of pympgu's buffer, then a JAX-owned copy: the buffer is reused by
-        # the next exchange, so JAX must not keep pointing into it.
-        out = [self.jnp.array(self.jax.dlpack.from_dlpack(v), copy=True) for v in out]
+            return ex.finish()
+        # One DLPack import of pympgu's whole buffer, then one jitted split into JAX-owned
+        # arrays (jit outputs never alias its inputs): the buffer is reused by the next
+        # exchange, so JAX must not keep pointing into it. Importing and copying each array
+        # on its own cost about 0.12 ms per array (docs/BENCHMARKS.md).
+        out = self._jitted(ex, "split")(self.jax.dlpack.from_dlpack(ex.finish(flat=True)))
         self.jax.block_until_ready(out)
         return out
+
+    def _jitted(self, ex, what):
+        """The jitted split ('split') or overlap correction ('correct') for ex's layout."""
+        key = (id(ex), what)
+        fn = self._jit_cache.get(key)
+        if fn is None:
+            pieces = [(off, size, tuple(shape))
+                      for (_, shape, _), off, size in zip(ex.layout, ex.offsets, ex.sizes)]
+
+            def split(flat):
+                return [flat[o:o + n].reshape(shape) for o, n, shape in pieces]
+
+            if what == "split":
+                fn = self.jax.jit(split)
+            else:
+                fn = self.jax.jit(lambda now, flat, snap: [
+                    v + (a - s) for v, a, s in zip(now, split(flat), snap)])
+            self._jit_cache[key] = fn
+        return fn
 
     def errors(self):
         from .models import error_rates
@@ -215,13 +235,17 @@ class Sync:
             self.seconds += time.perf_counter() - t0
 
 
+def state_layout(rep):
+    """The Exchanger layout of a replica's state: parameters, then momentum."""
+    return [(s.name, list(s.get_value(borrow=True).shape), "float32") for s in rep.model.state]
+
+
 def make_exchanger(ctx, rep, cfg):
     """The worker's Exchanger, after one exact exchange (which also proves it works)."""
     from .exchange import Exchanger
     if ctx.nranks == 1:
         return None
-    layout = [(s.name, list(s.get_value(borrow=True).shape), "float32") for s in rep.model.state]
-    ex = Exchanger(ctx, layout, method=cfg["method"], wire_dtype=cfg["exchange_dtype"])
+    ex = Exchanger(ctx, state_layout(rep), method=cfg["method"], wire_dtype=cfg["exchange_dtype"])
     try:
         rep.exchange(ex)  # replicas start identical (seed 1234); a resumed run too
     except BaseException:

@@ -31,7 +31,7 @@ def alive(pid):
         return False
 
 
-@pytest.mark.parametrize("nworkers", [2, 3, 4])
+@pytest.mark.parametrize("nworkers", [1, 2, 3, 4, 8])
 def test_cpu_workers_average_exactly(nworkers):
     before = shm_segments()
     metrics = []
