@@ -13,6 +13,7 @@ for step in $steps; do
   echo "=== $step"
   case $step in
     tests) timeout 540 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_exchange.py tests/test_gpu_runtime.py 2>&1 | tail -15 ;;
+    nccl) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_exchange.py -k nccl 2>&1 | tail -3 ;;
     sanitize)
       for tool in memcheck racecheck; do
         PYMPGU_TEST_MAX_N=70000 timeout 200 compute-sanitizer --tool $tool --target-processes all \
