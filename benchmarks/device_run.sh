@@ -24,6 +24,10 @@ for step in $steps; do
       timeout 300 python3 -m pympgu.train --gpus 0 --data-dir $d --preset dual_mlp --quiet --out $OUT/seed1 2>&1 | grep -v -i warn | tail -13
       timeout 300 python3 -c "from pympgu import train; import sys; a = train.build_parser().parse_args(['--cpu','2','--data-dir','$d','--preset','dual_mlp']); cfg,_,_ = train.resolve(a, train.build_parser()); cfg.update(backend='jax', out='$OUT/seed2'); train.run(cfg, [0, 0], quiet=True)" 2>&1 | grep -v -i warn | tail -13
       timeout 300 python3 -m pympgu.train --gpus 0 --data-dir $d --hidden 4096 4096 --batch-size 1024 --epochs 3 --quiet 2>&1 | grep -v -i warn | tail -5 ;;
+    train2)  # the 2-GPU kind: the seed preset and the wide MLP on --gpus 0 1
+      d=${DATA:-.data/fashion}
+      timeout 200 python3 -m pympgu.train --gpus 0 1 --data-dir $d --preset dual_mlp --quiet 2>&1 | grep -v -i warn | tail -12
+      timeout 200 python3 -m pympgu.train --gpus 0 1 --data-dir $d --hidden 4096 4096 --batch-size 1024 --epochs 3 --quiet 2>&1 | grep -v -i warn | tail -5 ;;
     # 1-GPU rows (pympgu, plain JAX, DDP); then the multi-rank variants with 2 ranks on GPU 0
     # (logic only: they time-slice). TRAINBENCH="--gpus 0 1" on the 2-GPU kind.
     trainbench)

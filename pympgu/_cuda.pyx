@@ -711,12 +711,14 @@ def ipc_open_handle(bytes handle):
 def oneshot_max_bytes(int nranks):
     """Largest buffer the 'auto' algorithm sends one-shot; above it, two-shot.
 
-    Override with PYMPGU_ONESHOT_MAX_BYTES. The defaults come from docs/BENCHMARKS.md.
+    Override with PYMPGU_ONESHOT_MAX_BYTES. On 2 H200s over NVLink (docs/BENCHMARKS.md)
+    one-shot won at 64 KiB and two-shot at 256 KiB, hence 128 KiB; more ranks are not
+    measured yet and use the same.
     """
     env = os.environ.get("PYMPGU_ONESHOT_MAX_BYTES")
     if env:
         return int(env)
-    return 512 * 1024 if nranks <= 2 else 256 * 1024
+    return 128 * 1024
 
 
 cdef class PeerGroup:
