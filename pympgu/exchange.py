@@ -269,6 +269,12 @@ class _CudaBackend:
                 warnings.warn(f"rank {ctx.rank}: GPU {ctx.device} has no peer access to every "
                               f"GPU of {devices}; falling back to the copy method with host "
                               "barriers", RuntimeWarning)
+            elif os.environ.get("PYMPGU_NO_P2P") == "1":
+                # The fallback's logic, forced on GPUs that do have peer access: machines
+                # without P2P are rare, and the path must still be testable.
+                self.peer_ok = False
+                warnings.warn(f"rank {ctx.rank}: PYMPGU_NO_P2P=1: using the copy method with "
+                              "host barriers", RuntimeWarning)
             self.group.connect(blobs, max_blocks=max_blocks)
             # Padding between parameters is averaged too: give it defined contents.
             self.group.data("uint8").fill_bytes(0)

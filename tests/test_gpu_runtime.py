@@ -34,3 +34,11 @@ def test_gpu_workers_low_precision_wire(nranks, wire, overlap):
     results = launch(wire_rounds, (4, wire, overlap), gpus=devices(nranks))
     assert len({r["digest"] for r in results}) == 1
     assert all(r["stats"]["exchanges"] == 4 for r in results)
+
+
+def test_gpu_workers_without_peer_access_fall_back(monkeypatch):
+    """The copy method with host barriers, as GPUs without P2P use it (forced here)."""
+    pytest.importorskip("torch")
+    monkeypatch.setenv("PYMPGU_NO_P2P", "1")  # spawned workers inherit it
+    results = launch(average_rounds_gpu, (3,), gpus=devices(2))
+    assert len({r["digest"] for r in results}) == 1
