@@ -467,15 +467,15 @@ def _from_dlpack(obj, what):
     # Some producers (torch) export only from their array's own device: make it current
     # for the export, then restore the caller's device.
     dev = obj.__dlpack_device__() if hasattr(obj, "__dlpack_device__") else None
+    previous = None  # the device to return to, when the export needs another
     if dev is not None and int(dev[0]) == kDLCUDA and int(dev[1]) != get_device():
         previous = get_device()
         set_device(int(dev[1]))
-        try:
-            capsule = obj.__dlpack__()
-        finally:
-            set_device(previous)
-    else:
+    try:
         capsule = obj.__dlpack__()
+    finally:
+        if previous is not None:
+            set_device(previous)
     cdef DLManagedTensor *m = <DLManagedTensor *>PyCapsule_GetPointer(capsule, b"dltensor")
     cdef DLTensor *t = &m.dl_tensor
     if t.device.device_type != kDLCUDA:

@@ -89,10 +89,6 @@ class Exchanger:
         self.primed = self.wire_dtype is None  # ref is set by the first (exact) exchange
         self.pending = None  # the kind of exchange started and not finished
         self.stats = {"pack_s": 0.0, "average_s": 0.0, "unpack_s": 0.0, "exchanges": 0}
-        # Passes over the parameters per exchange besides the average itself: pack reads the
-        # parameters (and ref) and writes the staging buffer; unpack reads the result (and,
-        # with a wire dtype, adds it into ref); the caller's copy-back is one more.
-        self.extra_passes = {"pack": 1, "unpack": 1}
         backend = _HostBackend if ctx.is_cpu else _CudaBackend
         self.backend = backend(self, timeout)
 
