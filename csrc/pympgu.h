@@ -98,6 +98,8 @@ int pmg_can_access_peer(int device, int peer, int *can);
 int pmg_enable_peer_access(int peer); /* already enabled counts as success */
 int pmg_malloc(void **ptr, size_t nbytes);
 int pmg_free(void *ptr);
+int pmg_host_alloc(void **ptr, size_t nbytes); /* page-locked, for truly async uploads */
+int pmg_host_free(void *ptr);
 int pmg_memset_async(void *ptr, int value, size_t nbytes, cudaStream_t stream);
 int pmg_memcpy_async(void *dst, const void *src, size_t nbytes, cudaStream_t stream);
 int pmg_memcpy_peer_async(void *dst, int dst_device, const void *src, int src_device,
@@ -113,6 +115,9 @@ int pmg_event_destroy(cudaEvent_t event);
 int pmg_event_record(cudaEvent_t event, cudaStream_t stream);
 int pmg_event_synchronize(cudaEvent_t event);
 int pmg_event_elapsed_ms(cudaEvent_t start, cudaEvent_t end, float *ms);
+/* Make consumer's later work wait for everything queued on producer so far, without
+ * blocking the host: the DLPack stream handshake. */
+int pmg_stream_wait(cudaStream_t consumer, cudaStream_t producer);
 
 /* ---- kernels (csrc/average.cu) ---- */
 /* out = mean of inputs[0..nranks-1], one launch, no barrier: for replicas that one process

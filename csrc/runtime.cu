@@ -65,6 +65,8 @@ int pmg_enable_peer_access(int peer) {
 
 int pmg_malloc(void **ptr, size_t nbytes) { return cudaMalloc(ptr, nbytes); }
 int pmg_free(void *ptr) { return cudaFree(ptr); }
+int pmg_host_alloc(void **ptr, size_t nbytes) { return cudaMallocHost(ptr, nbytes); }
+int pmg_host_free(void *ptr) { return cudaFreeHost(ptr); }
 
 int pmg_memset_async(void *ptr, int value, size_t nbytes, cudaStream_t stream) {
   return cudaMemsetAsync(ptr, value, nbytes, stream);
@@ -111,6 +113,18 @@ int pmg_event_record(cudaEvent_t event, cudaStream_t stream) {
   return cudaEventRecord(event, stream);
 }
 int pmg_event_synchronize(cudaEvent_t event) { return cudaEventSynchronize(event); }
+
+int pmg_stream_wait(cudaStream_t consumer, cudaStream_t producer) {
+  // A fresh event each time: cudaStreamWaitEvent captures the work recorded so far, and
+  // destroying the event while the wait is pending is allowed (resources go when it fires).
+  cudaEvent_t event;
+  cudaError_t err = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+  if (err != cudaSuccess) return err;
+  err = cudaEventRecord(event, producer);
+  if (err == cudaSuccess) err = cudaStreamWaitEvent(consumer, event, 0);
+  cudaError_t destroyed = cudaEventDestroy(event);
+  return err != cudaSuccess ? err : destroyed;
+}
 int pmg_event_elapsed_ms(cudaEvent_t start, cudaEvent_t end, float *ms) {
   return cudaEventElapsedTime(ms, start, end);
 }

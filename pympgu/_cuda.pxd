@@ -44,6 +44,8 @@ cdef extern from "pympgu.h" nogil:
     int pmg_enable_peer_access(int peer)
     int pmg_malloc(void **ptr, size_t nbytes)
     int pmg_free(void *ptr)
+    int pmg_host_alloc(void **ptr, size_t nbytes)
+    int pmg_host_free(void *ptr)
     int pmg_memset_async(void *ptr, int value, size_t nbytes, cudaStream_t stream)
     int pmg_memcpy_async(void *dst, const void *src, size_t nbytes, cudaStream_t stream)
     int pmg_memcpy_peer_async(void *dst, int dst_device, const void *src, int src_device,
@@ -59,6 +61,7 @@ cdef extern from "pympgu.h" nogil:
     int pmg_event_record(cudaEvent_t event, cudaStream_t stream)
     int pmg_event_synchronize(cudaEvent_t event)
     int pmg_event_elapsed_ms(cudaEvent_t start, cudaEvent_t end, float *ms)
+    int pmg_stream_wait(cudaStream_t consumer, cudaStream_t producer)
 
     int pmg_average(const void *const *inputs, int nranks, void *out, size_t n, int dtype,
                     cudaStream_t stream)

@@ -228,14 +228,20 @@ cdef class DeviceArray:
 
     It exports ``__cuda_array_interface__`` (v3) and DLPack, so CuPy, PyTorch and JAX can see
     it without a copy; it keeps its owner alive for as long as any consumer holds it.
+
+    ``stream`` (a handle; 0 for none) is the stream whose queued work writes the memory. A
+    consumer that names its own stream through DLPack gets that stream ordered after it,
+    with no host wait; one that names none, or reads ``__cuda_array_interface__``, is told
+    to synchronise with it.
     """
     cdef readonly object owner
     cdef readonly uintptr_t ptr
     cdef readonly tuple shape
     cdef readonly str dtype
     cdef readonly int device
+    cdef readonly uintptr_t stream
 
-    def __init__(self, owner, uintptr_t ptr, shape, dtype, int device):
+    def __init__(self, owner, uintptr_t ptr, shape, dtype, int device, uintptr_t stream=0):
         if str(dtype) not in _ITEMSIZE:
             raise ValueError(f"unsupported dtype {dtype!r}")
         self.owner = owner
@@ -243,6 +249,7 @@ cdef class DeviceArray:
         self.shape = tuple(int(s) for s in shape)
         self.dtype = str(dtype)
         self.device = device
+        self.stream = stream
 
     @property
     def size(self):
@@ -260,14 +267,17 @@ cdef class DeviceArray:
         if self.dtype not in _TYPESTR:
             raise TypeError("bfloat16 has no __cuda_array_interface__ type string; use DLPack")
         return {"shape": self.shape, "typestr": _TYPESTR[self.dtype], "data": (self.ptr, False),
-                "strides": None, "version": 3, "stream": None}
+                "strides": None, "version": 3, "stream": self.stream or None}
 
     def __dlpack_device__(self):
         return (kDLCUDA, self.device)
 
     def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
-        # pympgu finishes its own work before returning control (every entry point
-        # synchronises its stream unless told otherwise), so no stream handshake is needed.
+        # The DLPack stream handshake: the consumer's stream (None: the legacy default
+        # stream, as the standard says; -1: the consumer will synchronise itself) waits for
+        # the work still queued on ours, and the host never does.
+        if self.stream and stream != -1:
+            self.order_before(1 if stream is None or stream == 0 else int(stream))
         cdef DLManagedTensor *m = <DLManagedTensor *>malloc(sizeof(DLManagedTensor))
         if m == NULL:
             raise MemoryError()
@@ -294,6 +304,20 @@ cdef class DeviceArray:
         m.manager_ctx = <void *>self
         m.deleter = _dlpack_deleter
         return PyCapsule_New(m, b"dltensor", _dlpack_capsule_destructor)
+
+    def order_before(self, consumer):
+        """Make the consumer stream (handle or Stream) wait for the work queued on
+        self.stream; the host does not wait."""
+        cdef cudaStream_t c = _stream_of(consumer)
+        if not self.stream or <uintptr_t>c == self.stream:
+            return
+        previous = get_device()
+        set_device(self.device)  # the event must live on the producer stream's device
+        try:
+            check(pmg_stream_wait(c, <cudaStream_t>self.stream))
+        finally:
+            if previous != self.device:
+                set_device(previous)
 
     def copy_from_host(self, array):
         """Copy a host array of the same byte size into this view (blocking)."""
@@ -360,8 +384,9 @@ cdef class DeviceBuffer:
             raise ValueError("DeviceBuffer is closed")
         return <uintptr_t>self._ptr
 
-    def view(self, dtype="uint8", shape=None, size_t offset=0):
-        """A DeviceArray of dtype and shape starting offset bytes into the buffer."""
+    def view(self, dtype="uint8", shape=None, size_t offset=0, stream=None):
+        """A DeviceArray of dtype and shape starting offset bytes into the buffer; stream is
+        the one whose queued work writes it (see DeviceArray), if any."""
         itemsize = _ITEMSIZE.get(str(dtype))
         if itemsize is None:
             raise ValueError(f"unsupported dtype {dtype!r}")
@@ -375,7 +400,8 @@ cdef class DeviceBuffer:
         if offset + count * itemsize > self.nbytes:
             raise ValueError(f"view of {count * itemsize} bytes at offset {offset} overruns "
                              f"a buffer of {self.nbytes} bytes")
-        return DeviceArray(self, self.ptr + offset, shape, dtype, self.device)
+        return DeviceArray(self, self.ptr + offset, shape, dtype, self.device,
+                           <uintptr_t>_stream_of(stream))
 
     @property
     def __cuda_array_interface__(self):
@@ -415,15 +441,25 @@ class ArrayInfo:
             ptr, size, dtype, device, keepalive)
 
 
-def array_info(obj, what="array"):
-    """Describe a C-contiguous device array from any framework.
+def array_info(obj, what="array", stream=None):
+    """Describe a C-contiguous device array from any framework, ready for use.
 
-    ``__cuda_array_interface__`` is read first, DLPack second; ``what`` names the argument in
-    error messages.
+    ``stream`` (a handle or Stream, 0 for the legacy default stream) is where the caller
+    will use the array. The array's producer then orders its pending work before that
+    stream through DLPack's stream handshake, and the host does not wait; DLPack is read
+    first. With stream None the host waits for the producer, and
+    ``__cuda_array_interface__`` is read first. ``what`` names the argument in errors.
     """
     if isinstance(obj, DeviceArray):
         a = <DeviceArray>obj
+        if stream is None:
+            if a.stream:
+                _sync_stream(a.stream)
+        else:
+            a.order_before(stream)
         return ArrayInfo(a.ptr, a.size, a.dtype, a.device, a)
+    if stream is not None and hasattr(obj, "__dlpack__"):
+        return _from_dlpack(obj, what, stream)
     cai = getattr(obj, "__cuda_array_interface__", None)
     # Some producers (torch) describe bfloat16 in CAI as an opaque '<V2': DLPack says more.
     if cai is not None and not (cai["typestr"] not in _FROM_TYPESTR and hasattr(obj, "__dlpack__")):
@@ -463,7 +499,7 @@ def _from_cai(cai, obj, what):
     return ArrayInfo(ptr, n, dtype, device, obj)
 
 
-def _from_dlpack(obj, what):
+def _from_dlpack(obj, what, stream=None):
     # Some producers (torch) export only from their array's own device: make it current
     # for the export, then restore the caller's device.
     dev = obj.__dlpack_device__() if hasattr(obj, "__dlpack_device__") else None
@@ -472,7 +508,11 @@ def _from_dlpack(obj, what):
         previous = get_device()
         set_device(int(dev[1]))
     try:
-        capsule = obj.__dlpack__()
+        if stream is None:
+            capsule = obj.__dlpack__()
+        else:
+            # DLPack forbids 0 for CUDA streams: the legacy default stream is 1.
+            capsule = obj.__dlpack__(stream=(<uintptr_t>_stream_of(stream)) or 1)
     finally:
         if previous is not None:
             set_device(previous)
@@ -513,8 +553,9 @@ def average(inputs, out=None, stream=None, synchronize=True):
     cdef int nranks = len(inputs)
     if nranks < 1 or nranks > PMG_MAX_RANKS:
         raise ValueError(f"average takes 1 to {PMG_MAX_RANKS} inputs, got {nranks}")
-    o = array_info(out, "out")
-    infos = [array_info(a, f"inputs[{r}]") for r, a in enumerate(inputs)]
+    on = <uintptr_t>_stream_of(stream)  # the arrays' producers order their work before it
+    o = array_info(out, "out", on)
+    infos = [array_info(a, f"inputs[{r}]", on) for r, a in enumerate(inputs)]
     for r, info in enumerate(infos):
         if info.size != o.size or info.dtype != o.dtype:
             raise ValueError(f"inputs[{r}] has {info.size} {info.dtype} elements, out has "
@@ -552,7 +593,8 @@ def average_many(replicas, outs=None, stream=None, synchronize=True):
             raise ValueError(f"replicas[{r}] has {len(lst)} tensors, outs has {ntensors}")
     if ntensors == 0:
         return outs
-    o_infos = [array_info(x, f"outs[{t}]") for t, x in enumerate(outs)]
+    on = <uintptr_t>_stream_of(stream)
+    o_infos = [array_info(x, f"outs[{t}]", on) for t, x in enumerate(outs)]
     dtype = o_infos[0].dtype
     entries, keep = [], []
     for t, o in enumerate(o_infos):
@@ -560,7 +602,7 @@ def average_many(replicas, outs=None, stream=None, synchronize=True):
             raise ValueError(f"outs[{t}] is {o.dtype}, outs[0] is {dtype}: one dtype per call")
         ins = []
         for r in range(nranks):
-            info = array_info(replicas[r][t], f"replicas[{r}][{t}]")
+            info = array_info(replicas[r][t], f"replicas[{r}][{t}]", on)
             if info.size != o.size or info.dtype != dtype:
                 raise ValueError(f"replicas[{r}][{t}] has {info.size} {info.dtype} elements, "
                                  f"outs[{t}] has {o.size} {dtype}")
@@ -581,8 +623,9 @@ def accumulate(ref, avg, stream=None, synchronize=True):
     The second half of the low-precision wire (TensorTable op "delta" is the first); the
     same arithmetic as pympgu.host_accumulate. Returns ref.
     """
-    r = array_info(ref, "ref")
-    a = array_info(avg, "avg")
+    on = <uintptr_t>_stream_of(stream)
+    r = array_info(ref, "ref", on)
+    a = array_info(avg, "avg", on)
     if r.dtype != "float32":
         raise ValueError(f"ref must be float32, got {r.dtype}")
     if a.size != r.size:
@@ -613,6 +656,10 @@ cdef class TensorTable:
     packs parameters into its buffer in one launch). op "delta" takes two float32 inputs
     (x, ref) and writes round(x - ref) in dtype, float16 or bfloat16: the low-precision
     wire of pmg_host_delta.
+
+    The table travels to the device on the launch stream from page-locked memory, so a
+    launch never waits for the host or the device; set() waits only if the previous
+    launch's upload has not left yet.
     """
     cdef readonly object buffer
     cdef readonly int capacity
@@ -622,9 +669,13 @@ cdef class TensorTable:
     cdef readonly int dtype_code
     cdef readonly str op
     cdef pmg_tensor *host
+    cdef cudaEvent_t uploaded
+    cdef bint pending
 
     def __cinit__(self, int capacity, int nranks, dtype, op="average"):
         self.host = NULL
+        self.uploaded = NULL
+        self.pending = False
         if capacity < 1 or nranks < 1 or nranks > PMG_MAX_RANKS:
             raise ValueError(f"TensorTable needs capacity >= 1 and 1 to {PMG_MAX_RANKS} ranks")
         if op not in ("average", "delta"):
@@ -634,15 +685,18 @@ cdef class TensorTable:
         self.capacity, self.nranks, self.ntensors, self.max_n = capacity, nranks, 0, 0
         self.dtype_code = dtype_code(dtype)
         self.op = op
-        self.host = <pmg_tensor *>malloc(sizeof(pmg_tensor) * capacity)
-        if self.host == NULL:
-            raise MemoryError()
         self.buffer = DeviceBuffer(sizeof(pmg_tensor) * capacity)
+        check(pmg_host_alloc(<void **>&self.host, sizeof(pmg_tensor) * capacity))
+        check(pmg_event_create(&self.uploaded, 0))
 
     def set(self, entries):
         """Upload entries: a list of (input pointers, output pointer, element count)."""
         if len(entries) > self.capacity:
             raise ValueError(f"{len(entries)} entries exceed the table's {self.capacity}")
+        if self.pending:  # the last upload may still be reading the host copy
+            with nogil:
+                check(pmg_event_synchronize(self.uploaded))
+            self.pending = False
         memset(self.host, 0, sizeof(pmg_tensor) * self.capacity)
         self.max_n = 0
         for t, (ins, out, n) in enumerate(entries):
@@ -654,11 +708,17 @@ cdef class TensorTable:
             self.host[t].n = n
             self.max_n = max(self.max_n, n)
         self.ntensors = len(entries)
-        _memcpy(self.buffer.ptr, <uintptr_t>self.host, sizeof(pmg_tensor) * self.capacity)
 
     def launch(self, stream=None):
-        """Run the multi-tensor kernel over the table on stream (no synchronisation)."""
+        """Upload the table and run the multi-tensor kernel over it on stream; neither the
+        host nor the device is synchronised."""
         cdef const pmg_tensor *table = <const pmg_tensor *><uintptr_t>self.buffer.ptr
+        cdef cudaStream_t s = _stream_of(stream)
+        if self.ntensors == 0:
+            return
+        check(pmg_memcpy_async(<void *>table, self.host, sizeof(pmg_tensor) * self.ntensors, s))
+        check(pmg_event_record(self.uploaded, s))
+        self.pending = True
         if self.op == "delta":
             check(pmg_multi_delta(table, self.ntensors, self.max_n, self.dtype_code,
                                   _stream_of(stream)))
@@ -667,7 +727,12 @@ cdef class TensorTable:
                                     self.dtype_code, _stream_of(stream)))
 
     def __dealloc__(self):
-        free(self.host)
+        if self.uploaded != NULL:
+            if self.pending:
+                pmg_event_synchronize(self.uploaded)
+            pmg_event_destroy(self.uploaded)
+        if self.host != NULL:
+            pmg_host_free(self.host)
 
 
 # ---------------------------------------------------------------- IPC
@@ -792,12 +857,13 @@ cdef class PeerGroup:
         return device_sm_count(self.device)
 
     def data(self, dtype="uint8", shape=None, size_t offset=0):
-        """A DeviceArray view of this rank's data buffer."""
+        """A DeviceArray view of this rank's data buffer, written by work on the group's
+        stream: consumers that name a stream through DLPack are ordered after it."""
         if shape is None:
             shape = ((self.nbytes - offset) // _ITEMSIZE[str(dtype)],)
         if offset + (np.prod(shape, dtype=np.int64) * _ITEMSIZE[str(dtype)]) > self.nbytes:
             raise ValueError("view overruns the group's data buffer")
-        return self.block.view(dtype, shape, self.data_offset + offset)
+        return self.block.view(dtype, shape, self.data_offset + offset, self.stream)
 
     @property
     def data_ptr(self):
@@ -849,18 +915,24 @@ cdef class PeerGroup:
             raise ValueError(f"algo must be 'auto', 'oneshot' or 'twoshot', got {algo!r}")
         return algo
 
-    def allreduce(self, size_t n, dtype="float32", algo="auto", bint synchronize=True):
+    def allreduce(self, size_t n, dtype="float32", algo="auto", bint synchronize=True,
+                  max_blocks=None):
         """Average the first n elements of every rank's data buffer, in place, on the GPU.
 
-        Every rank must call it with the same n, dtype and algo. Returns the algorithm used.
+        Every rank must call it with the same n, dtype, algo and max_blocks. max_blocks
+        (default: the group's) caps the kernel's grid: fewer blocks leave SMs to work that
+        runs beside the exchange. Returns the algorithm used.
         """
         cdef int code = dtype_code(dtype)
         self._require(n, code)
+        cdef int blocks = self.max_blocks if max_blocks is None else max_blocks
+        if not 1 <= blocks <= PMG_MAX_BLOCKS:
+            raise ValueError(f"max_blocks must be 1 to {PMG_MAX_BLOCKS}, got {blocks}")
         chosen = self.algorithm(n * pmg_dtype_size(code), algo)
         cdef int a = PMG_ALGO_ONESHOT if chosen == "oneshot" else PMG_ALGO_TWOSHOT
         set_device(self.device)
         self._launched(pmg_allreduce_average(&self.peers, self.rank, self.nranks, n, code, a,
-                                             self.max_blocks, self.timeout_ns,
+                                             blocks, self.timeout_ns,
                                              self.stream.handle), synchronize)
         return chosen
 

@@ -75,7 +75,13 @@ def _time_host(run, sync, iters):
     return statistics.median(samples)
 
 
-def rank_main(rank, nranks, device, sizes, methods, conn, init_file, use_nccl):
+def columns(methods, blocks):
+    """(column name, method, block cap) for every timed combination."""
+    return [(m if b is None else f"{m}@{b}", m, b) for b in blocks for m in methods
+            if b is None or m != "copy"]
+
+
+def rank_main(rank, nranks, device, sizes, methods, conn, init_file, use_nccl, blocks=(None,)):
     """One rank of the benchmark; rank 0 returns the measurements."""
     import numpy as np
 
@@ -92,22 +98,22 @@ def rank_main(rank, nranks, device, sizes, methods, conn, init_file, use_nccl):
             x = rng.standard_normal(n, dtype=np.float32)
             group.data("float32", n).copy_from_host(x)  # random data: never time zeros
             row = {"bytes": nbytes}
-            for method in methods:
+            for name, method, cap in columns(methods, blocks):
                 if method == "copy":
                     def run(n=n):
                         group.copy_average(n, "float32", synchronize=False)
                 else:
-                    def run(n=n, m=method):
-                        group.allreduce(n, "float32", algo=m, synchronize=False)
+                    def run(n=n, m=method, cap=cap):
+                        group.allreduce(n, "float32", algo=m, synchronize=False, max_blocks=cap)
                 iters = _iters(nbytes)
                 for _ in range(3):
                     run()
                 group.synchronize()
-                row[method] = {"us": _time_device(run, group.stream, iters)}
+                row[name] = {"us": _time_device(run, group.stream, iters)}
                 if nbytes <= (1 << 20):
-                    row[method]["e2e_us"] = _time_host(run, group.synchronize, 200)
-                if method == "auto":
-                    row[method]["algo"] = group.algorithm(nbytes)
+                    row[name]["e2e_us"] = _time_host(run, group.synchronize, 200)
+                if name == "auto":
+                    row[name]["algo"] = group.algorithm(nbytes)
             results.append(row)
     finally:
         group.close()
@@ -141,7 +147,7 @@ def _nccl(rank, nranks, device, sizes, results, init_file):
         dist.destroy_process_group()
 
 
-def run_ranks(devices, sizes, methods, use_nccl, timeout=1200):
+def run_ranks(devices, sizes, methods, use_nccl, timeout=1200, blocks=(None,)):
     """Start one process per rank on devices; return rank 0's measurements."""
     import multiprocessing as mp
     import tempfile
@@ -153,7 +159,8 @@ def run_ranks(devices, sizes, methods, use_nccl, timeout=1200):
     for rank in range(nranks):
         a, b = ctx.Pipe()
         p = ctx.Process(target=_rank_entry,
-                        args=(rank, nranks, devices[rank], sizes, methods, b, init_file, use_nccl),
+                        args=(rank, nranks, devices[rank], sizes, methods, b, init_file, use_nccl,
+                              blocks),
                         daemon=True)
         p.start()
         pipes.append(a)
@@ -182,9 +189,9 @@ def run_ranks(devices, sizes, methods, use_nccl, timeout=1200):
         os.rmdir(tmp)
 
 
-def _rank_entry(rank, nranks, device, sizes, methods, conn, init_file, use_nccl):
+def _rank_entry(rank, nranks, device, sizes, methods, conn, init_file, use_nccl, blocks):
     try:
-        res = rank_main(rank, nranks, device, sizes, methods, conn, init_file, use_nccl)
+        res = rank_main(rank, nranks, device, sizes, methods, conn, init_file, use_nccl, blocks)
         conn.send(("result", res))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -200,8 +207,9 @@ def _recv(pipe, rank, timeout):
     return value
 
 
-def table(results, methods):
+def table(results, methods, blocks=(None,)):
     """The printed table: µs, GB/s and ratio to NCCL's throughput per method and size."""
+    methods = [name for name, _, _ in columns(methods, blocks)]
     cols = list(methods) + (["nccl"] if "nccl" in results[0] else [])
     lines = []
     head = f"{'size':>9} |" + "".join(f" {c + ' us':>11} {c + ' GB/s':>10} |" for c in cols)
@@ -249,6 +257,10 @@ def main(argv=None):
                         help="buffer sizes such as 4K 64M 1G (default: 4 KiB to 1 GiB)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
                         help="pympgu methods to time (default: all)")
+    parser.add_argument("--blocks", nargs="+", type=int, default=None, metavar="B",
+                        help="also time the kernels with their grid capped at B blocks (column "
+                             "'twoshot@B'): what an exchange that leaves SMs to overlapping "
+                             "compute costs (default: the full grid only)")
     parser.add_argument("--no-nccl", action="store_true", help="skip the NCCL baseline")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args(argv)
@@ -277,8 +289,11 @@ def main(argv=None):
     names = ", ".join(cuda.device_name(d) for d in sorted(set(devices)))
     print(f"pympgu.bench: {nranks} ranks on GPUs {devices} ({names}); fp32; "
           f"NCCL {'on' if use_nccl else 'off'}", flush=True)
-    results = run_ranks(devices, sizes, args.methods, use_nccl)
-    print(table(results, args.methods))
+    if args.blocks and not all(1 <= b <= 512 for b in args.blocks):
+        parser.error("--blocks: 1 to 512")
+    blocks = [None] + (args.blocks or [])
+    results = run_ranks(devices, sizes, args.methods, use_nccl, blocks=blocks)
+    print(table(results, args.methods, blocks))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"devices": devices, "names": names, "results": results}, f, indent=1)

@@ -18,6 +18,12 @@ parameters:
 pympgu's own stream; ``finish()`` waits and does step 3. Between the two the caller may
 compute (the training loop's ``--overlap``). ``average_arrays`` is both at once.
 
+On the GPU the host need never wait. ``start`` takes the arrays through DLPack naming
+pympgu's stream, so their producer (JAX's compute stream, say) orders its pending work before
+the pack instead of the host blocking on it; ``finish(wait=False)`` returns views whose DLPack
+export orders the consumer's stream after the average in the same way. The training loop
+runs like this, so the host queues step after step while the GPU works.
+
 A low-precision wire (``wire_dtype='bfloat16'`` or ``'float16'``) halves the bytes that cross
 the link. The parameters stay float32: every rank keeps ``ref``, the float32 result of the
 last exchange (identical on every rank), sends round(x - ref) in the wire dtype, and adds
@@ -66,10 +72,13 @@ class Exchanger:
     ``layout`` is a list of (name, shape, dtype); ``method`` is 'auto', 'oneshot', 'twoshot'
     or 'copy' (the seed's peer-copy method) and only matters on GPUs. ``wire_dtype`` is
     None (the layout's dtype), or 'bfloat16' / 'float16' for float32 layouts (see the module
-    docstring). ``stats`` adds up the seconds spent in each step and counts exchanges.
+    docstring). ``max_blocks`` caps the GPU averaging kernel's grid (every rank must give the
+    same; None: twice the SM count), leaving SMs free for compute that overlaps it.
+    ``stats`` adds up the host seconds spent in each step and counts exchanges.
     """
 
-    def __init__(self, ctx, layout, method="auto", wire_dtype=None, timeout=60.0):
+    def __init__(self, ctx, layout, method="auto", wire_dtype=None, timeout=60.0,
+                 max_blocks=None):
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         self.ctx = ctx
@@ -77,6 +86,9 @@ class Exchanger:
         self.offsets, self.total, self.dtype = plan_layout(self.layout)
         self.sizes = [math.prod(shape) for _, shape, _ in self.layout]
         self.method = method
+        if max_blocks is not None and not 1 <= int(max_blocks) <= 512:
+            raise ValueError(f"max_blocks must be 1 to 512, got {max_blocks}")
+        self.max_blocks = None if max_blocks is None else int(max_blocks)
         if wire_dtype in (None, self.dtype):
             self.wire_dtype = None
         elif wire_dtype not in WIRE_DTYPES:
@@ -121,17 +133,21 @@ class Exchanger:
         self.stats["average_s"] += time.perf_counter() - t1
         self.pending = kind
 
-    def finish(self, flat=False):
-        """Wait for the started exchange; the averaged arrays (numpy, or DeviceArray views).
+    def finish(self, flat=False, wait=True):
+        """Complete the started exchange; the averaged arrays (numpy, or DeviceArray views).
 
         flat=True returns one 1-D array of ``total`` elements instead, each entry at its
         offset in ``offsets``: a framework then imports the result once, not per array.
+        wait=False (GPU) does not wait for the average: the views are then for consumers
+        that import them through DLPack naming their stream, which orders them after it.
+        Either way they hold the result until the next start().
         """
         if self.pending is None:
             raise RuntimeError("Exchanger.finish called with no exchange started")
         kind, self.pending = self.pending, None
         t0 = time.perf_counter()
-        self.backend.wait()
+        if wait:
+            self.backend.wait()
         t1 = time.perf_counter()
         out = self.backend.unpack(kind, flat)
         if kind == "exact" and self.wire_dtype:
@@ -245,6 +261,11 @@ class _CudaBackend:
 
     Everything runs on the group's stream, in order: pack, average, and (wire dtype) the
     accumulation into ref; wait() synchronises it once.
+
+    Reusing the buffer needs no host wait either: what a consumer imported from the last
+    exchange is read before the arrays handed to the next start() are computed (they are
+    made from it), and pack waits for those; peers write into this buffer only after this
+    rank has packed (the kernel's GPU barrier).
     """
 
     def __init__(self, ex, timeout):
@@ -256,8 +277,16 @@ class _CudaBackend:
         self.group = cuda.PeerGroup(ctx.rank, ctx.nranks, ex.nbytes, device=ctx.device,
                                     timeout=timeout)
         try:
-            facts = {"device": ctx.device, "sm_count": self.group.sm_count, "pid": os.getpid()}
+            facts = {"device": ctx.device, "sm_count": self.group.sm_count, "pid": os.getpid(),
+                     "exchange_blocks": ex.max_blocks}
             all_facts, blobs, max_blocks = ctx.register(ex.layout, facts, self.group.handle)
+            blocks = [f.get("exchange_blocks") for f in all_facts]
+            if len(set(blocks)) != 1:
+                # Kernels of different grids would wait at their barriers for blocks that
+                # never come: refuse before any exchange.
+                raise ValueError("every rank must cap the exchange kernel alike; max_blocks "
+                                 "by rank: " + ", ".join(f"rank {r}: {b}"
+                                                        for r, b in enumerate(blocks)))
             devices = [f["device"] for f in all_facts]
             self.peer_ok = all(d == ctx.device or cuda.can_access_peer(ctx.device, d)
                                for d in devices)
@@ -275,6 +304,7 @@ class _CudaBackend:
             # Padding between parameters is averaged too: give it defined contents.
             self.group.data("uint8").fill_bytes(0)
             self.copy_table = cuda.TensorTable(len(ex.layout), 1, ex.dtype)
+            self.packed = cuda.Event()  # the last pack has read its inputs
             self.ref = self.delta_table = None
             if ex.wire_dtype:
                 self.ref = cuda.DeviceBuffer(ex.nbytes, ctx.device)
@@ -287,12 +317,16 @@ class _CudaBackend:
         ex = self.ex
         out_dtype = ex.wire_dtype if kind == "delta" else ex.dtype
         out_size, in_size = ITEMSIZE[out_dtype], ITEMSIZE[ex.dtype]
-        base = self.group.data_ptr
+        base, stream = self.group.data_ptr, self.group.stream
+        if self.keep is not None:
+            # The last exchange was finished without waiting: its inputs may be released
+            # once its pack has read them (long done, unless the host ran far ahead).
+            self.packed.synchronize()
+            self.keep = None
         entries, keep = [], []
         for ((name, _, dtype), off, size), a in zip(ex._entries(), arrays):
-            if hasattr(a, "block_until_ready"):
-                a.block_until_ready()  # JAX computes asynchronously on its own streams
-            info = self.cuda.array_info(a, f"parameter {name!r}")
+            # Ordered after the array's producer on our stream, with no host wait.
+            info = self.cuda.array_info(a, f"parameter {name!r}", stream)
             if info.size != size or info.dtype != dtype:
                 raise ValueError(f"parameter {name!r} is {info.size} {info.dtype} elements, "
                                  f"the layout says {size} {dtype}")
@@ -301,8 +335,9 @@ class _CudaBackend:
             entries.append((ins, base + off * out_size, size))
         table = self.delta_table if kind == "delta" else self.copy_table
         table.set(entries)
-        table.launch(self.group.stream)
-        # The kernels read the arrays until wait(): their owner must not free them before.
+        table.launch(stream)
+        self.packed.record(stream)
+        # The kernel reads the arrays until `packed`: their owner must not free them before.
         self.keep = keep
 
     def average(self, dtype):
@@ -316,7 +351,8 @@ class _CudaBackend:
         elif self.ex.method == "copy":
             g.copy_average(n, dtype, synchronize=False)
         else:
-            g.allreduce(n, dtype, algo=self.ex.method, synchronize=False)
+            g.allreduce(n, dtype, algo=self.ex.method, synchronize=False,
+                        max_blocks=self.ex.max_blocks)
 
     def wait(self):
         try:
@@ -330,7 +366,8 @@ class _CudaBackend:
         if ex.wire_dtype:
             if kind == "delta":
                 self.cuda.accumulate(self.ref.view("float32", (ex.total,)),
-                                     g.data(ex.wire_dtype, (ex.total,)), stream=g.stream)
+                                     g.data(ex.wire_dtype, (ex.total,)), stream=g.stream,
+                                     synchronize=False)
             else:
                 # The exact exchange sets ref; later regular exchanges only write the wire
                 # slots of their entries, so clear the float32 bytes that padding would read.
@@ -338,12 +375,26 @@ class _CudaBackend:
                 g.data("uint8").fill_bytes(0)
             source = self.ref
         itemsize = ITEMSIZE[ex.dtype]
-        view = g.data if source is g else source.view
+
+        def view(dtype, shape, offset):
+            if source is g:
+                return g.data(dtype, shape, offset)
+            return source.view(dtype, shape, offset, g.stream)
+
         if flat:
             return view(ex.dtype, (ex.total,), 0)
         return [view(dtype, shape, off * itemsize) for (_, shape, dtype), off, _ in ex._entries()]
 
     def close(self):
-        if self.ref is not None:
-            self.ref.close()
-        self.group.close()
+        try:
+            # Nothing queued may outlive the memory it uses: neither our kernels nor a
+            # consumer still reading the last result (JAX's streams too: device-wide).
+            self.cuda.set_device(self.group.device)
+            self.cuda.synchronize()
+        except self.cuda.CudaError:
+            pass  # a broken context: the error that broke it has been raised already
+        finally:
+            self.keep = None
+            if self.ref is not None:
+                self.ref.close()
+            self.group.close()

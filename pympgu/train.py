@@ -23,6 +23,10 @@ PRESETS = {
                      epochs=10),
 }
 DEFAULTS = dict(hidden=[500], lr=0.05, momentum=0.9, batch_size=128, l1=0.0, l2=1e-4, epochs=5)
+# With --overlap the averaging kernel runs beside the next step's kernels. At its full grid
+# (two blocks per SM) it would hold every SM until it ends and nothing would overlap; a
+# capped grid leaves SMs to the step. docs/BENCHMARKS.md has the sweep behind this number.
+OVERLAP_BLOCKS = 32
 CHECKPOINT = "checkpoint.npz"
 
 
@@ -125,10 +129,8 @@ class Replica:
         elif self.ctx.is_cpu:
             self.set_values([v + (a - s) for v, a, s in zip(now, ex.finish(), snap)])
         else:
-            flat = self.jax.dlpack.from_dlpack(ex.finish(flat=True))
-            new = self._jitted(ex, "correct")(now, flat, snap)
-            self.jax.block_until_ready(new)  # it reads pympgu's buffer, reused next exchange
-            self.set_values(new)
+            flat = self.jax.dlpack.from_dlpack(ex.finish(flat=True, wait=False))
+            self.set_values(self._jitted(ex, "correct")(now, flat, snap))
 
     def _adopt(self, ex):
         """Finish ex and return its result as this backend's arrays."""
@@ -137,10 +139,12 @@ class Replica:
         # One DLPack import of pympgu's whole buffer, then one jitted split into JAX-owned
         # arrays (jit outputs never alias its inputs): the buffer is reused by the next
         # exchange, so JAX must not keep pointing into it. Importing and copying each array
-        # on its own cost about 0.12 ms per array (docs/BENCHMARKS.md).
-        out = self._jitted(ex, "split")(self.jax.dlpack.from_dlpack(ex.finish(flat=True)))
-        self.jax.block_until_ready(out)
-        return out
+        # on its own cost about 0.12 ms per array (docs/BENCHMARKS.md). Nothing waits here:
+        # the import orders JAX's stream after the average (the DLPack stream handshake),
+        # and the next exchange's pack waits for arrays computed from the split's output,
+        # so the split has read the buffer before it is overwritten.
+        return self._jitted(ex, "split")(
+            self.jax.dlpack.from_dlpack(ex.finish(flat=True, wait=False)))
 
     def _jitted(self, ex, what):
         """The jitted split ('split') or overlap correction ('correct') for ex's layout."""
@@ -200,10 +204,11 @@ class Replica:
 class Sync:
     """When and how a replica meets the others: every ``every`` steps, plainly or overlapped.
 
-    Plain: wait for the step, average, carry on. Overlapped: finish the exchange started at
-    the previous sync point (correcting the steps taken meanwhile), then start averaging the
-    current values and return at once, so the next steps compute while it runs. ``seconds``
-    adds up the time the training loop spends here.
+    Plain: average, carry on. Overlapped: finish the exchange started at the previous sync
+    point (correcting the steps taken meanwhile), then start averaging the current values, so
+    the next steps compute while it runs. On GPUs neither waits on the host: the work is
+    queued in order on the streams. ``seconds`` adds up the host time the training loop
+    spends here (on GPUs, queueing, plus any wait when the host is an exchange ahead).
     """
 
     def __init__(self, rep, ex, every=1, overlap=False):
@@ -216,7 +221,6 @@ class Sync:
         self.stepped = True
         if self.ex is None or ((step + 1) % self.every and not last):
             return
-        self.rep.wait()  # compute time is the step's, not the exchange's
         t0 = time.perf_counter()
         if self.overlap:
             if self.ex.pending:
@@ -245,7 +249,11 @@ def make_exchanger(ctx, rep, cfg):
     from .exchange import Exchanger
     if ctx.nranks == 1:
         return None
-    ex = Exchanger(ctx, state_layout(rep), method=cfg["method"], wire_dtype=cfg["exchange_dtype"])
+    blocks = cfg.get("exchange_blocks")
+    if blocks is None and cfg.get("overlap"):
+        blocks = OVERLAP_BLOCKS
+    ex = Exchanger(ctx, state_layout(rep), method=cfg["method"], wire_dtype=cfg["exchange_dtype"],
+                   max_blocks=blocks)
     try:
         rep.exchange(ex)  # replicas start identical (seed 1234); a resumed run too
     except BaseException:
@@ -407,6 +415,10 @@ def build_parser():
                    help="dtype on the wire: bfloat16 or float16 send each sync's change in "
                         "half the bytes; parameters and accumulation stay float32 "
                         "(default: float32, exact)")
+    m.add_argument("--exchange-blocks", type=int, default=None, metavar="B",
+                   help="cap the GPU averaging kernel at B thread blocks (1-512). Fewer blocks "
+                        "leave SMs to the training step that runs beside an overlapped "
+                        f"exchange (default: {OVERLAP_BLOCKS} with --overlap, else two per SM)")
     m.add_argument("--seed", type=int, default=0, help="seed of the minibatch order (default: 0)")
     o = p.add_argument_group("output")
     o.add_argument("--out", default=None, metavar="DIR",
@@ -430,6 +442,8 @@ def resolve(args, parser):
         value = cfg[key] if key in cfg else getattr(args, key)
         if value < 1:
             parser.error(f"--{key.replace('_', '-')} must be at least 1, got {value}")
+    if args.exchange_blocks is not None and not 1 <= args.exchange_blocks <= 512:
+        parser.error(f"--exchange-blocks must be 1 to 512, got {args.exchange_blocks}")
     if any(h < 1 for h in cfg["hidden"]):
         parser.error(f"--hidden widths must be positive, got {cfg['hidden']}")
     if args.gpus is not None and args.cpu is not None:
@@ -472,6 +486,7 @@ def resolve(args, parser):
             parser.error(f"--resume {args.resume}: no checkpoint there")
     cfg.update(data=data, backend=backend, method=args.method, sync_every=args.sync_every,
                overlap=args.overlap, exchange_dtype=args.exchange_dtype,
+               exchange_blocks=args.exchange_blocks,
                seed=args.seed, out=args.out, resume=resume,
                devices=["cpu" if d is None else d for d in devices])
     return cfg, devices, note

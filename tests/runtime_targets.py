@@ -135,3 +135,40 @@ def wire_rounds(ctx, rounds, wire, overlap=False):
                     raise AssertionError(f"rank {ctx.rank} round {k}: {err} from the exact mean")
         return {"stats": ex.stats, "digest": hashlib.sha256(
             b"".join(np.asarray(a).tobytes() for a in out)).hexdigest()}
+
+
+def jax_rounds(ctx, rounds, big=1 << 23):
+    """GPU workers with JAX arrays, as the training loop runs them: every round computes new
+    arrays from the last result, starts the exchange, and imports the result through
+    DLPack without any host wait (finish(wait=False)). A large tensor keeps the kernel busy
+    long enough that a missing stream handshake would let JAX read a stale buffer; every
+    round is checked bit for bit against the model."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax
+    import jax.numpy as jnp
+
+    from pympgu.exchange import Exchanger
+    dev = jax.devices("gpu")[ctx.device]
+    layout = LAYOUT + [("big", [big], "float32")]
+    start = [jax.device_put(a, dev) for a in rank_params(0, 0, layout)]  # one start for all
+
+    def shift(rank, k):  # exactly representable: x + c rounds alike in JAX and numpy
+        return np.float32(0.25 * rank + 0.125 * k)
+
+    step = jax.jit(lambda xs, c: [x + c for x in xs])
+    with Exchanger(ctx, layout) as ex:
+        offsets = list(zip(ex.offsets, ex.sizes, [s for _, s, _ in layout]))
+        split = jax.jit(lambda flat: [flat[o:o + n].reshape(s) for o, n, s in offsets])
+        xs, model = start, [np.asarray(a) for a in start]
+        for k in range(rounds):
+            xs = step(xs, shift(ctx.rank, k))
+            ex.start(xs)
+            xs = split(jax.dlpack.from_dlpack(ex.finish(flat=True, wait=False)))
+            model = [model_average([(m + shift(r, k)).ravel() for r in range(ctx.nranks)],
+                                   "float32").reshape(m.shape) for m in model]
+            for t, (got, want) in enumerate(zip(xs, model)):
+                if not np.array_equal(np.asarray(got), want):
+                    raise AssertionError(f"rank {ctx.rank} round {k} tensor {layout[t][0]} "
+                                         "is not the average: read before the kernel ended?")
+        digest = hashlib.sha256(b"".join(np.asarray(a).tobytes() for a in xs)).hexdigest()
+        return {"digest": digest, "stats": ex.stats}

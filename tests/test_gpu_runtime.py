@@ -42,3 +42,12 @@ def test_gpu_workers_without_peer_access_fall_back(monkeypatch):
     monkeypatch.setenv("PYMPGU_NO_P2P", "1")  # spawned workers inherit it
     results = launch(average_rounds_gpu, (3,), gpus=devices(2))
     assert len({r["digest"] for r in results}) == 1
+
+
+def test_gpu_workers_jax_without_host_waits():
+    """JAX arrays in and out through DLPack's stream handshake, as the training loop does."""
+    pytest.importorskip("jax")
+    from runtime_targets import jax_rounds
+    results = launch(jax_rounds, (4,), gpus=devices(2))
+    assert len({r["digest"] for r in results}) == 1
+    assert all(r["stats"]["exchanges"] == 4 for r in results)
