@@ -324,6 +324,7 @@ cdef class DeviceArray:
         a = np.ascontiguousarray(array)
         if a.nbytes != self.nbytes:
             raise ValueError(f"host array has {a.nbytes} bytes, the view {self.nbytes}")
+        self.order_before(0)  # _memcpy runs on the legacy stream
         _memcpy(self.ptr, a.ctypes.data, a.nbytes)
 
     def copy_from(self, src):
@@ -332,12 +333,14 @@ cdef class DeviceArray:
         if info.size * _ITEMSIZE[info.dtype] != self.nbytes:
             raise ValueError(f"src has {info.size * _ITEMSIZE[info.dtype]} bytes, the view "
                              f"{self.nbytes}")
+        self.order_before(0)
         _memcpy(self.ptr, info.ptr, self.nbytes)
 
     def copy_to_host(self):
         """A numpy copy of the view (bfloat16 comes back as uint16 storage)."""
         npdtype = np.uint16 if self.dtype == "bfloat16" else np.dtype(self.dtype)
         out = np.empty(self.shape, dtype=npdtype)
+        self.order_before(0)  # the legacy stream does not wait for non-blocking ones
         _memcpy(out.ctypes.data, self.ptr, out.nbytes)
         return out
 
@@ -345,6 +348,7 @@ cdef class DeviceArray:
         """Set every byte of the view to value (blocking); used to poison outputs."""
         cdef void *p = <void *>self.ptr
         cdef size_t n = self.nbytes
+        self.order_before(0)
         with nogil:
             check(pmg_memset_async(p, value, n, NULL))
             check(pmg_device_synchronize())

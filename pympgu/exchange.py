@@ -114,19 +114,27 @@ class Exchanger:
         """Bytes each rank's buffer holds on the wire in a regular exchange."""
         return self.total * ITEMSIZE[self.wire_dtype or self.dtype]
 
-    def start(self, arrays):
+    def start(self, arrays, flat=False):
         """Pack this rank's arrays and start averaging them; every rank must call it.
 
+        flat=True takes one 1-D array of ``total`` elements instead, laid out as finish's
+        flat result (each entry at its offset; the padding between entries zero): a
+        framework that packs its arrays itself then hands over a single array.
         On the GPU the average may still be running when this returns: the arrays must stay
         unchanged until finish(), and are kept alive until then.
         """
         if self.pending is not None:
             raise RuntimeError("Exchanger.start called twice without finish()")
-        if len(arrays) != len(self.layout):
+        if flat:
+            pairs = [("flat", self.dtype, 0, self.total, arrays)]
+        elif len(arrays) != len(self.layout):
             raise ValueError(f"start got {len(arrays)} arrays for a layout of {len(self.layout)}")
+        else:
+            pairs = [(name, dtype, off, size, a)
+                     for ((name, _, dtype), off, size), a in zip(self._entries(), arrays)]
         kind = "delta" if self.primed and self.wire_dtype else "exact"
         t0 = time.perf_counter()
-        self.backend.pack(arrays, kind)
+        self.backend.pack(pairs, kind)
         t1 = time.perf_counter()
         self.backend.average(self.wire_dtype if kind == "delta" else self.dtype)
         self.stats["pack_s"] += t1 - t0
@@ -146,14 +154,14 @@ class Exchanger:
             raise RuntimeError("Exchanger.finish called with no exchange started")
         kind, self.pending = self.pending, None
         t0 = time.perf_counter()
+        out = self.backend.unpack(kind, flat)  # may queue more work (the wire's accumulate)
+        t1 = time.perf_counter()
         if wait:
             self.backend.wait()
-        t1 = time.perf_counter()
-        out = self.backend.unpack(kind, flat)
         if kind == "exact" and self.wire_dtype:
             self.primed = True
-        self.stats["average_s"] += t1 - t0
-        self.stats["unpack_s"] += time.perf_counter() - t1
+        self.stats["unpack_s"] += t1 - t0
+        self.stats["average_s"] += time.perf_counter() - t1
         self.stats["exchanges"] += 1
         return out
 
@@ -206,10 +214,11 @@ class _HostBackend:
         self.lo = min(ex.total, ctx.rank * chunk)
         self.hi = min(ex.total, self.lo + chunk)
 
-    def pack(self, arrays, kind):
+    def pack(self, pairs, kind):
+        """pairs: (name, dtype, offset, size, array) for each array to pack."""
         ex, rank = self.ex, self.ctx.rank
         own = self.views[ex.wire_dtype if kind == "delta" else ex.dtype][rank]
-        for ((name, _, _), off, size), a in zip(ex._entries(), arrays):
+        for name, _, off, size, a in pairs:
             a = np.asarray(a)
             if a.size != size:
                 raise ValueError(f"parameter {name!r} has {a.size} elements, layout says {size}")
@@ -313,7 +322,7 @@ class _CudaBackend:
             self.group.close()
             raise
 
-    def pack(self, arrays, kind):
+    def pack(self, pairs, kind):
         ex = self.ex
         out_dtype = ex.wire_dtype if kind == "delta" else ex.dtype
         out_size, in_size = ITEMSIZE[out_dtype], ITEMSIZE[ex.dtype]
@@ -324,7 +333,7 @@ class _CudaBackend:
             self.packed.synchronize()
             self.keep = None
         entries, keep = [], []
-        for ((name, _, dtype), off, size), a in zip(ex._entries(), arrays):
+        for name, dtype, off, size, a in pairs:
             # Ordered after the array's producer on our stream, with no host wait.
             info = self.cuda.array_info(a, f"parameter {name!r}", stream)
             if info.size != size or info.dtype != dtype:

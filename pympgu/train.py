@@ -102,9 +102,17 @@ class Replica:
             self.jax.block_until_ready(self.values())
 
     def exchange(self, ex):
-        """Average parameters and momentum with every other replica, and wait for it."""
-        ex.start(self.values())
+        """Average parameters and momentum with every other replica."""
+        self._start(ex, self.values())
         self.set_values(self._adopt(ex))
+
+    def _start(self, ex, values):
+        if self.jax is not None and os.environ.get("PYMPGU_JAX_PACK", "flat") == "flat":
+            # JAX packs its arrays into one (a jitted concatenation): a single DLPack
+            # export instead of one per array.
+            ex.start(self._jitted(ex, "pack")(values), flat=True)
+        else:
+            ex.start(values)
 
     def exchange_start(self, ex):
         """Start averaging the current values; training may go on while it runs (--overlap)."""
@@ -113,7 +121,7 @@ class Replica:
             # PyTensor's C backend updates shared variables in place: keep a copy. JAX
             # arrays are immutable, so holding them is enough.
             self.snapshot = [self.np.array(v, copy=True) for v in self.snapshot]
-        ex.start(self.snapshot)
+        self._start(ex, self.snapshot)
 
     def exchange_correct(self, ex, stepped=True):
         """Finish the exchange begun by exchange_start, after `stepped` training steps.
@@ -147,7 +155,8 @@ class Replica:
             self.jax.dlpack.from_dlpack(ex.finish(flat=True, wait=False)))
 
     def _jitted(self, ex, what):
-        """The jitted split ('split') or overlap correction ('correct') for ex's layout."""
+        """The jitted pack ('pack'), split ('split') or overlap correction ('correct') for
+        ex's layout."""
         key = (id(ex), what)
         fn = self._jit_cache.get(key)
         if fn is None:
@@ -157,7 +166,13 @@ class Replica:
             def split(flat):
                 return [flat[o:o + n].reshape(shape) for o, n, shape in pieces]
 
-            if what == "split":
+            if what == "pack":
+                jnp = self.jnp
+                ends = [*ex.offsets[1:], ex.total]
+                fn = self.jax.jit(lambda values: jnp.concatenate([
+                    jnp.pad(v.reshape(-1), (0, end - o - n))
+                    for v, (o, n, _), end in zip(values, pieces, ends)]))
+            elif what == "split":
                 fn = self.jax.jit(split)
             else:
                 fn = self.jax.jit(lambda now, flat, snap: [

@@ -35,6 +35,7 @@ class FakeRep:
     exchange_start = Replica.exchange_start
     exchange_correct = Replica.exchange_correct
     _adopt = Replica._adopt
+    _start = Replica._start
 
     def __init__(self, value):
         self.np, self.jax, self.snapshot = np, None, None
