@@ -138,7 +138,7 @@ def _exchange_overhead(ctx, rep, cfg, calls=20):
         return {"exchange_ms": statistics.median(samples), "kernel_ms": _bare_kernel_ms(ex),
                 "bytes": ex.nbytes, "pack_ms": per["pack_s"], "average_ms": per["average_s"],
                 "unpack_ms": per["unpack_s"], "queued_ms": statistics.median(queued),
-                "copy_back_ms": statistics.mean(queued) - sum(per.values())}
+                "copy_back_ms": statistics.median(queued) - sum(per.values())}
 
 
 def _time_calls(call, wait, batches, repeats=3):
