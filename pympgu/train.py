@@ -26,7 +26,7 @@ DEFAULTS = dict(hidden=[500], lr=0.05, momentum=0.9, batch_size=128, l1=0.0, l2=
 # With --overlap the averaging kernel runs beside the next step's kernels. At its full grid
 # (two blocks per SM) it would hold every SM until it ends and nothing would overlap; a
 # capped grid leaves SMs to the step. docs/BENCHMARKS.md has the sweep behind this number.
-OVERLAP_BLOCKS = 32
+OVERLAP_BLOCKS = 64
 CHECKPOINT = "checkpoint.npz"
 
 
@@ -107,12 +107,13 @@ class Replica:
         self.set_values(self._adopt(ex))
 
     def _start(self, ex, values):
-        if self.jax is not None and os.environ.get("PYMPGU_JAX_PACK", "flat") == "flat":
-            # JAX packs its arrays into one (a jitted concatenation): a single DLPack
-            # export instead of one per array.
-            ex.start(self._jitted(ex, "pack")(values), flat=True)
-        else:
+        if self.jax is None:
             ex.start(values)
+        else:
+            # JAX packs its arrays into one (a jitted concatenation) and hands pympgu a
+            # single DLPack export: one more pass on the GPU, but 0.1 ms of host time per
+            # exchange instead of 0.3-0.5 ms for twelve exports (docs/BENCHMARKS.md).
+            ex.start(self._jitted(ex, "pack")(values), flat=True)
 
     def exchange_start(self, ex):
         """Start averaging the current values; training may go on while it runs (--overlap)."""

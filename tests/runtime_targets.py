@@ -17,10 +17,11 @@ def rank_params(rank, round_, layout=LAYOUT):
     return [rng.standard_normal(shape).astype(dtype) for _, shape, dtype in layout]
 
 
-def average_rounds(ctx, rounds, pid_dir=None, fail=None, layout=None):
+def average_rounds(ctx, rounds, pid_dir=None, fail=None, layout=None, flat=False):
     """Exchange `rounds` times; check each result against the exact model; digest the last.
 
     fail = (rank, round, how) makes that rank 'raise', 'kill' itself or 'hang' at that round.
+    flat=True hands the Exchanger one packed array (start(flat=True)), as JAX workers do.
     """
     from pympgu.exchange import Exchanger
     if pid_dir:
@@ -39,7 +40,14 @@ def average_rounds(ctx, rounds, pid_dir=None, fail=None, layout=None):
                 if fail[2] == "hang":
                     time.sleep(3600)
             mine = rank_params(ctx.rank, k, layout)
-            out = ex.average_arrays(mine)
+            if flat:
+                packed = np.zeros(ex.total, np.float32)
+                for a, off in zip(mine, ex.offsets):
+                    packed[off:off + a.size] = a.ravel()
+                ex.start(packed, flat=True)
+                out = ex.finish()
+            else:
+                out = ex.average_arrays(mine)
             for t, got in enumerate(out):
                 expected = model_average(
                     [rank_params(r, k, layout)[t].ravel() for r in range(ctx.nranks)], "float32")

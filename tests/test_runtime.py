@@ -43,6 +43,13 @@ def test_cpu_workers_average_exactly(nworkers):
     assert shm_segments() == before
 
 
+def test_cpu_workers_average_one_packed_array():
+    """start(flat=True): one array laid out at the Exchanger's offsets, as JAX workers send."""
+    results = launch(average_rounds, (3, None, None, None, True), cpu=3)
+    assert len({r["digest"] for r in results}) == 1
+    assert all(r["stats"]["exchanges"] == 3 for r in results)
+
+
 @pytest.mark.parametrize("how", ["kill", "raise"])
 def test_failing_worker_stops_the_run(tmp_path, how):
     before = shm_segments()
