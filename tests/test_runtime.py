@@ -138,3 +138,16 @@ def test_cpu_workers_low_precision_wire(wire, nworkers, overlap):
     results = launch(wire_rounds, (4, wire, overlap), cpu=nworkers)
     assert len({r["digest"] for r in results}) == 1  # replicas stay bit-identical
     assert all(r["stats"]["exchanges"] == 4 for r in results)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(method="fastest"), "method must be one of"),
+    (dict(wire_dtype="int8"), "wire dtype must be one of"),
+    (dict(max_blocks=0), "max_blocks must be 1 to 512"),
+    (dict(max_blocks=513), "max_blocks must be 1 to 512"),
+])
+def test_exchanger_rejects_bad_arguments_before_any_setup(kwargs, message):
+    from pympgu.exchange import Exchanger
+    ctx = object()  # never touched: the arguments are checked first
+    with pytest.raises(ValueError, match=message):
+        Exchanger(ctx, [("w", [3], "float32")], **kwargs)

@@ -156,6 +156,7 @@ def test_seed_pickle_format(tmp_path):
     (["--cpu", "2", "--batch-size", "0"], "--batch-size must be at least 1"),
     (["--cpu", "2", "--data-dir", "/nonexistent/x"], "--data-dir /nonexistent/x"),
     (["--cpu", "2", "--resume", "/nonexistent"], "--resume /nonexistent"),
+    (["--cpu", "2", "--exchange-blocks", "0"], "--exchange-blocks must be 1 to 512"),
 ])
 def test_cli_rejects_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
@@ -169,5 +170,6 @@ def test_help_explains_every_flag():
                        text=True, timeout=60)
     assert r.returncode == 0
     for flag in ("--gpus", "--cpu", "--sync-every", "--preset", "--out", "--resume",
-                 "--data-dir", "--hidden", "--method", "--overlap", "--exchange-dtype"):
+                 "--data-dir", "--hidden", "--method", "--overlap", "--exchange-dtype",
+                 "--exchange-blocks"):
         assert flag in r.stdout
