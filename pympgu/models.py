@@ -100,6 +100,9 @@ class MLP:
         wrong = pt.neq(pt.argmax(self.logits(eval_x[eidx]), axis=1),
                        pt.argmax(eval_y[eidx], axis=1))
         evaluate = pytensor.function([eidx], wrong, mode=mode, name="evaluate")
+        # Callers pass int32 index arrays of exactly these shapes: skipping PyTensor's input
+        # checks saves host time on every call (about 50 µs a call on a CPU).
+        train.trust_input = evaluate.trust_input = True
         return train, evaluate
 
 
