@@ -1,6 +1,8 @@
 """Where the host's time goes in a training step and an exchange, on one GPU.
 
-    python benchmarks/profile_host.py [--hidden 4096 4096] [--batch-size 1024] [--steps 200]
+    PYTHONPATH=. python benchmarks/profile_host.py [--hidden 4096 4096] [--steps 200]
+
+(from the repository root after ./build.sh; or anywhere after pip install.)
 
 One worker (R = 1) runs `--steps` training steps, each followed by a whole exchange of the
 replica's state through an Exchanger, exactly as the training loop queues them. It prints
