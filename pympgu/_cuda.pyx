@@ -724,11 +724,10 @@ cdef class TensorTable:
         check(pmg_event_record(self.uploaded, s))
         self.pending = True
         if self.op == "delta":
-            check(pmg_multi_delta(table, self.ntensors, self.max_n, self.dtype_code,
-                                  _stream_of(stream)))
+            check(pmg_multi_delta(table, self.ntensors, self.max_n, self.dtype_code, s))
         else:
             check(pmg_multi_average(table, self.ntensors, self.nranks, self.max_n,
-                                    self.dtype_code, _stream_of(stream)))
+                                    self.dtype_code, s))
 
     def __dealloc__(self):
         if self.uploaded != NULL:
