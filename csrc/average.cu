@@ -223,6 +223,95 @@ __global__ void __launch_bounds__(kThreads)
   block_barrier(p, rank, R, timeout_ns);
 }
 
+// The staged algorithms' geometry ('push' and 'ce'): rank s owns elements
+// [s * slice, (s + 1) * slice) of n (clipped to n); slices are whole 16-byte vectors, so
+// every slice and chunk stays 16-byte aligned.
+__host__ __device__ __forceinline__ size_t staged_slice(int nranks, size_t n, size_t esize) {
+  const size_t per_vec = 16 / esize;
+  return (n + nranks * per_vec - 1) / (nranks * per_vec) * per_vec;
+}
+
+// Where rank src's copy of rank dst's slice lands in dst's staging area: one slot per peer.
+__host__ __device__ __forceinline__ size_t staged_slot(int src, int dst) {
+  return size_t(src < dst ? src : src - 1);
+}
+
+__device__ __forceinline__ uint4 *staging(const pmg_peers &p, int r, size_t stage_offset) {
+  return reinterpret_cast<uint4 *>(static_cast<char *>(p.data[r]) + stage_offset);
+}
+
+// Two-shot by stores only ('push'): on NVLink a remote store needs no round trip, a remote
+// load does, and stores carried 8% more bytes than loads (docs/BENCHMARKS.md). Phase A:
+// rank r stores its copy of every other rank's slice into that rank's staging slot. Phase
+// B: each rank averages its slice from its replica and its staging area, in rank order, and
+// stores the mean into every replica. An element maps to the same block in both phases on
+// every rank, so per-block barriers suffice. No barrier is needed on entry: phase A reads
+// only this rank's replica, and the previous call's closing barrier proved that every peer
+// had finished reading its staging area.
+template <typename T, int R>
+__global__ void __launch_bounds__(kThreads)
+    push_kernel(pmg_peers p, size_t stage_offset, int rank, size_t n, uint64_t timeout_ns) {
+  constexpr int P = kPerVec<T>;
+  constexpr int U = kTwoShotUnroll<R>;
+  const size_t nvec = n / P;
+  const size_t slice = staged_slice(R, n, sizeof(T)) / P;  // in vectors
+  const size_t tid = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const size_t nthreads = size_t(gridDim.x) * blockDim.x;
+  const uint4 *mine = static_cast<const uint4 *>(p.data[rank]);
+#pragma unroll 1
+  for (int j = 1; j < R; ++j) {
+    const int s = (rank + j) % R;  // rotated, so that ranks do not all store to rank 0 first
+    const size_t lo = min(nvec, s * slice), hi = min(nvec, lo + slice);
+    uint4 *slot = staging(p, s, stage_offset) + staged_slot(rank, s) * slice - lo;
+    for (size_t v0 = lo + tid; v0 < hi; v0 += nthreads * U) {
+      uint4 raw[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (v0 + u * nthreads < hi) raw[u] = __ldcg(mine + v0 + u * nthreads);
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (v0 + u * nthreads < hi) __stcg(slot + v0 + u * nthreads, raw[u]);
+    }
+  }
+  block_barrier(p, rank, R, timeout_ns);  // every peer's copy of our slice has landed
+  const size_t lo = min(nvec, rank * slice), hi = min(nvec, lo + slice);
+  const uint4 *stage = staging(p, rank, stage_offset) - lo;
+  const float denom = float(R);
+  for (size_t v0 = lo + tid; v0 < hi; v0 += nthreads * U) {
+    uint4 raw[U][R];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const size_t v = v0 + u * nthreads;
+      if (v < hi) {
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+          raw[u][r] = __ldcg(r == rank ? mine + v : stage + staged_slot(r, rank) * slice + v);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const size_t v = v0 + u * nthreads;
+      if (v < hi) {
+        float acc[P];
+        acc_first<T>(acc, raw[u][0]);
+#pragma unroll
+        for (int r = 1; r < R; ++r) acc_add<T>(acc, raw[u][r]);
+        const uint4 out = finish<T>(acc, denom);
+#pragma unroll
+        for (int j = 1; j <= R; ++j) __stcg(static_cast<uint4 *>(p.data[(rank + j) % R]) + v, out);
+      }
+    }
+  }
+  // The scalar tail (n % P elements, in the last non-empty slice): its owner reads it from
+  // every replica directly; nobody changes it before the closing barrier.
+  const size_t i = nvec * P + tid;
+  if (i < n && i / (slice * P) == size_t(rank)) {
+    const T out = Elem<T>::store(scalar_mean<T>(p, R, i));
+    for (int r = 0; r < R; ++r) static_cast<T *>(p.data[r])[i] = out;
+  }
+  block_barrier(p, rank, R, timeout_ns);  // every peer's stores into our replica have landed
+}
+
 __global__ void barrier_kernel(pmg_peers p, int rank, int nranks, uint64_t timeout_ns) {
   block_barrier(p, rank, nranks, timeout_ns);
 }
@@ -262,6 +351,34 @@ __global__ void __launch_bounds__(kThreads)
   for (int t = 0; t < ntensors; ++t) {
     const pmg_tensor d = table[t];
     average_tensor<T>(d, nranks);
+  }
+}
+
+// The copy-engine two-shot's second half, for one chunk of this rank's slice: average the
+// chunk from d.inputs (this rank's replica and the staged copies of the peers', in rank
+// order) and store the mean at element `offset` of every replica, the peers' by NVLink
+// stores. The copy engines meanwhile push the next chunk.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    scatter_average_kernel(pmg_tensor d, pmg_peers p, size_t offset, int rank, int nranks) {
+  constexpr int P = kPerVec<T>;
+  const size_t tid = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const size_t nthreads = size_t(gridDim.x) * blockDim.x;
+  const float denom = float(nranks);
+  const size_t nvec = d.n / P;  // every pointer is 16-byte aligned (see ce_slice)
+  for (size_t v = tid; v < nvec; v += nthreads) {
+    float acc[P];
+    acc_first<T>(acc, __ldcg(static_cast<const uint4 *>(d.inputs[0]) + v));
+    for (int r = 1; r < nranks; ++r) acc_add<T>(acc, __ldcg(static_cast<const uint4 *>(d.inputs[r]) + v));
+    const uint4 out = finish<T>(acc, denom);
+    for (int j = 1; j <= nranks; ++j)
+      __stcg(reinterpret_cast<uint4 *>(static_cast<T *>(p.data[(rank + j) % nranks]) + offset) + v, out);
+  }
+  for (size_t i = nvec * P + tid; i < d.n; i += nthreads) {
+    float a = Elem<T>::load(static_cast<const T *>(d.inputs[0])[i]);
+    for (int r = 1; r < nranks; ++r) a += Elem<T>::load(static_cast<const T *>(d.inputs[r])[i]);
+    const T out = Elem<T>::store(__fdiv_rn(a, denom));
+    for (int r = 0; r < nranks; ++r) static_cast<T *>(p.data[r])[offset + i] = out;
   }
 }
 
@@ -348,12 +465,16 @@ int check_peers(const pmg_peers *peers, int nranks) {
 }
 
 template <typename T, int R>
-void launch_allreduce(const pmg_peers &p, int rank, size_t n, int algo, int max_blocks,
-                      uint64_t timeout_ns, cudaStream_t stream) {
+void launch_allreduce(const pmg_peers &p, size_t stage_offset, int rank, size_t n, int algo,
+                      int max_blocks, uint64_t timeout_ns, cudaStream_t stream) {
   const size_t nvec = n / kPerVec<T>;
   if (algo == PMG_ALGO_ONESHOT) {
     unsigned blocks = grid_for(nvec, size_t(kThreads) * kOneShotVecs, max_blocks);
     oneshot_kernel<T, R><<<blocks, kThreads, 0, stream>>>(p, rank, n, timeout_ns);
+  } else if (algo == PMG_ALGO_PUSH) {
+    const size_t slice = staged_slice(R, n, sizeof(T)) / kPerVec<T>;
+    unsigned blocks = grid_for(slice, size_t(kThreads) * kTwoShotUnroll<R>, max_blocks);
+    push_kernel<T, R><<<blocks, kThreads, 0, stream>>>(p, stage_offset, rank, n, timeout_ns);
   } else {
     const size_t slice = (nvec + R - 1) / R;
     unsigned blocks = grid_for(slice, size_t(kThreads) * kTwoShotUnroll<R>, max_blocks);
@@ -362,21 +483,25 @@ void launch_allreduce(const pmg_peers &p, int rank, size_t n, int algo, int max_
 }
 
 template <typename T>
-void dispatch_ranks(const pmg_peers &p, int rank, int nranks, size_t n, int algo,
+void dispatch_ranks(const pmg_peers &p, size_t so, int rank, int nranks, size_t n, int algo,
                     int max_blocks, uint64_t timeout_ns, cudaStream_t stream) {
   switch (nranks) {
-    case 1: launch_allreduce<T, 1>(p, rank, n, algo, max_blocks, timeout_ns, stream); break;
-    case 2: launch_allreduce<T, 2>(p, rank, n, algo, max_blocks, timeout_ns, stream); break;
-    case 3: launch_allreduce<T, 3>(p, rank, n, algo, max_blocks, timeout_ns, stream); break;
-    case 4: launch_allreduce<T, 4>(p, rank, n, algo, max_blocks, timeout_ns, stream); break;
-    case 5: launch_allreduce<T, 5>(p, rank, n, algo, max_blocks, timeout_ns, stream); break;
-    case 6: launch_allreduce<T, 6>(p, rank, n, algo, max_blocks, timeout_ns, stream); break;
-    case 7: launch_allreduce<T, 7>(p, rank, n, algo, max_blocks, timeout_ns, stream); break;
-    case 8: launch_allreduce<T, 8>(p, rank, n, algo, max_blocks, timeout_ns, stream); break;
+    case 1: launch_allreduce<T, 1>(p, so, rank, n, algo, max_blocks, timeout_ns, stream); break;
+    case 2: launch_allreduce<T, 2>(p, so, rank, n, algo, max_blocks, timeout_ns, stream); break;
+    case 3: launch_allreduce<T, 3>(p, so, rank, n, algo, max_blocks, timeout_ns, stream); break;
+    case 4: launch_allreduce<T, 4>(p, so, rank, n, algo, max_blocks, timeout_ns, stream); break;
+    case 5: launch_allreduce<T, 5>(p, so, rank, n, algo, max_blocks, timeout_ns, stream); break;
+    case 6: launch_allreduce<T, 6>(p, so, rank, n, algo, max_blocks, timeout_ns, stream); break;
+    case 7: launch_allreduce<T, 7>(p, so, rank, n, algo, max_blocks, timeout_ns, stream); break;
+    case 8: launch_allreduce<T, 8>(p, so, rank, n, algo, max_blocks, timeout_ns, stream); break;
   }
 }
 
 int launched() { return cudaGetLastError(); }
+
+
+// Elements of [begin, begin + len) that lie below end.
+size_t clipped(size_t begin, size_t len, size_t end) { return begin >= end ? 0 : min(len, end - begin); }
 
 }  // namespace
 
@@ -444,16 +569,20 @@ int pmg_accumulate(float *ref, const void *avg, size_t n, int wire_dtype, cudaSt
   return launched();
 }
 
-int pmg_allreduce_average(const pmg_peers *peers, int rank, int nranks, size_t n, int dtype,
-                          int algo, int max_blocks, uint64_t timeout_ns, cudaStream_t stream) {
+int pmg_allreduce_average(const pmg_peers *peers, size_t stage_offset, int rank, int nranks,
+                          size_t n, int dtype, int algo, int max_blocks, uint64_t timeout_ns,
+                          cudaStream_t stream) {
   if (int err = check_ranks(rank, nranks)) return err;
   if (int err = check_peers(peers, nranks)) return err;
-  if (algo != PMG_ALGO_ONESHOT && algo != PMG_ALGO_TWOSHOT) return PMG_ERR_INVALID_ARGUMENT;
+  if (algo != PMG_ALGO_ONESHOT && algo != PMG_ALGO_TWOSHOT && algo != PMG_ALGO_PUSH)
+    return PMG_ERR_INVALID_ARGUMENT;
+  if (algo == PMG_ALGO_PUSH && (stage_offset & 15)) return PMG_ERR_MISALIGNED;
   if (max_blocks < 1 || max_blocks > PMG_MAX_BLOCKS) return PMG_ERR_INVALID_ARGUMENT;
+  const size_t so = stage_offset;
   switch (dtype) {
-    case PMG_FLOAT32: dispatch_ranks<float>(*peers, rank, nranks, n, algo, max_blocks, timeout_ns, stream); break;
-    case PMG_FLOAT16: dispatch_ranks<__half>(*peers, rank, nranks, n, algo, max_blocks, timeout_ns, stream); break;
-    case PMG_BFLOAT16: dispatch_ranks<__nv_bfloat16>(*peers, rank, nranks, n, algo, max_blocks, timeout_ns, stream); break;
+    case PMG_FLOAT32: dispatch_ranks<float>(*peers, so, rank, nranks, n, algo, max_blocks, timeout_ns, stream); break;
+    case PMG_FLOAT16: dispatch_ranks<__half>(*peers, so, rank, nranks, n, algo, max_blocks, timeout_ns, stream); break;
+    case PMG_BFLOAT16: dispatch_ranks<__nv_bfloat16>(*peers, so, rank, nranks, n, algo, max_blocks, timeout_ns, stream); break;
     default: return PMG_ERR_UNSUPPORTED_DTYPE;
   }
   return launched();
@@ -513,6 +642,73 @@ int pmg_copy_average(const pmg_peers *peers, int rank, int nranks, void *shadow,
   if (int err = pmg_gather_peers(peers, rank, nranks, shadow, n, dtype, stream)) return err;
   if (int err = pmg_device_barrier(peers, rank, nranks, timeout_ns, stream)) return err;
   return pmg_shadow_average(peers, rank, nranks, shadow, n, dtype, stream);
+}
+
+size_t pmg_stage_bytes(int nranks, size_t nbytes) {
+  if (nranks < 2) return 0;
+  return size_t(nranks - 1) * staged_slice(nranks, nbytes, 1);
+}
+
+int pmg_ce_allreduce_average(const pmg_peers *peers, size_t stage_offset, int rank, int nranks,
+                             size_t n, int dtype, size_t chunk_bytes, int max_blocks,
+                             uint64_t timeout_ns, cudaStream_t stream, cudaStream_t copy_stream,
+                             cudaEvent_t event) {
+  if (int err = check_ranks(rank, nranks)) return err;
+  if (int err = check_peers(peers, nranks)) return err;
+  const size_t esize = pmg_dtype_size(dtype);
+  if (!esize) return PMG_ERR_UNSUPPORTED_DTYPE;
+  if ((stage_offset & 15) || chunk_bytes < 16 || max_blocks < 1) return PMG_ERR_INVALID_ARGUMENT;
+  if (nranks == 1 || n == 0) return 0;
+  if (!copy_stream || !event) return PMG_ERR_INVALID_ARGUMENT;
+  const size_t per_vec = 16 / esize;
+  const size_t slice = staged_slice(nranks, n, esize);
+  const size_t chunk = min(slice, max(per_vec, chunk_bytes / esize / per_vec * per_vec));
+  // Every rank runs the same number of chunks (slices are equal but for the last), so every
+  // rank crosses the same sequence of barriers.
+  const size_t nchunks = (slice + chunk - 1) / chunk;
+  auto data = [&](int r, size_t elem) { return static_cast<char *>(peers->data[r]) + elem * esize; };
+  auto stage = [&](int dst, int src, size_t elem) {
+    return data(dst, 0) + stage_offset + (staged_slot(src, dst) * slice + elem) * esize;
+  };
+  const size_t lo = size_t(rank) * slice;
+  const size_t hi = min(n, lo + slice);
+  cudaError_t err;
+  // The pushes wait for the caller's work on the buffer (pack), then run on their own
+  // stream so that chunk c + 1 crosses the link while chunk c is averaged and written back.
+  if ((err = cudaEventRecord(event, stream)) || (err = cudaStreamWaitEvent(copy_stream, event, 0)))
+    return err;
+  for (size_t c = 0; c < nchunks; ++c) {
+    const size_t at = c * chunk;
+    for (int j = 1; j < nranks; ++j) {
+      const int dst = (rank + j) % nranks;  // rotated, so that ranks do not all hit rank 0
+      const size_t len = clipped(dst * slice + at, chunk, min(n, (dst + 1) * slice));
+      if (len && (err = cudaMemcpyAsync(stage(dst, rank, at), data(rank, dst * slice + at),
+                                        len * esize, cudaMemcpyDefault, copy_stream)))
+        return err;
+    }
+    // Every rank's push of chunk c has landed (a copy completes before the next work on its
+    // stream starts, and the barrier's release store follows it).
+    barrier_kernel<<<1, 32, 0, copy_stream>>>(*peers, rank, nranks, timeout_ns);
+    if ((err = cudaGetLastError()) || (err = cudaEventRecord(event, copy_stream)) ||
+        (err = cudaStreamWaitEvent(stream, event, 0)))
+      return err;
+    const size_t len = clipped(lo + at, chunk, hi);
+    if (!len) continue;
+    pmg_tensor d = {};
+    for (int r = 0; r < nranks; ++r) d.inputs[r] = r == rank ? data(rank, lo + at) : stage(rank, r, at);
+    d.n = len;
+    const unsigned blocks = grid_for(len / per_vec + 1, kThreads, max_blocks);
+    switch (dtype) {
+      case PMG_FLOAT32: scatter_average_kernel<float><<<blocks, kThreads, 0, stream>>>(d, *peers, lo + at, rank, nranks); break;
+      case PMG_FLOAT16: scatter_average_kernel<__half><<<blocks, kThreads, 0, stream>>>(d, *peers, lo + at, rank, nranks); break;
+      default: scatter_average_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(d, *peers, lo + at, rank, nranks); break;
+    }
+    if ((err = cudaGetLastError())) return err;
+  }
+  // Every peer's stores into our replica have landed, and every peer has read its staging
+  // area, so the next exchange may push into it.
+  barrier_kernel<<<1, 32, 0, stream>>>(*peers, rank, nranks, timeout_ns);
+  return launched();
 }
 
 }  // extern "C"

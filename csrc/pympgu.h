@@ -26,7 +26,7 @@ extern "C" {
 
 enum pmg_dtype { PMG_FLOAT32 = 0, PMG_FLOAT16 = 1, PMG_BFLOAT16 = 2 };
 
-enum pmg_algo { PMG_ALGO_ONESHOT = 0, PMG_ALGO_TWOSHOT = 1 };
+enum pmg_algo { PMG_ALGO_ONESHOT = 0, PMG_ALGO_TWOSHOT = 1, PMG_ALGO_PUSH = 2 };
 
 enum pmg_status {
   PMG_SUCCESS = 0,
@@ -137,9 +137,31 @@ int pmg_multi_delta(const pmg_tensor *table, int ntensors, uint64_t max_n, int w
 int pmg_accumulate(float *ref, const void *avg, size_t n, int wire_dtype, cudaStream_t stream);
 /* All-reduce-average, in place in peers->data[*], with GPU-side barriers through the
  * signal blocks: every rank calls it with the same n, dtype, algo and max_blocks.
- * timeout_ns bounds each barrier wait; past it the kernel traps (a peer never arrived). */
-int pmg_allreduce_average(const pmg_peers *peers, int rank, int nranks, size_t n, int dtype,
-                          int algo, int max_blocks, uint64_t timeout_ns, cudaStream_t stream);
+ * timeout_ns bounds each barrier wait; past it the kernel traps (a peer never arrived).
+ * PMG_ALGO_PUSH needs every rank's staging area at stage_offset bytes after its data (see
+ * pmg_stage_bytes); the other algorithms ignore stage_offset. */
+int pmg_allreduce_average(const pmg_peers *peers, size_t stage_offset, int rank, int nranks,
+                          size_t n, int dtype, int algo, int max_blocks, uint64_t timeout_ns,
+                          cudaStream_t stream);
+/* Bytes of the staging area that PMG_ALGO_PUSH and pmg_ce_allreduce_average need on every
+ * rank for buffers of up to nbytes: one slot per peer, each a 1/nranks slice of the buffer
+ * rounded up to 16 bytes. */
+size_t pmg_stage_bytes(int nranks, size_t nbytes);
+/* Two-shot with the copy engines, for large buffers: on NVLink, DMA carries more bytes than
+ * SM loads (docs/BENCHMARKS.md). Each rank's slice is cut into chunks of chunk_bytes; per
+ * chunk, every rank copies the other ranks' slices of its replica into their staging slots
+ * by DMA (on copy_stream), then, after a GPU barrier, a kernel on stream averages its own
+ * slice from its replica and its staging area (rank order, as every kernel here) and stores
+ * the mean into every replica, so chunk c + 1 crosses the link while chunk c is averaged.
+ * Each rank's staging area starts stage_offset bytes after its data (the same offset on
+ * every rank) and holds pmg_stage_bytes(nranks, n * element size) bytes. event is a scratch
+ * event on the streams' device; max_blocks caps the averaging kernel's grid. Every rank
+ * calls it with the same n, dtype and chunk_bytes; the result is bit-identical to the
+ * kernels'. */
+int pmg_ce_allreduce_average(const pmg_peers *peers, size_t stage_offset, int rank, int nranks,
+                             size_t n, int dtype, size_t chunk_bytes, int max_blocks,
+                             uint64_t timeout_ns, cudaStream_t stream, cudaStream_t copy_stream,
+                             cudaEvent_t event);
 /* A GPU-side barrier alone (one block), for methods that move data with copies. */
 int pmg_device_barrier(const pmg_peers *peers, int rank, int nranks, uint64_t timeout_ns,
                        cudaStream_t stream);

@@ -12,6 +12,7 @@ cdef extern from "pympgu.h" nogil:
         PMG_IPC_HANDLE_BYTES
         PMG_ALGO_ONESHOT
         PMG_ALGO_TWOSHOT
+        PMG_ALGO_PUSH
         PMG_ERR_INVALID_ARGUMENT
 
     ctypedef struct pmg_signal:
@@ -70,8 +71,14 @@ cdef extern from "pympgu.h" nogil:
     int pmg_multi_delta(const pmg_tensor *table, int ntensors, uint64_t max_n, int wire_dtype,
                         cudaStream_t stream)
     int pmg_accumulate(float *ref, const void *avg, size_t n, int wire_dtype, cudaStream_t stream)
-    int pmg_allreduce_average(const pmg_peers *peers, int rank, int nranks, size_t n, int dtype,
-                              int algo, int max_blocks, uint64_t timeout_ns, cudaStream_t stream)
+    int pmg_allreduce_average(const pmg_peers *peers, size_t stage_offset, int rank,
+                              int nranks, size_t n, int dtype, int algo, int max_blocks,
+                              uint64_t timeout_ns, cudaStream_t stream)
+    size_t pmg_stage_bytes(int nranks, size_t nbytes)
+    int pmg_ce_allreduce_average(const pmg_peers *peers, size_t stage_offset, int rank,
+                                 int nranks, size_t n, int dtype, size_t chunk_bytes,
+                                 int max_blocks, uint64_t timeout_ns, cudaStream_t stream,
+                                 cudaStream_t copy_stream, cudaEvent_t event)
     int pmg_device_barrier(const pmg_peers *peers, int rank, int nranks, uint64_t timeout_ns,
                            cudaStream_t stream)
     int pmg_gather_peers(const pmg_peers *peers, int rank, int nranks, void *shadow, size_t n,

@@ -179,12 +179,13 @@ cdef cudaStream_t _stream_of(stream) except? NULL:
 
 
 cdef class Event:
-    """A CUDA event with timing, for measuring device time between two records."""
+    """A CUDA event: with timing (the default), for measuring device time between two
+    records; without, a cheaper one for ordering streams."""
     cdef cudaEvent_t handle
 
-    def __cinit__(self):
+    def __cinit__(self, bint timing=True):
         self.handle = NULL
-        check(pmg_event_create(&self.handle, 1))
+        check(pmg_event_create(&self.handle, timing))
 
     def record(self, stream=None):
         """Record the event on stream (None: the legacy default stream)."""
@@ -800,14 +801,44 @@ def oneshot_max_bytes(int nranks):
     return 128 * 1024
 
 
+def push_min_bytes(int nranks):
+    """Smallest buffer the 'auto' algorithm averages with 'push' (two-shot by stores) rather
+    than 'twoshot'; PeerGroups at least this large get a staging area by default.
+
+    Override with PYMPGU_PUSH_MIN_BYTES. Measured on 2 H200s over NVLink (docs/BENCHMARKS.md):
+    'push' beat 'twoshot' at 16 MiB, the smallest size it was timed at, and above; below
+    16 MiB the staging memory is not known to buy anything. More ranks are not measured yet.
+    """
+    env = os.environ.get("PYMPGU_PUSH_MIN_BYTES")
+    if env:
+        return int(env)
+    return 16 * 1024 * 1024
+
+
+def ce_chunk_bytes():
+    """Bytes per pipelined chunk of a rank's slice in the 'ce' algorithm
+    (PYMPGU_CE_CHUNK_BYTES overrides; every rank must use the same). Chunks of 4 to 16 MiB
+    were slower on 2 H200s, 32 to 128 MiB about equal (docs/BENCHMARKS.md)."""
+    env = os.environ.get("PYMPGU_CE_CHUNK_BYTES")
+    if env:
+        return int(env)
+    return 32 * 1024 * 1024
+
+
+ALGORITHMS = ("oneshot", "twoshot", "push", "ce")
+
+
 cdef class PeerGroup:
     """This process's replica in a group of nranks processes that average a buffer together.
 
     It allocates one registered block on the current (or given) device: a signal area that
-    peers write barrier flags into, then ``nbytes`` of data. Share ``handle`` (64 bytes) with
-    the peers, then ``connect()`` with every rank's handle in rank order; after that
-    ``allreduce()`` averages the data buffers of all ranks in place with no host round-trip.
-    ``close()`` unmaps the peers and frees the block.
+    peers write barrier flags into, then ``nbytes`` of data, then (``staging``) the area
+    into which peers copy: (nranks - 1) / nranks of
+    ``nbytes``, for the algorithms 'push' and 'ce'. staging=None allocates it when the 'auto'
+    algorithm would use it, for buffers of at least ``push_min_bytes(nranks)``; every rank
+    must pass the same nbytes and staging. Share ``handle`` (64 bytes) with the peers, then ``connect()`` with every rank's
+    handle in rank order; after that ``allreduce()`` averages the data buffers of all ranks
+    in place with no host round-trip. ``close()`` unmaps the peers and frees the block.
     """
     cdef pmg_peers peers
     cdef readonly int rank
@@ -820,10 +851,14 @@ cdef class PeerGroup:
     cdef public uint64_t timeout_ns
     cdef readonly object block
     cdef readonly Stream stream
+    cdef readonly size_t stage_bytes
     cdef object mappings
     cdef object shadow
+    cdef Stream copy_stream
+    cdef Event order
 
-    def __init__(self, int rank, int nranks, size_t nbytes, device=None, double timeout=60.0):
+    def __init__(self, int rank, int nranks, size_t nbytes, device=None, double timeout=60.0,
+                 staging=None):
         if nranks < 1 or nranks > PMG_MAX_RANKS:
             raise ValueError(f"nranks must be 1 to {PMG_MAX_RANKS}, got {nranks}")
         if rank < 0 or rank >= nranks:
@@ -836,8 +871,14 @@ cdef class PeerGroup:
         self.nbytes = nbytes
         self.timeout_ns = <uint64_t>(timeout * 1e9)
         self.data_offset = _align(sizeof(pmg_signal), _ALIGN)
-        self.block = DeviceBuffer(self.data_offset + _align(nbytes, _ALIGN))
+        if staging is None:
+            staging = nranks > 1 and nbytes >= push_min_bytes(nranks)
+        self.stage_bytes = pmg_stage_bytes(nranks, nbytes) if staging else 0
+        self.block = DeviceBuffer(self.data_offset + _align(nbytes, _ALIGN) + self.stage_bytes)
         self.stream = Stream()
+        if self.stage_bytes:
+            self.copy_stream = Stream()
+            self.order = Event(timing=False)
         self.mappings = []
         self.shadow = None
         self.connected = False
@@ -911,20 +952,30 @@ cdef class PeerGroup:
             raise ValueError(f"{n} elements do not fit the group's {self.nbytes}-byte buffer")
 
     def algorithm(self, size_t nbytes, algo="auto"):
-        """The algorithm ('oneshot' or 'twoshot') that allreduce would use for nbytes."""
+        """The algorithm ('oneshot', 'twoshot', 'push' or 'ce') that allreduce would use
+        for nbytes."""
         if algo == "auto":
-            return "oneshot" if nbytes <= oneshot_max_bytes(self.nranks) else "twoshot"
-        if algo not in ("oneshot", "twoshot"):
-            raise ValueError(f"algo must be 'auto', 'oneshot' or 'twoshot', got {algo!r}")
+            if nbytes <= oneshot_max_bytes(self.nranks):
+                return "oneshot"
+            if self.stage_bytes and nbytes >= push_min_bytes(self.nranks):
+                return "push"
+            return "twoshot"
+        if algo not in ALGORITHMS:
+            raise ValueError(f"algo must be 'auto' or one of {ALGORITHMS}, got {algo!r}")
+        if algo in ("push", "ce") and not self.stage_bytes and self.nranks > 1:
+            raise ValueError(f"algo {algo!r} needs a PeerGroup made with staging=True")
         return algo
 
     def allreduce(self, size_t n, dtype="float32", algo="auto", bint synchronize=True,
                   max_blocks=None):
         """Average the first n elements of every rank's data buffer, in place, on the GPU.
 
-        Every rank must call it with the same n, dtype, algo and max_blocks. max_blocks
-        (default: the group's) caps the kernel's grid: fewer blocks leave SMs to work that
-        runs beside the exchange. Returns the algorithm used.
+        algo: 'oneshot' (every rank reads every replica), 'twoshot' (each rank reads a slice
+        of every replica and stores its mean into all), 'push' (two-shot by stores only) and
+        'ce' (two-shot, pushing by DMA) are described in csrc/pympgu.h; 'push' and 'ce' need
+        staging (see the class). 'auto' picks by size. Every rank must call it with the same n, dtype, algo and
+        max_blocks. max_blocks (default: the group's) caps the kernel's grid: fewer blocks
+        leave SMs to work that runs beside the exchange. Returns the algorithm used.
         """
         cdef int code = dtype_code(dtype)
         self._require(n, code)
@@ -932,11 +983,21 @@ cdef class PeerGroup:
         if not 1 <= blocks <= PMG_MAX_BLOCKS:
             raise ValueError(f"max_blocks must be 1 to {PMG_MAX_BLOCKS}, got {blocks}")
         chosen = self.algorithm(n * pmg_dtype_size(code), algo)
-        cdef int a = PMG_ALGO_ONESHOT if chosen == "oneshot" else PMG_ALGO_TWOSHOT
+        cdef int a = {"oneshot": PMG_ALGO_ONESHOT, "twoshot": PMG_ALGO_TWOSHOT,
+                      "push": PMG_ALGO_PUSH}.get(chosen, -1)
+        cdef size_t chunk = ce_chunk_bytes()
+        cdef size_t stage_offset = _align(self.nbytes, _ALIGN)  # from data to staging
         set_device(self.device)
-        self._launched(pmg_allreduce_average(&self.peers, self.rank, self.nranks, n, code, a,
-                                             blocks, self.timeout_ns,
-                                             self.stream.handle), synchronize)
+        if chosen == "ce":
+            status = pmg_ce_allreduce_average(
+                &self.peers, stage_offset, self.rank, self.nranks, n, code, chunk, blocks,
+                self.timeout_ns, self.stream.handle,
+                self.copy_stream.handle if self.copy_stream is not None else NULL,
+                self.order.handle if self.order is not None else NULL)
+        else:
+            status = pmg_allreduce_average(&self.peers, stage_offset, self.rank, self.nranks, n,
+                                           code, a, blocks, self.timeout_ns, self.stream.handle)
+        self._launched(status, synchronize)
         return chosen
 
     def copy_average(self, size_t n, dtype="float32", bint synchronize=True):
@@ -1021,6 +1082,8 @@ cdef class PeerGroup:
             self.block.close()
         if self.stream is not None:
             self.stream.close()
+        if self.copy_stream is not None:
+            self.copy_stream.close()
         if errors:
             raise errors[0]
 

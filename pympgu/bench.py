@@ -19,7 +19,7 @@ import sys
 import time
 import traceback
 
-METHODS = ("auto", "oneshot", "twoshot", "copy")
+METHODS = ("auto", "oneshot", "twoshot", "push", "ce", "copy")
 DEFAULT_SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20,
                  256 << 20, 1 << 30]
 
@@ -87,7 +87,8 @@ def rank_main(rank, nranks, device, sizes, methods, conn, init_file, use_nccl, b
 
     from pympgu import cuda
     results = []
-    group = cuda.PeerGroup(rank, nranks, max(sizes), device=device, timeout=120)
+    group = cuda.PeerGroup(rank, nranks, max(sizes), device=device, timeout=120,
+                           staging=True if {"push", "ce"} & set(methods) else None)
     try:
         conn.send(("handle", (group.handle, group.sm_count)))
         handles, sms = conn.recv()

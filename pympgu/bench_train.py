@@ -29,6 +29,8 @@ import sys
 import time
 import traceback
 
+from .exchange import METHODS
+
 MODELS = {
     "seed": dict(hidden=[500], lr=0.13, momentum=0.0, batch_size=5000, l1=0.0, l2=1e-4),
     "wide": dict(hidden=[4096, 4096], lr=0.05, momentum=0.9, batch_size=1024, l1=0.0, l2=1e-4),
@@ -296,14 +298,14 @@ def run_pympgu(devices, cfg, steps, warmup, plain_jax=False):
 
 
 def measure(gpus, models, variants, steps, warmup, data, use_ddp, log=print,
-            exchange_blocks=None):
+            exchange_blocks=None, method="auto"):
     """Every row of the benchmark, as a list of dicts."""
     from . import data as datamod
     ds = datamod.load(data)
     rows = []
     multi = len(gpus) > 1
     for name in models:
-        base = dict(MODELS[name], data=data, backend="jax", method="auto", seed=0, epochs=1,
+        base = dict(MODELS[name], data=data, backend="jax", method=method, seed=0, epochs=1,
                     resume=None, out=None, sync_every=1, overlap=False,
                     exchange_dtype="float32", exchange_blocks=exchange_blocks)
         runs = [("pympgu", gpus[:1], "-", base, True)]
@@ -383,6 +385,8 @@ def main(argv=None):
     parser.add_argument("--exchange-blocks", type=int, default=None, metavar="B",
                         help="as pympgu.train's flag: cap the averaging kernel's grid (default: "
                              "the training loop's)")
+    parser.add_argument("--method", choices=METHODS, default="auto",
+                        help="as pympgu.train's flag: the GPU averaging algorithm (default: auto)")
     parser.add_argument("--no-ddp", action="store_true", help="skip PyTorch DDP")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
@@ -416,7 +420,7 @@ def main(argv=None):
     if len(gpus) == 1:
         print("  one GPU: only the 1-GPU rows (give two or more GPUs for scaling)", flush=True)
     rows = measure(gpus, args.models, args.variants, args.steps, args.warmup, args.data_dir,
-                   use_ddp, exchange_blocks=args.exchange_blocks)
+                   use_ddp, exchange_blocks=args.exchange_blocks, method=args.method)
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -45,7 +45,7 @@ from . import _host, shm
 
 ALIGN_BYTES = 256
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-METHODS = ("auto", "oneshot", "twoshot", "copy")
+METHODS = ("auto", "oneshot", "twoshot", "push", "ce", "copy")
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -69,8 +69,9 @@ def plan_layout(layout):
 class Exchanger:
     """Averages a fixed list of parameter arrays across every worker of a run.
 
-    ``layout`` is a list of (name, shape, dtype); ``method`` is 'auto', 'oneshot', 'twoshot'
-    or 'copy' (the seed's peer-copy method) and only matters on GPUs. ``wire_dtype`` is
+    ``layout`` is a list of (name, shape, dtype); ``method`` is 'auto', one of the PeerGroup
+    algorithms ('oneshot', 'twoshot', 'push', 'ce') or 'copy' (the seed's peer-copy method)
+    and only matters on GPUs. ``wire_dtype`` is
     None (the layout's dtype), or 'bfloat16' / 'float16' for float32 layouts (see the module
     docstring). ``max_blocks`` caps the GPU averaging kernel's grid (every rank must give the
     same; None: twice the SM count), leaving SMs free for compute that overlaps it.
@@ -283,19 +284,26 @@ class _CudaBackend:
         ctx = self.ctx = ex.ctx
         self.ex = ex
         self.keep = None
+        # The staging area of 'push' and 'ce', and of 'auto' when the buffer is large enough
+        # that it would pick 'push'.
+        staging = {"push": True, "ce": True, "auto": None}.get(ex.method, False)
         self.group = cuda.PeerGroup(ctx.rank, ctx.nranks, ex.nbytes, device=ctx.device,
-                                    timeout=timeout)
+                                    timeout=timeout, staging=staging)
         try:
             facts = {"device": ctx.device, "sm_count": self.group.sm_count, "pid": os.getpid(),
-                     "exchange_blocks": ex.max_blocks}
+                     "exchange_blocks": ex.max_blocks, "method": ex.method,
+                     "ce_chunk_bytes": cuda.ce_chunk_bytes()}
             all_facts, blobs, max_blocks = ctx.register(ex.layout, facts, self.group.handle)
-            blocks = [f.get("exchange_blocks") for f in all_facts]
-            if len(set(blocks)) != 1:
-                # Kernels of different grids would wait at their barriers for blocks that
-                # never come: refuse before any exchange.
-                raise ValueError("every rank must cap the exchange kernel alike; max_blocks "
-                                 "by rank: " + ", ".join(f"rank {r}: {b}"
-                                                        for r, b in enumerate(blocks)))
+            for key, what in (("exchange_blocks", "cap the exchange kernel alike (max_blocks)"),
+                              ("method", "use the same method"),
+                              ("ce_chunk_bytes", "use the same PYMPGU_CE_CHUNK_BYTES")):
+                values = [f.get(key) for f in all_facts]
+                if len(set(values)) != 1:
+                    # Ranks that queue different barriers (other grids, algorithms or
+                    # chunks) would wait for partners that never come: refuse before any
+                    # exchange.
+                    raise ValueError(f"every rank must {what}; {key} by rank: " +
+                                     ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)))
             devices = [f["device"] for f in all_facts]
             self.peer_ok = all(d == ctx.device or cuda.can_access_peer(ctx.device, d)
                                for d in devices)

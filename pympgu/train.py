@@ -395,9 +395,12 @@ def build_parser():
     where.add_argument("--backend", choices=["auto", "c", "jax"], default="auto",
                        help="PyTensor backend: 'jax' (the default on GPUs) or 'c' (PyTensor's C "
                             "backend, the default on CPUs); 'jax' on CPUs uses CPU JAX")
-    where.add_argument("--method", choices=["auto", "oneshot", "twoshot", "copy"], default="auto",
-                       help="GPU averaging algorithm; 'copy' is the seed's peer-copy method "
-                            "(default: auto, by buffer size)")
+    where.add_argument("--method", choices=["auto", "oneshot", "twoshot", "push", "ce", "copy"],
+                       default="auto",
+                       help="GPU averaging algorithm: the kernels 'oneshot', 'twoshot' and "
+                            "'push' (two-shot by stores), 'ce' (two-shot, pushing by DMA), or "
+                            "'copy', the seed's peer-copy method (default: auto, by buffer "
+                            "size; docs/TRAINING.md)")
     where.add_argument("--port", type=int, default=None,
                        help="coordinator port on 127.0.0.1 (default: a free one)")
     d = p.add_argument_group("data")

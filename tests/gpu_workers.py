@@ -79,7 +79,8 @@ def _child(target, rank, conn, args):
 def exchange_cases(rank, conn, nranks, ngpus, cases, max_blocks, capacity):
     """Average every case through a PeerGroup; returns [(bytes, guard intact)] per case."""
     from pympgu import cuda
-    group = cuda.PeerGroup(rank, nranks, capacity + GUARD, device=rank % ngpus, timeout=60)
+    group = cuda.PeerGroup(rank, nranks, capacity + GUARD, device=rank % ngpus, timeout=60,
+                           staging=True)
     try:
         conn.send(group.handle)
         group.connect(conn.recv(), max_blocks=max_blocks)

@@ -40,12 +40,17 @@ def check_results(results, cases, nranks):
 
 @pytest.mark.parametrize("nranks,max_blocks", [(2, None), (3, None), (4, None), (8, None),
                                                (2, 3), (3, 3), (4, 3)])
-def test_peer_group_all_methods(nranks, max_blocks):
+def test_peer_group_all_methods(nranks, max_blocks, monkeypatch):
     seed = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run
     sizes = SIZES if max_blocks is None else SIZES[:-1]
+    if max_blocks is not None:
+        # Many small copy-engine chunks, some of them empty on the last rank's short slice
+        # (the children inherit the environment).
+        monkeypatch.setenv("PYMPGU_CE_CHUNK_BYTES", str(64 * 1024 + 48))
     cases = [(seed + i, n, dtype, method, False)
              for i, (n, dtype, method) in enumerate(
-                 (n, d, m) for n in sizes for d in DTYPES for m in ("oneshot", "twoshot", "copy"))]
+                 (n, d, m) for n in sizes for d in DTYPES
+                 for m in ("oneshot", "twoshot", "push", "ce", "copy"))]
     capacity = max(n for n in sizes) * 4
     results = run_children(exchange_cases, nranks,
                            (nranks, visible_gpus(), cases, max_blocks, capacity))
@@ -60,7 +65,8 @@ def test_matches_nccl_on_integer_inputs():
     n = (4 << 20) + 3
     with tempfile.TemporaryDirectory() as tmp:
         nccl = run_children(nccl_average, 2, (2, seed, n, os.path.join(tmp, "init")))
-    cases = [(seed, n, "float32", m, True) for m in ("oneshot", "twoshot", "copy")]
+    cases = [(seed, n, "float32", m, True)
+             for m in ("oneshot", "twoshot", "push", "ce", "copy")]
     ours = run_children(exchange_cases, 2, (2, 2, cases, None, n * 4))
     assert nccl[0] == nccl[1]
     for c in range(len(cases)):
@@ -154,3 +160,21 @@ def test_cuda_errors_carry_cuda_message():
     with pytest.raises(pympgu.CudaError):
         pympgu.cuda.ipc_open_handle(b"\0" * 64)
     pympgu.cuda.get_device_count()  # the error was cleared, the runtime still works
+
+
+def test_staged_algorithms_need_staging(monkeypatch):
+    cuda = pympgu.cuda
+    monkeypatch.delenv("PYMPGU_PUSH_MIN_BYTES", raising=False)
+    with cuda.PeerGroup(0, 2, 1 << 20) as small:  # below push_min_bytes: no staging area
+        assert small.stage_bytes == 0
+        assert small.algorithm(1 << 20) == "twoshot"
+        for algo in ("push", "ce"):
+            with pytest.raises(ValueError, match="staging=True"):
+                small.algorithm(1 << 20, algo)
+    big = cuda.push_min_bytes(2)
+    with cuda.PeerGroup(0, 2, big) as group:
+        assert group.stage_bytes == big // 2  # one slot: the peer's half
+        assert group.algorithm(big) == "push"
+        assert group.algorithm(big - 1) == "twoshot"
+    with cuda.PeerGroup(0, 4, 1000, staging=True) as group:
+        assert group.stage_bytes == 3 * 256  # 3 slots of ceil(1000 / 4) rounded up to 16 B
