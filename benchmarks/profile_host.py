@@ -30,8 +30,9 @@ def worker(ctx, hidden, batch, steps):
     ntrain = len(rep.dataset.train[1])
     batches = [rng.integers(0, ntrain, batch).astype(np.int32) for _ in range(steps)]
     with Exchanger(ctx, state_layout(rep)) as ex:
+        rep.attach(ex)
         for idx in batches[:20]:  # compile and warm up
-            rep.train_fn(idx)
+            rep.step(idx, pack=True)
             rep.exchange(ex)
         rep.wait()
         t_step = t_ex = 0.0
@@ -40,7 +41,7 @@ def worker(ctx, hidden, batch, steps):
         prof.enable()
         for idx in batches:
             t1 = time.perf_counter()
-            rep.train_fn(idx)
+            rep.step(idx, pack=True)
             t2 = time.perf_counter()
             rep.exchange(ex)
             t_step += t2 - t1
