@@ -30,9 +30,8 @@ def worker(ctx, hidden, batch, steps):
     ntrain = len(rep.dataset.train[1])
     batches = [rng.integers(0, ntrain, batch).astype(np.int32) for _ in range(steps)]
     with Exchanger(ctx, state_layout(rep)) as ex:
-        rep.attach(ex)
         for idx in batches[:20]:  # compile and warm up
-            rep.step(idx, pack=True)
+            rep.train_fn(idx)
             rep.exchange(ex)
         rep.wait()
         t_step = t_ex = 0.0
@@ -41,7 +40,7 @@ def worker(ctx, hidden, batch, steps):
         prof.enable()
         for idx in batches:
             t1 = time.perf_counter()
-            rep.step(idx, pack=True)
+            rep.train_fn(idx)
             t2 = time.perf_counter()
             rep.exchange(ex)
             t_step += t2 - t1

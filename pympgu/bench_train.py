@@ -60,7 +60,7 @@ def pympgu_worker(ctx, cfg, steps, warmup, plain_jax):
                    for _ in range(warmup + steps)]
         sync = Sync(rep, ex, cfg["sync_every"], cfg["overlap"])
         for i, idx in enumerate(batches[:warmup]):
-            rep.step(idx, pack=sync.due(i, last=i == warmup - 1))
+            rep.train_fn(idx)
             sync.after_step(i, last=i == warmup - 1)
         sync.drain()
         rep.wait()
@@ -70,7 +70,7 @@ def pympgu_worker(ctx, cfg, steps, warmup, plain_jax):
         t0 = time.perf_counter()
         for i, idx in enumerate(batches[warmup:]):
             t1 = time.perf_counter()
-            rep.step(idx, pack=sync.due(i, last=i == steps - 1))
+            rep.train_fn(idx)
             step_s += time.perf_counter() - t1
             sync.after_step(i, last=i == steps - 1)
         sync.drain()

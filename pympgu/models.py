@@ -94,54 +94,16 @@ class MLP:
         for p, v, g in zip(self.params, self.velocities, grads):
             v_new = np.float32(momentum) * v - np.float32(lr) * g
             updates += [(v, v_new), (p, p + v_new)]
-        self._train_graph = (idx, cost, updates, mode)
-        train = self.train_function()
+        train = pytensor.function([idx], cost, updates=updates, mode=mode, name="train")
 
         eidx = pt.tensor("eidx", dtype="int32", shape=(eval_batch,))
         wrong = pt.neq(pt.argmax(self.logits(eval_x[eidx]), axis=1),
                        pt.argmax(eval_y[eidx], axis=1))
         evaluate = pytensor.function([eidx], wrong, mode=mode, name="evaluate")
-        evaluate.trust_input = True  # see train_function
-        return train, evaluate
-
-    def train_function(self, offsets=None, total=None, flat_in=False, flat_out=False):
-        """The training step of compile(), compiled again, optionally around a flat state.
-
-        The state (``self.state``) packed in one float32 vector of ``total`` elements, each
-        variable flattened at its offset in ``offsets`` and zeros between, is the layout an
-        Exchanger averages. flat_in: the step takes such a vector (an exchange's result) as a
-        second argument and starts from it instead of the shared variables' values. flat_out:
-        it returns (cost, the updated state so packed) for the exchange that follows. Inside
-        the step these cost no pass of their own and no dispatch of their own, which a
-        separate split or concatenation would.
-        """
-        pytensor = import_pytensor()
-        import pytensor.tensor as pt
-        idx, cost, updates, mode = self._train_graph
-        inputs, outputs, givens = [idx], cost, None
-        shapes = [tuple(s.get_value(borrow=True).shape) for s in self.state]
-        if flat_in or flat_out:
-            ends = [*offsets[1:], total]
-        if flat_in:
-            flat = pt.tensor("state", dtype="float32", shape=(total,))
-            inputs.append(flat)
-            givens = [(s, flat[o:o + int(np.prod(shape))].reshape(shape))
-                      for s, o, shape in zip(self.state, offsets, shapes)]
-        if flat_out:
-            new = dict(updates)
-            pieces = []
-            for s, o, end, shape in zip(self.state, offsets, ends, shapes):
-                pieces.append(new[s].reshape((-1,)))
-                pad = end - o - int(np.prod(shape))
-                if pad:
-                    pieces.append(pt.zeros((pad,), dtype="float32"))
-            outputs = [cost, pt.concatenate(pieces)]
-        fn = pytensor.function(inputs, outputs, updates=updates, givens=givens, mode=mode,
-                               name="train")
         # Callers pass int32 index arrays of exactly these shapes: skipping PyTensor's input
         # checks saves host time on every call (about 50 µs a call on a CPU).
-        fn.trust_input = True
-        return fn
+        train.trust_input = evaluate.trust_input = True
+        return train, evaluate
 
 
 def error_rates(evaluate, n_valid, n_test, eval_batch):

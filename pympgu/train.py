@@ -79,14 +79,7 @@ class Replica:
             ds, cfg["batch_size"], self.eval_batch, cfg["lr"], cfg["momentum"], cfg["l1"],
             cfg["l2"], mode)
         self.jax = None
-        self._jit_cache, self._train_cache = {}, {}
-        # An exchange's result that no step has taken up yet, and the last step's packed
-        # state, each as (the Exchanger whose layout it has, flat array); see step().
-        self.adopt = self.packed = None
-        self.layout_of = None
-        # Steps fused with exchanges (JAX only; PYMPGU_FUSED_STEP=0 turns it off, to compare).
-        self.fused = (cfg["backend"] == "jax" and
-                      os.environ.get("PYMPGU_FUSED_STEP", "1") != "0")
+        self._jit_cache = {}
         if cfg["backend"] == "jax":
             import jax
             import jax.numpy as jnp
@@ -98,15 +91,9 @@ class Replica:
                 _assign(s, jax.device_put(s.get_value(borrow=True)))
 
     def values(self):
-        state = self.model.state
-        if self.adopt is not None:
-            # An exchange's result not yet taken up by a step: split it out now.
-            (ex, flat), self.adopt = self.adopt, None
-            self.set_values(self._jitted(ex, "split")(flat))
-        return [s.get_value(borrow=True) for s in state]
+        return [s.get_value(borrow=True) for s in self.model.state]
 
     def set_values(self, values):
-        self.adopt = self.packed = None
         for s, v in zip(self.model.state, values):
             _assign(s, v)
 
@@ -114,86 +101,28 @@ class Replica:
         if self.jax is not None:
             self.jax.block_until_ready(self.values())
 
-    def step(self, idx, pack=False):
-        """One training step on the minibatch idx; returns its cost.
-
-        With JAX the step is fused with the exchanges around it (docs/TRAINING.md): it
-        starts from the last exchange's result if no step has taken it up yet, and, with
-        pack (an exchange follows), also returns the updated state packed as the Exchanger
-        lays it out. That spares a jitted split after each exchange and a concatenation
-        before it: a pass over the state and a dispatch each.
-        """
-        if not self.fused:
-            return self.train_fn(idx)
-        adopt, self.adopt = self.adopt, None
-        ex = adopt[0] if adopt is not None else self.layout_of
-        if adopt is None and not pack:
-            fn, args = self.train_fn, (idx,)
-        else:
-            fn = self._train_variant(ex, adopt is not None, pack)
-            args = (idx, adopt[1]) if adopt is not None else (idx,)
-        out = fn(*args)
-        if pack:
-            cost, self.packed = out[0], (ex, out[1])
-            return cost
-        self.packed = None
-        return out
-
-    def attach(self, ex):
-        """Fuse steps with ex's exchanges from now on (see step)."""
-        self.layout_of = ex
-
-    def _train_variant(self, ex, flat_in, flat_out):
-        key = (tuple(ex.offsets), ex.total, flat_in, flat_out)
-        fn = self._train_cache.get(key)
-        if fn is None:
-            fn = self._train_cache[key] = self.model.train_function(
-                ex.offsets, ex.total, flat_in=flat_in, flat_out=flat_out)
-        return fn
-
     def exchange(self, ex):
         """Average parameters and momentum with every other replica."""
-        self._start(ex)
-        if self.fused:
-            self.adopt = (ex, self._import(ex))  # the next step takes it up
-        else:
-            self.set_values(self._adopt(ex))
+        self._start(ex, self.values())
+        self.set_values(self._adopt(ex))
 
-    def _packed(self, ex):
-        """This replica's state as one flat JAX array in ex's layout: the packed output of
-        the last step when it has one, else a jitted concatenation of the values."""
-        if self.packed is not None and self.packed[0].offsets == ex.offsets:
-            flat, self.packed = self.packed[1], None
-            return flat
-        return self._jitted(ex, "pack")(self.values())
-
-    def _start(self, ex):
+    def _start(self, ex, values):
         if self.jax is None:
-            ex.start(self.values())
+            ex.start(values)
         else:
-            # One flat array and a single DLPack export: 0.1 ms of host time per exchange
-            # instead of 0.3-0.5 ms for twelve exports (docs/BENCHMARKS.md).
-            ex.start(self._packed(ex), flat=True)
-
-    def _import(self, ex):
-        """Finish ex; its flat result as a JAX array (CPU: a copy; GPU: a view)."""
-        if self.ctx.is_cpu:
-            return self.jnp.asarray(ex.finish(flat=True))
-        # Nothing waits here: the import orders JAX's stream after the average (the DLPack
-        # stream handshake). The view is read by the next step (or split) before the next
-        # exchange's pack can be computed, so pympgu may reuse its buffer then.
-        return self.jax.dlpack.from_dlpack(ex.finish(flat=True, wait=False))
+            # JAX packs its arrays into one (a jitted concatenation) and hands pympgu a
+            # single DLPack export: one more pass on the GPU, but 0.1 ms of host time per
+            # exchange instead of 0.3-0.5 ms for twelve exports (docs/BENCHMARKS.md).
+            ex.start(self._jitted(ex, "pack")(values), flat=True)
 
     def exchange_start(self, ex):
         """Start averaging the current values; training may go on while it runs (--overlap)."""
+        self.snapshot = self.values()
         if self.jax is None:
-            # PyTensor's C backend updates shared variables in place: keep a copy.
-            self.snapshot = [self.np.array(v, copy=True) for v in self.values()]
-            ex.start(self.snapshot)
-        else:
-            # JAX arrays are immutable: holding the packed state is enough.
-            self.snapshot = self._packed(ex)
-            ex.start(self.snapshot, flat=True)
+            # PyTensor's C backend updates shared variables in place: keep a copy. JAX
+            # arrays are immutable, so holding them is enough.
+            self.snapshot = [self.np.array(v, copy=True) for v in self.snapshot]
+        self._start(ex, self.snapshot)
 
     def exchange_correct(self, ex, stepped=True):
         """Finish the exchange begun by exchange_start, after `stepped` training steps.
@@ -205,29 +134,31 @@ class Replica:
         """
         now, snap, self.snapshot = self.values(), self.snapshot, None
         if not stepped:
-            if self.jax is None:
-                self.set_values(self._adopt(ex))
-            else:
-                self.set_values(self._jitted(ex, "split")(self._import(ex)))
-        elif self.jax is None:
+            self.set_values(self._adopt(ex))
+        elif self.ctx.is_cpu:
             self.set_values([v + (a - s) for v, a, s in zip(now, ex.finish(), snap)])
         else:
-            self.set_values(self._jitted(ex, "correct")(now, self._import(ex), snap))
+            flat = self.jax.dlpack.from_dlpack(ex.finish(flat=True, wait=False))
+            self.set_values(self._jitted(ex, "correct")(now, flat, snap))
 
     def _adopt(self, ex):
         """Finish ex and return its result as this backend's arrays."""
-        if self.jax is None:
+        if self.ctx.is_cpu:
             return ex.finish()
-        # One import of pympgu's whole buffer, then one jitted split into JAX-owned arrays
-        # (jit outputs never alias its inputs): pympgu reuses the buffer, so JAX must not
-        # keep pointing into it. Importing each array on its own cost about 0.12 ms per
-        # array (docs/BENCHMARKS.md).
-        return self._jitted(ex, "split")(self._import(ex))
+        # One DLPack import of pympgu's whole buffer, then one jitted split into JAX-owned
+        # arrays (jit outputs never alias its inputs): the buffer is reused by the next
+        # exchange, so JAX must not keep pointing into it. Importing and copying each array
+        # on its own cost about 0.12 ms per array (docs/BENCHMARKS.md). Nothing waits here:
+        # the import orders JAX's stream after the average (the DLPack stream handshake),
+        # and the next exchange's pack waits for arrays computed from the split's output,
+        # so the split has read the buffer before it is overwritten.
+        return self._jitted(ex, "split")(
+            self.jax.dlpack.from_dlpack(ex.finish(flat=True, wait=False)))
 
     def _jitted(self, ex, what):
         """The jitted pack ('pack'), split ('split') or overlap correction ('correct') for
         ex's layout."""
-        key = (tuple(ex.offsets), ex.total, what)
+        key = (id(ex), what)
         fn = self._jit_cache.get(key)
         if fn is None:
             pieces = [(off, size, tuple(shape))
@@ -246,7 +177,7 @@ class Replica:
                 fn = self.jax.jit(split)
             else:
                 fn = self.jax.jit(lambda now, flat, snap: [
-                    v + (a - s) for v, a, s in zip(now, split(flat), split(snap))])
+                    v + (a - s) for v, a, s in zip(now, split(flat), snap)])
             self._jit_cache[key] = fn
         return fn
 
@@ -301,14 +232,10 @@ class Sync:
         self.seconds = 0.0
         self.stepped = False  # a step was taken since the pending exchange started
 
-    def due(self, step, last=False):
-        """Whether after_step(step, last) will exchange: the step can then pack its state."""
-        return self.ex is not None and (not (step + 1) % self.every or last)
-
     def after_step(self, step, last=False):
         """Call after step `step` (counted from 0) of an epoch; `last` forces a sync."""
         self.stepped = True
-        if not self.due(step, last):
+        if self.ex is None or ((step + 1) % self.every and not last):
             return
         t0 = time.perf_counter()
         if self.overlap:
@@ -343,7 +270,6 @@ def make_exchanger(ctx, rep, cfg):
         blocks = OVERLAP_BLOCKS
     ex = Exchanger(ctx, state_layout(rep), method=cfg["method"], wire_dtype=cfg["exchange_dtype"],
                    max_blocks=blocks)
-    rep.attach(ex)
     try:
         rep.exchange(ex)  # replicas start identical (seed 1234); a resumed run too
     except BaseException:
@@ -372,8 +298,8 @@ def worker(ctx, cfg):
             report_every = max(1, len(batches) // 20)
             t_epoch = time.perf_counter()
             for step, idx in enumerate(batches):
+                costs.append(rep.train_fn(idx))
                 last = step == len(batches) - 1
-                costs.append(rep.step(idx, pack=sync.due(step, last)))
                 sync.after_step(step, last)
                 if ctx.rank == 0 and (step % report_every == 0 or last):
                     ctx.metric(kind="progress", epoch=epoch + 1, step=step + 1, steps=len(batches))

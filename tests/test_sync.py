@@ -36,7 +36,6 @@ class FakeRep:
     exchange_correct = Replica.exchange_correct
     _adopt = Replica._adopt
     _start = Replica._start
-    fused = False  # steps are not fused with exchanges on PyTensor's C backend
 
     def __init__(self, value):
         self.np, self.jax, self.snapshot = np, None, None

@@ -105,54 +105,6 @@ def test_jax_graph_agrees_with_c_backend_on_one_step():
     assert "agree" in r.stdout
 
 
-def test_fused_step_variants_match_the_plain_step():
-    """train_function's flat state in and out: the same step as the plain function."""
-    pytest.importorskip("jax")
-    code = (
-        "import os; os.environ['JAX_PLATFORMS']='cpu';"
-        "import numpy as np; from pympgu import data, models;"
-        "ds = data.load(); idx = np.arange(64, dtype=np.int32)\n"
-        "m = models.MLP(ds.n_in, [32, 16], 10)\n"
-        "tr, _ = m.compile(ds, 64, 100, 0.1, 0.9, 0.0, 1e-4, 'JAX')\n"
-        "tr(idx)  # momentum non-zero from here on\n"
-        "start = [np.asarray(s.get_value()).copy() for s in m.state]\n"
-        "sizes = [v.size for v in start]; offsets = []; total = 0\n"
-        "for n in sizes: offsets.append(total); total += -(-n // 64) * 64\n"
-        "flat = np.zeros(total, np.float32)\n"
-        "for v, o in zip(start, offsets): flat[o:o + v.size] = v.ravel()\n"
-        "c0 = float(tr(idx)); plain = [np.asarray(s.get_value()) for s in m.state]\n"
-        "for s in m.state: s.set_value(np.full(s.get_value().shape, 7, np.float32))\n"
-        "fio = m.train_function(offsets, total, flat_in=True, flat_out=True)\n"
-        "c1, packed = fio(idx, flat); packed = np.asarray(packed)\n"
-        "assert np.isclose(c0, float(c1), rtol=1e-6), (c0, c1)\n"
-        "for s, p, o in zip(m.state, plain, offsets):\n"
-        "    assert np.allclose(np.asarray(s.get_value()), p, rtol=1e-5, atol=1e-7), s.name\n"
-        "    assert np.array_equal(packed[o:o + p.size], np.asarray(s.get_value()).ravel())\n"
-        "mask = np.ones(total, bool)\n"
-        "for o, n in zip(offsets, sizes): mask[o:o + n] = False\n"
-        "assert mask.any() and not packed[mask].any(), 'padding must be zero'\n"
-        "print('fused ok')\n"
-    )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=500)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "fused ok" in r.stdout
-
-
-@pytest.mark.parametrize("over", [dict(), dict(sync_every=3), dict(overlap=True)],
-                         ids=["sync1", "sync3", "overlap"])
-def test_jax_workers_fused_steps_train_as_unfused(monkeypatch, over):
-    """CPU JAX workers: steps fused with the exchanges against separate pack and split."""
-    pytest.importorskip("jax")
-    cfg = config(epochs=1, hidden=[32], backend="jax", **over)
-    monkeypatch.setenv("PYMPGU_FUSED_STEP", "0")
-    plain = train.run(cfg, [None, None])
-    monkeypatch.setenv("PYMPGU_FUSED_STEP", "1")
-    fused = train.run(cfg, [None, None])
-    for a, b in zip(plain, fused):
-        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (a, b)
-        assert abs(a["test_error"] - b["test_error"]) <= 0.002, (a, b)
-
-
 def test_shards_are_disjoint_and_even():
     for nranks in (1, 2, 3, 8):
         shards = [data.shard_batches(1000, 16, nranks, r, seed=5, epoch=2) for r in range(nranks)]
