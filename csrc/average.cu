@@ -365,7 +365,7 @@ __global__ void __launch_bounds__(kThreads)
   const size_t tid = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const size_t nthreads = size_t(gridDim.x) * blockDim.x;
   const float denom = float(nranks);
-  const size_t nvec = d.n / P;  // every pointer is 16-byte aligned (see ce_slice)
+  const size_t nvec = d.n / P;  // every pointer is 16-byte aligned (see staged_slice)
   for (size_t v = tid; v < nvec; v += nthreads) {
     float acc[P];
     acc_first<T>(acc, __ldcg(static_cast<const uint4 *>(d.inputs[0]) + v));
@@ -498,7 +498,6 @@ void dispatch_ranks(const pmg_peers &p, size_t so, int rank, int nranks, size_t 
 }
 
 int launched() { return cudaGetLastError(); }
-
 
 // Elements of [begin, begin + len) that lie below end.
 size_t clipped(size_t begin, size_t len, size_t end) { return begin >= end ? 0 : min(len, end - begin); }

@@ -832,13 +832,13 @@ cdef class PeerGroup:
     """This process's replica in a group of nranks processes that average a buffer together.
 
     It allocates one registered block on the current (or given) device: a signal area that
-    peers write barrier flags into, then ``nbytes`` of data, then (``staging``) the area
-    into which peers copy: (nranks - 1) / nranks of
-    ``nbytes``, for the algorithms 'push' and 'ce'. staging=None allocates it when the 'auto'
-    algorithm would use it, for buffers of at least ``push_min_bytes(nranks)``; every rank
-    must pass the same nbytes and staging. Share ``handle`` (64 bytes) with the peers, then ``connect()`` with every rank's
-    handle in rank order; after that ``allreduce()`` averages the data buffers of all ranks
-    in place with no host round-trip. ``close()`` unmaps the peers and frees the block.
+    peers write barrier flags into, then ``nbytes`` of data, then (``staging``) the area the
+    peers store into for the algorithms 'push' and 'ce', (nranks - 1) / nranks of ``nbytes``.
+    staging=None allocates it when 'auto' would use it, for buffers of at least
+    ``push_min_bytes(nranks)``; every rank must pass the same nbytes and staging. Share
+    ``handle`` (64 bytes) with the peers, then ``connect()`` with every rank's handle in rank
+    order; after that ``allreduce()`` averages the data buffers of all ranks in place with no
+    host round-trip. ``close()`` unmaps the peers and frees the block.
     """
     cdef pmg_peers peers
     cdef readonly int rank
@@ -973,9 +973,10 @@ cdef class PeerGroup:
         algo: 'oneshot' (every rank reads every replica), 'twoshot' (each rank reads a slice
         of every replica and stores its mean into all), 'push' (two-shot by stores only) and
         'ce' (two-shot, pushing by DMA) are described in csrc/pympgu.h; 'push' and 'ce' need
-        staging (see the class). 'auto' picks by size. Every rank must call it with the same n, dtype, algo and
-        max_blocks. max_blocks (default: the group's) caps the kernel's grid: fewer blocks
-        leave SMs to work that runs beside the exchange. Returns the algorithm used.
+        staging (see the class). 'auto' picks by size. Every rank must call it with the same
+        n, dtype, algo and max_blocks. max_blocks (default: the group's) caps the kernel's
+        grid: fewer blocks leave SMs to work that runs beside the exchange. Returns the
+        algorithm used.
         """
         cdef int code = dtype_code(dtype)
         self._require(n, code)

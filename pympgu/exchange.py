@@ -71,9 +71,8 @@ class Exchanger:
 
     ``layout`` is a list of (name, shape, dtype); ``method`` is 'auto', one of the PeerGroup
     algorithms ('oneshot', 'twoshot', 'push', 'ce') or 'copy' (the seed's peer-copy method)
-    and only matters on GPUs. ``wire_dtype`` is
-    None (the layout's dtype), or 'bfloat16' / 'float16' for float32 layouts (see the module
-    docstring). ``max_blocks`` caps the GPU averaging kernel's grid (every rank must give the
+    and only matters on GPUs. ``wire_dtype`` is None (the layout's dtype), or 'bfloat16' /
+    'float16' for float32 layouts (see the module docstring). ``max_blocks`` caps the GPU averaging kernel's grid (every rank must give the
     same; None: twice the SM count), leaving SMs free for compute that overlaps it.
     ``stats`` adds up the host seconds spent in each step and counts exchanges.
     """
