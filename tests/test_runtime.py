@@ -151,3 +151,19 @@ def test_exchanger_rejects_bad_arguments_before_any_setup(kwargs, message):
     ctx = object()  # never touched: the arguments are checked first
     with pytest.raises(ValueError, match=message):
         Exchanger(ctx, [("w", [3], "float32")], **kwargs)
+
+
+def test_algorithm_thresholds_and_their_overrides(monkeypatch):
+    from pympgu import cuda
+    if cuda._cuda is None:
+        pytest.skip("built without CUDA")
+    for var, fn, default in (("PYMPGU_ONESHOT_MAX_BYTES", cuda.oneshot_max_bytes, 128 << 10),
+                             ("PYMPGU_PUSH_MIN_BYTES", cuda.push_min_bytes, 16 << 20)):
+        monkeypatch.delenv(var, raising=False)
+        assert fn(2) == default, var  # the documented defaults (docs/TRAINING.md)
+        monkeypatch.setenv(var, "12345")
+        assert fn(2) == 12345, var
+    monkeypatch.delenv("PYMPGU_CE_CHUNK_BYTES", raising=False)
+    assert cuda.ce_chunk_bytes() == 32 << 20
+    monkeypatch.setenv("PYMPGU_CE_CHUNK_BYTES", "65536")
+    assert cuda.ce_chunk_bytes() == 65536
