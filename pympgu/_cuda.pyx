@@ -986,13 +986,12 @@ cdef class PeerGroup:
         chosen = self.algorithm(n * pmg_dtype_size(code), algo)
         cdef int a = {"oneshot": PMG_ALGO_ONESHOT, "twoshot": PMG_ALGO_TWOSHOT,
                       "push": PMG_ALGO_PUSH}.get(chosen, -1)
-        cdef size_t chunk = ce_chunk_bytes()
         cdef size_t stage_offset = _align(self.nbytes, _ALIGN)  # from data to staging
         set_device(self.device)
         if chosen == "ce":
             status = pmg_ce_allreduce_average(
-                &self.peers, stage_offset, self.rank, self.nranks, n, code, chunk, blocks,
-                self.timeout_ns, self.stream.handle,
+                &self.peers, stage_offset, self.rank, self.nranks, n, code, ce_chunk_bytes(),
+                blocks, self.timeout_ns, self.stream.handle,
                 self.copy_stream.handle if self.copy_stream is not None else NULL,
                 self.order.handle if self.order is not None else NULL)
         else:
