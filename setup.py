@@ -4,7 +4,12 @@ The toolkit is looked for in CUDA_HOME (or CUDA_PATH), next to the nvcc on PATH,
 /usr/local/cuda. Without one, only the host module is built and pympgu.cuda_available()
 says why. PYMPGU_NO_CUDA=1 forces that host-only build; PYMPGU_CUDA_ARCH="80;90" picks the
 real architectures (PTX for the highest is always embedded so newer GPUs can JIT it).
+
+When jaxlib is installed (build without isolation to let the build see it), its XLA FFI
+headers also compile pympgu's average as an XLA operation (pympgu.xla); PYMPGU_NO_XLA=1
+leaves it out.
 """
+import importlib.util
 import glob
 import os
 import shutil
@@ -42,6 +47,17 @@ def cuda_libdir(home):
         if os.path.exists(os.path.join(home, sub, "libcudart_static.a")):
             return os.path.join(home, sub)
     raise RuntimeError(f"CUDA toolkit at {home} has no libcudart_static.a")
+
+
+def find_xla_ffi():
+    """jaxlib's include directory when it holds the XLA FFI headers, else None."""
+    if os.environ.get("PYMPGU_NO_XLA") == "1":
+        return None
+    spec = importlib.util.find_spec("jaxlib")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    include = os.path.join(list(spec.submodule_search_locations)[0], "include")
+    return include if os.path.exists(os.path.join(include, "xla", "ffi", "api", "ffi.h")) else None
 
 
 def gencode_flags():
@@ -92,10 +108,20 @@ def extensions():
     if home is None:
         print("pympgu: no CUDA toolkit found; building the host part only", file=sys.stderr)
     else:
+        include_dirs = [CSRC, os.path.join(home, "include")]
+        macros = [("PMG_WITH_CUDA", "1")]
+        flags = list(cxx)
+        xla = find_xla_ffi()
+        if xla:
+            flags += ["-isystem", xla]  # its headers' own warnings are not ours
+            macros.append(("PMG_WITH_XLA_FFI", "1"))
+        else:
+            print("pympgu: jaxlib's FFI headers not found; building without the XLA operation",
+                  file=sys.stderr)
         ext = Extension(
-            "pympgu._cuda", ["pympgu/_cuda.pyx", f"{CSRC}/host_average.cpp"],
-            include_dirs=[CSRC, os.path.join(home, "include")], language="c++",
-            define_macros=[("PMG_WITH_CUDA", "1")], extra_compile_args=cxx,
+            "pympgu._cuda", ["pympgu/_cuda.pyx", f"{CSRC}/host_average.cpp", f"{CSRC}/xla_ffi.cc"],
+            include_dirs=include_dirs, language="c++",
+            define_macros=macros, extra_compile_args=flags,
             library_dirs=[cuda_libdir(home)],
             # The static runtime: the module then loads on machines with a driver but no
             # toolkit, and on machines with neither it imports and reports the missing driver.

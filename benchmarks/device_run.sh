@@ -13,6 +13,7 @@ for step in $steps; do
   echo "=== $step"
   case $step in
     tests) timeout 540 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_exchange.py tests/test_gpu_runtime.py 2>&1 | tail -15 ;;
+    xla) grep -i "without the XLA" "$OUT/build.log"; timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_runtime.py -k "xla or jax" 2>&1 | tail -15 ;;
     runtime) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_runtime.py 2>&1 | tail -15 ;;
     probe) timeout 120 python3 benchmarks/probe_dlpack.py 2>&1 | grep -v -i warn | tail -14 ;;
     nccl) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_exchange.py -k nccl 2>&1 | tail -3 ;;

@@ -439,6 +439,31 @@ __global__ void __launch_bounds__(kThreads) accumulate_kernel(float *ref, const 
   for (size_t i = nvec * 4 + tid; i < n; i += nthreads) ref[i] = __fadd_rn(ref[i], Elem<T>::load(avg[i]));
 }
 
+// Copy lists travel by value: 32 entries are 768 bytes, well inside a kernel's parameters.
+constexpr int kCopyBatch = 32;
+struct CopyBatch {
+  pmg_copy e[kCopyBatch];
+};
+
+// blockIdx.y picks the entry; the x blocks stride over it in 16-byte vectors when both ends
+// are 16-byte aligned (XLA's buffers and the exchange buffer's slots are), else bytewise.
+__global__ void __launch_bounds__(kThreads) copy_list_kernel(CopyBatch batch) {
+  const pmg_copy c = batch.e[blockIdx.y];
+  const char *src = static_cast<const char *>(c.src);
+  char *dst = static_cast<char *>(c.dst);
+  const size_t tid = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const size_t nthreads = size_t(gridDim.x) * blockDim.x;
+  size_t done = 0;
+  if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) & 15) == 0) {
+    const size_t nvec = c.nbytes / 16;
+    const uint4 *s = reinterpret_cast<const uint4 *>(src);
+    uint4 *d = reinterpret_cast<uint4 *>(dst);
+    for (size_t v = tid; v < nvec; v += nthreads) d[v] = s[v];
+    done = nvec * 16;
+  }
+  for (size_t i = done + tid; i < c.nbytes; i += nthreads) dst[i] = src[i];
+}
+
 unsigned grid_for(size_t work_items, size_t per_block, int max_blocks) {
   size_t b = (work_items + per_block - 1) / per_block;
   if (b < 1) b = 1;
@@ -554,6 +579,25 @@ int pmg_multi_delta(const pmg_tensor *table, int ntensors, uint64_t max_n, int w
   else
     multi_delta_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(table, ntensors);
   return launched();
+}
+
+int pmg_copy_list(const pmg_copy *list, int count, cudaStream_t stream) {
+  if (count < 0 || (count > 0 && !list)) return PMG_ERR_INVALID_ARGUMENT;
+  for (int at = 0; at < count; at += kCopyBatch) {
+    CopyBatch batch = {};
+    const int k = min(kCopyBatch, count - at);
+    uint64_t most = 0;
+    for (int i = 0; i < k; ++i) {
+      batch.e[i] = list[at + i];
+      if (batch.e[i].nbytes && (!batch.e[i].src || !batch.e[i].dst)) return PMG_ERR_INVALID_ARGUMENT;
+      most = max(most, batch.e[i].nbytes);
+    }
+    if (!most) continue;
+    const dim3 grid(grid_for(most / 16 + 1, kThreads, kPlainMaxBlocks), k);
+    copy_list_kernel<<<grid, kThreads, 0, stream>>>(batch);
+    if (int err = launched()) return err;
+  }
+  return 0;
 }
 
 int pmg_accumulate(float *ref, const void *avg, size_t n, int wire_dtype, cudaStream_t stream) {

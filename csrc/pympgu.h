@@ -26,7 +26,9 @@ extern "C" {
 
 enum pmg_dtype { PMG_FLOAT32 = 0, PMG_FLOAT16 = 1, PMG_BFLOAT16 = 2 };
 
-enum pmg_algo { PMG_ALGO_ONESHOT = 0, PMG_ALGO_TWOSHOT = 1, PMG_ALGO_PUSH = 2 };
+/* The all-reduce algorithms. pmg_allreduce_average runs the first three; PMG_ALGO_CE names
+ * pmg_ce_allreduce_average where one code must say which (the XLA operation's attribute). */
+enum pmg_algo { PMG_ALGO_ONESHOT = 0, PMG_ALGO_TWOSHOT = 1, PMG_ALGO_PUSH = 2, PMG_ALGO_CE = 3 };
 
 enum pmg_status {
   PMG_SUCCESS = 0,
@@ -59,6 +61,13 @@ typedef struct pmg_tensor {
   void *out;
   uint64_t n;
 } pmg_tensor;
+
+/* One entry of a copy list: nbytes from src to dst, both device (UVA) addresses. */
+typedef struct pmg_copy {
+  const void *src;
+  void *dst;
+  uint64_t nbytes;
+} pmg_copy;
 
 /* ---- pympgu's own statuses (host-only: NULL for a code that is not PMG_*) ---- */
 const char *pmg_status_name(int status);
@@ -133,6 +142,10 @@ int pmg_multi_average(const pmg_tensor *table, int ntensors, int nranks, uint64_
  * fp32 ref, out = the wire slot (wire_dtype); max_n sizes the grid. */
 int pmg_multi_delta(const pmg_tensor *table, int ntensors, uint64_t max_n, int wire_dtype,
                     cudaStream_t stream);
+/* Many device-to-device copies, one launch per 32 entries. The list is in HOST memory and
+ * travels as kernel parameters: nothing is uploaded, so a caller that cannot wait (XLA's
+ * executor thread) can pack and unpack a list of tensors without a staging table. */
+int pmg_copy_list(const pmg_copy *list, int count, cudaStream_t stream);
 /* pmg_host_accumulate on the device: ref[i] += avg[i] (avg in wire_dtype), i < n. */
 int pmg_accumulate(float *ref, const void *avg, size_t n, int wire_dtype, cudaStream_t stream);
 /* All-reduce-average, in place in peers->data[*], with GPU-side barriers through the
@@ -177,6 +190,25 @@ int pmg_shadow_average(const pmg_peers *peers, int rank, int nranks, const void 
                        size_t n, int dtype, cudaStream_t stream);
 int pmg_copy_average(const pmg_peers *peers, int rank, int nranks, void *shadow, size_t n,
                      int dtype, uint64_t timeout_ns, cudaStream_t stream);
+
+/* ---- the average as an XLA operation (csrc/xla_ffi.cc) ----
+ * A registered group is everything the operation needs of a PeerGroup; the operation names
+ * it by the id that pmg_xla_register returns (ids are never reused, so a function traced
+ * with a closed group fails with an error instead of touching freed memory). */
+typedef struct pmg_group {
+  pmg_peers peers;
+  size_t stage_offset; /* from data to staging, as for pmg_allreduce_average */
+  size_t nbytes;       /* capacity of every rank's data buffer */
+  int rank, nranks, device;
+  uint64_t timeout_ns;
+  cudaStream_t copy_stream; /* for PMG_ALGO_CE; NULL without staging */
+  cudaEvent_t event;
+} pmg_group;
+int pmg_xla_register(const pmg_group *group, int64_t *id);
+int pmg_xla_unregister(int64_t id);
+/* The XLA FFI handler (an XLA_FFI_Handler *) of the operation "pympgu_average", or NULL when
+ * pympgu was built without jaxlib's FFI headers. */
+void *pmg_xla_handler(void);
 #endif
 
 #ifdef __cplusplus

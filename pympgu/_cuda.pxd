@@ -13,6 +13,7 @@ cdef extern from "pympgu.h" nogil:
         PMG_ALGO_ONESHOT
         PMG_ALGO_TWOSHOT
         PMG_ALGO_PUSH
+        PMG_ALGO_CE
         PMG_ERR_INVALID_ARGUMENT
 
     ctypedef struct pmg_signal:
@@ -26,6 +27,17 @@ cdef extern from "pympgu.h" nogil:
         const void *inputs[PMG_MAX_RANKS]
         void *out
         uint64_t n
+
+    ctypedef struct pmg_group:
+        pmg_peers peers
+        size_t stage_offset
+        size_t nbytes
+        int rank
+        int nranks
+        int device
+        uint64_t timeout_ns
+        cudaStream_t copy_stream
+        cudaEvent_t event
 
     const char *pmg_error_name(int status)
     const char *pmg_error_string(int status)
@@ -87,6 +99,9 @@ cdef extern from "pympgu.h" nogil:
                            size_t n, int dtype, cudaStream_t stream)
     int pmg_copy_average(const pmg_peers *peers, int rank, int nranks, void *shadow, size_t n,
                          int dtype, uint64_t timeout_ns, cudaStream_t stream)
+    int pmg_xla_register(const pmg_group *group, int64_t *id)
+    int pmg_xla_unregister(int64_t id)
+    void *pmg_xla_handler()
 
 cdef extern from "dlpack.h" nogil:
     ctypedef struct DLDevice:

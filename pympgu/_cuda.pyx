@@ -826,6 +826,18 @@ def ce_chunk_bytes():
 
 
 ALGORITHMS = ("oneshot", "twoshot", "push", "ce")
+# The C API's code of each algorithm (pmg_algo).
+ALGORITHM_CODES = {"oneshot": PMG_ALGO_ONESHOT, "twoshot": PMG_ALGO_TWOSHOT,
+                   "push": PMG_ALGO_PUSH, "ce": PMG_ALGO_CE}
+
+
+def xla_handler():
+    """A PyCapsule of the XLA FFI handler of the operation 'pympgu_average' (for
+    jax.ffi.register_ffi_target), or None when pympgu was built without jaxlib's headers."""
+    cdef void *handler = pmg_xla_handler()
+    if handler == NULL:
+        return None
+    return PyCapsule_New(handler, NULL, NULL)
 
 
 cdef class PeerGroup:
@@ -856,6 +868,7 @@ cdef class PeerGroup:
     cdef object shadow
     cdef Stream copy_stream
     cdef Event order
+    cdef int64_t _xla_id
 
     def __init__(self, int rank, int nranks, size_t nbytes, device=None, double timeout=60.0,
                  staging=None):
@@ -984,8 +997,7 @@ cdef class PeerGroup:
         if not 1 <= blocks <= PMG_MAX_BLOCKS:
             raise ValueError(f"max_blocks must be 1 to {PMG_MAX_BLOCKS}, got {blocks}")
         chosen = self.algorithm(n * pmg_dtype_size(code), algo)
-        cdef int a = {"oneshot": PMG_ALGO_ONESHOT, "twoshot": PMG_ALGO_TWOSHOT,
-                      "push": PMG_ALGO_PUSH}.get(chosen, -1)
+        cdef int a = ALGORITHM_CODES[chosen]
         cdef size_t stage_offset = _align(self.nbytes, _ALIGN)  # from data to staging
         set_device(self.device)
         if chosen == "ce":
@@ -999,6 +1011,27 @@ cdef class PeerGroup:
                                            code, a, blocks, self.timeout_ns, self.stream.handle)
         self._launched(status, synchronize)
         return chosen
+
+    def xla_id(self):
+        """This group's id for the XLA operation 'pympgu_average' (pympgu.xla), registering
+        it on first use; close() unregisters it, after which functions traced with it fail
+        with an error rather than touch freed memory."""
+        if not self.connected:
+            raise RuntimeError("PeerGroup is not connected: call connect(handles) first")
+        if self._xla_id:
+            return self._xla_id
+        cdef pmg_group g
+        memset(&g, 0, sizeof(pmg_group))
+        g.peers = self.peers
+        g.stage_offset = _align(self.nbytes, _ALIGN)
+        g.nbytes = self.nbytes
+        g.rank, g.nranks, g.device = self.rank, self.nranks, self.device
+        g.timeout_ns = self.timeout_ns
+        if self.copy_stream is not None:
+            g.copy_stream = self.copy_stream.handle
+            g.event = self.order.handle
+        check(pmg_xla_register(&g, &self._xla_id))
+        return self._xla_id
 
     def copy_average(self, size_t n, dtype="float32", bint synchronize=True):
         """The seed's method: copy each peer's buffer into a shadow, then average locally."""
@@ -1074,6 +1107,9 @@ cdef class PeerGroup:
 
     def close(self):
         """Unmap every peer and free this rank's memory; calling it again does nothing."""
+        if self._xla_id:
+            pmg_xla_unregister(self._xla_id)
+            self._xla_id = 0
         errors = self._unmap()
         if self.shadow is not None:
             self.shadow.close()

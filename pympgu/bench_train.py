@@ -7,8 +7,9 @@ For each model (the seed's MLP 784-500-10 at batch 5000, plain SGD; the wide MLP
 784-4096-4096-10 at batch 1024 with momentum 0.9) it times ``--steps`` training steps after
 ``--warmup`` and prints samples/s (all GPUs together) for:
 
-- pympgu on the first GPU alone, and on all GPUs given with --sync-every 1, --sync-every 4,
-  --overlap and a bfloat16 wire;
+- pympgu on the first GPU alone, and on all GPUs given with --sync-every 1 and 4 (the
+  exchange inside the step's jitted XLA call, as pympgu.train runs it; the '-py' variants
+  queue it from Python after the step instead), --overlap and a bfloat16 wire;
 - PyTorch DistributedDataParallel on the same architecture, batch and optimiser (when
   torch is importable and every rank has its own GPU), with TF32 matmuls as JAX uses;
 - a plain JAX step (jax.grad of the same loss, jitted) against the PyTensor-compiled call,
@@ -35,11 +36,13 @@ MODELS = {
     "seed": dict(hidden=[500], lr=0.13, momentum=0.0, batch_size=5000, l1=0.0, l2=1e-4),
     "wide": dict(hidden=[4096, 4096], lr=0.05, momentum=0.9, batch_size=1024, l1=0.0, l2=1e-4),
 }
-VARIANTS = {  # name: (sync_every, overlap, exchange dtype)
-    "sync1": (1, False, "float32"),
-    "sync4": (4, False, "float32"),
-    "overlap": (1, True, "float32"),
-    "bf16": (1, False, "bfloat16"),
+VARIANTS = {  # name: (sync_every, overlap, exchange dtype, exchange inside the step's XLA call)
+    "sync1": (1, False, "float32", True),
+    "sync4": (4, False, "float32", True),
+    "sync1-py": (1, False, "float32", False),
+    "sync4-py": (4, False, "float32", False),
+    "overlap": (1, True, "float32", False),
+    "bf16": (1, False, "bfloat16", False),
 }
 
 
@@ -56,30 +59,35 @@ def pympgu_worker(ctx, cfg, steps, warmup, plain_jax):
     try:
         ntrain = len(rep.dataset.train[1])
         rng = np.random.default_rng(ctx.rank)
-        batches = [rng.integers(0, ntrain, cfg["batch_size"]).astype(np.int32)
-                   for _ in range(warmup + steps)]
-        sync = Sync(rep, ex, cfg["sync_every"], cfg["overlap"])
+        batches = rep.device_batches([rng.integers(0, ntrain, cfg["batch_size"]).astype(np.int32)
+                                      for _ in range(warmup + steps)])
+        sync = Sync(rep, ex, cfg["sync_every"], cfg["overlap"], cfg.get("xla_exchange", True))
+        if cfg.get("xla_exchange", True) and ex is not None and not ctx.is_cpu and not sync.fused \
+                and not cfg["overlap"] and cfg["exchange_dtype"] == "float32" \
+                and cfg["method"] != "copy":
+            # Say so, rather than time the Python-queued exchange under the fused one's name.
+            raise RuntimeError(f"the exchange cannot run inside XLA: {ex.xla_unavailable()}")
         for i, idx in enumerate(batches[:warmup]):
-            rep.train_fn(idx)
-            sync.after_step(i, last=i == warmup - 1)
+            sync.step(idx, i, last=i == warmup - 1)
         sync.drain()
         rep.wait()
         if ctx.nranks > 1:
             ctx.barrier()
-        sync.seconds = step_s = 0.0
+        sync.seconds = loop_s = 0.0
         t0 = time.perf_counter()
         for i, idx in enumerate(batches[warmup:]):
             t1 = time.perf_counter()
-            rep.train_fn(idx)
-            step_s += time.perf_counter() - t1
-            sync.after_step(i, last=i == steps - 1)
+            sync.step(idx, i, last=i == steps - 1)
+            loop_s += time.perf_counter() - t1
         sync.drain()
         rep.wait()
         wall = time.perf_counter() - t0
+        # Host time per step: in the training call (with a fused exchange, that too), and in
+        # exchanges queued on their own.
         out = {"samples_per_s": ctx.nranks * cfg["batch_size"] * steps / wall,
-               "ms_per_step": 1e3 * wall / steps,
+               "ms_per_step": 1e3 * wall / steps, "fused": sync.fused,
                "sync_host_ms_per_step": 1e3 * sync.seconds / steps,
-               "step_host_ms_per_step": 1e3 * step_s / steps}
+               "step_host_ms_per_step": 1e3 * (loop_s - sync.seconds) / steps}
         if ex is not None:
             out["wire_bytes"] = ex.wire_nbytes
             out["exchanges"] = ex.stats["exchanges"]
@@ -87,6 +95,7 @@ def pympgu_worker(ctx, cfg, steps, warmup, plain_jax):
                 out["bare_kernel_ms"] = _bare_kernel_ms(ex)
         if plain_jax:
             out["pytensor_ms"] = _time_calls(lambda idx: rep.train_fn(idx), rep.wait, batches)
+            out["direct_ms"] = _time_calls(lambda idx: rep.step(idx), rep.wait, batches)
             out["plain_jax_ms"] = _plain_jax_ms(rep, cfg, batches)
             if not ctx.is_cpu and ctx.nranks == 1:
                 out["r1"] = _exchange_overhead(ctx, rep, cfg)
@@ -311,9 +320,10 @@ def measure(gpus, models, variants, steps, warmup, data, use_ddp, log=print,
         runs = [("pympgu", gpus[:1], "-", base, True)]
         if multi:
             for v in variants:
-                k, overlap, wire = VARIANTS[v]
+                k, overlap, wire, in_xla = VARIANTS[v]
                 runs.append(("pympgu", gpus, v, dict(base, sync_every=k, overlap=overlap,
-                                                      exchange_dtype=wire), False))
+                                                      exchange_dtype=wire, xla_exchange=in_xla),
+                             False))
         if use_ddp and gpus[0] is not None:
             runs.append(("DDP", gpus[:1], "-", base, False))
             if multi and len(set(gpus)) == len(gpus):
@@ -352,9 +362,11 @@ def table(rows):
                      f"{(format(r['wire_bytes'] / 1e6, '8.1f') if 'wire_bytes' in r else '-'):>8}")
     for r in rows:
         if "plain_jax_ms" in r:
-            lines.append(f"{r['model']}: PyTensor-compiled step {r['pytensor_ms']:.3f} ms, plain "
-                         f"JAX step {r['plain_jax_ms']:.3f} ms: PyTensor's overhead "
-                         f"{r['pytensor_ms'] - r['plain_jax_ms']:+.3f} ms per step")
+            lines.append(f"{r['model']}: PyTensor-compiled step {r['pytensor_ms']:.3f} ms through "
+                         f"PyTensor's call, {r['direct_ms']:.3f} ms called directly (pympgu's "
+                         f"loop), plain JAX step {r['plain_jax_ms']:.3f} ms: PyTensor's overhead "
+                         f"{r['pytensor_ms'] - r['plain_jax_ms']:+.3f} ms per step, "
+                         f"{r['direct_ms'] - r['plain_jax_ms']:+.3f} ms called directly")
         if "r1" in r:
             o = r["r1"]
             lines.append(f"{r['model']}: one exchange of {o['bytes'] / 1e6:.1f} MB at R = 1 takes "

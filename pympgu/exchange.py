@@ -170,6 +170,36 @@ class Exchanger:
         self.start(arrays)
         return self.finish()
 
+    def xla_unavailable(self):
+        """None when ``xla_average`` can run here, else why it cannot."""
+        if self.ctx.is_cpu:
+            return "CPU workers exchange through shared memory"
+        if self.wire_dtype:
+            return f"the {self.wire_dtype} wire keeps state outside XLA"
+        if self.method == "copy" or not self.backend.peer_ok:
+            return "the copy method with host barriers runs outside XLA"
+        from . import xla
+        return xla.available()[1]
+
+    def xla_average(self, arrays):
+        """The exchange as an XLA operation, for use inside a jitted JAX function: returns the
+        averages of ``arrays`` (the layout's shapes, in its order) as JAX arrays.
+
+        It averages the same bytes with the same kernel as start()/finish(), so ranks may
+        mix the two from one exchange to the next, but every rank must take the same path
+        in the same exchange. Exchanges made this way are not counted in ``stats``.
+        """
+        why = self.xla_unavailable()
+        if why:
+            raise RuntimeError(f"rank {self.ctx.rank}: cannot average inside XLA: {why}")
+        shapes = [tuple(a.shape) for a in arrays]
+        if shapes != [tuple(shape) for _, shape, _ in self.layout]:
+            raise ValueError(f"xla_average got shapes {shapes} for the layout "
+                             f"{[(n, tuple(s)) for n, s, _ in self.layout]}")
+        from . import xla
+        return xla.average(arrays, self.backend.group, algo=self.method,
+                           max_blocks=self.max_blocks)
+
     def close(self):
         """Release the staging buffer and every peer mapping; calling it again does nothing."""
         if self.backend is not None:

@@ -80,6 +80,7 @@ class Replica:
             cfg["l2"], mode)
         self.jax = None
         self._jit_cache = {}
+        self._steps = {}
         if cfg["backend"] == "jax":
             import jax
             import jax.numpy as jnp
@@ -89,6 +90,29 @@ class Replica:
             # host. Put every one on the device once.
             for s in self.model.state + self.model.data_vars:
                 _assign(s, jax.device_put(s.get_value(borrow=True)))
+
+    def step(self, idx, ex=None):
+        """One training step on the minibatch idx; returns its cost.
+
+        With JAX the compiled program is called directly (pympgu.jaxstep), which saves most
+        of PyTensor's per-call host time; given ex, the step also averages the new state with
+        every rank inside the same jitted call (Exchanger.xla_average).
+        """
+        if self.jax is None:
+            return self.train_fn(idx)
+        fn = self._steps.get(ex is not None)
+        if fn is None:
+            from .jaxstep import JaxStep
+            fn = self._steps[ex is not None] = JaxStep(
+                self.train_fn, self.model.state, None if ex is None else ex.xla_average)
+        return fn(idx)
+
+    def device_batches(self, batches):
+        """The minibatches' indices where the step reads them: on the GPU, uploaded once
+        here rather than at every call."""
+        if self.jax is None:
+            return batches
+        return [self.jax.device_put(b) for b in batches]
 
     def values(self):
         return [s.get_value(borrow=True) for s in self.model.state]
@@ -225,12 +249,29 @@ class Sync:
     the next steps compute while it runs. On GPUs neither waits on the host: the work is
     queued in order on the streams. ``seconds`` adds up the host time the training loop
     spends here (on GPUs, queueing, plus any wait when the host is an exchange ahead).
+
+    Plain exchanges of JAX workers are ``fused``: the average runs inside the step's own
+    jitted call (Exchanger.xla_average), so no separate exchange is queued at all and its
+    host time is part of the step's. The fp32 wire and the kernel methods allow it;
+    fuse=False (PYMPGU_XLA_EXCHANGE=0 in pympgu.train) turns it off.
     """
 
-    def __init__(self, rep, ex, every=1, overlap=False):
+    def __init__(self, rep, ex, every=1, overlap=False, fuse=True):
         self.rep, self.ex, self.every, self.overlap = rep, ex, every, overlap
         self.seconds = 0.0
         self.stepped = False  # a step was taken since the pending exchange started
+        self.fused = (fuse and ex is not None and not overlap and rep.jax is not None
+                      and ex.xla_unavailable() is None)
+
+    def step(self, idx, step, last=False):
+        """Training step `step` (counted from 0) of an epoch on minibatch idx, then the
+        exchange if one is due (`last` forces one); returns the step's cost."""
+        due = self.ex is not None and (not (step + 1) % self.every or last)
+        if self.fused and due:
+            return self.rep.step(idx, self.ex)
+        cost = self.rep.step(idx)
+        self.after_step(step, last)
+        return cost
 
     def after_step(self, step, last=False):
         """Call after step `step` (counted from 0) of an epoch; `last` forces a sync."""
@@ -293,14 +334,13 @@ def worker(ctx, cfg):
         for epoch in range(start_epoch, cfg["epochs"]):
             batches = data.shard_batches(ntrain, cfg["batch_size"], ctx.nranks, ctx.rank,
                                          cfg["seed"], epoch)
-            sync = Sync(rep, ex, cfg["sync_every"], cfg["overlap"])
+            sync = Sync(rep, ex, cfg["sync_every"], cfg["overlap"], cfg.get("xla_exchange", True))
             costs = []
             report_every = max(1, len(batches) // 20)
             t_epoch = time.perf_counter()
-            for step, idx in enumerate(batches):
-                costs.append(rep.train_fn(idx))
+            for step, idx in enumerate(rep.device_batches(batches)):
                 last = step == len(batches) - 1
-                sync.after_step(step, last)
+                costs.append(sync.step(idx, step, last))
                 if ctx.rank == 0 and (step % report_every == 0 or last):
                     ctx.metric(kind="progress", epoch=epoch + 1, step=step + 1, steps=len(batches))
             sync.drain()
@@ -309,7 +349,7 @@ def worker(ctx, cfg):
             loss = float(np.mean([float(c) for c in costs]))
             record = {"epoch": epoch + 1, "loss": loss, "time_s": epoch_s,
                       "samples_per_s": ctx.nranks * len(batches) * cfg["batch_size"] / epoch_s,
-                      "exchange_share": sync.seconds / epoch_s}
+                      "exchange_share": None if sync.fused else sync.seconds / epoch_s}
             if ctx.rank == 0:
                 record["valid_error"], record["test_error"] = rep.errors()
                 history.append(record)
@@ -347,10 +387,11 @@ class Reporter:
         elif kind == "epoch":
             if self.tty and not self.quiet:
                 self.stream.write("\r" + " " * 70 + "\r")
+            share = data["exchange_share"]
+            share = "in the step" if share is None else f"{100 * share:5.1f}%"
             print(f"epoch {data['epoch']:3d}  loss {data['loss']:.4f}  "
                   f"valid {100 * data['valid_error']:6.2f}%  test {100 * data['test_error']:6.2f}%  "
-                  f"{data['samples_per_s']:9.0f} samples/s  exchange {100 * data['exchange_share']:5.1f}%",
-                  flush=True)
+                  f"{data['samples_per_s']:9.0f} samples/s  exchange {share}", flush=True)
             if self.metrics:
                 self.metrics.write(json.dumps(data) + "\n")
                 self.metrics.flush()
@@ -506,6 +547,9 @@ def resolve(args, parser):
     cfg.update(data=data, backend=backend, method=args.method, sync_every=args.sync_every,
                overlap=args.overlap, exchange_dtype=args.exchange_dtype,
                exchange_blocks=args.exchange_blocks,
+               # An escape hatch, not a flag: the exchange queued from Python, as before
+               # it ran inside the step's XLA program.
+               xla_exchange=os.environ.get("PYMPGU_XLA_EXCHANGE", "1") != "0",
                seed=args.seed, out=args.out, resume=resume,
                devices=["cpu" if d is None else d for d in devices])
     return cfg, devices, note

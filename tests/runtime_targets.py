@@ -180,3 +180,53 @@ def jax_rounds(ctx, rounds, big=1 << 23):
                                          "is not the average: read before the kernel ended?")
         digest = hashlib.sha256(b"".join(np.asarray(a).tobytes() for a in xs)).hexdigest()
         return {"digest": digest, "stats": ex.stats}
+
+
+def xla_rounds(ctx, rounds, method="auto", big=1 << 23):
+    """The exchange inside a jitted JAX function (Exchanger.xla_average): each round's new
+    values are averaged in the same XLA call that computes them, checked bit for bit. Odd
+    rounds take the Python path (start/finish) instead, so the two paths must agree on the
+    buffer and on the barriers. Once the Exchanger is closed, the traced function must raise
+    rather than run on freed memory."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax
+
+    from pympgu.exchange import Exchanger
+    dev = jax.devices("gpu")[ctx.device]
+    layout = LAYOUT + [("big", [big], "float32")]
+    xs = [jax.device_put(a, dev) for a in rank_params(0, 0, layout)]
+    model = [np.asarray(a) for a in xs]
+
+    def shift(rank, k):
+        return np.float32(0.25 * rank + 0.125 * k)
+
+    ex = Exchanger(ctx, layout, method=method)
+    try:
+        fused = jax.jit(lambda xs, c: ex.xla_average([x + c for x in xs]))
+        step = jax.jit(lambda xs, c: [x + c for x in xs])
+        offsets = list(zip(ex.offsets, ex.sizes, [s for _, s, _ in layout]))
+        split = jax.jit(lambda flat: [flat[o:o + n].reshape(s) for o, n, s in offsets])
+        for k in range(rounds):
+            c = shift(ctx.rank, k)
+            if k % 2 == 0:
+                xs = fused(xs, c)
+            else:
+                ex.start(step(xs, c))
+                xs = split(jax.dlpack.from_dlpack(ex.finish(flat=True, wait=False)))
+            model = [model_average([(m + shift(r, k)).ravel() for r in range(ctx.nranks)],
+                                   "float32").reshape(m.shape) for m in model]
+            path = "XLA" if k % 2 == 0 else "Python"
+            for t, (got, want) in enumerate(zip(xs, model)):
+                if not np.array_equal(np.asarray(got), want):
+                    raise AssertionError(f"rank {ctx.rank} round {k} ({path} path) tensor "
+                                         f"{layout[t][0]} is wrong")
+        digest = hashlib.sha256(b"".join(np.asarray(a).tobytes() for a in xs)).hexdigest()
+    finally:
+        ex.close()
+    try:
+        jax.block_until_ready(fused(xs, shift(ctx.rank, rounds)))
+    except Exception as e:  # XLA's runtime error carries the handler's message
+        closed = "is closed" in str(e)
+    else:
+        closed = False
+    return {"digest": digest, "closed_raises": closed}

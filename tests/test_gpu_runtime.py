@@ -51,3 +51,18 @@ def test_gpu_workers_jax_without_host_waits():
     results = launch(jax_rounds, (4,), gpus=devices(2))
     assert len({r["digest"] for r in results}) == 1
     assert all(r["stats"]["exchanges"] == 4 for r in results)
+
+
+@pytest.mark.parametrize("nranks,method", [(2, "auto"), (2, "oneshot"), (2, "twoshot"),
+                                           (2, "push"), (2, "ce"), (3, "auto")])
+def test_gpu_exchange_inside_xla(nranks, method):
+    """pympgu's average as an XLA operation inside jit, alternating with the Python path."""
+    pytest.importorskip("jax")
+    from pympgu import xla
+    ok, why = xla.available()
+    if not ok:
+        pytest.skip(why)
+    from runtime_targets import xla_rounds
+    results = launch(xla_rounds, (4, method), gpus=devices(nranks))
+    assert len({r["digest"] for r in results}) == 1
+    assert all(r["closed_raises"] for r in results)

@@ -32,3 +32,19 @@ def test_cuda_calls_raise_cuda_error(call):
 
 def test_device_count_is_zero_not_an_error():
     assert pympgu.cuda.device_count() == 0
+
+
+def test_xla_operation_is_built_and_says_why_it_cannot_run():
+    import importlib.util
+    from pympgu import xla
+    try:
+        from pympgu import _cuda
+    except ImportError:
+        pytest.skip("pympgu was built without CUDA")
+    if importlib.util.find_spec("jaxlib") is not None:
+        # Built with jaxlib installed (as CI does): the FFI handler must be compiled in.
+        assert type(_cuda.xla_handler()).__name__ == "PyCapsule"
+    ok, why = xla.available()
+    assert not ok and "GPU" in why
+    with pytest.raises(RuntimeError, match="unavailable: no usable GPU"):
+        xla._register()

@@ -173,3 +173,35 @@ def test_help_explains_every_flag():
                  "--data-dir", "--hidden", "--method", "--overlap", "--exchange-dtype",
                  "--exchange-blocks"):
         assert flag in r.stdout
+
+
+def test_direct_jax_step_matches_pytensor_call():
+    """pympgu.jaxstep calls PyTensor's JAX program itself: the same costs and state, bit for
+    bit, and an exchange given to it sees the new state in the model's state order."""
+    pytest.importorskip("jax")
+    code = (
+        "import os; os.environ['JAX_PLATFORMS']='cpu';"
+        "import numpy as np; from pympgu import data, models; from pympgu.jaxstep import JaxStep;"
+        "ds = data.load('digits'); rng = np.random.default_rng(0); seen = []\n"
+        "def make():\n"
+        "    m = models.MLP(ds.n_in, [32, 16], ds.n_classes)\n"
+        "    return m, m.compile(ds, 64, 100, 0.05, 0.9, 1e-5, 1e-4, 'JAX')[0]\n"
+        "(m1, f1), (m2, f2) = make(), make()\n"
+        "def halve(xs):\n"
+        "    seen.append([tuple(x.shape) for x in xs])\n"
+        "    return [x * np.float32(0.5) for x in xs]\n"
+        "plain, fused = JaxStep(f2, m2.state), JaxStep(f2, m2.state, halve)\n"
+        "for k in range(6):\n"
+        "    idx = rng.integers(0, len(ds.train[1]), 64).astype(np.int32)\n"
+        "    c1, c2 = f1(idx), (fused if k == 3 else plain)(idx)\n"
+        "    assert float(c1) == float(c2), (k, c1, c2)\n"
+        "    if k == 3:\n"
+        "        for s in m1.state: s.set_value(np.asarray(s.get_value()) * np.float32(0.5))\n"
+        "for a, b in zip(m1.state, m2.state):\n"
+        "    assert np.array_equal(np.asarray(a.get_value()), np.asarray(b.get_value())), a.name\n"
+        "assert seen == [[tuple(s.get_value().shape) for s in m2.state]], seen\n"
+        "print('same')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "same" in r.stdout

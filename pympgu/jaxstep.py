@@ -1,0 +1,68 @@
+"""A PyTensor function's JAX program, called directly, with pympgu's exchange fused into it.
+
+PyTensor compiles a function with ``mode="JAX"`` into one jitted JAX program that takes the
+explicit inputs and every shared variable, and returns the outputs and the updates' new
+values. ``Function.__call__`` wraps it in Python bookkeeping that costs about 0.4 ms of host
+time per call on the wide MLP (docs/BENCHMARKS.md), as long as the GPU step itself at 1 GPU.
+``JaxStep`` calls the same program through a jit of its own and stores the updates back
+into the shared variables exactly as PyTensor does, so everything else (evaluation,
+checkpoints) sees the same state. Given ``exchange``, a traceable function of the updated
+state (``Exchanger.xla_average``), it also averages the new state with the other ranks
+inside the same jitted call: one dispatch per step, exchange included.
+"""
+
+
+class JaxStep:
+    """Call ``fn`` (a PyTensor function compiled with mode='JAX') through its JAX program.
+
+    ``state`` lists shared variables that ``fn`` updates; ``exchange``, if given, maps their
+    new values (a list, in ``state``'s order) to what they become (the average). Calling
+    returns ``fn``'s outputs: the value itself when there is one, else a list.
+    """
+
+    def __init__(self, fn, state, exchange=None):
+        import jax
+        from pytensor.compile.sharedvalue import SharedVariable
+
+        program = getattr(fn.vm, "jit_fn", None)
+        if program is None:
+            raise TypeError(f"PyTensor function {fn.name!r} was not compiled with mode='JAX'")
+        fgraph = fn.maker.fgraph
+        variables = [i.variable for i in fn.maker.inputs]  # the program's inputs, in order
+        self.explicit = [k for k, v in enumerate(variables) if not isinstance(v, SharedVariable)]
+        self.shared = [(k, v.container) for k, v in enumerate(variables)
+                       if isinstance(v, SharedVariable)]
+        self.nargs = len(variables)
+        # update_mapping: program output index -> the input index it updates.
+        self.updates = [(out, variables[inp].container)
+                        for out, inp in sorted(fgraph.update_mapping.items())]
+        self.nout = len(fgraph.outputs) - len(self.updates)
+        out_of = {inp: out for out, inp in fgraph.update_mapping.items()}
+        position = {id(v): k for k, v in enumerate(variables)}
+        missing = [s.name for s in state if out_of.get(position.get(id(s))) is None]
+        if missing:
+            raise ValueError(f"{fn.name!r} does not update {missing}")
+        state_outs = [out_of[position[id(s)]] for s in state]
+
+        def run(*args):
+            outs = list(program(*args))
+            if exchange is not None:
+                for out, value in zip(state_outs, exchange([outs[o] for o in state_outs])):
+                    outs[out] = value
+            return outs
+
+        self.jitted = jax.jit(run)
+
+    def __call__(self, *inputs):
+        if len(inputs) != len(self.explicit):
+            raise TypeError(f"expected {len(self.explicit)} inputs, got {len(inputs)}")
+        args = [None] * self.nargs
+        for k, value in zip(self.explicit, inputs):
+            args[k] = value
+        for k, container in self.shared:
+            args[k] = container.storage[0]
+        outs = self.jitted(*args)
+        for out, container in self.updates:
+            container.storage[0] = outs[out]
+        results = outs[:self.nout]
+        return results[0] if self.nout == 1 else results

@@ -1,0 +1,88 @@
+"""pympgu's average as an XLA operation: average JAX arrays with the other ranks inside jit.
+
+    from pympgu import xla
+    step = jax.jit(lambda params, batch: xla.average(sgd(params, batch), group))
+
+``average(arrays, group)`` queues, on XLA's own stream and in the middle of the jitted
+function, what an Exchanger does around its kernel: pack the arrays into ``group``'s shared
+buffer, all-reduce-average it with every rank (the same kernels, bit-identical replicas), and
+unpack. No DLPack export or import, no host wait and no Python run at each call: the host
+cost of an exchange becomes that of the jitted call it is part of.
+
+``group`` is a connected ``pympgu.PeerGroup`` (or an ``Exchanger``, whose group is used) on
+the GPU the arrays live on. Every rank must call it with arrays of the same shapes and dtype in
+the same order, and the same ``algo`` and ``max_blocks``. The group must stay open while any
+function traced with it may still run; after ``close()`` such a function raises instead of
+touching freed memory.
+
+Needs pympgu built with jaxlib installed (its XLA FFI headers; ``build.sh`` and
+``pip install --no-build-isolation .`` see it) and JAX with CUDA.
+"""
+import numpy as np
+
+TARGET = "pympgu_average"
+_registered = False
+
+
+def available():
+    """(True, None), or (False, why the operation cannot be used here)."""
+    from . import cuda
+    ok, info = cuda.availability()
+    if not ok:
+        return False, f"no usable GPU ({info})"
+    from . import _cuda
+    if _cuda.xla_handler() is None:
+        return False, ("pympgu was built without jaxlib's XLA FFI headers; install jax and "
+                       "rebuild (./build.sh, or pip install --no-build-isolation .)")
+    try:
+        import jax
+    except ImportError:
+        return False, "JAX is not installed"
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        return False, f"JAX has no GPU backend here (it runs on {jax.default_backend()})"
+    return True, None
+
+
+def _register():
+    global _registered
+    if _registered:
+        return
+    ok, why = available()
+    if not ok:
+        raise RuntimeError(f"pympgu.xla.average is unavailable: {why}")
+    import jax
+
+    from . import _cuda
+    jax.ffi.register_ffi_target(TARGET, _cuda.xla_handler(), platform="CUDA")
+    _registered = True
+
+
+def average(arrays, group, algo="auto", max_blocks=None):
+    """The mean over every rank of each array in ``arrays``, as new arrays (inside jit they
+    take the inputs' buffers). See the module docstring for the rules."""
+    import jax
+
+    from ._cuda import ALGORITHM_CODES, ce_chunk_bytes
+    from .exchange import ITEMSIZE, plan_layout
+    group = getattr(getattr(group, "backend", None), "group", group)  # an Exchanger's group
+    arrays = list(arrays)
+    if not arrays:
+        return []
+    layout = [(str(i), list(a.shape), str(a.dtype)) for i, a in enumerate(arrays)]
+    offsets, total, dtype = plan_layout(layout)
+    nbytes = total * ITEMSIZE[dtype]
+    if nbytes > group.nbytes:
+        raise ValueError(f"the arrays need {nbytes} bytes in the group's buffer, which holds "
+                         f"{group.nbytes}")
+    chosen = group.algorithm(nbytes, algo)
+    blocks = group.max_blocks if max_blocks is None else int(max_blocks)
+    _register()
+    call = jax.ffi.ffi_call(
+        TARGET, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays],
+        # The ranks meet inside it: XLA must neither drop nor merge two calls.
+        has_side_effect=True,
+        input_output_aliases={i: i for i in range(len(arrays))})
+    out = call(*arrays, group=np.int64(group.xla_id()), algo=np.int32(ALGORITHM_CODES[chosen]),
+               max_blocks=np.int32(blocks), chunk_bytes=np.int64(ce_chunk_bytes()),
+               offsets=np.asarray(offsets, np.int64), total=np.int64(total))
+    return list(out)
