@@ -53,7 +53,9 @@ class JaxStep:
 
         self.jitted = jax.jit(run)
 
-    def __call__(self, *inputs):
+    def arguments(self, *inputs):
+        """The jitted program's arguments for these explicit inputs (``jitted.lower`` takes
+        them too, to inspect the compiled program)."""
         if len(inputs) != len(self.explicit):
             raise TypeError(f"expected {len(self.explicit)} inputs, got {len(inputs)}")
         args = [None] * self.nargs
@@ -61,7 +63,10 @@ class JaxStep:
             args[k] = value
         for k, container in self.shared:
             args[k] = container.storage[0]
-        outs = self.jitted(*args)
+        return args
+
+    def __call__(self, *inputs):
+        outs = self.jitted(*self.arguments(*inputs))
         for out, container in self.updates:
             container.storage[0] = outs[out]
         results = outs[:self.nout]
