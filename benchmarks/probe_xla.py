@@ -33,6 +33,9 @@ def worker(ctx, hidden, batch, calls):
         idx = jax.device_put(np.arange(batch, dtype=np.int32))
         plain = JaxStep(rep.train_fn, rep.model.state)
         fused = JaxStep(rep.train_fn, rep.model.state, ex.xla_average)
+        k = len(rep.model.params)
+        params_only = JaxStep(rep.train_fn, rep.model.state,
+                              lambda xs: ex.xla_average(xs[:k]) + list(xs[k:]))
         alone = jax.jit(ex.xla_average)
 
         def timed(call):
@@ -50,6 +53,7 @@ def worker(ctx, hidden, batch, calls):
             rep.set_values(alone(rep.values()))
 
         out = {"step_ms": timed(lambda: plain(idx)), "fused_ms": timed(lambda: fused(idx)),
+               "params_only_ms": timed(lambda: params_only(idx)),
                "xla_exchange_ms": timed(exchange_only), "kernel_ms": _bare_kernel_ms(ex)}
         hlo = fused.jitted.lower(*fused.arguments(idx)).compile().as_text()
         copies = re.findall(r"= (f32\[[0-9,]*\])[^ ]* copy\(", hlo)
@@ -73,7 +77,7 @@ def main():
     from pympgu.launch import launch
     for rank, r in enumerate(launch(worker, (a.hidden, a.batch_size, a.calls), gpus=a.gpus)):
         print(f"rank {rank}: step {r['step_ms']:.3f} ms, step with exchange {r['fused_ms']:.3f} "
-              f"ms, XLA exchange alone {r['xla_exchange_ms']:.3f} ms, bare kernel "
+              f"ms (parameters alone {r['params_only_ms']:.3f} ms), XLA exchange alone {r['xla_exchange_ms']:.3f} ms, bare kernel "
               f"{r['kernel_ms']:.3f} ms; {r['custom_calls']} custom call(s), copies in the "
               f"fused step: {r['copies'] or 'none'}; in the exchange alone: "
               f"{r['exchange_only_copies'] or 'none'}")

@@ -445,6 +445,10 @@ struct CopyBatch {
   pmg_copy e[kCopyBatch];
 };
 
+// Vectors each thread loads before it stores: one 16-byte load in flight per thread left
+// the copy at about half of HBM's bandwidth on an H200 (benchmarks/probe_xla.py).
+constexpr int kCopyUnroll = 4;
+
 // blockIdx.y picks the entry; the x blocks stride over it in 16-byte vectors when both ends
 // are 16-byte aligned (XLA's buffers and the exchange buffer's slots are), else bytewise.
 __global__ void __launch_bounds__(kThreads) copy_list_kernel(CopyBatch batch) {
@@ -458,7 +462,16 @@ __global__ void __launch_bounds__(kThreads) copy_list_kernel(CopyBatch batch) {
     const size_t nvec = c.nbytes / 16;
     const uint4 *s = reinterpret_cast<const uint4 *>(src);
     uint4 *d = reinterpret_cast<uint4 *>(dst);
-    for (size_t v = tid; v < nvec; v += nthreads) d[v] = s[v];
+    const size_t round = nthreads * kCopyUnroll;
+    size_t v = tid;
+    for (; v + (kCopyUnroll - 1) * nthreads < nvec; v += round) {
+      uint4 r[kCopyUnroll];
+#pragma unroll
+      for (int k = 0; k < kCopyUnroll; ++k) r[k] = s[v + k * nthreads];
+#pragma unroll
+      for (int k = 0; k < kCopyUnroll; ++k) d[v + k * nthreads] = r[k];
+    }
+    for (; v < nvec; v += nthreads) d[v] = s[v];
     done = nvec * 16;
   }
   for (size_t i = done + tid; i < c.nbytes; i += nthreads) dst[i] = src[i];
@@ -593,7 +606,7 @@ int pmg_copy_list(const pmg_copy *list, int count, cudaStream_t stream) {
       most = max(most, batch.e[i].nbytes);
     }
     if (!most) continue;
-    const dim3 grid(grid_for(most / 16 + 1, kThreads, kPlainMaxBlocks), k);
+    const dim3 grid(grid_for(most / 16 + 1, size_t(kThreads) * kCopyUnroll, kPlainMaxBlocks), k);
     copy_list_kernel<<<grid, kThreads, 0, stream>>>(batch);
     if (int err = launched()) return err;
   }

@@ -187,13 +187,15 @@ class Exchanger:
 
         It averages the same bytes with the same kernel as start()/finish(), so ranks may
         mix the two from one exchange to the next, but every rank must take the same path
-        in the same exchange. Exchanges made this way are not counted in ``stats``.
+        in the same exchange. ``arrays`` may also be the layout's first k entries only: then
+        only those are averaged (every rank must pass the same k). Exchanges made this way
+        are not counted in ``stats``.
         """
         why = self.xla_unavailable()
         if why:
             raise RuntimeError(f"rank {self.ctx.rank}: cannot average inside XLA: {why}")
         shapes = [tuple(a.shape) for a in arrays]
-        if shapes != [tuple(shape) for _, shape, _ in self.layout]:
+        if not shapes or shapes != [tuple(shape) for _, shape, _ in self.layout[:len(shapes)]]:
             raise ValueError(f"xla_average got shapes {shapes} for the layout "
                              f"{[(n, tuple(s)) for n, s, _ in self.layout]}")
         from . import xla

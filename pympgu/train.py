@@ -91,20 +91,27 @@ class Replica:
             for s in self.model.state + self.model.data_vars:
                 _assign(s, jax.device_put(s.get_value(borrow=True)))
 
-    def step(self, idx, ex=None):
+    def step(self, idx, ex=None, params_only=False):
         """One training step on the minibatch idx; returns its cost.
 
         With JAX the compiled program is called directly (pympgu.jaxstep), which saves most
         of PyTensor's per-call host time; given ex, the step also averages the new state with
-        every rank inside the same jitted call (Exchanger.xla_average).
+        every rank inside the same jitted call (Exchanger.xla_average): all of it, or with
+        params_only the parameters alone (see Sync for when that is exact).
         """
         if self.jax is None:
             return self.train_fn(idx)
-        fn = self._steps.get(ex is not None)
+        key = (ex is not None, params_only)
+        fn = self._steps.get(key)
         if fn is None:
             from .jaxstep import JaxStep
-            fn = self._steps[ex is not None] = JaxStep(
-                self.train_fn, self.model.state, None if ex is None else ex.xla_average)
+            exchange = None
+            if ex is not None:
+                k = len(self.model.params) if params_only else len(self.model.state)
+
+                def exchange(state):  # the state lists parameters first, then momentum
+                    return ex.xla_average(state[:k]) + list(state[k:])
+            fn = self._steps[key] = JaxStep(self.train_fn, self.model.state, exchange)
         return fn(idx)
 
     def device_batches(self, batches):
@@ -254,6 +261,13 @@ class Sync:
     jitted call (Exchanger.xla_average), so no separate exchange is queued at all and its
     host time is part of the step's. The fp32 wire and the kernel methods allow it;
     fuse=False (PYMPGU_XLA_EXCHANGE=0 in pympgu.train) turns it off.
+
+    Fused with every=1, an exchange averages the parameters alone (half the bytes) and each
+    rank keeps its own momentum, except at the epoch's last step, which averages everything
+    so that replicas end identical. That changes nothing but rounding: when the parameters
+    are averaged after every step, p' = mean(p + v_r') = p + mean(v_r'), and mean(v_r')
+    obeys the same recurrence (mu * mean(v_r) - lr * mean(g_r)) as an averaged momentum
+    would, from the same start. This is why data-parallel SGD needs only the gradients.
     """
 
     def __init__(self, rep, ex, every=1, overlap=False, fuse=True):
@@ -268,7 +282,7 @@ class Sync:
         exchange if one is due (`last` forces one); returns the step's cost."""
         due = self.ex is not None and (not (step + 1) % self.every or last)
         if self.fused and due:
-            return self.rep.step(idx, self.ex)
+            return self.rep.step(idx, self.ex, params_only=self.every == 1 and not last)
         cost = self.rep.step(idx)
         self.after_step(step, last)
         return cost

@@ -104,3 +104,29 @@ def test_single_worker_never_exchanges():
     sync = Sync(rep, None, 1, overlap=True)
     run(sync, rep, [1.0, 1.0])
     assert "wait" not in rep.calls and rep.state[0][0] == 2.0
+
+
+@pytest.mark.parametrize("every,overlap,expected", [
+    (1, False, ["params", "params", "params", "all"]),  # the epoch's last step: all
+    (2, False, ["step", "all", "step", "all"]),
+    (1, True, None),  # overlap queues its exchanges itself: never fused
+])
+def test_fused_steps_average_parameters_alone_only_when_exact(every, overlap, expected):
+    class Rep(FakeRep):
+        def step(self, idx, ex=None, params_only=False):
+            self.calls.append("step" if ex is None else "params" if params_only else "all")
+
+    class Ex(FakeEx):
+        def xla_unavailable(self):
+            return None
+
+    rep = Rep(0.0)
+    rep.jax = object()  # a JAX worker
+    sync = Sync(rep, Ex(lambda a: a), every, overlap=overlap)
+    assert sync.fused == (expected is not None)
+    if expected is None:
+        return
+    for i in range(4):
+        sync.step(None, i, last=i == 3)
+    assert rep.calls == expected
+    assert not Sync(rep, Ex(lambda a: a), every, fuse=False).fused  # PYMPGU_XLA_EXCHANGE=0
