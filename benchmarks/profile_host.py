@@ -5,7 +5,8 @@
 (from the repository root after ./build.sh; or anywhere after pip install.)
 
 One worker (R = 1) runs `--steps` training steps, each followed by a whole exchange of the
-replica's state through an Exchanger, exactly as the training loop queues them. It prints
+replica's state through an Exchanger queued from Python (the loop's path for --overlap and
+the bf16 wire; plain exchanges now run inside the step's XLA call: benchmarks/probe_xla.py). It prints
 the host time per step of the training call and of the exchange, then cProfile's top
 functions by cumulative time. With R = 1 the kernel is a local copy: this measures the host
 work, not the link.
@@ -30,8 +31,9 @@ def worker(ctx, hidden, batch, steps):
     ntrain = len(rep.dataset.train[1])
     batches = [rng.integers(0, ntrain, batch).astype(np.int32) for _ in range(steps)]
     with Exchanger(ctx, state_layout(rep)) as ex:
+        batches = rep.device_batches(batches)
         for idx in batches[:20]:  # compile and warm up
-            rep.train_fn(idx)
+            rep.step(idx)
             rep.exchange(ex)
         rep.wait()
         t_step = t_ex = 0.0
@@ -40,7 +42,7 @@ def worker(ctx, hidden, batch, steps):
         prof.enable()
         for idx in batches:
             t1 = time.perf_counter()
-            rep.train_fn(idx)
+            rep.step(idx)
             t2 = time.perf_counter()
             rep.exchange(ex)
             t_step += t2 - t1
