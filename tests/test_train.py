@@ -82,6 +82,14 @@ def test_overlap_and_wire_dtype_keep_replicas_identical():
     assert hist[-1]["test_error"] < 0.5
 
 
+def run_jax_on_cpu(code, says):
+    """Run code in a fresh interpreter (CPU JAX must be chosen before JAX is imported) and
+    check that it succeeded and printed `says`."""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=500)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert says in r.stdout
+
+
 def test_jax_graph_agrees_with_c_backend_on_one_step():
     pytest.importorskip("jax")
     code = (
@@ -100,9 +108,7 @@ def test_jax_graph_agrees_with_c_backend_on_one_step():
         "assert abs(e1[0] - e2[0]) < 0.005, (e1, e2)\n"
         "print('agree', c1, c2)\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=500)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "agree" in r.stdout
+    run_jax_on_cpu(code, "agree")
 
 
 def test_shards_are_disjoint_and_even():
@@ -202,6 +208,4 @@ def test_direct_jax_step_matches_pytensor_call():
         "assert seen == [[tuple(s.get_value().shape) for s in m2.state]], seen\n"
         "print('same')\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "same" in r.stdout
+    run_jax_on_cpu(code, "same")
