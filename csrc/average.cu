@@ -168,23 +168,18 @@ __global__ void __launch_bounds__(kThreads)
 template <int R>
 constexpr int kTwoShotUnroll = R <= 2 ? 4 : (R <= 4 ? 2 : 1);
 
-// Two-shot, in place: rank k averages the k-th 1/R slice of all replicas and writes it into
-// every replica (reduce-scatter and all-gather in one pass). Slices are disjoint and each is
-// read and written by its owner only, so no round barriers are needed; the closing barrier
-// makes every peer's writes into our replica visible before the kernel ends.
-template <typename T, int R>
-__global__ void __launch_bounds__(kThreads)
-    twoshot_kernel(pmg_peers p, int rank, size_t n, uint64_t timeout_ns) {
+// The second half of both two-shot kernels: average vectors [lo, hi) of the R replicas in
+// rank order, reading rank r's from source(r) (indexed by vector), and store the mean into
+// every replica, starting with the next rank so that R ranks do not all write to rank 0
+// first. U vectors per thread are loaded before any is stored.
+template <typename T, int R, typename Source>
+__device__ __forceinline__ void average_to_all(const pmg_peers &p, int rank, size_t lo, size_t hi,
+                                               Source source) {
   constexpr int P = kPerVec<T>;
   constexpr int U = kTwoShotUnroll<R>;
-  const size_t nvec = n / P;
-  const size_t slice = (nvec + R - 1) / R;
-  const size_t lo = min(nvec, size_t(rank) * slice);
-  const size_t hi = min(nvec, lo + slice);
   const size_t tid = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const size_t nthreads = size_t(gridDim.x) * blockDim.x;
   const float denom = float(R);
-  block_barrier(p, rank, R, timeout_ns);
   for (size_t v0 = lo + tid; v0 < hi; v0 += nthreads * U) {
     uint4 raw[U][R];
 #pragma unroll
@@ -192,7 +187,7 @@ __global__ void __launch_bounds__(kThreads)
       const size_t v = v0 + u * nthreads;
       if (v < hi) {
 #pragma unroll
-        for (int r = 0; r < R; ++r) raw[u][r] = __ldcg(static_cast<const uint4 *>(p.data[r]) + v);
+        for (int r = 0; r < R; ++r) raw[u][r] = __ldcg(source(r) + v);
       }
     }
 #pragma unroll
@@ -204,15 +199,29 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int r = 1; r < R; ++r) acc_add<T>(acc, raw[u][r]);
         const uint4 out = finish<T>(acc, denom);
-        // Start with the next rank so that R ranks do not all write to rank 0 first.
 #pragma unroll
-        for (int j = 1; j <= R; ++j) {
-          const int r = (rank + j) % R;
-          __stcg(static_cast<uint4 *>(p.data[r]) + v, out);
-        }
+        for (int j = 1; j <= R; ++j) __stcg(static_cast<uint4 *>(p.data[(rank + j) % R]) + v, out);
       }
     }
   }
+}
+
+// Two-shot, in place: rank k averages the k-th 1/R slice of all replicas and writes it into
+// every replica (reduce-scatter and all-gather in one pass). Slices are disjoint and each is
+// read and written by its owner only, so no round barriers are needed; the closing barrier
+// makes every peer's writes into our replica visible before the kernel ends.
+template <typename T, int R>
+__global__ void __launch_bounds__(kThreads)
+    twoshot_kernel(pmg_peers p, int rank, size_t n, uint64_t timeout_ns) {
+  constexpr int P = kPerVec<T>;
+  const size_t nvec = n / P;
+  const size_t slice = (nvec + R - 1) / R;
+  const size_t lo = min(nvec, size_t(rank) * slice);
+  const size_t hi = min(nvec, lo + slice);
+  const size_t tid = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  block_barrier(p, rank, R, timeout_ns);
+  average_to_all<T, R>(p, rank, lo, hi,
+                       [&](int r) { return static_cast<const uint4 *>(p.data[r]); });
   // The last rank owns the scalar tail (its slice is the shortest).
   const size_t tail = n - nvec * P;
   if (rank == R - 1 && tid < tail) {
@@ -276,32 +285,9 @@ __global__ void __launch_bounds__(kThreads)
   block_barrier(p, rank, R, timeout_ns);  // every peer's copy of our slice has landed
   const size_t lo = min(nvec, rank * slice), hi = min(nvec, lo + slice);
   const uint4 *stage = staging(p, rank, stage_offset) - lo;
-  const float denom = float(R);
-  for (size_t v0 = lo + tid; v0 < hi; v0 += nthreads * U) {
-    uint4 raw[U][R];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const size_t v = v0 + u * nthreads;
-      if (v < hi) {
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-          raw[u][r] = __ldcg(r == rank ? mine + v : stage + staged_slot(r, rank) * slice + v);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const size_t v = v0 + u * nthreads;
-      if (v < hi) {
-        float acc[P];
-        acc_first<T>(acc, raw[u][0]);
-#pragma unroll
-        for (int r = 1; r < R; ++r) acc_add<T>(acc, raw[u][r]);
-        const uint4 out = finish<T>(acc, denom);
-#pragma unroll
-        for (int j = 1; j <= R; ++j) __stcg(static_cast<uint4 *>(p.data[(rank + j) % R]) + v, out);
-      }
-    }
-  }
+  average_to_all<T, R>(p, rank, lo, hi, [&](int r) {
+    return r == rank ? mine : stage + staged_slot(r, rank) * slice;
+  });
   // The scalar tail (n % P elements, in the last non-empty slice): its owner reads it from
   // every replica directly; nobody changes it before the closing barrier.
   const size_t i = nvec * P + tid;
