@@ -6,14 +6,15 @@ Each rank builds the training loop's replica and Exchanger, then times back-to-b
 (device-bound, so wall time per call is device time) of: the training step alone, the step
 with its exchange fused in, the XLA exchange alone, and the bare kernel on the same bytes. It
 also counts the copy instructions in the compiled fused step (copies XLA added around the
-operation would each cost a pass over the state).
+operation would each cost a pass over the state). With --no-exchanger, or where the exchange
+cannot run inside XLA (PYMPGU_NO_P2P=1), it times the steps alone, every rank at once.
 """
 import argparse
 import re
 import time
 
 
-def worker(ctx, hidden, batch, calls):
+def worker(ctx, hidden, batch, calls, exchanger=True):
     import jax
     import numpy as np
 
@@ -28,26 +29,32 @@ def worker(ctx, hidden, batch, calls):
     rep = Replica(ctx, cfg)
     # One rank alone (--gpus 0) still gets an Exchanger: its exchange is the pack, a local
     # kernel and the unpack, which prices the copies around the link.
-    ex = make_exchanger(ctx, rep, cfg) or Exchanger(ctx, state_layout(rep))
+    ex = (make_exchanger(ctx, rep, cfg) or Exchanger(ctx, state_layout(rep))) if exchanger \
+        else None
     try:
         idx = jax.device_put(np.arange(batch, dtype=np.int32))
         plain = JaxStep(rep.train_fn, rep.model.state)
-        fused = JaxStep(rep.train_fn, rep.model.state, ex.xla_average)
-        k = len(rep.model.params)
-        params_only = JaxStep(rep.train_fn, rep.model.state,
-                              lambda xs: ex.xla_average(xs[:k]) + list(xs[k:]))
-        alone = jax.jit(ex.xla_average)
 
         def timed(call):
             for _ in range(5):
                 call()
             rep.wait()
-            ctx.barrier()
+            if ctx.nranks > 1:
+                ctx.barrier()
             t0 = time.perf_counter()
             for _ in range(calls):
                 call()
             rep.wait()
             return 1e3 * (time.perf_counter() - t0) / calls
+
+        if ex is None or ex.xla_unavailable():
+            # The steps alone, every rank at once: is one rank slowed by the other's?
+            return {"step_ms": timed(lambda: plain(idx))}
+        fused = JaxStep(rep.train_fn, rep.model.state, ex.xla_average)
+        k = len(rep.model.params)
+        params_only = JaxStep(rep.train_fn, rep.model.state,
+                              lambda xs: ex.xla_average(xs[:k]) + list(xs[k:]))
+        alone = jax.jit(ex.xla_average)
 
         def exchange_only():
             rep.set_values(alone(rep.values()))
@@ -63,7 +70,8 @@ def worker(ctx, hidden, batch, calls):
         out["exchange_only_copies"] = re.findall(r"= (f32\[[0-9,]*\])[^ ]* copy\(", hlo_x)
         return out
     finally:
-        ex.close()
+        if ex is not None:
+            ex.close()
 
 
 def main():
@@ -73,9 +81,15 @@ def main():
     p.add_argument("--hidden", type=int, nargs="+", default=[4096, 4096])
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--calls", type=int, default=50)
+    p.add_argument("--no-exchanger", action="store_true",
+                   help="no Exchanger (no IPC mapping, no peer access): time the steps alone")
     a = p.parse_args()
     from pympgu.launch import launch
-    for rank, r in enumerate(launch(worker, (a.hidden, a.batch_size, a.calls), gpus=a.gpus)):
+    args = (a.hidden, a.batch_size, a.calls, not a.no_exchanger)
+    for rank, r in enumerate(launch(worker, args, gpus=a.gpus)):
+        if len(r) == 1:
+            print(f"rank {rank} (GPU {a.gpus[rank]}): step {r['step_ms']:.3f} ms")
+            continue
         print(f"rank {rank}: step {r['step_ms']:.3f} ms, step with exchange {r['fused_ms']:.3f} "
               f"ms (parameters alone {r['params_only_ms']:.3f} ms), XLA exchange alone {r['xla_exchange_ms']:.3f} ms, bare kernel "
               f"{r['kernel_ms']:.3f} ms; {r['custom_calls']} custom call(s), copies in the "
