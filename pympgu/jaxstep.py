@@ -2,13 +2,13 @@
 
 PyTensor compiles a function with ``mode="JAX"`` into one jitted JAX program that takes the
 explicit inputs and every shared variable, and returns the outputs and the updates' new
-values. ``Function.__call__`` wraps it in Python bookkeeping that costs about 0.4 ms of host
-time per call on the wide MLP (docs/BENCHMARKS.md), as long as the GPU step itself at 1 GPU.
-``JaxStep`` calls the same program through a jit of its own and stores the updates back
-into the shared variables exactly as PyTensor does, so everything else (evaluation,
-checkpoints) sees the same state. Given ``exchange``, a traceable function of the updated
-state (``Exchanger.xla_average``), it also averages the new state with the other ranks
-inside the same jitted call: one dispatch per step, exchange included.
+values; ``Function.__call__`` wraps it in Python bookkeeping. ``JaxStep`` calls the same
+program through a jit of its own and stores the updates back into the shared variables
+exactly as PyTensor does, so everything else (evaluation, checkpoints) sees the same state.
+The point is what else goes into that jit: given ``exchange``, a traceable function of the
+updated state (``Exchanger.xla_average``), the new state is averaged with the other ranks
+inside the same call, so a step and its exchange are one dispatch. (The bookkeeping itself is
+small: about 13 µs a step for the seed MLP on an H200, docs/BENCHMARKS.md.)
 """
 
 

@@ -94,10 +94,10 @@ class Replica:
     def step(self, idx, ex=None, params_only=False):
         """One training step on the minibatch idx; returns its cost.
 
-        With JAX the compiled program is called directly (pympgu.jaxstep), which saves most
-        of PyTensor's per-call host time; given ex, the step also averages the new state with
-        every rank inside the same jitted call (Exchanger.xla_average): all of it, or with
-        params_only the parameters alone (see Sync for when that is exact).
+        With JAX the compiled program is called directly (pympgu.jaxstep), so that given
+        ex the step also averages the new state with every rank inside the same jitted call
+        (Exchanger.xla_average): all of it, or with params_only the parameters alone (see
+        Sync for when that is exact).
         """
         if self.jax is None:
             return self.train_fn(idx)

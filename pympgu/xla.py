@@ -9,8 +9,8 @@ buffer, all-reduce-average it with every rank (the same kernels, bit-identical r
 unpack. No DLPack export or import, no host wait and no Python run at each call: the host
 cost of an exchange becomes that of the jitted call it is part of.
 
-``group`` is a connected ``pympgu.PeerGroup`` (or an ``Exchanger``, whose group is used) on
-the GPU the arrays live on. Every rank must call it with arrays of the same shapes and dtype in
+``group`` is a connected ``pympgu.PeerGroup`` on the GPU the arrays live on, or an
+``Exchanger`` (whose method and grid cap then apply, as ``Exchanger.xla_average``). Every rank must call it with arrays of the same shapes and dtype in
 the same order, and the same ``algo`` and ``max_blocks``. The group must stay open while any
 function traced with it may still run; after ``close()`` such a function raises instead of
 touching freed memory.
@@ -36,10 +36,13 @@ def available():
                        "rebuild (./build.sh, or pip install --no-build-isolation .)")
     try:
         import jax
+        platforms = {d.platform for d in jax.devices()}
     except ImportError:
         return False, "JAX is not installed"
-    if not any(d.platform == "gpu" for d in jax.devices()):
-        return False, f"JAX has no GPU backend here (it runs on {jax.default_backend()})"
+    except RuntimeError as e:  # no backend could start
+        return False, f"JAX could not start: {e}"
+    if "gpu" not in platforms:
+        return False, f"JAX has no GPU backend here (it runs on {', '.join(sorted(platforms))})"
     return True, None
 
 
@@ -64,7 +67,8 @@ def average(arrays, group, algo="auto", max_blocks=None):
 
     from ._cuda import ALGORITHM_CODES, ce_chunk_bytes
     from .exchange import ITEMSIZE, plan_layout
-    group = getattr(getattr(group, "backend", None), "group", group)  # an Exchanger's group
+    if hasattr(group, "xla_average"):  # an Exchanger: its checks, method and grid cap
+        return group.xla_average(arrays)
     arrays = list(arrays)
     if not arrays:
         return []
