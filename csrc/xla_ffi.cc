@@ -122,7 +122,10 @@ ffi::Error average(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingR
   if (before != g.device && (status = pmg_set_device(g.device)))
     return failed("cudaSetDevice", status);
   int where = -1;
-  if ((status = pmg_pointer_device(in[0].src, &where))) return failed("cudaPointerGetAttributes", status);
+  if ((status = pmg_pointer_device(in[0].src, &where))) {
+    if (before != g.device) pmg_set_device(before);
+    return failed("cudaPointerGetAttributes", status);
+  }
   if (where != g.device) {
     if (before != g.device) pmg_set_device(before);
     return ffi::Error::InvalidArgument(

@@ -48,3 +48,24 @@ def test_xla_operation_is_built_and_says_why_it_cannot_run():
     assert not ok and "GPU" in why
     with pytest.raises(RuntimeError, match="unavailable: no usable GPU"):
         xla._register()
+
+
+def test_xla_average_checks_before_it_needs_a_gpu():
+    from pympgu import xla
+
+    class Group:  # what average() reads of a PeerGroup before it registers anything
+        nbytes = 1024
+        max_blocks = 8
+
+        def algorithm(self, nbytes, algo):
+            return "oneshot"
+
+    class Shaped:
+        def __init__(self, *shape):
+            self.shape, self.dtype = shape, "float32"
+
+    assert xla.average([], Group()) == []
+    with pytest.raises(ValueError, match="need 1280 bytes in the group's buffer, which holds 1024"):
+        xla.average([Shaped(16, 16), Shaped(4)], Group())  # 1024 B + a 256 B-aligned slot
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        xla.average([type("Int", (), {"shape": (4,), "dtype": "int32"})()], Group())
