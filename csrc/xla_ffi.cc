@@ -116,6 +116,10 @@ ffi::Error average(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingR
     in[i] = {a->untyped_data(), mine + at, nbytes};
     out[i] = {mine + at, (*r)->untyped_data(), nbytes};
   }
+  const size_t n = size_t(total);
+  if (total < 0 || n * pmg_dtype_size(dtype) < end || n * pmg_dtype_size(dtype) > g.nbytes)
+    return ffi::Error::InvalidArgument("pympgu_average: total " + std::to_string(total) +
+                                       " does not cover the arrays or overruns the buffer");
   // XLA's thread has its own current device; the kernels must launch on the group's.
   int before = -1, status;
   if ((status = pmg_get_device(&before))) return failed("cudaGetDevice", status);
@@ -131,12 +135,6 @@ ffi::Error average(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingR
     return ffi::Error::InvalidArgument(
         "pympgu_average: the arrays are on GPU " + std::to_string(where) + ", rank " +
         std::to_string(g.rank) + "'s PeerGroup on GPU " + std::to_string(g.device));
-  }
-  const size_t n = size_t(total);
-  if (total < 0 || n * pmg_dtype_size(dtype) < end || n * pmg_dtype_size(dtype) > g.nbytes) {
-    if (before != g.device) pmg_set_device(before);
-    return ffi::Error::InvalidArgument("pympgu_average: total " + std::to_string(total) +
-                                       " does not cover the arrays or overruns the buffer");
   }
   const char *step = "pack";
   status = pmg_copy_list(in.data(), int(count), stream);
