@@ -30,7 +30,7 @@ import sys
 import time
 import traceback
 
-from .exchange import METHODS
+from .exchange import ITEMSIZE, METHODS
 
 MODELS = {
     "seed": dict(hidden=[500], lr=0.13, momentum=0.0, batch_size=5000, l1=0.0, l2=1e-4),
@@ -89,10 +89,15 @@ def pympgu_worker(ctx, cfg, steps, warmup, plain_jax):
                "sync_host_ms_per_step": 1e3 * sync.seconds / steps,
                "step_host_ms_per_step": 1e3 * (loop_s - sync.seconds) / steps}
         if ex is not None:
-            out["wire_bytes"] = ex.wire_nbytes
+            # Elements a regular exchange moves: the parameters alone when sync1 is fused
+            # (their end is where the momentum starts in the layout), else the whole state.
+            moved = ex.total
+            if sync.fused and cfg["sync_every"] == 1:
+                moved = ex.offsets[len(rep.model.params)]
+            out["wire_bytes"] = moved * ITEMSIZE[ex.wire_dtype or ex.dtype]
             out["exchanges"] = ex.stats["exchanges"]
             if not ctx.is_cpu:
-                out["bare_kernel_ms"] = _bare_kernel_ms(ex)
+                out["bare_kernel_ms"] = _bare_kernel_ms(ex, moved)
         if plain_jax:
             out["pytensor_ms"] = _time_calls(lambda idx: rep.train_fn(idx), rep.wait, batches)
             out["direct_ms"] = _time_calls(lambda idx: rep.step(idx), rep.wait, batches)
@@ -105,18 +110,20 @@ def pympgu_worker(ctx, cfg, steps, warmup, plain_jax):
             ex.close()
 
 
-def _bare_kernel_ms(ex):
-    """Device time of the exchange kernel alone for the exchanger's wire bytes (every rank
-    runs it together: each call crosses the GPU barrier)."""
+def _bare_kernel_ms(ex, n=None):
+    """Device time of the exchange kernel alone on the first n elements of the exchanger's
+    buffer (default: all), in its wire dtype. Every rank runs it together: each call crosses
+    the GPU barrier."""
     from .bench import _time_device
     g = ex.backend.group
     dtype = ex.wire_dtype or ex.dtype
+    n = ex.total if n is None else n
     if ex.method == "copy":
         def run():
-            g.copy_average(ex.total, dtype, synchronize=False)
+            g.copy_average(n, dtype, synchronize=False)
     else:
         def run():
-            g.allreduce(ex.total, dtype, algo=ex.method, synchronize=False,
+            g.allreduce(n, dtype, algo=ex.method, synchronize=False,
                         max_blocks=ex.max_blocks)
     for _ in range(3):
         run()
