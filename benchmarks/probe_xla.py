@@ -19,7 +19,6 @@ def worker(ctx, hidden, batch, calls, exchanger=True):
     import numpy as np
 
     from pympgu.bench_train import _bare_kernel_ms
-    from pympgu.jaxstep import JaxStep
     from pympgu.exchange import Exchanger
     from pympgu.train import Replica, _setup_backend, make_exchanger, state_layout
     _setup_backend(ctx, "jax")
@@ -33,7 +32,7 @@ def worker(ctx, hidden, batch, calls, exchanger=True):
         else None
     try:
         idx = jax.device_put(np.arange(batch, dtype=np.int32))
-        plain = JaxStep(rep.train_fn, rep.model.state)
+        plain = rep.jax_step()
 
         def timed(call):
             for _ in range(5):
@@ -50,10 +49,7 @@ def worker(ctx, hidden, batch, calls, exchanger=True):
         if ex is None or ex.xla_unavailable():
             # The steps alone, every rank at once: is one rank slowed by the other's?
             return {"step_ms": timed(lambda: plain(idx))}
-        fused = JaxStep(rep.train_fn, rep.model.state, ex.xla_average)
-        k = len(rep.model.params)
-        params_only = JaxStep(rep.train_fn, rep.model.state,
-                              lambda xs: ex.xla_average(xs[:k]) + list(xs[k:]))
+        fused, params_only = rep.jax_step(ex), rep.jax_step(ex, params_only=True)
         alone = jax.jit(ex.xla_average)
 
         def exchange_only():
@@ -91,8 +87,8 @@ def main():
             print(f"rank {rank} (GPU {a.gpus[rank]}): step {r['step_ms']:.3f} ms")
             continue
         print(f"rank {rank}: step {r['step_ms']:.3f} ms, step with exchange {r['fused_ms']:.3f} "
-              f"ms (parameters alone {r['params_only_ms']:.3f} ms), XLA exchange alone {r['xla_exchange_ms']:.3f} ms, bare kernel "
-              f"{r['kernel_ms']:.3f} ms; {r['custom_calls']} custom call(s), copies in the "
+              f"ms (parameters alone {r['params_only_ms']:.3f} ms), XLA exchange alone "
+              f"{r['xla_exchange_ms']:.3f} ms, bare kernel {r['kernel_ms']:.3f} ms; {r['custom_calls']} custom call(s), copies in the "
               f"fused step: {r['copies'] or 'none'}; in the exchange alone: "
               f"{r['exchange_only_copies'] or 'none'}")
 

@@ -89,11 +89,9 @@ def pympgu_worker(ctx, cfg, steps, warmup, plain_jax):
                "sync_host_ms_per_step": 1e3 * sync.seconds / steps,
                "step_host_ms_per_step": 1e3 * (loop_s - sync.seconds) / steps}
         if ex is not None:
-            # Elements a regular exchange moves: the parameters alone when sync1 is fused
-            # (their end is where the momentum starts in the layout), else the whole state.
-            moved = ex.total
-            if sync.fused and cfg["sync_every"] == 1:
-                moved = ex.offsets[len(rep.model.params)]
+            # Elements a regular exchange moves: the parameters alone (they end where the
+            # momentum starts in the layout), or the whole state.
+            moved = ex.offsets[len(rep.model.params)] if sync.params_only else ex.total
             out["wire_bytes"] = moved * ITEMSIZE[ex.wire_dtype or ex.dtype]
             out["exchanges"] = ex.stats["exchanges"]
             if not ctx.is_cpu:

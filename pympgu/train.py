@@ -101,6 +101,10 @@ class Replica:
         """
         if self.jax is None:
             return self.train_fn(idx)
+        return self.jax_step(ex, params_only)(idx)
+
+    def jax_step(self, ex=None, params_only=False):
+        """The JaxStep that step() calls for these arguments, built once."""
         key = (ex is not None, params_only)
         fn = self._steps.get(key)
         if fn is None:
@@ -112,7 +116,7 @@ class Replica:
                 def exchange(state):  # the state lists parameters first, then momentum
                     return ex.xla_average(state[:k]) + list(state[k:])
             fn = self._steps[key] = JaxStep(self.train_fn, self.model.state, exchange)
-        return fn(idx)
+        return fn
 
     def device_batches(self, batches):
         """The minibatches' indices where the step reads them: on the GPU, uploaded once
@@ -276,13 +280,14 @@ class Sync:
         self.stepped = False  # a step was taken since the pending exchange started
         self.fused = (fuse and ex is not None and not overlap and rep.jax is not None
                       and ex.xla_unavailable() is None)
+        self.params_only = self.fused and every == 1  # but the epoch's last exchange
 
     def step(self, idx, step, last=False):
         """Training step `step` (counted from 0) of an epoch on minibatch idx, then the
         exchange if one is due (`last` forces one); returns the step's cost."""
         due = self.ex is not None and (not (step + 1) % self.every or last)
         if self.fused and due:
-            return self.rep.step(idx, self.ex, params_only=self.every == 1 and not last)
+            return self.rep.step(idx, self.ex, params_only=self.params_only and not last)
         cost = self.rep.step(idx)
         self.after_step(step, last)
         return cost

@@ -18,14 +18,18 @@ touching freed memory.
 Needs pympgu built with jaxlib installed (its XLA FFI headers; ``build.sh`` and
 ``pip install --no-build-isolation .`` see it) and JAX with CUDA.
 """
+import functools
+
 import numpy as np
 
 TARGET = "pympgu_average"
 _registered = False
 
 
+@functools.lru_cache(maxsize=None)
 def available():
-    """(True, None), or (False, why the operation cannot be used here)."""
+    """(True, None), or (False, why the operation cannot be used here). Asked once per
+    process: none of it changes while the process runs."""
     from . import cuda
     ok, info = cuda.availability()
     if not ok:
