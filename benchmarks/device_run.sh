@@ -15,6 +15,14 @@ for step in $steps; do
     tests) timeout 540 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_exchange.py tests/test_gpu_runtime.py 2>&1 | tail -15 ;;
     xla) grep -i "without the XLA" "$OUT/build.log"; timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_runtime.py -k "xla or jax" 2>&1 | tail -15 ;;
     runtime) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_runtime.py 2>&1 | tail -15 ;;
+    # Where a step's time goes: host or GPU, one rank or two per GPU, with the exchange or not.
+    diag)
+      nvidia-smi topo -m; nvidia-smi --query-gpu=index,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv
+      for run in ${DIAG:-"--gpus 0 --no-exchanger" "--gpus 0 0 --no-exchanger" "--gpus 0 1 --no-exchanger" "--gpus 0 1" "--gpus 1 0"}; do
+        echo "--- probe_xla $run"
+        case $run in *NO_P2P) env PYMPGU_NO_P2P=1 timeout 150 python3 benchmarks/probe_xla.py ${run% NO_P2P} ;;
+                     *) timeout 150 python3 benchmarks/probe_xla.py $run ;; esac 2>&1 | grep -v -i warn | tail -4
+      done ;;
     probe) timeout 120 python3 benchmarks/probe_dlpack.py 2>&1 | grep -v -i warn | tail -14 ;;
     nccl) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_exchange.py -k nccl 2>&1 | tail -3 ;;
     sanitize)

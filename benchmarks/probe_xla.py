@@ -10,18 +10,41 @@ operation would each cost a pass over the state). With --no-exchanger, or where 
 cannot run inside XLA (PYMPGU_NO_P2P=1), it times the steps alone, every rank at once.
 """
 import argparse
+import os
 import re
 import time
 
 
+def _where(rep, ctx):
+    """Which devices this rank's JAX sees and holds its state on, and (rank 0) which
+    processes hold a context on which GPU: a stray context shares that GPU's time."""
+    import subprocess
+
+    import jax
+    held = sorted({str(d) for v in rep.values() for d in v.devices()})
+    text = f"jax sees {jax.devices()}, state on {held}"
+    if ctx.nranks > 1:
+        ctx.barrier()
+    if ctx.rank == 0:
+        try:
+            apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_bus_id,used_memory",
+                                   "--format=csv,noheader"], capture_output=True, text=True)
+            text += "; contexts: " + "; ".join(apps.stdout.strip().splitlines())
+        except OSError as e:
+            text += f"; contexts: nvidia-smi failed ({e})"
+    if ctx.nranks > 1:
+        ctx.barrier()
+    return text
+
+
 def worker(ctx, hidden, batch, calls, exchanger=True):
+    from pympgu.train import Replica, _setup_backend, make_exchanger, state_layout
+    _setup_backend(ctx, "jax")  # before JAX starts: it must see this rank's GPU alone
     import jax
     import numpy as np
 
     from pympgu.bench_train import _bare_kernel_ms
     from pympgu.exchange import Exchanger
-    from pympgu.train import Replica, _setup_backend, make_exchanger, state_layout
-    _setup_backend(ctx, "jax")
     cfg = dict(data=None, hidden=hidden, lr=0.05, momentum=0.9, batch_size=batch, l1=0.0,
                l2=1e-4, backend="jax", method="auto", exchange_dtype="float32",
                exchange_blocks=None, overlap=False)
@@ -34,29 +57,79 @@ def worker(ctx, hidden, batch, calls, exchanger=True):
         idx = jax.device_put(np.arange(batch, dtype=np.int32))
         plain = rep.jax_step()
 
-        def timed(call):
+        dispatch = {}
+
+        def run(call):
             for _ in range(5):
                 call()
             rep.wait()
-            if ctx.nranks > 1:
-                ctx.barrier()
             t0 = time.perf_counter()
             for _ in range(calls):
                 call()
+            # JAX returns before the GPU is done: if the loop alone takes as long as the
+            # whole, the host (not the GPU) sets the pace.
+            dispatch[call] = 1e3 * (time.perf_counter() - t0) / calls
             rep.wait()
             return 1e3 * (time.perf_counter() - t0) / calls
 
+        def device_ms(step, k=8):
+            # k steps unrolled in one jitted call: no host between them, so this is GPU time
+            # (unrolled, as a loop would add copies of the carried state).
+            args = step.arguments(idx)
+            where = {id(c): i for i, c in step.shared}
+            feed = [(out, where[id(c)]) for out, c in step.updates]
+
+            def body(_, args):
+                outs = step.jitted(*args)
+                args = list(args)
+                for out, i in feed:
+                    args[i] = outs[out]
+                return tuple(args)
+            loop = jax.jit(lambda args: jax.lax.fori_loop(0, k, body, args, unroll=True))
+            jax.block_until_ready(loop(tuple(args)))
+            if ctx.nranks > 1:
+                ctx.barrier()
+            t0 = time.perf_counter()
+            jax.block_until_ready(loop(tuple(args)))
+            return 1e3 * (time.perf_counter() - t0) / k
+
+        def timed(call):
+            if ctx.nranks > 1:
+                ctx.barrier()
+            return run(call)
+
+        def in_turn(call):
+            # Each rank alone while the others wait at the barrier: a rank slower here than
+            # alone on its GPU is slowed by its own setup, not by the other's work.
+            ms = None
+            for turn in range(ctx.nranks):
+                ctx.barrier()
+                if turn == ctx.rank:
+                    ms = run(call)
+            return ms
+
         if ex is None or ex.xla_unavailable():
-            # The steps alone, every rank at once: is one rank slowed by the other's?
-            return {"step_ms": timed(lambda: plain(idx))}
+            # The steps alone: every rank at once, then one rank at a time.
+            step = lambda: plain(idx)  # noqa: E731
+            out = {"step_ms": timed(step)}
+            out["dispatch_ms"] = dispatch[step]
+            out["device_ms"] = device_ms(plain)
+            if ctx.nranks > 1:
+                out["in_turn_ms"] = in_turn(lambda: plain(idx))
+            out["where"] = _where(rep, ctx)
+            out["pid"] = os.getpid()
+            return out
         fused, params_only = rep.jax_step(ex), rep.jax_step(ex, params_only=True)
         alone = jax.jit(ex.xla_average)
 
         def exchange_only():
             rep.set_values(alone(rep.values()))
 
-        out = {"step_ms": timed(lambda: plain(idx)), "fused_ms": timed(lambda: fused(idx)),
-               "params_only_ms": timed(lambda: params_only(idx)),
+        step, step_po = (lambda: plain(idx)), (lambda: params_only(idx))
+        out = {"step_ms": timed(step), "fused_ms": timed(lambda: fused(idx)),
+               "params_only_ms": timed(step_po),
+               "dispatch_ms": dispatch[step], "po_dispatch_ms": dispatch[step_po],
+               "device_ms": device_ms(plain), "po_device_ms": device_ms(params_only),
                "xla_exchange_ms": timed(exchange_only), "kernel_ms": _bare_kernel_ms(ex)}
         hlo = fused.jitted.lower(*fused.arguments(idx)).compile().as_text()
         copies = re.findall(r"= (f32\[[0-9,]*\])[^ ]* copy\(", hlo)
@@ -83,9 +156,15 @@ def main():
     from pympgu.launch import launch
     args = (a.hidden, a.batch_size, a.calls, not a.no_exchanger)
     for rank, r in enumerate(launch(worker, args, gpus=a.gpus)):
-        if len(r) == 1:
-            print(f"rank {rank} (GPU {a.gpus[rank]}): step {r['step_ms']:.3f} ms")
+        if "fused_ms" not in r:
+            turn = f", alone in turn {r['in_turn_ms']:.3f} ms" if "in_turn_ms" in r else ""
+            print(f"rank {rank} (GPU {a.gpus[rank]}, pid {r['pid']}): step {r['step_ms']:.3f} ms"
+                  f" (loop alone {r['dispatch_ms']:.3f}, GPU {r['device_ms']:.3f}){turn}; "
+                  f"{r['where']}")
             continue
+        print(f"rank {rank}: step {r['step_ms']:.3f} ms (loop alone {r['dispatch_ms']:.3f}, GPU "
+              f"{r['device_ms']:.3f}); with the parameters averaged {r['params_only_ms']:.3f} "
+              f"ms (loop alone {r['po_dispatch_ms']:.3f}, GPU {r['po_device_ms']:.3f})")
         print(f"rank {rank}: step {r['step_ms']:.3f} ms, step with exchange {r['fused_ms']:.3f} "
               f"ms (parameters alone {r['params_only_ms']:.3f} ms), XLA exchange alone "
               f"{r['xla_exchange_ms']:.3f} ms, bare kernel {r['kernel_ms']:.3f} ms; {r['custom_calls']} custom call(s), copies in the "

@@ -38,8 +38,12 @@ def _setup_backend(ctx, backend):
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         if ctx.device is not None:
             # JAX sees only this worker's GPU, so its arrays land there; pympgu's own CUDA
-            # context still sees every GPU, which IPC to the peers needs.
+            # context still sees every GPU, which IPC to the peers needs. JAX reads the
+            # variable when it is imported; if it already was, its config still takes the
+            # value until the GPU backend starts (Replica checks where the arrays went).
             os.environ["JAX_CUDA_VISIBLE_DEVICES"] = str(ctx.device)
+            if "jax" in sys.modules:
+                sys.modules["jax"].config.update("jax_cuda_visible_devices", str(ctx.device))
         else:
             os.environ["JAX_PLATFORMS"] = "cpu"
     # Workers compile the same graphs at once; separate cache dirs avoid lock waits.
@@ -90,6 +94,23 @@ class Replica:
             # host. Put every one on the device once.
             for s in self.model.state + self.model.data_vars:
                 _assign(s, jax.device_put(s.get_value(borrow=True)))
+            if ctx.device is not None:
+                self._check_device(self.model.state[0].get_value(borrow=True))
+
+    def _check_device(self, array):
+        """Fail if JAX put the model on another GPU than this rank's.
+
+        That happens when JAX started its GPU backend before _setup_backend ran: it then
+        sees every GPU and uses the first, and each step pulls its data across the link.
+        """
+        from . import cuda
+        where = cuda.pointer_device(array.unsafe_buffer_pointer())
+        if where != self.ctx.device:
+            raise RuntimeError(
+                f"rank {self.ctx.rank}: JAX put the model on GPU {where}, not on this rank's "
+                f"GPU {self.ctx.device}. JAX's GPU backend was started before pympgu could "
+                f"restrict it to one GPU; call pympgu.train._setup_backend(ctx, 'jax') in the "
+                f"worker before using JAX.")
 
     def step(self, idx, ex=None, params_only=False):
         """One training step on the minibatch idx; returns its cost.

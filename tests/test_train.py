@@ -209,3 +209,29 @@ def test_direct_jax_step_matches_pytensor_call():
         "print('same')\n"
     )
     run_jax_on_cpu(code, "same")
+
+
+def test_jax_is_restricted_to_the_rank_gpu_even_if_imported_first():
+    # JAX reads JAX_CUDA_VISIBLE_DEVICES at import; a worker that imported it before
+    # _setup_backend must still get its GPU alone (else it computes on GPU 0), so the setup
+    # also sets JAX's config. A subprocess keeps this test's config out of the others'.
+    code = ("import types, jax; from pympgu import train; "
+            "train._setup_backend(types.SimpleNamespace(device=3, nranks=1, rank=0), 'jax'); "
+            "print(jax.config.values['jax_cuda_visible_devices'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "3"
+
+
+def test_replica_refuses_a_model_on_another_gpu(monkeypatch):
+    # What Replica does when JAX put the model elsewhere: it names the rank and both GPUs.
+    from pympgu import cuda
+    monkeypatch.setattr(cuda, "pointer_device", lambda ptr: 0, raising=False)
+    rep = train.Replica.__new__(train.Replica)
+    rep.ctx = type("Ctx", (), {"rank": 1, "device": 1})()
+    array = type("A", (), {"unsafe_buffer_pointer": lambda self: 4096})()
+    with pytest.raises(RuntimeError, match=r"rank 1: JAX put the model on GPU 0, not on .*GPU 1"):
+        rep._check_device(array)
+    rep.ctx.device = 0
+    rep._check_device(array)
