@@ -37,10 +37,12 @@ def _setup_backend(ctx, backend):
     if backend == "jax":
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         if ctx.device is not None:
-            # JAX sees only this worker's GPU, so its arrays land there; pympgu's own CUDA
-            # context still sees every GPU, which IPC to the peers needs. JAX reads the
-            # variable when it is imported; if it already was, its config still takes the
-            # value until the GPU backend starts (Replica checks where the arrays went).
+            # JAX should see only this worker's GPU (else it opens a context on every GPU);
+            # pympgu's own CUDA context still sees every GPU, which IPC to the peers needs.
+            # JAX reads the variable when it is imported; if it already was, its config
+            # still takes the value until the GPU backend starts. Some JAX builds ignore
+            # it, so Replica also makes this GPU JAX's default device and checks where the
+            # model went.
             os.environ["JAX_CUDA_VISIBLE_DEVICES"] = str(ctx.device)
             if "jax" in sys.modules:
                 sys.modules["jax"].config.update("jax_cuda_visible_devices", str(ctx.device))
@@ -52,6 +54,18 @@ def _setup_backend(ctx, backend):
         base = os.path.expanduser("~/.pytensor")
         flags = ",".join(f for f in (flags, f"base_compiledir={base}/rank{ctx.rank}") if f)
         os.environ["PYTENSOR_FLAGS"] = flags
+
+
+def _jax_device(jax, ctx):
+    """JAX's device for this rank's GPU (ctx.device, a CUDA ordinal of this process)."""
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    mine = [d for d in gpus if d.local_hardware_id == ctx.device]
+    if not mine and len(gpus) == 1:
+        mine = gpus  # JAX saw this GPU alone and numbered it on its own
+    if len(mine) != 1:
+        raise RuntimeError(f"rank {ctx.rank}: JAX has no device for GPU {ctx.device} "
+                           f"(it sees {gpus})")
+    return mine[0]
 
 
 def _assign(shared, value):
@@ -89,6 +103,10 @@ class Replica:
             import jax
             import jax.numpy as jnp
             self.jax, self.jnp = jax, jnp
+            if ctx.device is not None:
+                # Whatever JAX sees, everything this rank computes goes to its own GPU:
+                # arrays put without a device, and every jit whose inputs are such arrays.
+                jax.config.update("jax_default_device", _jax_device(jax, ctx))
             # Shared variables hold numpy arrays until a function first updates them, and
             # the dataset never is updated: left alone, every call would copy it from the
             # host. Put every one on the device once.
@@ -100,17 +118,15 @@ class Replica:
     def _check_device(self, array):
         """Fail if JAX put the model on another GPU than this rank's.
 
-        That happens when JAX started its GPU backend before _setup_backend ran: it then
-        sees every GPU and uses the first, and each step pulls its data across the link.
+        JAX, left to itself, uses the first GPU it sees: every rank would compute there,
+        and each step would pull data across the link.
         """
         from . import cuda
         where = cuda.pointer_device(array.unsafe_buffer_pointer())
         if where != self.ctx.device:
             raise RuntimeError(
                 f"rank {self.ctx.rank}: JAX put the model on GPU {where}, not on this rank's "
-                f"GPU {self.ctx.device}. JAX's GPU backend was started before pympgu could "
-                f"restrict it to one GPU; call pympgu.train._setup_backend(ctx, 'jax') in the "
-                f"worker before using JAX.")
+                f"GPU {self.ctx.device}; was jax_default_device set elsewhere?")
 
     def step(self, idx, ex=None, params_only=False):
         """One training step on the minibatch idx; returns its cost.

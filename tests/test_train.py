@@ -231,7 +231,28 @@ def test_replica_refuses_a_model_on_another_gpu(monkeypatch):
     rep = train.Replica.__new__(train.Replica)
     rep.ctx = type("Ctx", (), {"rank": 1, "device": 1})()
     array = type("A", (), {"unsafe_buffer_pointer": lambda self: 4096})()
-    with pytest.raises(RuntimeError, match=r"rank 1: JAX put the model on GPU 0, not on .*GPU 1"):
+    with pytest.raises(RuntimeError, match=r"rank 1: JAX put the model on GPU 0, not on this "
+                                           r"rank.s GPU 1"):
         rep._check_device(array)
     rep.ctx.device = 0
     rep._check_device(array)
+
+
+@pytest.mark.parametrize("seen, device, picked", [
+    ([0, 1], 1, 1),        # JAX sees every GPU: the one with this rank's CUDA ordinal
+    ([0, 1, 2, 3], 2, 2),
+    ([0], 3, 0),           # JAX sees this GPU alone, numbered 0 by its own count
+    ([0, 1], 5, None),     # not there: an error naming the rank and the GPU
+])
+def test_jax_device_is_the_rank_gpu(seen, device, picked):
+    dev = type("Dev", (), {"platform": "gpu"})
+    devices = [dev() for _ in seen]
+    for d, hw in zip(devices, seen):
+        d.local_hardware_id = hw
+    fake_jax = type("J", (), {"devices": staticmethod(lambda: devices)})
+    ctx = type("Ctx", (), {"rank": 2, "device": device})()
+    if picked is None:
+        with pytest.raises(RuntimeError, match="rank 2: JAX has no device for GPU 5"):
+            train._jax_device(fake_jax, ctx)
+    else:
+        assert train._jax_device(fake_jax, ctx).local_hardware_id == picked
