@@ -18,7 +18,8 @@ for step in $steps; do
     # Where a step's time goes: host or GPU, one rank or two per GPU, with the exchange or not.
     diag)
       nvidia-smi topo -m; nvidia-smi --query-gpu=index,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv
-      for run in ${DIAG:-"--gpus 0 --no-exchanger" "--gpus 0 0 --no-exchanger" "--gpus 0 1 --no-exchanger" "--gpus 0 1" "--gpus 1 0"}; do
+      IFS=';' read -ra runs <<< "${DIAG:---gpus 0 --no-exchanger;--gpus 0 0 --no-exchanger;--gpus 0 1 --no-exchanger;--gpus 0 1;--gpus 1 0}"
+      for run in "${runs[@]}"; do
         echo "--- probe_xla $run"
         case $run in *NO_P2P) env PYMPGU_NO_P2P=1 timeout 150 python3 benchmarks/probe_xla.py ${run% NO_P2P} ;;
                      *) timeout 150 python3 benchmarks/probe_xla.py $run ;; esac 2>&1 | grep -v -i warn | tail -4

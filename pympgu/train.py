@@ -33,19 +33,22 @@ CHECKPOINT = "checkpoint.npz"
 # ---------------------------------------------------------------- the worker
 
 def _setup_backend(ctx, backend):
-    """Environment for PyTensor and JAX in this worker; must run before they are imported."""
+    """Environment for PyTensor and JAX in this worker; must run before PyTensor is imported
+    and before JAX starts its GPU backend."""
     if backend == "jax":
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         if ctx.device is not None:
-            # JAX should see only this worker's GPU (else it opens a context on every GPU);
-            # pympgu's own CUDA context still sees every GPU, which IPC to the peers needs.
-            # JAX reads the variable when it is imported; if it already was, its config
-            # still takes the value until the GPU backend starts. Some JAX builds ignore
-            # it, so Replica also makes this GPU JAX's default device and checks where the
-            # model went.
-            os.environ["JAX_CUDA_VISIBLE_DEVICES"] = str(ctx.device)
-            if "jax" in sys.modules:
-                sys.modules["jax"].config.update("jax_cuda_visible_devices", str(ctx.device))
+            # JAX should see only this worker's GPU, or it opens a context on every GPU
+            # (about 0.5 GiB each); pympgu's own CUDA context still sees every GPU, which
+            # IPC to the peers needs. JAX 0.11 no longer reads JAX_CUDA_VISIBLE_DEVICES
+            # from the environment, but its config takes the value until the GPU backend
+            # starts. Replica also makes this GPU JAX's default device and checks where the
+            # model went, in case a JAX build ignores the option.
+            import jax
+            try:
+                jax.config.update("jax_cuda_visible_devices", str(ctx.device))
+            except AttributeError:  # a JAX without the option
+                pass
         else:
             os.environ["JAX_PLATFORMS"] = "cpu"
     # Workers compile the same graphs at once; separate cache dirs avoid lock waits.
