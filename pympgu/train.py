@@ -33,23 +33,14 @@ CHECKPOINT = "checkpoint.npz"
 # ---------------------------------------------------------------- the worker
 
 def _setup_backend(ctx, backend):
-    """Environment for PyTensor and JAX in this worker; must run before PyTensor is imported
-    and before JAX starts its GPU backend."""
+    """Environment for PyTensor and JAX in this worker; must run before they are imported."""
     if backend == "jax":
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-        if ctx.device is not None:
-            # JAX should see only this worker's GPU, or it opens a context on every GPU
-            # (about 0.5 GiB each); pympgu's own CUDA context still sees every GPU, which
-            # IPC to the peers needs. JAX 0.11 no longer reads JAX_CUDA_VISIBLE_DEVICES
-            # from the environment, but its config takes the value until the GPU backend
-            # starts. Replica also makes this GPU JAX's default device and checks where the
-            # model went, in case a JAX build ignores the option.
-            import jax
-            try:
-                jax.config.update("jax_cuda_visible_devices", str(ctx.device))
-            except AttributeError:  # a JAX without the option
-                pass
-        else:
+        # On GPUs JAX sees every GPU, as pympgu's own CUDA context must (IPC to the peers),
+        # and Replica makes this rank's GPU its default device. Restricting JAX to one GPU
+        # (jax_cuda_visible_devices) would save it a context on each other GPU, but JAX
+        # 0.11.2 then fails on the rank of GPU 1: "Device id 1 is out of range [0, 1)".
+        if ctx.device is None:
             os.environ["JAX_PLATFORMS"] = "cpu"
     # Workers compile the same graphs at once; separate cache dirs avoid lock waits.
     flags = os.environ.get("PYTENSOR_FLAGS", "")
