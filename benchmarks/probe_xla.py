@@ -37,7 +37,7 @@ def _where(rep, ctx):
     return text
 
 
-def worker(ctx, hidden, batch, calls, exchanger=True):
+def worker(ctx, hidden, batch, calls, exchanger=True, only_params=False):
     from pympgu.train import Replica, _setup_backend, make_exchanger, state_layout
     _setup_backend(ctx, "jax")  # before JAX starts: it must see this rank's GPU alone
     import jax
@@ -120,6 +120,9 @@ def worker(ctx, hidden, batch, calls, exchanger=True):
             out["pid"] = os.getpid()
             return out
         fused, params_only = rep.jax_step(ex), rep.jax_step(ex, params_only=True)
+        if only_params:
+            # Nothing else on the GPU: what a profiler shows is sync1's step as training runs it.
+            return {"step_ms": 0.0, "params_only_ms": timed(lambda: params_only(idx))}
         alone = jax.jit(ex.xla_average)
 
         def exchange_only():
@@ -152,10 +155,16 @@ def main():
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--no-exchanger", action="store_true",
                    help="no Exchanger (no IPC mapping, no peer access): time the steps alone")
+    p.add_argument("--only-params", action="store_true",
+                   help="time the step that averages the parameters alone, and nothing else "
+                        "(for a profiler)")
     a = p.parse_args()
     from pympgu.launch import launch
-    args = (a.hidden, a.batch_size, a.calls, not a.no_exchanger)
+    args = (a.hidden, a.batch_size, a.calls, not a.no_exchanger, a.only_params)
     for rank, r in enumerate(launch(worker, args, gpus=a.gpus)):
+        if a.only_params:
+            print(f"rank {rank}: step with the parameters averaged {r['params_only_ms']:.3f} ms")
+            continue
         if "fused_ms" not in r:
             turn = f", alone in turn {r['in_turn_ms']:.3f} ms" if "in_turn_ms" in r else ""
             print(f"rank {rank} (GPU {a.gpus[rank]}, pid {r['pid']}): step {r['step_ms']:.3f} ms"
