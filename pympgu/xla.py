@@ -10,10 +10,13 @@ unpack. No DLPack export or import, no host wait and no Python run at each call:
 cost of an exchange becomes that of the jitted call it is part of.
 
 ``group`` is a connected ``pympgu.PeerGroup`` on the GPU the arrays live on, or an
-``Exchanger`` (whose method and grid cap then apply, as ``Exchanger.xla_average``). Every rank must call it with arrays of the same shapes and dtype in
-the same order, and the same ``algo`` and ``max_blocks``. The group must stay open while any
-function traced with it may still run; after ``close()`` such a function raises instead of
-touching freed memory.
+``Exchanger`` (whose method and grid cap then apply, as ``Exchanger.xla_average``). Every
+rank must call it with arrays of the same shapes and dtype in the same order, and the same
+``algo`` and ``max_blocks``, and use its results alike: like XLA's own collectives it is not
+a side effect, so XLA removes an average whose results are unused, and merges two of the same
+arrays. Every rank compiles the same program, so it does so on every rank. The group must
+stay open while any function traced with it may still run; after ``close()`` such a function
+raises instead of touching freed memory.
 
 Needs pympgu built with jaxlib installed (its XLA FFI headers; ``build.sh`` and
 ``pip install --no-build-isolation .`` see it) and JAX with CUDA.
@@ -87,8 +90,10 @@ def average(arrays, group, algo="auto", max_blocks=None):
     _register()
     call = jax.ffi.ffi_call(
         TARGET, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays],
-        # The ranks meet inside it: XLA must neither drop nor merge two calls.
-        has_side_effect=True,
+        # Not a side effect: JAX dispatches a function with effects through Python, not its
+        # C++ fast path, which cost the fused training step about 1 ms of host time per call
+        # (docs/BENCHMARKS.md). The module docstring says what users must keep to instead.
+        has_side_effect=False,
         input_output_aliases={i: i for i in range(len(arrays))})
     out = call(*arrays, group=np.int64(group.xla_id()), algo=np.int32(ALGORITHM_CODES[chosen]),
                max_blocks=np.int32(blocks), chunk_bytes=np.int64(ce_chunk_bytes()),

@@ -69,3 +69,28 @@ def test_xla_average_checks_before_it_needs_a_gpu():
         xla.average([Shaped(16, 16), Shaped(4)], Group())  # 1024 B + a 256 B-aligned slot
     with pytest.raises(ValueError, match="unsupported dtype"):
         xla.average([type("Int", (), {"shape": (4,), "dtype": "int32"})()], Group())
+
+
+def test_xla_average_keeps_jax_fast_dispatch(monkeypatch):
+    # A jitted function with effects is dispatched through Python instead of JAX's C++ path,
+    # which cost the fused training step host time worth most of a step. Tracing (no GPU
+    # needed) shows whether average() adds an effect.
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from pympgu import xla
+
+    class Group:
+        nbytes, max_blocks = 1 << 20, 8
+
+        def algorithm(self, nbytes, algo):
+            return "oneshot"
+
+        def xla_id(self):
+            return 1
+
+    monkeypatch.setattr(xla, "_register", lambda: None)
+    jaxpr = jax.make_jaxpr(lambda a, b: xla.average([a * 2, b], Group()))(
+        jnp.ones((4, 4)), jnp.ones(3))
+    assert "ffi_call" in str(jaxpr)
+    assert not jaxpr.effects
