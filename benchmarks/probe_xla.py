@@ -3,11 +3,15 @@
     PYTHONPATH=. python benchmarks/probe_xla.py --gpus 0 1 [--hidden 4096 4096]
 
 Each rank builds the training loop's replica and Exchanger, then times back-to-back calls
-(device-bound, so wall time per call is device time) of: the training step alone, the step
-with its exchange fused in, the XLA exchange alone, and the bare kernel on the same bytes. It
-also counts the copy instructions in the compiled fused step (copies XLA added around the
-operation would each cost a pass over the state). With --no-exchanger, or where the exchange
-cannot run inside XLA (PYMPGU_NO_P2P=1), it times the steps alone, every rank at once.
+of: the training step alone, the step with its exchange fused in (whole state, parameters
+alone), the XLA exchange alone, and the bare kernel on the same bytes. For the plain and the
+parameters-only step it also gives the host's loop alone (JAX returns before the GPU is
+done, so a loop as long as the whole means the host sets the pace) and the GPU's time (8
+steps unrolled in one call). It counts the copy instructions in the compiled fused step
+(copies XLA added around the operation would each cost a pass over the state). With
+--no-exchanger, or where the exchange cannot run inside XLA (PYMPGU_NO_P2P=1), it times the
+steps alone, every rank at once and then one at a time, and says where JAX put each rank's
+model. --only-params runs the parameters-only step alone, for a profiler.
 """
 import argparse
 import os

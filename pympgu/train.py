@@ -519,12 +519,16 @@ def build_parser():
                         "t+1 computes, then apply the average with a one-step-delayed "
                         "correction (default: off; wait for every average). With "
                         "--sync-every K the average arrives K steps late, which with high "
-                        "momentum slows convergence: see docs/TRAINING.md")
+                        "momentum slows convergence: see docs/TRAINING.md. It is queued from "
+                        "Python, outside the step's XLA call, and on 2 H200s is slower than "
+                        "the default (docs/BENCHMARKS.md)")
     m.add_argument("--exchange-dtype", choices=["float32", "bfloat16", "float16"],
                    default="float32",
                    help="dtype on the wire: bfloat16 or float16 send each sync's change in "
                         "half the bytes; parameters and accumulation stay float32 "
-                        "(default: float32, exact)")
+                        "(default: float32, exact). A half-precision wire is queued from "
+                        "Python, outside the step's XLA call, and on 2 H200s is slower than "
+                        "the default")
     m.add_argument("--exchange-blocks", type=int, default=None, metavar="B",
                    help="cap the GPU averaging kernel at B thread blocks (1-512). Fewer blocks "
                         "leave SMs to the training step that runs beside an overlapped "
