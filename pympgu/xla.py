@@ -13,10 +13,10 @@ cost of an exchange becomes that of the jitted call it is part of.
 ``Exchanger`` (whose method and grid cap then apply, as ``Exchanger.xla_average``). Every
 rank must call it with arrays of the same shapes and dtype in the same order, and the same
 ``algo`` and ``max_blocks``, and use its results alike: like XLA's own collectives it is not
-a side effect, so XLA removes an average whose results are unused, and merges two of the same
-arrays. Every rank compiles the same program, so it does so on every rank. The group must
-stay open while any function traced with it may still run; after ``close()`` such a function
-raises instead of touching freed memory.
+a side effect, so XLA removes an average whose results are unused, and merges two averages
+of the same arrays. Every rank compiles the same program, so it does so on every rank. The
+group must stay open while any function traced with it may still run; after ``close()`` such
+a function raises instead of touching freed memory.
 
 Needs pympgu built with jaxlib installed (its XLA FFI headers; ``build.sh`` and
 ``pip install --no-build-isolation .`` see it) and JAX with CUDA.
