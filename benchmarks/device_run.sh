@@ -24,10 +24,6 @@ for step in $steps; do
         case $run in *NO_P2P) env PYMPGU_NO_P2P=1 timeout 150 python3 benchmarks/probe_xla.py ${run% NO_P2P} ;;
                      *) timeout 150 python3 benchmarks/probe_xla.py $run ;; esac 2>&1 | grep -v -i warn | tail -4
       done ;;
-    nsys)  # GPU kernels of sync1's fused step on --gpus 0 1, summed per kernel
-      command -v nsys || { echo "no nsys"; continue; }
-      timeout 240 nsys profile -q -t cuda -f true -o /tmp/sync1 python3 benchmarks/probe_xla.py --gpus 0 1 --only-params --calls 200 2>&1 | grep "rank"
-      nsys stats -q -r cuda_gpu_kern_sum -f csv /tmp/sync1.nsys-rep 2>/dev/null | cut -c1-160 | head -25 ;;
     probe) timeout 120 python3 benchmarks/probe_dlpack.py 2>&1 | grep -v -i warn | tail -14 ;;
     nccl) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_exchange.py -k nccl 2>&1 | tail -3 ;;
     sanitize)

@@ -43,7 +43,7 @@ def _where(rep, ctx):
 
 def worker(ctx, hidden, batch, calls, exchanger=True, only_params=False):
     from pympgu.train import Replica, _setup_backend, make_exchanger, state_layout
-    _setup_backend(ctx, "jax")  # before JAX starts: it must see this rank's GPU alone
+    _setup_backend(ctx, "jax")  # before PyTensor is imported
     import jax
     import numpy as np
 
