@@ -857,6 +857,7 @@ cdef class PeerGroup:
     cdef readonly int nranks
     cdef readonly size_t nbytes
     cdef readonly size_t data_offset
+    cdef size_t stage_offset  # from the data to the staging area
     cdef readonly int device
     cdef readonly int max_blocks
     cdef readonly bint connected
@@ -887,7 +888,8 @@ cdef class PeerGroup:
         if staging is None:
             staging = nranks > 1 and nbytes >= push_min_bytes(nranks)
         self.stage_bytes = pmg_stage_bytes(nranks, nbytes) if staging else 0
-        self.block = DeviceBuffer(self.data_offset + _align(nbytes, _ALIGN) + self.stage_bytes)
+        self.stage_offset = _align(nbytes, _ALIGN)
+        self.block = DeviceBuffer(self.data_offset + self.stage_offset + self.stage_bytes)
         self.stream = Stream()
         if self.stage_bytes:
             self.copy_stream = Stream()
@@ -998,16 +1000,15 @@ cdef class PeerGroup:
             raise ValueError(f"max_blocks must be 1 to {PMG_MAX_BLOCKS}, got {blocks}")
         chosen = self.algorithm(n * pmg_dtype_size(code), algo)
         cdef int a = ALGORITHM_CODES[chosen]
-        cdef size_t stage_offset = _align(self.nbytes, _ALIGN)  # from data to staging
         set_device(self.device)
         if chosen == "ce":
             status = pmg_ce_allreduce_average(
-                &self.peers, stage_offset, self.rank, self.nranks, n, code, ce_chunk_bytes(),
+                &self.peers, self.stage_offset, self.rank, self.nranks, n, code, ce_chunk_bytes(),
                 blocks, self.timeout_ns, self.stream.handle,
                 self.copy_stream.handle if self.copy_stream is not None else NULL,
                 self.order.handle if self.order is not None else NULL)
         else:
-            status = pmg_allreduce_average(&self.peers, stage_offset, self.rank, self.nranks, n,
+            status = pmg_allreduce_average(&self.peers, self.stage_offset, self.rank, self.nranks, n,
                                            code, a, blocks, self.timeout_ns, self.stream.handle)
         self._launched(status, synchronize)
         return chosen
@@ -1023,7 +1024,7 @@ cdef class PeerGroup:
         cdef pmg_group g
         memset(&g, 0, sizeof(pmg_group))
         g.peers = self.peers
-        g.stage_offset = _align(self.nbytes, _ALIGN)
+        g.stage_offset = self.stage_offset
         g.nbytes = self.nbytes
         g.rank, g.nranks, g.device = self.rank, self.nranks, self.device
         g.timeout_ns = self.timeout_ns
