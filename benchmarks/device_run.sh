@@ -41,9 +41,14 @@ for step in $steps; do
       timeout 200 python3 -m pympgu.train --gpus 0 1 --data-dir $d --preset dual_mlp --quiet 2>&1 | grep -v -i warn | tail -12
       timeout 200 python3 -m pympgu.train --gpus 0 1 --data-dir $d --hidden 4096 4096 --batch-size 1024 --epochs 3 --quiet 2>&1 | grep -v -i warn | tail -5 ;;
     # 1-GPU rows (pympgu, plain JAX, DDP); then the multi-rank variants with 2 ranks on GPU 0
-    # (logic only: they time-slice). TRAINBENCH="--gpus 0 1" on the 2-GPU kind.
+    # (logic only: they time-slice). TRAINBENCH="--gpus 0 1" on the 2-GPU kind; several runs
+    # separated by semicolons.
     trainbench)
-      timeout 400 python3 -m pympgu.bench train ${TRAINBENCH:---gpus 0} --json "$OUT/train_bench.json" 2>&1 | grep -v -i warn | tail -14
+      IFS=';' read -ra runs <<< "${TRAINBENCH:---gpus 0}"
+      for k in "${!runs[@]}"; do
+        echo "--- bench train ${runs[$k]}"
+        timeout 400 python3 -m pympgu.bench train ${runs[$k]} --json "$OUT/train_bench$k.json" 2>&1 | grep -v -i warn | tail -14
+      done
       [ -z "${TRAINBENCH:-}" ] && timeout 150 python3 -m pympgu.bench train --gpus 0 0 --models wide --steps 10 --warmup 3 --no-ddp 2>&1 | grep -v -i warn | tail -8 ;;
     variants) timeout 400 python3 benchmarks/accuracy_variants.py --data-dir ${DATA:-.data/fashion} --gpus ${VGPUS:-0 0} 2>&1 | grep -v -i warn | tail -8 ;;
     conv) timeout 200 python3 benchmarks/probe_conv.py 2>&1 | tail -8 ;;

@@ -116,13 +116,17 @@ int pmg_memcpy_peer_async(void *dst, int dst_device, const void *src, int src_de
 int pmg_ipc_get_handle(void *base, void *handle /* 64 bytes */);
 int pmg_ipc_open_handle(const void *handle, void **ptr);
 int pmg_ipc_close_handle(void *ptr);
-int pmg_stream_create(cudaStream_t *stream);
+/* high_priority: the device's highest stream priority, so that the blocks of a kernel queued
+ * there are scheduled before those of kernels already waiting on other streams. */
+int pmg_stream_create(cudaStream_t *stream, int high_priority);
 int pmg_stream_destroy(cudaStream_t stream);
 int pmg_stream_synchronize(cudaStream_t stream);
 int pmg_event_create(cudaEvent_t *event, int timing);
 int pmg_event_destroy(cudaEvent_t event);
 int pmg_event_record(cudaEvent_t event, cudaStream_t stream);
 int pmg_event_synchronize(cudaEvent_t event);
+/* stream's later work waits for event's last record (none yet: no wait). */
+int pmg_stream_wait_event(cudaStream_t stream, cudaEvent_t event);
 int pmg_event_elapsed_ms(cudaEvent_t start, cudaEvent_t end, float *ms);
 /* Make consumer's later work wait for everything queued on producer so far, without
  * blocking the host: the DLPack stream handshake. */
@@ -203,12 +207,18 @@ typedef struct pmg_group {
   uint64_t timeout_ns;
   cudaStream_t copy_stream; /* for PMG_ALGO_CE; NULL without staging */
   cudaEvent_t event;
+  /* The overlapped pair ("pympgu_average_start" and "_done") runs the all-reduce on side,
+   * a high-priority stream of the group's own: side_in orders it after the pack on XLA's
+   * stream, side_out orders XLA's stream after it. */
+  cudaStream_t side;
+  cudaEvent_t side_in, side_out;
 } pmg_group;
 int pmg_xla_register(const pmg_group *group, int64_t *id);
 int pmg_xla_unregister(int64_t id);
-/* The XLA FFI handler (an XLA_FFI_Handler *) of the operation "pympgu_average", or NULL when
- * pympgu was built without jaxlib's FFI headers. */
-void *pmg_xla_handler(void);
+/* The XLA FFI handler (an XLA_FFI_Handler *) of the operation named: "pympgu_average", or
+ * the overlapped pair "pympgu_average_start" and "pympgu_average_done" (see xla_ffi.cc).
+ * NULL for another name, or when pympgu was built without jaxlib's FFI headers. */
+void *pmg_xla_handler(const char *name);
 #endif
 
 #ifdef __cplusplus

@@ -98,9 +98,13 @@ int pmg_ipc_open_handle(const void *handle, void **ptr) {
 
 int pmg_ipc_close_handle(void *ptr) { return cudaIpcCloseMemHandle(ptr); }
 
-int pmg_stream_create(cudaStream_t *stream) {
+int pmg_stream_create(cudaStream_t *stream, int high_priority) {
   // Non-blocking: the exchange must not serialise against other libraries' legacy stream.
-  return cudaStreamCreateWithFlags(stream, cudaStreamNonBlocking);
+  int least = 0, greatest = 0;
+  if (high_priority) {
+    if (cudaError_t err = cudaDeviceGetStreamPriorityRange(&least, &greatest)) return err;
+  }
+  return cudaStreamCreateWithPriority(stream, cudaStreamNonBlocking, high_priority ? greatest : 0);
 }
 int pmg_stream_destroy(cudaStream_t stream) { return cudaStreamDestroy(stream); }
 int pmg_stream_synchronize(cudaStream_t stream) { return cudaStreamSynchronize(stream); }
@@ -113,6 +117,9 @@ int pmg_event_record(cudaEvent_t event, cudaStream_t stream) {
   return cudaEventRecord(event, stream);
 }
 int pmg_event_synchronize(cudaEvent_t event) { return cudaEventSynchronize(event); }
+int pmg_stream_wait_event(cudaStream_t stream, cudaEvent_t event) {
+  return cudaStreamWaitEvent(stream, event, 0);
+}
 
 int pmg_stream_wait(cudaStream_t consumer, cudaStream_t producer) {
   // A fresh event each time: cudaStreamWaitEvent captures the work recorded so far, and

@@ -1,10 +1,24 @@
-// pympgu's average as an XLA operation ("pympgu_average"), so that a jitted JAX function can
-// average a list of arrays with the other ranks in the middle of its own work: the pack,
-// the all-reduce and the unpack are queued on XLA's stream by XLA's executor, with no
-// DLPack export or import, no host wait and no Python on the way (pympgu/xla.py).
+// pympgu's average as XLA operations, so that a jitted JAX function can average a list of
+// arrays with the other ranks in the middle of its own work: the pack, the all-reduce and
+// the unpack are queued on XLA's stream by XLA's executor, with no DLPack export or import,
+// no host wait and no Python on the way (pympgu/xla.py).
 //
-// The operation takes N arrays of one dtype and returns N arrays of the same shapes (the
-// Python side aliases each output to its input). Attributes, fixed when the function is traced:
+// "pympgu_average" takes N arrays of one dtype and returns N arrays of the same shapes (the
+// Python side aliases each output to its input), all on XLA's stream.
+//
+// The overlapped pair lets XLA compute while the link works:
+//   "pympgu_average_start" takes the N arrays and returns a token. It packs them on XLA's
+//   stream (so XLA may reuse their memory as soon as the operation is behind it in stream
+//   order), then queues the all-reduce on the group's high-priority side stream and returns.
+//   "pympgu_average_done" takes the token and returns the N averages. It orders XLA's stream
+//   after the side stream, then unpacks. Its outputs are written on XLA's stream only: XLA
+//   may have given their memory to temporaries of the work between the two.
+// Python (pympgu.xla.average_during) places the work between them with optimization barriers.
+// Every operation first orders XLA's stream after any all-reduce still on the side stream, so
+// nothing packs into the buffer while it is being averaged.
+//
+// Attributes, fixed when the function is traced (the done operation takes the first and the
+// last two):
 //   group       id of a registered PeerGroup (pmg_xla_register);
 //   algo        a pmg_algo code, resolved from 'auto' by the Python side;
 //   max_blocks  the kernel's grid cap;
@@ -53,7 +67,7 @@ extern "C" int pmg_xla_unregister(int64_t id) {
 
 #ifndef PMG_WITH_XLA_FFI
 
-extern "C" void *pmg_xla_handler(void) { return nullptr; }
+extern "C" void *pmg_xla_handler(const char *) { return nullptr; }
 
 #else
 
@@ -64,9 +78,9 @@ namespace ffi = xla::ffi;
 namespace {
 
 // XLA reports the message as the exception's text: keep CUDA's own name and words in it.
-ffi::Error failed(const char *what, int status) {
-  return ffi::Error::Internal(std::string("pympgu_average: ") + what + ": " +
-                              pmg_error_name(status) + ": " + pmg_error_string(status));
+ffi::Error failed(const char *op, const char *what, int status) {
+  return ffi::Error::Internal(std::string(op) + ": " + what + ": " + pmg_error_name(status) +
+                              ": " + pmg_error_string(status));
 }
 
 int dtype_code(ffi::DataType t) {
@@ -78,98 +92,250 @@ int dtype_code(ffi::DataType t) {
   }
 }
 
+// One operand or result as the checks need it.
+struct Array {
+  void *data;
+  ffi::DataType type;
+  size_t nbytes;
+};
+
+ffi::Error collect(ffi::RemainingArgs args, size_t count, std::vector<Array> *out) {
+  for (size_t i = 0; i < count; ++i) {
+    auto a = args.get<ffi::AnyBuffer>(i);
+    if (a.has_error()) return a.error();
+    out->push_back({a->untyped_data(), a->element_type(), a->size_bytes()});
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error collect(ffi::RemainingRets rets, size_t count, std::vector<Array> *out) {
+  for (size_t i = 0; i < count; ++i) {
+    auto r = rets.get<ffi::AnyBuffer>(i);
+    if (r.has_error()) return r.error();
+    out->push_back({(*r)->untyped_data(), (*r)->element_type(), (*r)->size_bytes()});
+  }
+  return ffi::Error::Success();
+}
+
+// Where each array sits in the group's buffer (byte offsets), after checking that they are
+// of one float dtype, in order, 16-byte aligned and within the buffer, and that `total`
+// elements cover them without overrunning it.
+ffi::Error place(const char *op, const pmg_group &g, const std::vector<Array> &arrays,
+                 ffi::Span<const int64_t> offsets, int64_t total, std::vector<size_t> *at,
+                 int *dtype) {
+  if (offsets.size() != arrays.size())
+    return ffi::Error::InvalidArgument(std::string(op) + ": needs one offset per array");
+  size_t end = 0;
+  *dtype = -1;
+  for (size_t i = 0; i < arrays.size(); ++i) {
+    const int code = dtype_code(arrays[i].type);
+    if (code < 0 || (i && code != *dtype))
+      return ffi::Error::InvalidArgument(
+          std::string(op) + ": arrays must all be float32, all float16 or all bfloat16");
+    *dtype = code;
+    const size_t byte = size_t(offsets[i]) * pmg_dtype_size(code);
+    if (offsets[i] < 0 || byte < end || (byte & 15) || byte + arrays[i].nbytes > g.nbytes)
+      return ffi::Error::InvalidArgument(std::string(op) + ": array " + std::to_string(i) +
+                                         " does not fit the group's " +
+                                         std::to_string(g.nbytes) + "-byte buffer at its offset");
+    end = byte + arrays[i].nbytes;
+    at->push_back(byte);
+  }
+  const size_t bytes = size_t(total) * pmg_dtype_size(*dtype);
+  if (total < 0 || bytes < end || bytes > g.nbytes)
+    return ffi::Error::InvalidArgument(std::string(op) + ": total " + std::to_string(total) +
+                                       " does not cover the arrays or overruns the buffer");
+  return ffi::Error::Success();
+}
+
+// The copies between the arrays and the group's buffer: into it (pack) or out of it.
+std::vector<pmg_copy> copies(const pmg_group &g, const std::vector<Array> &arrays,
+                             const std::vector<size_t> &at, bool pack) {
+  char *mine = static_cast<char *>(g.peers.data[g.rank]);
+  std::vector<pmg_copy> list(arrays.size());
+  for (size_t i = 0; i < arrays.size(); ++i)
+    list[i] = pack ? pmg_copy{arrays[i].data, mine + at[i], arrays[i].nbytes}
+                   : pmg_copy{mine + at[i], arrays[i].data, arrays[i].nbytes};
+  return list;
+}
+
+// Makes the group's GPU current for the operation's lifetime (XLA's thread has its own),
+// after checking that the arrays live there.
+class OnGroupDevice {
+ public:
+  OnGroupDevice(const char *op, const pmg_group &g, const void *array) : op_(op), device_(g.device) {
+    int status = pmg_get_device(&before_);
+    if (status) {
+      error_ = failed(op, "cudaGetDevice", status);
+      before_ = device_;
+      return;
+    }
+    if (before_ != device_ && (status = pmg_set_device(device_))) {
+      error_ = failed(op, "cudaSetDevice", status);
+      before_ = device_;
+      return;
+    }
+    int where = -1;
+    if ((status = pmg_pointer_device(array, &where))) {
+      error_ = failed(op, "cudaPointerGetAttributes", status);
+    } else if (where != device_) {
+      error_ = ffi::Error::InvalidArgument(
+          std::string(op) + ": the arrays are on GPU " + std::to_string(where) + ", rank " +
+          std::to_string(g.rank) + "'s PeerGroup on GPU " + std::to_string(device_));
+    }
+  }
+  ~OnGroupDevice() {
+    if (before_ != device_) pmg_set_device(before_);
+  }
+  const ffi::Error &error() const { return error_; }
+
+ private:
+  const char *op_;
+  int device_, before_ = -1;
+  ffi::Error error_ = ffi::Error::Success();
+};
+
+ffi::Error lookup_group(const char *op, int64_t id, pmg_group *g) {
+  if (lookup(id, g)) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(
+      std::string(op) + ": PeerGroup " + std::to_string(id) +
+      " is closed: a function traced with it must not run after its Exchanger or PeerGroup "
+      "is closed");
+}
+
+int allreduce(const pmg_group &g, int algo, int max_blocks, int64_t chunk_bytes, size_t n,
+              int dtype, cudaStream_t stream) {
+  if (algo == PMG_ALGO_CE)
+    return pmg_ce_allreduce_average(&g.peers, g.stage_offset, g.rank, g.nranks, n, dtype,
+                                    size_t(chunk_bytes), max_blocks, g.timeout_ns, stream,
+                                    g.copy_stream, g.event);
+  return pmg_allreduce_average(&g.peers, g.stage_offset, g.rank, g.nranks, n, dtype, algo,
+                               max_blocks, g.timeout_ns, stream);
+}
+
+// An all-reduce of the overlapped pair may still be running on the side stream: whatever
+// touches the group's buffer on XLA's stream waits for it. A no-op when none was queued.
+int after_side(const pmg_group &g, cudaStream_t stream) {
+  return g.side_out ? pmg_stream_wait_event(stream, g.side_out) : 0;
+}
+
+constexpr const char *kAverage = "pympgu_average";
+constexpr const char *kStart = "pympgu_average_start";
+constexpr const char *kDone = "pympgu_average_done";
+
 ffi::Error average(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
                    int64_t group, int32_t algo, int32_t max_blocks, int64_t chunk_bytes,
                    ffi::Span<const int64_t> offsets, int64_t total) {
   pmg_group g;
-  if (!lookup(group, &g))
-    return ffi::Error::InvalidArgument(
-        "pympgu_average: PeerGroup " + std::to_string(group) +
-        " is closed: a function traced with it must not run after its Exchanger or PeerGroup "
-        "is closed");
-  const size_t count = args.size();
-  if (rets.size() != count || offsets.size() != count)
-    return ffi::Error::InvalidArgument("pympgu_average: needs as many outputs and offsets as inputs");
-  if (count == 0) return ffi::Error::Success();
-  std::vector<pmg_copy> in(count), out(count);
-  char *mine = static_cast<char *>(g.peers.data[g.rank]);
-  int dtype = -1;
-  size_t end = 0;
-  for (size_t i = 0; i < count; ++i) {
-    auto a = args.get<ffi::AnyBuffer>(i);
-    if (a.has_error()) return a.error();
-    auto r = rets.get<ffi::AnyBuffer>(i);
-    if (r.has_error()) return r.error();
-    const int code = dtype_code(a->element_type());
-    if (code < 0 || (i && code != dtype))
-      return ffi::Error::InvalidArgument(
-          "pympgu_average: arrays must all be float32, all float16 or all bfloat16");
-    dtype = code;
-    const size_t esize = pmg_dtype_size(code);
-    const size_t nbytes = a->size_bytes();
-    const size_t at = size_t(offsets[i]) * esize;
-    if (offsets[i] < 0 || at < end || (at & 15) || at + nbytes > g.nbytes)
-      return ffi::Error::InvalidArgument(
-          "pympgu_average: array " + std::to_string(i) + " does not fit the group's " +
-          std::to_string(g.nbytes) + "-byte buffer at its offset");
-    end = at + nbytes;
-    in[i] = {a->untyped_data(), mine + at, nbytes};
-    out[i] = {mine + at, (*r)->untyped_data(), nbytes};
-  }
-  const size_t n = size_t(total);
-  if (total < 0 || n * pmg_dtype_size(dtype) < end || n * pmg_dtype_size(dtype) > g.nbytes)
-    return ffi::Error::InvalidArgument("pympgu_average: total " + std::to_string(total) +
-                                       " does not cover the arrays or overruns the buffer");
-  // XLA's thread has its own current device; the kernels must launch on the group's.
-  int before = -1, status;
-  if ((status = pmg_get_device(&before))) return failed("cudaGetDevice", status);
-  if (before != g.device && (status = pmg_set_device(g.device)))
-    return failed("cudaSetDevice", status);
-  int where = -1;
-  if ((status = pmg_pointer_device(in[0].src, &where))) {
-    if (before != g.device) pmg_set_device(before);
-    return failed("cudaPointerGetAttributes", status);
-  }
-  if (where != g.device) {
-    if (before != g.device) pmg_set_device(before);
-    return ffi::Error::InvalidArgument(
-        "pympgu_average: the arrays are on GPU " + std::to_string(where) + ", rank " +
-        std::to_string(g.rank) + "'s PeerGroup on GPU " + std::to_string(g.device));
-  }
-  const char *step = "pack";
-  status = pmg_copy_list(in.data(), int(count), stream);
-  if (!status) {
-    step = "average";
-    status = algo == PMG_ALGO_CE
-                 ? pmg_ce_allreduce_average(&g.peers, g.stage_offset, g.rank, g.nranks, n, dtype,
-                                            size_t(chunk_bytes), max_blocks, g.timeout_ns, stream,
-                                            g.copy_stream, g.event)
-                 : pmg_allreduce_average(&g.peers, g.stage_offset, g.rank, g.nranks, n, dtype,
-                                         algo, max_blocks, g.timeout_ns, stream);
-  }
-  if (!status) {
-    step = "unpack";
-    status = pmg_copy_list(out.data(), int(count), stream);
-  }
-  if (before != g.device) pmg_set_device(before);
-  if (status) return failed(step, status);
+  if (auto e = lookup_group(kAverage, group, &g); e.failure()) return e;
+  if (rets.size() != args.size())
+    return ffi::Error::InvalidArgument("pympgu_average: needs as many outputs as inputs");
+  if (args.size() == 0) return ffi::Error::Success();
+  std::vector<Array> in, out;
+  std::vector<size_t> at;
+  int dtype;
+  if (auto e = collect(args, args.size(), &in); e.failure()) return e;
+  if (auto e = collect(rets, rets.size(), &out); e.failure()) return e;
+  if (auto e = place(kAverage, g, in, offsets, total, &at, &dtype); e.failure()) return e;
+  OnGroupDevice on(kAverage, g, in[0].data);
+  if (on.error().failure()) return on.error();
+  int status;
+  if ((status = after_side(g, stream))) return failed(kAverage, "wait for the side stream", status);
+  if ((status = pmg_copy_list(copies(g, in, at, true).data(), int(in.size()), stream)))
+    return failed(kAverage, "pack", status);
+  if ((status = allreduce(g, algo, max_blocks, chunk_bytes, size_t(total), dtype, stream)))
+    return failed(kAverage, "average", status);
+  if ((status = pmg_copy_list(copies(g, out, at, false).data(), int(out.size()), stream)))
+    return failed(kAverage, "unpack", status);
+  return ffi::Error::Success();
+}
+
+ffi::Error average_start(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                         int64_t group, int32_t algo, int32_t max_blocks, int64_t chunk_bytes,
+                         ffi::Span<const int64_t> offsets, int64_t total) {
+  pmg_group g;
+  if (auto e = lookup_group(kStart, group, &g); e.failure()) return e;
+  if (!g.side || !g.side_in || !g.side_out)
+    return ffi::Error::InvalidArgument("pympgu_average_start: the group has no side stream");
+  if (args.size() == 0) return ffi::Error::Success();
+  std::vector<Array> in;
+  std::vector<size_t> at;
+  int dtype;
+  if (auto e = collect(args, args.size(), &in); e.failure()) return e;
+  if (auto e = place(kStart, g, in, offsets, total, &at, &dtype); e.failure()) return e;
+  OnGroupDevice on(kStart, g, in[0].data);
+  if (on.error().failure()) return on.error();
+  int status;
+  if ((status = after_side(g, stream))) return failed(kStart, "wait for the side stream", status);
+  if ((status = pmg_copy_list(copies(g, in, at, true).data(), int(in.size()), stream)))
+    return failed(kStart, "pack", status);
+  if ((status = pmg_event_record(g.side_in, stream)) ||
+      (status = pmg_stream_wait_event(g.side, g.side_in)))
+    return failed(kStart, "order the side stream after the pack", status);
+  if ((status = allreduce(g, algo, max_blocks, chunk_bytes, size_t(total), dtype, g.side)))
+    return failed(kStart, "average", status);
+  if ((status = pmg_event_record(g.side_out, g.side)))
+    return failed(kStart, "record the average's end", status);
+  return ffi::Error::Success();
+}
+
+ffi::Error average_done(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                        int64_t group, ffi::Span<const int64_t> offsets, int64_t total) {
+  (void)args;  // the token: it only orders this operation after its start
+  pmg_group g;
+  if (auto e = lookup_group(kDone, group, &g); e.failure()) return e;
+  if (rets.size() == 0) return ffi::Error::Success();
+  std::vector<Array> out;
+  std::vector<size_t> at;
+  int dtype;
+  if (auto e = collect(rets, rets.size(), &out); e.failure()) return e;
+  if (auto e = place(kDone, g, out, offsets, total, &at, &dtype); e.failure()) return e;
+  OnGroupDevice on(kDone, g, out[0].data);
+  if (on.error().failure()) return on.error();
+  int status;
+  if ((status = after_side(g, stream))) return failed(kDone, "wait for the side stream", status);
+  if ((status = pmg_copy_list(copies(g, out, at, false).data(), int(out.size()), stream)))
+    return failed(kDone, "unpack", status);
   return ffi::Error::Success();
 }
 
 }  // namespace
 
+// Neither is marked command-buffer compatible: XLA runs them as thunks, at each execution,
+// which the side stream's fork and join need (a captured graph would replay them without it).
+#define PMG_AVERAGE_ATTRS                        \
+  .Attr<int64_t>("group")                        \
+      .Attr<int32_t>("algo")                     \
+      .Attr<int32_t>("max_blocks")               \
+      .Attr<int64_t>("chunk_bytes")              \
+      .Attr<ffi::Span<const int64_t>>("offsets") \
+      .Attr<int64_t>("total")
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pmg_xla_average, average,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .RemainingArgs()
+                                  .RemainingRets() PMG_AVERAGE_ATTRS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(pmg_xla_average_start, average_start,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .RemainingArgs()
+                                  .RemainingRets() PMG_AVERAGE_ATTRS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(pmg_xla_average_done, average_done,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int64_t>("group")
-                                  .Attr<int32_t>("algo")
-                                  .Attr<int32_t>("max_blocks")
-                                  .Attr<int64_t>("chunk_bytes")
                                   .Attr<ffi::Span<const int64_t>>("offsets")
                                   .Attr<int64_t>("total"));
 
-extern "C" void *pmg_xla_handler(void) { return reinterpret_cast<void *>(pmg_xla_average); }
+extern "C" void *pmg_xla_handler(const char *name) {
+  const std::string n = name ? name : "";
+  if (n == kAverage) return reinterpret_cast<void *>(pmg_xla_average);
+  if (n == kStart) return reinterpret_cast<void *>(pmg_xla_average_start);
+  if (n == kDone) return reinterpret_cast<void *>(pmg_xla_average_done);
+  return nullptr;
+}
 
 #endif

@@ -38,6 +38,9 @@ cdef extern from "pympgu.h" nogil:
         uint64_t timeout_ns
         cudaStream_t copy_stream
         cudaEvent_t event
+        cudaStream_t side
+        cudaEvent_t side_in
+        cudaEvent_t side_out
 
     const char *pmg_error_name(int status)
     const char *pmg_error_string(int status)
@@ -66,7 +69,7 @@ cdef extern from "pympgu.h" nogil:
     int pmg_ipc_get_handle(void *base, void *handle)
     int pmg_ipc_open_handle(const void *handle, void **ptr)
     int pmg_ipc_close_handle(void *ptr)
-    int pmg_stream_create(cudaStream_t *stream)
+    int pmg_stream_create(cudaStream_t *stream, int high_priority)
     int pmg_stream_destroy(cudaStream_t stream)
     int pmg_stream_synchronize(cudaStream_t stream)
     int pmg_event_create(cudaEvent_t *event, int timing)
@@ -101,7 +104,7 @@ cdef extern from "pympgu.h" nogil:
                          int dtype, uint64_t timeout_ns, cudaStream_t stream)
     int pmg_xla_register(const pmg_group *group, int64_t *id)
     int pmg_xla_unregister(int64_t id)
-    void *pmg_xla_handler()
+    void *pmg_xla_handler(const char *name)
 
 cdef extern from "dlpack.h" nogil:
     ctypedef struct DLDevice:

@@ -141,14 +141,15 @@ def enable_peer_access(int peer):
 # ---------------------------------------------------------------- streams and events
 
 cdef class Stream:
-    """A non-blocking CUDA stream on the device current at creation."""
+    """A non-blocking CUDA stream on the device current at creation; high_priority gives it
+    the device's highest priority (its kernels' blocks go first when SMs free up)."""
     cdef cudaStream_t handle
     cdef readonly int device
 
-    def __cinit__(self):
+    def __cinit__(self, bint high_priority=False):
         self.handle = NULL
         self.device = get_device()
-        check(pmg_stream_create(&self.handle))
+        check(pmg_stream_create(&self.handle, high_priority))
 
     @property
     def ptr(self):
@@ -831,10 +832,16 @@ ALGORITHM_CODES = {"oneshot": PMG_ALGO_ONESHOT, "twoshot": PMG_ALGO_TWOSHOT,
                    "push": PMG_ALGO_PUSH, "ce": PMG_ALGO_CE}
 
 
-def xla_handler():
-    """A PyCapsule of the XLA FFI handler of the operation 'pympgu_average' (for
-    jax.ffi.register_ffi_target), or None when pympgu was built without jaxlib's headers."""
-    cdef void *handler = pmg_xla_handler()
+XLA_OPERATIONS = ("pympgu_average", "pympgu_average_start", "pympgu_average_done")
+
+
+def xla_handler(name="pympgu_average"):
+    """A PyCapsule of the XLA FFI handler of the operation ``name`` (one of XLA_OPERATIONS;
+    for jax.ffi.register_ffi_target), or None when pympgu was built without jaxlib's
+    headers."""
+    if name not in XLA_OPERATIONS:
+        raise ValueError(f"no XLA operation {name!r}; pympgu has {XLA_OPERATIONS}")
+    cdef void *handler = pmg_xla_handler(name.encode())
     if handler == NULL:
         return None
     return PyCapsule_New(handler, NULL, NULL)
@@ -870,6 +877,8 @@ cdef class PeerGroup:
     cdef Stream copy_stream
     cdef Event order
     cdef int64_t _xla_id
+    cdef Stream side  # the overlapped XLA pair's, made with the registration
+    cdef Event side_in, side_out
 
     def __init__(self, int rank, int nranks, size_t nbytes, device=None, double timeout=60.0,
                  staging=None):
@@ -1031,6 +1040,13 @@ cdef class PeerGroup:
         if self.copy_stream is not None:
             g.copy_stream = self.copy_stream.handle
             g.event = self.order.handle
+        set_device(self.device)
+        if self.side is None:
+            self.side = Stream(high_priority=True)
+            self.side_in = Event(timing=False)
+            self.side_out = Event(timing=False)
+        g.side = self.side.handle
+        g.side_in, g.side_out = self.side_in.handle, self.side_out.handle
         check(pmg_xla_register(&g, &self._xla_id))
         return self._xla_id
 
@@ -1121,6 +1137,9 @@ cdef class PeerGroup:
             self.stream.close()
         if self.copy_stream is not None:
             self.copy_stream.close()
+        if self.side is not None:
+            self.side.close()
+            self.side = None
         if errors:
             raise errors[0]
 

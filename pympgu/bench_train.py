@@ -9,7 +9,9 @@ For each model (the seed's MLP 784-500-10 at batch 5000, plain SGD; the wide MLP
 
 - pympgu on the first GPU alone, and on all GPUs given with --sync-every 1 and 4 (the
   exchange inside the step's jitted XLA call, as pympgu.train runs it; the '-py' variants
-  queue it from Python after the step instead), --overlap and a bfloat16 wire;
+  queue it from Python after the step instead), --overlap (inside the step's XLA call, the
+  average on a side stream while the step computes; '-py' queued from Python) and a
+  bfloat16 wire;
 - PyTorch DistributedDataParallel on the same architecture, batch and optimiser (when
   torch is importable and every rank has its own GPU), with TF32 matmuls as JAX uses;
 - a plain JAX step (jax.grad of the same loss, jitted) against the PyTensor-compiled call,
@@ -41,7 +43,9 @@ VARIANTS = {  # name: (sync_every, overlap, exchange dtype, exchange inside the 
     "sync4": (4, False, "float32", True),
     "sync1-py": (1, False, "float32", False),
     "sync4-py": (4, False, "float32", False),
-    "overlap": (1, True, "float32", False),
+    "overlap": (1, True, "float32", True),
+    "overlap-py": (1, True, "float32", False),
+    "overlap4": (4, True, "float32", True),
     "bf16": (1, False, "bfloat16", False),
 }
 
@@ -64,8 +68,8 @@ def pympgu_worker(ctx, cfg, steps, warmup, plain_jax):
         sync = Sync(rep, ex, cfg["sync_every"], cfg["overlap"], cfg.get("xla_exchange", True))
         if cfg.get("xla_exchange", True) and ex is not None and not ctx.is_cpu and not sync.fused \
                 and cfg["method"] != "copy":
-            # A variant meant to run inside XLA (VARIANTS: never overlapped, float32) that
-            # cannot: say so, rather than time the Python-queued exchange under its name.
+            # A variant meant to run inside XLA (VARIANTS: float32) that cannot: say so,
+            # rather than time the Python-queued exchange under its name.
             raise RuntimeError(f"the exchange cannot run inside XLA: {ex.xla_unavailable()}")
         for i, idx in enumerate(batches[:warmup]):
             sync.step(idx, i, last=i == warmup - 1)

@@ -191,6 +191,19 @@ class Exchanger:
         only those are averaged (every rank must pass the same k). Exchanges made this way
         are not counted in ``stats``.
         """
+        from . import xla
+        return xla.average(arrays, self._xla_group(arrays), algo=self.method,
+                           max_blocks=self.max_blocks)
+
+    def xla_average_during(self, arrays, fn, *args):
+        """``xla_average(arrays)`` taken while ``fn(*args)`` computes; returns both
+        (``pympgu.xla.average_during``)."""
+        from . import xla
+        return xla.average_during(arrays, self._xla_group(arrays), fn, *args,
+                                  algo=self.method, max_blocks=self.max_blocks)
+
+    def _xla_group(self, arrays):
+        """The PeerGroup for an XLA exchange of ``arrays``, after checking both."""
         why = self.xla_unavailable()
         if why:
             raise RuntimeError(f"rank {self.ctx.rank}: cannot average inside XLA: {why}")
@@ -198,9 +211,7 @@ class Exchanger:
         if not shapes or shapes != [tuple(shape) for _, shape, _ in self.layout[:len(shapes)]]:
             raise ValueError(f"xla_average got shapes {shapes} for the layout "
                              f"{[(n, tuple(s)) for n, s, _ in self.layout]}")
-        from . import xla
-        return xla.average(arrays, self.backend.group, algo=self.method,
-                           max_blocks=self.max_blocks)
+        return self.backend.group
 
     def close(self):
         """Release the staging buffer and every peer mapping; calling it again does nothing."""

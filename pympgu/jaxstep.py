@@ -7,7 +7,10 @@ program through a jit of its own and stores the updates back into the shared var
 exactly as PyTensor does, so everything else (evaluation, checkpoints) sees the same state.
 The point is what else goes into that jit: given ``exchange``, a traceable function of the
 updated state (``Exchanger.xla_average``), the new state is averaged with the other ranks
-inside the same call, so a step and its exchange are one dispatch. (The bookkeeping itself is
+inside the same call, so a step and its exchange are one dispatch. Given ``during`` instead
+(``Exchanger.xla_average_during``), the state the step starts from is averaged while the
+step computes, and the step's result is corrected by what the average changed (the
+one-step-delayed correction of ``--overlap``). (The bookkeeping itself is
 small: about 13 µs a step for the seed MLP on an H200, docs/BENCHMARKS.md.)
 """
 
@@ -16,11 +19,14 @@ class JaxStep:
     """Call ``fn`` (a PyTensor function compiled with mode='JAX') through its JAX program.
 
     ``state`` lists shared variables that ``fn`` updates; ``exchange``, if given, maps their
-    new values (a list, in ``state``'s order) to what they become (the average). Calling
-    returns ``fn``'s outputs: the value itself when there is one, else a list.
+    new values (a list, in ``state``'s order) to what they become (the average). ``during``,
+    if given, is called as ``during(old, program, *args)`` with the values ``state`` starts
+    the step with, and returns ``(averages, program(*args))`` for a leading part of ``old``;
+    each such new value v becomes ``v + (average - old)``. Calling returns ``fn``'s outputs:
+    the value itself when there is one, else a list.
     """
 
-    def __init__(self, fn, state, exchange=None):
+    def __init__(self, fn, state, exchange=None, during=None):
         import jax
         from pytensor.compile.sharedvalue import SharedVariable
 
@@ -43,8 +49,16 @@ class JaxStep:
         if missing:
             raise ValueError(f"{fn.name!r} does not update {missing}")
         state_outs = [out_of[position[id(s)]] for s in state]
+        state_ins = [position[id(s)] for s in state]
 
         def run(*args):
+            if during is not None:
+                old = [args[k] for k in state_ins]
+                averages, outs = during(old, program, *args)
+                outs = list(outs)
+                for out, average, before in zip(state_outs, averages, old):
+                    outs[out] = outs[out] + (average - before)
+                return outs
             outs = list(program(*args))
             if exchange is not None:
                 for out, value in zip(state_outs, exchange([outs[o] for o in state_outs])):

@@ -122,31 +122,36 @@ class Replica:
                 f"rank {self.ctx.rank}: JAX put the model on GPU {where}, not on this rank's "
                 f"GPU {self.ctx.device}; was jax_default_device set elsewhere?")
 
-    def step(self, idx, ex=None, params_only=False):
+    def step(self, idx, ex=None, params_only=False, overlap=False):
         """One training step on the minibatch idx; returns its cost.
 
         With JAX the compiled program is called directly (pympgu.jaxstep), so that given
-        ex the step also averages the new state with every rank inside the same jitted call
+        ex the step also averages the state with every rank inside the same jitted call
         (Exchanger.xla_average): all of it, or with params_only the parameters alone (see
-        Sync for when that is exact).
+        Sync for when that is exact). With overlap it averages the state it starts from
+        while it computes, and corrects its result by that average (--overlap).
         """
         if self.jax is None:
             return self.train_fn(idx)
-        return self.jax_step(ex, params_only)(idx)
+        return self.jax_step(ex, params_only, overlap)(idx)
 
-    def jax_step(self, ex=None, params_only=False):
+    def jax_step(self, ex=None, params_only=False, overlap=False):
         """The JaxStep that step() calls for these arguments, built once."""
-        key = (ex is not None, params_only)
+        key = (ex is not None, params_only, overlap)
         fn = self._steps.get(key)
         if fn is None:
             from .jaxstep import JaxStep
-            exchange = None
+            exchange = during = None
             if ex is not None:
+                # The state lists parameters first, then momentum.
                 k = len(self.model.params) if params_only else len(self.model.state)
-
-                def exchange(state):  # the state lists parameters first, then momentum
-                    return ex.xla_average(state[:k]) + list(state[k:])
-            fn = self._steps[key] = JaxStep(self.train_fn, self.model.state, exchange)
+                if overlap:
+                    def during(old, program, *args):
+                        return ex.xla_average_during(old[:k], program, *args)
+                else:
+                    def exchange(state):
+                        return ex.xla_average(state[:k]) + list(state[k:])
+            fn = self._steps[key] = JaxStep(self.train_fn, self.model.state, exchange, during)
         return fn
 
     def device_batches(self, batches):
@@ -292,10 +297,13 @@ class Sync:
     queued in order on the streams. ``seconds`` adds up the host time the training loop
     spends here (on GPUs, queueing, plus any wait when the host is an exchange ahead).
 
-    Plain exchanges of JAX workers are ``fused``: the average runs inside the step's own
-    jitted call (Exchanger.xla_average), so no separate exchange is queued at all and its
-    host time is part of the step's. The fp32 wire and the kernel methods allow it;
-    fuse=False (PYMPGU_XLA_EXCHANGE=0 in pympgu.train) turns it off.
+    Exchanges of JAX workers are ``fused``: the average runs inside the step's own jitted
+    call (Exchanger.xla_average), so no separate exchange is queued at all and its host
+    time is part of the step's. Overlapped, the step averages the state it starts from on a
+    side stream while it computes, then applies the same one-step-delayed correction as the
+    unfused path (Exchanger.xla_average_during); the epoch's last exchange is plain, so
+    replicas end identical. The fp32 wire and the kernel methods allow fusing; fuse=False
+    (PYMPGU_XLA_EXCHANGE=0 in pympgu.train) turns it off.
 
     Fused with every=1, an exchange averages the parameters alone (half the bytes) and each
     rank keeps its own momentum, except at the epoch's last step, which averages everything
@@ -303,13 +311,15 @@ class Sync:
     are averaged after every step, p' = mean(p + v_r') = p + mean(v_r'), and mean(v_r')
     obeys the same recurrence (mu * mean(v_r) - lr * mean(g_r)) as an averaged momentum
     would, from the same start. This is why data-parallel SGD needs only the gradients.
+    Overlapped, the same holds of the replicas' mean: p_r' = mean(p) + v_r', so mean(p') =
+    mean(p) + mean(v').
     """
 
     def __init__(self, rep, ex, every=1, overlap=False, fuse=True):
         self.rep, self.ex, self.every, self.overlap = rep, ex, every, overlap
         self.seconds = 0.0
         self.stepped = False  # a step was taken since the pending exchange started
-        self.fused = (fuse and ex is not None and not overlap and rep.jax is not None
+        self.fused = (fuse and ex is not None and rep.jax is not None
                       and ex.xla_unavailable() is None)
         self.params_only = self.fused and every == 1  # but the epoch's last exchange
 
@@ -318,7 +328,8 @@ class Sync:
         exchange if one is due (`last` forces one); returns the step's cost."""
         due = self.ex is not None and (not (step + 1) % self.every or last)
         if self.fused and due:
-            return self.rep.step(idx, self.ex, params_only=self.params_only and not last)
+            return self.rep.step(idx, self.ex, params_only=self.params_only and not last,
+                                 overlap=self.overlap and not last)
         cost = self.rep.step(idx)
         self.after_step(step, last)
         return cost

@@ -18,6 +18,10 @@ of the same arrays. Every rank compiles the same program, so it does so on every
 group must stay open while any function traced with it may still run; after ``close()`` such
 a function raises instead of touching freed memory.
 
+``average_during(arrays, group, fn, *args)`` returns the averages and ``fn(*args)``, the
+average running on a side stream of the group's while XLA computes ``fn``: the link and the
+SMs work at once. Only the pack (before ``fn``) and the unpack (after it) stay on XLA's stream.
+
 Needs pympgu built with jaxlib installed (its XLA FFI headers; ``build.sh`` and
 ``pip install --no-build-isolation .`` see it) and JAX with CUDA.
 """
@@ -26,6 +30,7 @@ import functools
 import numpy as np
 
 TARGET = "pympgu_average"
+START, DONE = "pympgu_average_start", "pympgu_average_done"
 _registered = False
 
 
@@ -63,22 +68,16 @@ def _register():
     import jax
 
     from . import _cuda
-    jax.ffi.register_ffi_target(TARGET, _cuda.xla_handler(), platform="CUDA")
+    for name in _cuda.XLA_OPERATIONS:
+        jax.ffi.register_ffi_target(name, _cuda.xla_handler(name), platform="CUDA")
     _registered = True
 
 
-def average(arrays, group, algo="auto", max_blocks=None):
-    """The mean over every rank of each array in ``arrays``, as new arrays (inside jit they
-    take the inputs' buffers). See the module docstring for the rules."""
-    import jax
-
+def _attributes(arrays, group, algo, max_blocks):
+    """The operation's attributes for averaging ``arrays`` over ``group`` (checked here, so
+    that a bad call fails when traced rather than when run)."""
     from ._cuda import ALGORITHM_CODES, ce_chunk_bytes
     from .exchange import ITEMSIZE, plan_layout
-    if hasattr(group, "xla_average"):  # an Exchanger: its checks, method and grid cap
-        return group.xla_average(arrays)
-    arrays = list(arrays)
-    if not arrays:
-        return []
     layout = [(str(i), list(a.shape), str(a.dtype)) for i, a in enumerate(arrays)]
     offsets, total, dtype = plan_layout(layout)
     nbytes = total * ITEMSIZE[dtype]
@@ -88,14 +87,60 @@ def average(arrays, group, algo="auto", max_blocks=None):
     chosen = group.algorithm(nbytes, algo)
     blocks = group.max_blocks if max_blocks is None else int(max_blocks)
     _register()
+    return dict(group=np.int64(group.xla_id()), algo=np.int32(ALGORITHM_CODES[chosen]),
+                max_blocks=np.int32(blocks), chunk_bytes=np.int64(ce_chunk_bytes()),
+                offsets=np.asarray(offsets, np.int64), total=np.int64(total))
+
+
+def _shapes(arrays):
+    import jax
+    return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+
+
+def average(arrays, group, algo="auto", max_blocks=None):
+    """The mean over every rank of each array in ``arrays``, as new arrays (inside jit they
+    take the inputs' buffers). See the module docstring for the rules."""
+    import jax
+    if hasattr(group, "xla_average"):  # an Exchanger: its checks, method and grid cap
+        return group.xla_average(arrays)
+    arrays = list(arrays)
+    if not arrays:
+        return []
+    attrs = _attributes(arrays, group, algo, max_blocks)
     call = jax.ffi.ffi_call(
-        TARGET, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays],
+        TARGET, _shapes(arrays),
         # Not a side effect: JAX dispatches a function with effects through Python, not its
         # C++ fast path, which cost the fused training step about 1 ms of host time per call
         # (docs/BENCHMARKS.md). The module docstring says what users must keep to instead.
         has_side_effect=False,
         input_output_aliases={i: i for i in range(len(arrays))})
-    out = call(*arrays, group=np.int64(group.xla_id()), algo=np.int32(ALGORITHM_CODES[chosen]),
-               max_blocks=np.int32(blocks), chunk_bytes=np.int64(ce_chunk_bytes()),
-               offsets=np.asarray(offsets, np.int64), total=np.int64(total))
-    return list(out)
+    return list(call(*arrays, **attrs))
+
+
+def average_during(arrays, group, fn, *args, algo="auto", max_blocks=None):
+    """``(averages, fn(*args))``: the mean over every rank of each array in ``arrays``, taken
+    while ``fn`` computes. ``args`` and ``fn``'s result are JAX arrays, or pytrees of them.
+
+    ``fn`` starts once the arrays are packed, and the averages are unpacked once it has
+    finished; in between, the all-reduce runs on the group's high-priority side stream
+    beside ``fn``'s kernels. The same rules as ``average`` apply (module docstring). Put in
+    ``fn`` the work that does not need the averages: the overlap is at most its length.
+    """
+    import jax
+    from jax import lax
+    if hasattr(group, "xla_average_during"):
+        return group.xla_average_during(arrays, fn, *args)
+    arrays = list(arrays)
+    if not arrays:
+        return [], fn(*args)
+    attrs = _attributes(arrays, group, algo, max_blocks)
+    start = jax.ffi.ffi_call(START, jax.ShapeDtypeStruct((), np.uint32), has_side_effect=False)
+    token = start(*arrays, **attrs)
+    # XLA orders independent work as it likes; these barriers make fn's inputs wait for the
+    # start, and the done wait for fn's results, so that fn runs while the link works.
+    token, args = lax.optimization_barrier((token, args))
+    result = fn(*args)
+    token, result = lax.optimization_barrier((token, result))
+    done = jax.ffi.ffi_call(DONE, _shapes(arrays), has_side_effect=False)
+    averages = done(token, group=attrs["group"], offsets=attrs["offsets"], total=attrs["total"])
+    return list(averages), result

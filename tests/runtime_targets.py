@@ -187,7 +187,8 @@ def xla_rounds(ctx, rounds, method="auto", big=1 << 23):
     values are averaged in the same XLA call that computes them, checked bit for bit. Rounds
     1, 3, ... take the Python path (start/finish) instead, so the two paths must agree on the
     buffer and on the barriers; round 2 averages only the first two arrays (a prefix of the
-    layout), as the training loop's parameters-only exchange does. Once the Exchanger is
+    layout), as the training loop's parameters-only exchange does; round 4 is overlapped
+    (Exchanger.xla_average_during) with work of its own, checked too. Once the Exchanger is
     closed, the traced function must raise rather than run on freed memory."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
@@ -207,6 +208,10 @@ def xla_rounds(ctx, rounds, method="auto", big=1 << 23):
         fused = jax.jit(lambda xs, c: ex.xla_average([x + c for x in xs]))
         prefix = jax.jit(lambda xs, c: ex.xla_average([x + c for x in xs[:2]]) +
                          [x + c for x in xs[2:]])
+        # The work beside the average reads the same inputs and writes arrays of its own;
+        # multiplying by 3 rounds alike in JAX and numpy.
+        overlapped = jax.jit(lambda xs, c: ex.xla_average_during(
+            [x + c for x in xs], lambda ys: [y * np.float32(3) for y in ys], xs))
         step = jax.jit(lambda xs, c: [x + c for x in xs])
         offsets = list(zip(ex.offsets, ex.sizes, [s for _, s, _ in layout]))
         split = jax.jit(lambda flat: [flat[o:o + n].reshape(s) for o, n, s in offsets])
@@ -214,6 +219,14 @@ def xla_rounds(ctx, rounds, method="auto", big=1 << 23):
             c = shift(ctx.rank, k)
             if k == 2:
                 path, xs, averaged = "XLA prefix", prefix(xs, c), 2
+            elif k == 4:
+                before = [np.asarray(x) for x in xs]
+                xs, beside = overlapped(xs, c)
+                path, averaged = "XLA overlapped", len(layout)
+                for t, (got, x) in enumerate(zip(beside, before)):
+                    if not np.array_equal(np.asarray(got), x * np.float32(3)):
+                        raise AssertionError(f"rank {ctx.rank}: the work beside the overlapped "
+                                             f"average got tensor {layout[t][0]} wrong")
             elif k % 2 == 0:
                 path, xs, averaged = "XLA", fused(xs, c), len(layout)
             else:

@@ -56,13 +56,33 @@ def test_gpu_workers_jax_without_host_waits():
 @pytest.mark.parametrize("nranks,method", [(2, "auto"), (2, "oneshot"), (2, "twoshot"),
                                            (2, "push"), (2, "ce"), (3, "auto")])
 def test_gpu_exchange_inside_xla(nranks, method):
-    """pympgu's average as an XLA operation inside jit, alternating with the Python path."""
+    """pympgu's average as an XLA operation inside jit, plain and overlapped, alternating
+    with the Python path."""
     pytest.importorskip("jax")
     from pympgu import xla
     ok, why = xla.available()
     if not ok:
         pytest.skip(why)
     from runtime_targets import xla_rounds
-    results = launch(xla_rounds, (4, method), gpus=devices(nranks))
+    results = launch(xla_rounds, (6, method), gpus=devices(nranks))
     assert len({r["digest"] for r in results}) == 1
     assert all(r["closed_raises"] for r in results)
+
+
+def test_gpu_training_overlapped_inside_xla():
+    """--overlap with JAX workers: the average runs inside the step's XLA call, beside its
+    compute, and learns as well as plain averaging on the same data and seed; run() checks
+    that the replicas end identical."""
+    pytest.importorskip("jax")
+    from pympgu import train, xla
+    ok, why = xla.available()
+    if not ok:
+        pytest.skip(why)
+    cfg = dict(train.DEFAULTS, data=None, backend="jax", method="auto", sync_every=1, seed=0,
+               overlap=False, exchange_dtype="float32", out=None, resume=None, epochs=1,
+               hidden=[64])
+    plain = train.run(cfg, devices(2))[-1]
+    overlapped = train.run(dict(cfg, overlap=True), devices(2))[-1]
+    assert plain["exchange_share"] is None and overlapped["exchange_share"] is None  # fused
+    assert overlapped["test_error"] < 0.25, overlapped  # chance is 0.9
+    assert abs(overlapped["test_error"] - plain["test_error"]) <= 0.03, (plain, overlapped)

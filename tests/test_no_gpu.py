@@ -43,7 +43,8 @@ def test_xla_operation_is_built_and_says_why_it_cannot_run():
         pytest.skip("pympgu was built without CUDA")
     if importlib.util.find_spec("jaxlib") is not None:
         # Built with jaxlib installed (as CI does): the FFI handler must be compiled in.
-        assert type(_cuda.xla_handler()).__name__ == "PyCapsule"
+        for name in _cuda.XLA_OPERATIONS:
+            assert type(_cuda.xla_handler(name)).__name__ == "PyCapsule", name
     ok, why = xla.available()
     assert not ok and "GPU" in why
     with pytest.raises(RuntimeError, match="unavailable: no usable GPU"):
@@ -69,6 +70,9 @@ def test_xla_average_checks_before_it_needs_a_gpu():
         xla.average([Shaped(16, 16), Shaped(4)], Group())  # 1024 B + a 256 B-aligned slot
     with pytest.raises(ValueError, match="unsupported dtype"):
         xla.average([type("Int", (), {"shape": (4,), "dtype": "int32"})()], Group())
+    with pytest.raises(ValueError, match="need 1280 bytes"):
+        xla.average_during([Shaped(16, 16), Shaped(4)], Group(), lambda: None)
+    assert xla.average_during([], Group(), lambda x: x + 1, 1) == ([], 2)
 
 
 def test_xla_average_keeps_jax_fast_dispatch(monkeypatch):
@@ -94,3 +98,11 @@ def test_xla_average_keeps_jax_fast_dispatch(monkeypatch):
         jnp.ones((4, 4)), jnp.ones(3))
     assert "ffi_call" in str(jaxpr)
     assert not jaxpr.effects
+    # The overlapped pair: no effect either, and the work between start and done, held
+    # there by optimization barriers.
+    jaxpr = jax.make_jaxpr(lambda a, b: xla.average_during([a * 2], Group(), jnp.sin, b))(
+        jnp.ones((4, 4)), jnp.ones(3))
+    assert not jaxpr.effects
+    order = [e.primitive.name for e in jaxpr.jaxpr.eqns if e.primitive.name != "mul"]
+    assert order == ["ffi_call", "optimization_barrier", "sin", "optimization_barrier",
+                     "ffi_call"], order

@@ -109,12 +109,16 @@ def test_single_worker_never_exchanges():
 @pytest.mark.parametrize("every,overlap,expected", [
     (1, False, ["params", "params", "params", "all"]),  # the epoch's last step: all
     (2, False, ["step", "all", "step", "all"]),
-    (1, True, None),  # overlap queues its exchanges itself: never fused
+    # Overlapped steps start from averaged parameters; the epoch's last is plain, so that
+    # replicas end identical.
+    (1, True, ["params overlapped", "params overlapped", "params overlapped", "all"]),
+    (2, True, ["step", "all overlapped", "step", "all"]),
 ])
 def test_fused_steps_average_parameters_alone_only_when_exact(every, overlap, expected):
     class Rep(FakeRep):
-        def step(self, idx, ex=None, params_only=False):
-            self.calls.append("step" if ex is None else "params" if params_only else "all")
+        def step(self, idx, ex=None, params_only=False, overlap=False):
+            call = "step" if ex is None else "params" if params_only else "all"
+            self.calls.append(call + (" overlapped" if overlap else ""))
 
     class Ex(FakeEx):
         def xla_unavailable(self):
@@ -123,9 +127,7 @@ def test_fused_steps_average_parameters_alone_only_when_exact(every, overlap, ex
     rep = Rep(0.0)
     rep.jax = object()  # a JAX worker
     sync = Sync(rep, Ex(lambda a: a), every, overlap=overlap)
-    assert sync.fused == (expected is not None)
-    if expected is None:
-        return
+    assert sync.fused
     for i in range(4):
         sync.step(None, i, last=i == 3)
     assert rep.calls == expected

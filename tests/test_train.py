@@ -183,7 +183,9 @@ def test_help_explains_every_flag():
 
 def test_direct_jax_step_matches_pytensor_call():
     """pympgu.jaxstep calls PyTensor's JAX program itself: the same costs and state, bit for
-    bit, and an exchange given to it sees the new state in the model's state order."""
+    bit, and an exchange given to it sees the new state in the model's state order. An
+    overlapped exchange ('during') sees the state the step starts from and the step's own
+    program, and its averages correct the step's result: new + (average - old)."""
     pytest.importorskip("jax")
     code = (
         "import os; os.environ['JAX_PLATFORMS']='cpu';"
@@ -196,16 +198,24 @@ def test_direct_jax_step_matches_pytensor_call():
         "def halve(xs):\n"
         "    seen.append([tuple(x.shape) for x in xs])\n"
         "    return [x * np.float32(0.5) for x in xs]\n"
+        "def during(old, program, *args):\n"
+        "    seen.append([tuple(x.shape) for x in old])\n"
+        "    return [x + np.float32(1) for x in old[:2]], program(*args)\n"
         "plain, fused = JaxStep(f2, m2.state), JaxStep(f2, m2.state, halve)\n"
+        "overlapped = JaxStep(f2, m2.state, during=during)\n"
         "for k in range(6):\n"
         "    idx = rng.integers(0, len(ds.train[1]), 64).astype(np.int32)\n"
-        "    c1, c2 = f1(idx), (fused if k == 3 else plain)(idx)\n"
+        "    old = [np.asarray(s.get_value()) for s in m1.state]\n"
+        "    c1, c2 = f1(idx), {3: fused, 4: overlapped}.get(k, plain)(idx)\n"
         "    assert float(c1) == float(c2), (k, c1, c2)\n"
         "    if k == 3:\n"
         "        for s in m1.state: s.set_value(np.asarray(s.get_value()) * np.float32(0.5))\n"
+        "    if k == 4:\n"
+        "        for s, o in zip(m1.state[:2], old):\n"
+        "            s.set_value(np.asarray(s.get_value()) + ((o + np.float32(1)) - o))\n"
         "for a, b in zip(m1.state, m2.state):\n"
         "    assert np.array_equal(np.asarray(a.get_value()), np.asarray(b.get_value())), a.name\n"
-        "assert seen == [[tuple(s.get_value().shape) for s in m2.state]], seen\n"
+        "assert seen == [[tuple(s.get_value().shape) for s in m2.state]] * 2, seen\n"
         "print('same')\n"
     )
     run_jax_on_cpu(code, "same")
