@@ -463,6 +463,49 @@ __global__ void __launch_bounds__(kThreads) copy_list_kernel(CopyBatch batch) {
   for (size_t i = done + tid; i < c.nbytes; i += nthreads) dst[i] = src[i];
 }
 
+// pmg_mean_list's entries travel by value like copy lists (32 of 32 bytes).
+struct MeanBatch {
+  pmg_mean e[kCopyBatch];
+};
+
+// blockIdx.y picks the entry. Rank r's value of element i is at src[r] + i: this rank's own
+// buffer, or its shadow slot. Four floats a thread when every pointer is 16-byte aligned.
+__global__ void __launch_bounds__(kThreads)
+    mean_list_kernel(MeanBatch batch, const float *own, const float *shadow, size_t slot_elems,
+                     int rank, int nranks) {
+  const pmg_mean m = batch.e[blockIdx.y];
+  const float *src[PMG_MAX_RANKS];
+  uintptr_t bits = reinterpret_cast<uintptr_t>(m.out) | reinterpret_cast<uintptr_t>(m.fresh);
+  for (int r = 0, slot = 0; r < nranks; ++r) {
+    src[r] = (r == rank ? own : shadow + size_t(slot++) * slot_elems) + m.at;
+    bits |= reinterpret_cast<uintptr_t>(src[r]);
+  }
+  const float denom = float(nranks);
+  const size_t tid = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const size_t nthreads = size_t(gridDim.x) * blockDim.x;
+  const size_t nvec = (bits & 15) ? 0 : m.n / 4;
+  for (size_t v = tid; v < nvec; v += nthreads) {
+    float acc[4];
+    acc_first<float>(acc, __ldcs(reinterpret_cast<const uint4 *>(src[0]) + v));
+    for (int r = 1; r < nranks; ++r) acc_add<float>(acc, __ldcs(reinterpret_cast<const uint4 *>(src[r]) + v));
+    float4 out = make_float4(__fdiv_rn(acc[0], denom), __fdiv_rn(acc[1], denom),
+                             __fdiv_rn(acc[2], denom), __fdiv_rn(acc[3], denom));
+    if (m.fresh) {
+      const float4 f = reinterpret_cast<const float4 *>(m.fresh)[v];
+      const float4 o = reinterpret_cast<const float4 *>(src[rank])[v];
+      out = make_float4(__fadd_rn(f.x, __fsub_rn(out.x, o.x)), __fadd_rn(f.y, __fsub_rn(out.y, o.y)),
+                        __fadd_rn(f.z, __fsub_rn(out.z, o.z)), __fadd_rn(f.w, __fsub_rn(out.w, o.w)));
+    }
+    reinterpret_cast<float4 *>(m.out)[v] = out;
+  }
+  for (size_t i = nvec * 4 + tid; i < m.n; i += nthreads) {
+    float a = src[0][i];
+    for (int r = 1; r < nranks; ++r) a += src[r][i];
+    const float mean = __fdiv_rn(a, denom);
+    m.out[i] = m.fresh ? __fadd_rn(m.fresh[i], __fsub_rn(mean, src[rank][i])) : mean;
+  }
+}
+
 unsigned grid_for(size_t work_items, size_t per_block, int max_blocks) {
   size_t b = (work_items + per_block - 1) / per_block;
   if (b < 1) b = 1;
@@ -594,6 +637,29 @@ int pmg_copy_list(const pmg_copy *list, int count, cudaStream_t stream) {
     if (!most) continue;
     const dim3 grid(grid_for(most / 16 + 1, size_t(kThreads) * kCopyUnroll, kPlainMaxBlocks), k);
     copy_list_kernel<<<grid, kThreads, 0, stream>>>(batch);
+    if (int err = launched()) return err;
+  }
+  return 0;
+}
+
+int pmg_mean_list(const pmg_mean *list, int count, const float *own, const float *shadow,
+                  size_t slot_elems, int rank, int nranks, cudaStream_t stream) {
+  if (int err = check_ranks(rank, nranks)) return err;
+  if (count < 0 || (count > 0 && (!list || !own)) || (nranks > 1 && !shadow))
+    return PMG_ERR_INVALID_ARGUMENT;
+  for (int at = 0; at < count; at += kCopyBatch) {
+    MeanBatch batch = {};
+    const int k = min(kCopyBatch, count - at);
+    uint64_t most = 0;
+    for (int i = 0; i < k; ++i) {
+      batch.e[i] = list[at + i];
+      if (batch.e[i].n && !batch.e[i].out) return PMG_ERR_INVALID_ARGUMENT;
+      if (batch.e[i].at + batch.e[i].n > slot_elems) return PMG_ERR_INVALID_ARGUMENT;
+      most = max(most, batch.e[i].n);
+    }
+    if (!most) continue;
+    const dim3 grid(grid_for(most / 4 + 1, kThreads, kPlainMaxBlocks), k);
+    mean_list_kernel<<<grid, kThreads, 0, stream>>>(batch, own, shadow, slot_elems, rank, nranks);
     if (int err = launched()) return err;
   }
   return 0;

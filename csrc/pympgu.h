@@ -27,8 +27,16 @@ extern "C" {
 enum pmg_dtype { PMG_FLOAT32 = 0, PMG_FLOAT16 = 1, PMG_BFLOAT16 = 2 };
 
 /* The all-reduce algorithms. pmg_allreduce_average runs the first three; PMG_ALGO_CE names
- * pmg_ce_allreduce_average where one code must say which (the XLA operation's attribute). */
-enum pmg_algo { PMG_ALGO_ONESHOT = 0, PMG_ALGO_TWOSHOT = 1, PMG_ALGO_PUSH = 2, PMG_ALGO_CE = 3 };
+ * pmg_ce_allreduce_average where one code must say which (the XLA operation's attribute).
+ * PMG_ALGO_GATHER exists only in the overlapped XLA pair (csrc/xla_ffi.cc): the peers'
+ * buffers are copied into a shadow by DMA beside XLA's work, and pmg_mean_list averages. */
+enum pmg_algo {
+  PMG_ALGO_ONESHOT = 0,
+  PMG_ALGO_TWOSHOT = 1,
+  PMG_ALGO_PUSH = 2,
+  PMG_ALGO_CE = 3,
+  PMG_ALGO_GATHER = 4
+};
 
 enum pmg_status {
   PMG_SUCCESS = 0,
@@ -68,6 +76,15 @@ typedef struct pmg_copy {
   void *dst;
   uint64_t nbytes;
 } pmg_copy;
+
+/* One entry of pmg_mean_list: n float32 values at element `at` of the exchange buffer, their
+ * mean over the ranks stored at out, or with fresh, out = fresh + (mean - own value). */
+typedef struct pmg_mean {
+  const float *fresh; /* NULL: store the mean itself */
+  float *out;         /* may alias fresh */
+  uint64_t at;
+  uint64_t n;
+} pmg_mean;
 
 /* ---- pympgu's own statuses (host-only: NULL for a code that is not PMG_*) ---- */
 const char *pmg_status_name(int status);
@@ -179,6 +196,13 @@ int pmg_ce_allreduce_average(const pmg_peers *peers, size_t stage_offset, int ra
                              size_t n, int dtype, size_t chunk_bytes, int max_blocks,
                              uint64_t timeout_ns, cudaStream_t stream, cudaStream_t copy_stream,
                              cudaEvent_t event);
+/* The mean of every rank's float32 values for each entry: this rank's at own + at, peer r's
+ * at shadow + slot(r) * slot_elems + at, where slot(r) counts the ranks other than this one
+ * before r (pmg_gather_peers's layout). Summed in rank order, then divided by nranks, as
+ * every kernel here; with an entry's fresh, out = fresh + (mean - own) (the one-step-delayed
+ * correction of an overlapped exchange) in the same pass. */
+int pmg_mean_list(const pmg_mean *list, int count, const float *own, const float *shadow,
+                  size_t slot_elems, int rank, int nranks, cudaStream_t stream);
 /* A GPU-side barrier alone (one block), for methods that move data with copies. */
 int pmg_device_barrier(const pmg_peers *peers, int rank, int nranks, uint64_t timeout_ns,
                        cudaStream_t stream);
@@ -212,7 +236,10 @@ typedef struct pmg_group {
    * stream, side_out orders XLA's stream after it. */
   cudaStream_t side;
   cudaEvent_t side_in, side_out;
+  void *shadow; /* PMG_ALGO_GATHER's: nranks - 1 slots of nbytes; NULL until it is needed */
 } pmg_group;
+/* *id == 0: register group under a new id, returned in *id. Otherwise replace the entry of
+ * the registered id *id (the group gained a shadow). */
 int pmg_xla_register(const pmg_group *group, int64_t *id);
 int pmg_xla_unregister(int64_t id);
 /* The XLA FFI handler (an XLA_FFI_Handler *) of the operation named: "pympgu_average", or

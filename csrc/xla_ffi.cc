@@ -12,13 +12,20 @@
 //   order), then queues the all-reduce on the group's high-priority side stream and returns.
 //   "pympgu_average_done" takes the token and returns the N averages. It orders XLA's stream
 //   after the side stream, then unpacks. Its outputs are written on XLA's stream only: XLA
-//   may have given their memory to temporaries of the work between the two.
+//   may have given their memory to temporaries of the work between the two. Given N more
+//   arrays (fresh), it returns fresh + (average - input) instead: the one-step-delayed
+//   correction, in the same pass (the gather algorithm only).
+// With PMG_ALGO_GATHER the side stream does no arithmetic at all: a barrier (every rank has
+// packed), DMA copies of the peers' buffers into this rank's shadow, a barrier (every peer has
+// copied ours). The copy engines leave every SM to XLA, whose matrix products lose a whole
+// wave to a kernel that takes even a few SMs; the done operation then averages from the
+// buffer and the shadow (pmg_mean_list).
 // Python (pympgu.xla.average_during) places the work between them with optimization barriers.
 // Every operation first orders XLA's stream after any all-reduce still on the side stream, so
 // nothing packs into the buffer while it is being averaged.
 //
-// Attributes, fixed when the function is traced (the done operation takes the first and the
-// last two):
+// Attributes, fixed when the function is traced (the done operation takes group, algo,
+// offsets and total):
 //   group       id of a registered PeerGroup (pmg_xla_register);
 //   algo        a pmg_algo code, resolved from 'auto' by the Python side;
 //   max_blocks  the kernel's grid cap;
@@ -28,6 +35,7 @@
 //               what an Exchanger's own path averages, so the two paths can take turns.
 //
 // The registry is built without XLA too; only the handler needs jaxlib's headers.
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -55,7 +63,11 @@ bool lookup(int64_t id, pmg_group *out) {
 extern "C" int pmg_xla_register(const pmg_group *group, int64_t *id) {
   if (!group || !id) return PMG_ERR_INVALID_ARGUMENT;
   std::lock_guard<std::mutex> hold(registry_lock);
-  *id = next_id++;
+  if (*id == 0) {
+    *id = next_id++;
+  } else if (!registry.count(*id)) {
+    return PMG_ERR_INVALID_ARGUMENT;
+  }
   registry[*id] = *group;
   return 0;
 }
@@ -219,6 +231,21 @@ int after_side(const pmg_group &g, cudaStream_t stream) {
   return g.side_out ? pmg_stream_wait_event(stream, g.side_out) : 0;
 }
 
+// The gather algorithm averages float32 only (pmg_mean_list), from a registered shadow.
+ffi::Error gather_ready(const char *op, const pmg_group &g, int32_t algo, int dtype) {
+  if (algo != PMG_ALGO_GATHER || (dtype == PMG_FLOAT32 && (g.shadow || g.nranks == 1)))
+    return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(std::string(op) +
+                                     ": the gather algorithm needs float32 arrays and a shadow");
+}
+
+// Elements each shadow slot holds: total rounded up to 64 (within the buffer), so that the
+// slots stay 16-byte aligned for pmg_mean_list's vector loads.
+size_t gather_elems(const pmg_group &g, int64_t total) {
+  const size_t rounded = (size_t(total) + 63) / 64 * 64;
+  return std::min(rounded, g.nbytes / sizeof(float));
+}
+
 constexpr const char *kAverage = "pympgu_average";
 constexpr const char *kStart = "pympgu_average_start";
 constexpr const char *kDone = "pympgu_average_done";
@@ -230,6 +257,8 @@ ffi::Error average(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingR
   if (auto e = lookup_group(kAverage, group, &g); e.failure()) return e;
   if (rets.size() != args.size())
     return ffi::Error::InvalidArgument("pympgu_average: needs as many outputs as inputs");
+  if (algo == PMG_ALGO_GATHER)
+    return ffi::Error::InvalidArgument("pympgu_average: gather is for the overlapped pair only");
   if (args.size() == 0) return ffi::Error::Success();
   std::vector<Array> in, out;
   std::vector<size_t> at;
@@ -263,6 +292,7 @@ ffi::Error average_start(cudaStream_t stream, ffi::RemainingArgs args, ffi::Rema
   int dtype;
   if (auto e = collect(args, args.size(), &in); e.failure()) return e;
   if (auto e = place(kStart, g, in, offsets, total, &at, &dtype); e.failure()) return e;
+  if (auto e = gather_ready(kStart, g, algo, dtype); e.failure()) return e;
   OnGroupDevice on(kStart, g, in[0].data);
   if (on.error().failure()) return on.error();
   int status;
@@ -272,30 +302,65 @@ ffi::Error average_start(cudaStream_t stream, ffi::RemainingArgs args, ffi::Rema
   if ((status = pmg_event_record(g.side_in, stream)) ||
       (status = pmg_stream_wait_event(g.side, g.side_in)))
     return failed(kStart, "order the side stream after the pack", status);
-  if ((status = allreduce(g, algo, max_blocks, chunk_bytes, size_t(total), dtype, g.side)))
+  if (algo == PMG_ALGO_GATHER) {
+    if ((status = pmg_device_barrier(&g.peers, g.rank, g.nranks, g.timeout_ns, g.side)) ||
+        (status = pmg_gather_peers(&g.peers, g.rank, g.nranks, g.shadow, gather_elems(g, total),
+                                   dtype, g.side)) ||
+        (status = pmg_device_barrier(&g.peers, g.rank, g.nranks, g.timeout_ns, g.side)))
+      return failed(kStart, "gather", status);
+  } else if ((status = allreduce(g, algo, max_blocks, chunk_bytes, size_t(total), dtype, g.side))) {
     return failed(kStart, "average", status);
+  }
   if ((status = pmg_event_record(g.side_out, g.side)))
     return failed(kStart, "record the average's end", status);
   return ffi::Error::Success();
 }
 
 ffi::Error average_done(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                        int64_t group, ffi::Span<const int64_t> offsets, int64_t total) {
-  (void)args;  // the token: it only orders this operation after its start
+                        int64_t group, int32_t algo, ffi::Span<const int64_t> offsets,
+                        int64_t total) {
   pmg_group g;
   if (auto e = lookup_group(kDone, group, &g); e.failure()) return e;
   if (rets.size() == 0) return ffi::Error::Success();
-  std::vector<Array> out;
+  // args: the token (it only orders this operation after its start), then fresh, if any.
+  const size_t nfresh = args.size() - 1;
+  if (nfresh && nfresh != rets.size())
+    return ffi::Error::InvalidArgument("pympgu_average_done: needs one fresh array per output");
+  if (nfresh && algo != PMG_ALGO_GATHER)
+    return ffi::Error::InvalidArgument(
+        "pympgu_average_done: the fused correction needs the gather algorithm");
+  std::vector<Array> out, fresh;
   std::vector<size_t> at;
   int dtype;
   if (auto e = collect(rets, rets.size(), &out); e.failure()) return e;
   if (auto e = place(kDone, g, out, offsets, total, &at, &dtype); e.failure()) return e;
+  if (auto e = gather_ready(kDone, g, algo, dtype); e.failure()) return e;
+  for (size_t i = 0; i < nfresh; ++i) {
+    auto a = args.get<ffi::AnyBuffer>(i + 1);
+    if (a.has_error()) return a.error();
+    if (a->element_type() != out[i].type || a->size_bytes() != out[i].nbytes)
+      return ffi::Error::InvalidArgument("pympgu_average_done: fresh array " +
+                                         std::to_string(i) + " differs from its output");
+    fresh.push_back({a->untyped_data(), a->element_type(), a->size_bytes()});
+  }
   OnGroupDevice on(kDone, g, out[0].data);
   if (on.error().failure()) return on.error();
   int status;
   if ((status = after_side(g, stream))) return failed(kDone, "wait for the side stream", status);
-  if ((status = pmg_copy_list(copies(g, out, at, false).data(), int(out.size()), stream)))
+  if (algo == PMG_ALGO_GATHER) {
+    std::vector<pmg_mean> list(out.size());
+    const size_t esize = pmg_dtype_size(dtype);
+    for (size_t i = 0; i < out.size(); ++i)
+      list[i] = {nfresh ? static_cast<const float *>(fresh[i].data) : nullptr,
+                 static_cast<float *>(out[i].data), at[i] / esize, out[i].nbytes / esize};
+    status = pmg_mean_list(list.data(), int(list.size()),
+                           static_cast<const float *>(g.peers.data[g.rank]),
+                           static_cast<const float *>(g.shadow), gather_elems(g, total), g.rank,
+                           g.nranks, stream);
+    if (status) return failed(kDone, "average", status);
+  } else if ((status = pmg_copy_list(copies(g, out, at, false).data(), int(out.size()), stream))) {
     return failed(kDone, "unpack", status);
+  }
   return ffi::Error::Success();
 }
 
@@ -327,6 +392,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(pmg_xla_average_done, average_done,
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int64_t>("group")
+                                  .Attr<int32_t>("algo")
                                   .Attr<ffi::Span<const int64_t>>("offsets")
                                   .Attr<int64_t>("total"));
 

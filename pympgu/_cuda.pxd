@@ -14,6 +14,7 @@ cdef extern from "pympgu.h" nogil:
         PMG_ALGO_TWOSHOT
         PMG_ALGO_PUSH
         PMG_ALGO_CE
+        PMG_ALGO_GATHER
         PMG_ERR_INVALID_ARGUMENT
 
     ctypedef struct pmg_signal:
@@ -41,6 +42,7 @@ cdef extern from "pympgu.h" nogil:
         cudaStream_t side
         cudaEvent_t side_in
         cudaEvent_t side_out
+        void *shadow
 
     const char *pmg_error_name(int status)
     const char *pmg_error_string(int status)

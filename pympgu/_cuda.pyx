@@ -828,8 +828,9 @@ def ce_chunk_bytes():
 
 ALGORITHMS = ("oneshot", "twoshot", "push", "ce")
 # The C API's code of each algorithm (pmg_algo).
+# (The overlapped XLA pair also has "gather": pympgu.xla.)
 ALGORITHM_CODES = {"oneshot": PMG_ALGO_ONESHOT, "twoshot": PMG_ALGO_TWOSHOT,
-                   "push": PMG_ALGO_PUSH, "ce": PMG_ALGO_CE}
+                   "push": PMG_ALGO_PUSH, "ce": PMG_ALGO_CE, "gather": PMG_ALGO_GATHER}
 
 
 XLA_OPERATIONS = ("pympgu_average", "pympgu_average_start", "pympgu_average_done")
@@ -1022,13 +1023,15 @@ cdef class PeerGroup:
         self._launched(status, synchronize)
         return chosen
 
-    def xla_id(self):
-        """This group's id for the XLA operation 'pympgu_average' (pympgu.xla), registering
-        it on first use; close() unregisters it, after which functions traced with it fail
-        with an error rather than touch freed memory."""
+    def xla_id(self, bint shadow=False):
+        """This group's id for pympgu's XLA operations (pympgu.xla), registering it on first
+        use; close() unregisters it, after which functions traced with it fail with an error
+        rather than touch freed memory. shadow: the operations also get the shadow that the
+        overlapped pair's gather algorithm copies the peers' buffers into ((nranks - 1) *
+        nbytes, allocated once, here)."""
         if not self.connected:
             raise RuntimeError("PeerGroup is not connected: call connect(handles) first")
-        if self._xla_id:
+        if self._xla_id and (not shadow or self.shadow is not None or self.nranks == 1):
             return self._xla_id
         cdef pmg_group g
         memset(&g, 0, sizeof(pmg_group))
@@ -1047,7 +1050,9 @@ cdef class PeerGroup:
             self.side_out = Event(timing=False)
         g.side = self.side.handle
         g.side_in, g.side_out = self.side_in.handle, self.side_out.handle
-        check(pmg_xla_register(&g, &self._xla_id))
+        if shadow or self.shadow is not None:
+            g.shadow = self._shadow()
+        check(pmg_xla_register(&g, &self._xla_id))  # a new id, or the same id updated
         return self._xla_id
 
     def copy_average(self, size_t n, dtype="float32", bint synchronize=True):

@@ -202,6 +202,12 @@ class Exchanger:
         return xla.average_during(arrays, self._xla_group(arrays), fn, *args,
                                   algo=self.method, max_blocks=self.max_blocks)
 
+    def xla_correct_during(self, arrays, fn, *args):
+        """``pympgu.xla.correct_during`` over this exchanger's group."""
+        from . import xla
+        return xla.correct_during(arrays, self._xla_group(arrays), fn, *args,
+                                  algo=self.method, max_blocks=self.max_blocks)
+
     def _xla_group(self, arrays):
         """The PeerGroup for an XLA exchange of ``arrays``, after checking both."""
         why = self.xla_unavailable()

@@ -8,7 +8,7 @@ exactly as PyTensor does, so everything else (evaluation, checkpoints) sees the 
 The point is what else goes into that jit: given ``exchange``, a traceable function of the
 updated state (``Exchanger.xla_average``), the new state is averaged with the other ranks
 inside the same call, so a step and its exchange are one dispatch. Given ``during`` instead
-(``Exchanger.xla_average_during``), the state the step starts from is averaged while the
+(``Exchanger.xla_correct_during``), the state the step starts from is averaged while the
 step computes, and the step's result is corrected by what the average changed (the
 one-step-delayed correction of ``--overlap``). (The bookkeeping itself is
 small: about 13 µs a step for the seed MLP on an H200, docs/BENCHMARKS.md.)
@@ -20,10 +20,12 @@ class JaxStep:
 
     ``state`` lists shared variables that ``fn`` updates; ``exchange``, if given, maps their
     new values (a list, in ``state``'s order) to what they become (the average). ``during``,
-    if given, is called as ``during(old, program, *args)`` with the values ``state`` starts
-    the step with, and returns ``(averages, program(*args))`` for a leading part of ``old``;
-    each such new value v becomes ``v + (average - old)``. Calling returns ``fn``'s outputs:
-    the value itself when there is one, else a list.
+    if given, is called as ``during(old, compute, *args)`` with the values ``state`` starts
+    the step with; ``compute(*args)`` returns ``(new, outs)``, the new values of ``state``
+    and all of the program's outputs, and ``during`` returns ``(values, outs)``, where
+    ``values`` replace a leading part of ``new`` (``Exchanger.xla_correct_during``: each
+    becomes new + (average of old - old)). Calling returns ``fn``'s outputs: the value itself
+    when there is one, else a list.
     """
 
     def __init__(self, fn, state, exchange=None, during=None):
@@ -53,11 +55,13 @@ class JaxStep:
 
         def run(*args):
             if during is not None:
-                old = [args[k] for k in state_ins]
-                averages, outs = during(old, program, *args)
-                outs = list(outs)
-                for out, average, before in zip(state_outs, averages, old):
-                    outs[out] = outs[out] + (average - before)
+                def compute(*args):
+                    outs = list(program(*args))
+                    return [outs[o] for o in state_outs], outs
+
+                values, outs = during([args[k] for k in state_ins], compute, *args)
+                for out, value in zip(state_outs, values):
+                    outs[out] = value
                 return outs
             outs = list(program(*args))
             if exchange is not None:

@@ -146,8 +146,8 @@ class Replica:
                 # The state lists parameters first, then momentum.
                 k = len(self.model.params) if params_only else len(self.model.state)
                 if overlap:
-                    def during(old, program, *args):
-                        return ex.xla_average_during(old[:k], program, *args)
+                    def during(old, compute, *args):
+                        return ex.xla_correct_during(old[:k], compute, *args)
                 else:
                     def exchange(state):
                         return ex.xla_average(state[:k]) + list(state[k:])
@@ -301,7 +301,7 @@ class Sync:
     call (Exchanger.xla_average), so no separate exchange is queued at all and its host
     time is part of the step's. Overlapped, the step averages the state it starts from on a
     side stream while it computes, then applies the same one-step-delayed correction as the
-    unfused path (Exchanger.xla_average_during); the epoch's last exchange is plain, so
+    unfused path (Exchanger.xla_correct_during); the epoch's last exchange is plain, so
     replicas end identical. The fp32 wire and the kernel methods allow fusing; fuse=False
     (PYMPGU_XLA_EXCHANGE=0 in pympgu.train) turns it off.
 

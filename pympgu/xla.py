@@ -19,8 +19,10 @@ group must stay open while any function traced with it may still run; after ``cl
 a function raises instead of touching freed memory.
 
 ``average_during(arrays, group, fn, *args)`` returns the averages and ``fn(*args)``, the
-average running on a side stream of the group's while XLA computes ``fn``: the link and the
-SMs work at once. Only the pack (before ``fn``) and the unpack (after it) stay on XLA's stream.
+peers' data crossing the link on a side stream of the group's while XLA computes ``fn``: the
+link and the SMs work at once. Only the pack (before ``fn``) and the last pass (after it)
+stay on XLA's stream. ``correct_during`` is the same with the one-step-delayed correction of
+an overlapped training step fused into that last pass.
 
 Needs pympgu built with jaxlib installed (its XLA FFI headers; ``build.sh`` and
 ``pip install --no-build-isolation .`` see it) and JAX with CUDA.
@@ -73,9 +75,9 @@ def _register():
     _registered = True
 
 
-def _attributes(arrays, group, algo, max_blocks):
+def _attributes(arrays, group, algo, max_blocks, overlapped=False):
     """The operation's attributes for averaging ``arrays`` over ``group`` (checked here, so
-    that a bad call fails when traced rather than when run)."""
+    that a bad call fails when traced rather than when run), and the algorithm's name."""
     from ._cuda import ALGORITHM_CODES, ce_chunk_bytes
     from .exchange import ITEMSIZE, plan_layout
     layout = [(str(i), list(a.shape), str(a.dtype)) for i, a in enumerate(arrays)]
@@ -84,12 +86,21 @@ def _attributes(arrays, group, algo, max_blocks):
     if nbytes > group.nbytes:
         raise ValueError(f"the arrays need {nbytes} bytes in the group's buffer, which holds "
                          f"{group.nbytes}")
-    chosen = group.algorithm(nbytes, algo)
+    if algo == "gather" and not (overlapped and dtype == "float32"):
+        raise ValueError("algo 'gather' is for float32 arrays averaged during other work "
+                         "(average_during, correct_during)")
+    if overlapped and algo == "auto" and dtype == "float32":
+        # Beside XLA's work the copy engines move the bytes and no SM is taken from it.
+        chosen = "gather"
+    else:
+        chosen = "gather" if algo == "gather" else group.algorithm(nbytes, algo)
     blocks = group.max_blocks if max_blocks is None else int(max_blocks)
     _register()
-    return dict(group=np.int64(group.xla_id()), algo=np.int32(ALGORITHM_CODES[chosen]),
-                max_blocks=np.int32(blocks), chunk_bytes=np.int64(ce_chunk_bytes()),
-                offsets=np.asarray(offsets, np.int64), total=np.int64(total))
+    attrs = dict(group=np.int64(group.xla_id(shadow=chosen == "gather")),
+                 algo=np.int32(ALGORITHM_CODES[chosen]), max_blocks=np.int32(blocks),
+                 chunk_bytes=np.int64(ce_chunk_bytes()), offsets=np.asarray(offsets, np.int64),
+                 total=np.int64(total))
+    return attrs, chosen
 
 
 def _shapes(arrays):
@@ -106,7 +117,7 @@ def average(arrays, group, algo="auto", max_blocks=None):
     arrays = list(arrays)
     if not arrays:
         return []
-    attrs = _attributes(arrays, group, algo, max_blocks)
+    attrs, _ = _attributes(arrays, group, algo, max_blocks)
     call = jax.ffi.ffi_call(
         TARGET, _shapes(arrays),
         # Not a side effect: JAX dispatches a function with effects through Python, not its
@@ -121,19 +132,39 @@ def average_during(arrays, group, fn, *args, algo="auto", max_blocks=None):
     """``(averages, fn(*args))``: the mean over every rank of each array in ``arrays``, taken
     while ``fn`` computes. ``args`` and ``fn``'s result are JAX arrays, or pytrees of them.
 
-    ``fn`` starts once the arrays are packed, and the averages are unpacked once it has
-    finished; in between, the all-reduce runs on the group's high-priority side stream
-    beside ``fn``'s kernels. The same rules as ``average`` apply (module docstring). Put in
-    ``fn`` the work that does not need the averages: the overlap is at most its length.
+    ``fn`` starts once the arrays are packed, and the averages are made once it has
+    finished; in between, the peers' data crosses the link on the group's high-priority side
+    stream beside ``fn``'s kernels. With ``algo="auto"`` float32 arrays go by the copy
+    engines ('gather'), which leave every SM to ``fn``; the kernel algorithms may be named.
+    The same rules as ``average`` apply (module docstring). Put in ``fn`` the work that does
+    not need the averages: the overlap is at most its length.
     """
+    if hasattr(group, "xla_average_during"):  # an Exchanger
+        return group.xla_average_during(arrays, fn, *args)
+    return _overlapped(list(arrays), group, fn, args, algo, max_blocks, correct=False)
+
+
+def correct_during(arrays, group, fn, *args, algo="auto", max_blocks=None):
+    """The one-step-delayed correction of an overlapped exchange, in one call.
+
+    ``fn(*args)`` returns ``(new, extra)``, where ``new`` is a list whose first
+    ``len(arrays)`` entries are the successors of ``arrays`` (same shapes), computed while
+    ``arrays`` are averaged as in ``average_during``. Returns ``([new_i + (mean_i -
+    arrays_i)], extra)``: the step's own change, applied to the average. With the gather
+    algorithm the average and the correction are one pass over the bytes.
+    """
+    if hasattr(group, "xla_correct_during"):  # an Exchanger
+        return group.xla_correct_during(arrays, fn, *args)
+    return _overlapped(list(arrays), group, fn, args, algo, max_blocks, correct=True)
+
+
+def _overlapped(arrays, group, fn, args, algo, max_blocks, correct):
     import jax
     from jax import lax
-    if hasattr(group, "xla_average_during"):
-        return group.xla_average_during(arrays, fn, *args)
-    arrays = list(arrays)
     if not arrays:
-        return [], fn(*args)
-    attrs = _attributes(arrays, group, algo, max_blocks)
+        result = fn(*args)
+        return ([], result[1]) if correct else ([], result)
+    attrs, chosen = _attributes(arrays, group, algo, max_blocks, overlapped=True)
     start = jax.ffi.ffi_call(START, jax.ShapeDtypeStruct((), np.uint32), has_side_effect=False)
     token = start(*arrays, **attrs)
     # XLA orders independent work as it likes; these barriers make fn's inputs wait for the
@@ -141,6 +172,16 @@ def average_during(arrays, group, fn, *args, algo="auto", max_blocks=None):
     token, args = lax.optimization_barrier((token, args))
     result = fn(*args)
     token, result = lax.optimization_barrier((token, result))
+    done_attrs = {k: attrs[k] for k in ("group", "algo", "offsets", "total")}
+    if not correct:
+        done = jax.ffi.ffi_call(DONE, _shapes(arrays), has_side_effect=False)
+        return list(done(token, **done_attrs)), result
+    new, extra = result
+    fresh = list(new[:len(arrays)])
+    if chosen == "gather":  # the correction fused into the average's pass
+        done = jax.ffi.ffi_call(DONE, _shapes(arrays), has_side_effect=False,
+                                input_output_aliases={1 + i: i for i in range(len(arrays))})
+        return list(done(token, *fresh, **done_attrs)), extra
     done = jax.ffi.ffi_call(DONE, _shapes(arrays), has_side_effect=False)
-    averages = done(token, group=attrs["group"], offsets=attrs["offsets"], total=attrs["total"])
-    return list(averages), result
+    means = done(token, **done_attrs)
+    return [f + (m - a) for f, m, a in zip(fresh, means, arrays)], extra

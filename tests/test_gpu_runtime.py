@@ -64,7 +64,7 @@ def test_gpu_exchange_inside_xla(nranks, method):
     if not ok:
         pytest.skip(why)
     from runtime_targets import xla_rounds
-    results = launch(xla_rounds, (6, method), gpus=devices(nranks))
+    results = launch(xla_rounds, (8, method), gpus=devices(nranks))
     assert len({r["digest"] for r in results}) == 1
     assert all(r["closed_raises"] for r in results)
 

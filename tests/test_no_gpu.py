@@ -90,7 +90,7 @@ def test_xla_average_keeps_jax_fast_dispatch(monkeypatch):
         def algorithm(self, nbytes, algo):
             return "oneshot"
 
-        def xla_id(self):
+        def xla_id(self, shadow=False):
             return 1
 
     monkeypatch.setattr(xla, "_register", lambda: None)
@@ -106,3 +106,11 @@ def test_xla_average_keeps_jax_fast_dispatch(monkeypatch):
     order = [e.primitive.name for e in jaxpr.jaxpr.eqns if e.primitive.name != "mul"]
     assert order == ["ffi_call", "optimization_barrier", "sin", "optimization_barrier",
                      "ffi_call"], order
+    # The delayed correction: fused into the done operation by the gather algorithm (no
+    # arithmetic after it), done by XLA after the averages with a kernel algorithm.
+    for algo, tail in (("auto", []), ("oneshot", ["sub", "add"])):
+        jaxpr = jax.make_jaxpr(lambda a, b: xla.correct_during(
+            [a], Group(), lambda x: ([x * 3], jnp.sin(b)), a, algo=algo))(
+            jnp.ones((4, 4)), jnp.ones(3))
+        order = [e.primitive.name for e in jaxpr.jaxpr.eqns]
+        assert order[-2 - len(tail):] == ["optimization_barrier", "ffi_call"] + tail, order
