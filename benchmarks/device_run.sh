@@ -22,7 +22,7 @@ for step in $steps; do
       for run in "${runs[@]}"; do
         echo "--- probe_xla $run"
         case $run in *NO_P2P) env PYMPGU_NO_P2P=1 timeout 150 python3 benchmarks/probe_xla.py ${run% NO_P2P} ;;
-                     *) timeout 150 python3 benchmarks/probe_xla.py $run ;; esac 2>&1 | grep -v -i warn | tail -4
+                     *) timeout 150 python3 benchmarks/probe_xla.py $run ;; esac 2>&1 | grep -v -i warn | tail -6
       done ;;
     probe) timeout 120 python3 benchmarks/probe_dlpack.py 2>&1 | grep -v -i warn | tail -14 ;;
     nccl) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_exchange.py -k nccl 2>&1 | tail -3 ;;

@@ -7,8 +7,10 @@ of: the training step alone, the step with its exchange fused in (whole state, p
 alone), the XLA exchange alone, and the bare kernel on the same bytes. For the plain and the
 parameters-only step it also gives the host's loop alone (JAX returns before the GPU is
 done, so a loop as long as the whole means the host sets the pace) and the GPU's time (8
-steps unrolled in one call). It counts the copy instructions in the compiled fused step
-(copies XLA added around the operation would each cost a pass over the state). With
+steps unrolled in one call), and so for the overlapped step (--overlap: the average of the
+state it starts from runs while it computes). It counts the copy instructions in the
+compiled fused and overlapped steps (copies XLA added around the operations would each cost
+a pass over the state). With
 --no-exchanger, or where the exchange cannot run inside XLA (PYMPGU_NO_P2P=1), it times the
 steps alone, every rank at once and then one at a time, and says where JAX put each rank's
 model. --only-params runs the parameters-only step alone, for a profiler.
@@ -132,16 +134,24 @@ def worker(ctx, hidden, batch, calls, exchanger=True, only_params=False):
         def exchange_only():
             rep.set_values(alone(rep.values()))
 
+        overlapped = rep.jax_step(ex, params_only=True, overlap=True)
         step, step_po = (lambda: plain(idx)), (lambda: params_only(idx))
+        step_ov = lambda: overlapped(idx)  # noqa: E731
         out = {"step_ms": timed(step), "fused_ms": timed(lambda: fused(idx)),
-               "params_only_ms": timed(step_po),
+               "params_only_ms": timed(step_po), "overlap_ms": timed(step_ov),
                "dispatch_ms": dispatch[step], "po_dispatch_ms": dispatch[step_po],
+               "ov_dispatch_ms": dispatch[step_ov],
                "device_ms": device_ms(plain), "po_device_ms": device_ms(params_only),
+               "ov_device_ms": device_ms(overlapped),
                "xla_exchange_ms": timed(exchange_only), "kernel_ms": _bare_kernel_ms(ex)}
+
+        def copies_in(hlo):
+            return re.findall(r"= (f32\[[0-9,]*\])[^ ]* copy\(", hlo)
         hlo = fused.jitted.lower(*fused.arguments(idx)).compile().as_text()
-        copies = re.findall(r"= (f32\[[0-9,]*\])[^ ]* copy\(", hlo)
-        out["copies"] = copies
+        out["copies"] = copies_in(hlo)
         out["custom_calls"] = len(re.findall(r"custom-call\(", hlo))
+        out["overlap_copies"] = copies_in(
+            overlapped.jitted.lower(*overlapped.arguments(idx)).compile().as_text())
         hlo_x = alone.lower(rep.values()).compile().as_text()
         out["exchange_only_copies"] = re.findall(r"= (f32\[[0-9,]*\])[^ ]* copy\(", hlo_x)
         return out
@@ -178,6 +188,9 @@ def main():
         print(f"rank {rank}: step {r['step_ms']:.3f} ms (loop alone {r['dispatch_ms']:.3f}, GPU "
               f"{r['device_ms']:.3f}); with the parameters averaged {r['params_only_ms']:.3f} "
               f"ms (loop alone {r['po_dispatch_ms']:.3f}, GPU {r['po_device_ms']:.3f})")
+        print(f"rank {rank}: overlapped step {r['overlap_ms']:.3f} ms (loop alone "
+              f"{r['ov_dispatch_ms']:.3f}, GPU {r['ov_device_ms']:.3f}); copies in it: "
+              f"{r['overlap_copies'] or 'none'}")
         print(f"rank {rank}: step {r['step_ms']:.3f} ms, step with exchange {r['fused_ms']:.3f} "
               f"ms (parameters alone {r['params_only_ms']:.3f} ms), XLA exchange alone "
               f"{r['xla_exchange_ms']:.3f} ms, bare kernel {r['kernel_ms']:.3f} ms; {r['custom_calls']} custom call(s), copies in the "
