@@ -231,8 +231,8 @@ typedef struct pmg_group {
   uint64_t timeout_ns;
   cudaStream_t copy_stream; /* for PMG_ALGO_CE; NULL without staging */
   cudaEvent_t event;
-  /* The overlapped pair ("pympgu_average_start" and "_done") runs the all-reduce on side,
-   * a high-priority stream of the group's own: side_in orders it after the pack on XLA's
+  /* The overlapped pair ("pympgu_average_start" and "_done") runs its exchange on side, a
+   * high-priority stream of the group's own: side_in orders it after the pack on XLA's
    * stream, side_out orders XLA's stream after it. */
   cudaStream_t side;
   cudaEvent_t side_in, side_out;

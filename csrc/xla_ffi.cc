@@ -9,7 +9,8 @@
 // The overlapped pair lets XLA compute while the link works:
 //   "pympgu_average_start" takes the N arrays and returns a token. It packs them on XLA's
 //   stream (so XLA may reuse their memory as soon as the operation is behind it in stream
-//   order), then queues the all-reduce on the group's high-priority side stream and returns.
+//   order), then queues the exchange (an all-reduce kernel, or the gather below) on the
+//   group's high-priority side stream and returns.
 //   "pympgu_average_done" takes the token and returns the N averages. It orders XLA's stream
 //   after the side stream, then unpacks. Its outputs are written on XLA's stream only: XLA
 //   may have given their memory to temporaries of the work between the two. Given N more
@@ -175,7 +176,7 @@ std::vector<pmg_copy> copies(const pmg_group &g, const std::vector<Array> &array
 // after checking that the arrays live there.
 class OnGroupDevice {
  public:
-  OnGroupDevice(const char *op, const pmg_group &g, const void *array) : op_(op), device_(g.device) {
+  OnGroupDevice(const char *op, const pmg_group &g, const void *array) : device_(g.device) {
     int status = pmg_get_device(&before_);
     if (status) {
       error_ = failed(op, "cudaGetDevice", status);
@@ -202,7 +203,6 @@ class OnGroupDevice {
   const ffi::Error &error() const { return error_; }
 
  private:
-  const char *op_;
   int device_, before_ = -1;
   ffi::Error error_ = ffi::Error::Success();
 };

@@ -531,7 +531,8 @@ def build_parser():
                         "the copy engines on a side stream), then apply the average with a "
                         "one-step-delayed correction (default: off; every average is exact). "
                         "On 2 H200s it runs the wide MLP at 0.78 ms per step against 0.92 "
-                        "without, with the same test error (docs/BENCHMARKS.md). With "
+                        "without, with the same test error (docs/BENCHMARKS.md). Queued from "
+                        "Python instead (CPU workers, or PYMPGU_XLA_EXCHANGE=0), with "
                         "--sync-every K the average arrives K steps late, which with high "
                         "momentum slows convergence: see docs/TRAINING.md")
     m.add_argument("--exchange-dtype", choices=["float32", "bfloat16", "float16"],
