@@ -73,6 +73,8 @@ def test_xla_average_checks_before_it_needs_a_gpu():
     with pytest.raises(ValueError, match="need 1280 bytes"):
         xla.average_during([Shaped(16, 16), Shaped(4)], Group(), lambda: None)
     assert xla.average_during([], Group(), lambda x: x + 1, 1) == ([], 2)
+    with pytest.raises(ValueError, match="algo 'gather' is for float32 arrays averaged during"):
+        xla.average([Shaped(4)], Group(), algo="gather")  # it has no single-operation form
 
 
 def test_xla_average_keeps_jax_fast_dispatch(monkeypatch):
