@@ -178,6 +178,10 @@ def _overlapped(arrays, group, fn, args, algo, max_blocks, correct):
         return list(done(token, **done_attrs)), result
     new, extra = result
     fresh = list(new[:len(arrays)])
+    if [(f.shape, f.dtype) for f in fresh] != [(a.shape, a.dtype) for a in arrays]:
+        raise ValueError("correct_during: fn's new values must begin with one array per "
+                         f"averaged array, of its shape and dtype; got {len(fresh)} for "
+                         f"{len(arrays)}")
     if chosen == "gather":  # the correction fused into the average's pass
         done = jax.ffi.ffi_call(DONE, _shapes(arrays), has_side_effect=False,
                                 input_output_aliases={1 + i: i for i in range(len(arrays))})

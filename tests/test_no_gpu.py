@@ -116,3 +116,6 @@ def test_xla_average_keeps_jax_fast_dispatch(monkeypatch):
             jnp.ones((4, 4)), jnp.ones(3))
         order = [e.primitive.name for e in jaxpr.jaxpr.eqns]
         assert order[-2 - len(tail):] == ["optimization_barrier", "ffi_call"] + tail, order
+    with pytest.raises(ValueError, match="one array per averaged array"):
+        jax.make_jaxpr(lambda a: xla.correct_during([a, a], Group(), lambda x: ([x], None), a))(
+            jnp.ones(4))
