@@ -566,6 +566,29 @@ void dispatch_ranks(const pmg_peers &p, size_t so, int rank, int nranks, size_t 
 
 int launched() { return cudaGetLastError(); }
 
+// Lists travel to their kernel by value, kCopyBatch entries a launch (blockIdx.y picks the
+// entry). work(entry) is an entry's size (0: nothing to do), or -1 when the entry is
+// invalid; launch(batch, k, most) queues k entries, the largest `most` in size.
+template <typename Batch, typename Entry, typename Work, typename Launch>
+int launch_in_batches(const Entry *list, int count, Work work, Launch launch) {
+  if (count < 0 || (count > 0 && !list)) return PMG_ERR_INVALID_ARGUMENT;
+  for (int at = 0; at < count; at += kCopyBatch) {
+    Batch batch = {};
+    const int k = min(kCopyBatch, count - at);
+    int64_t most = 0;
+    for (int i = 0; i < k; ++i) {
+      batch.e[i] = list[at + i];
+      const int64_t size = work(batch.e[i]);
+      if (size < 0) return PMG_ERR_INVALID_ARGUMENT;
+      most = max(most, size);
+    }
+    if (!most) continue;
+    launch(batch, k, uint64_t(most));
+    if (int err = launched()) return err;
+  }
+  return 0;
+}
+
 // Elements of [begin, begin + len) that lie below end.
 size_t clipped(size_t begin, size_t len, size_t end) { return begin >= end ? 0 : min(len, end - begin); }
 
@@ -624,45 +647,31 @@ int pmg_multi_delta(const pmg_tensor *table, int ntensors, uint64_t max_n, int w
 }
 
 int pmg_copy_list(const pmg_copy *list, int count, cudaStream_t stream) {
-  if (count < 0 || (count > 0 && !list)) return PMG_ERR_INVALID_ARGUMENT;
-  for (int at = 0; at < count; at += kCopyBatch) {
-    CopyBatch batch = {};
-    const int k = min(kCopyBatch, count - at);
-    uint64_t most = 0;
-    for (int i = 0; i < k; ++i) {
-      batch.e[i] = list[at + i];
-      if (batch.e[i].nbytes && (!batch.e[i].src || !batch.e[i].dst)) return PMG_ERR_INVALID_ARGUMENT;
-      most = max(most, batch.e[i].nbytes);
-    }
-    if (!most) continue;
-    const dim3 grid(grid_for(most / 16 + 1, size_t(kThreads) * kCopyUnroll, kPlainMaxBlocks), k);
-    copy_list_kernel<<<grid, kThreads, 0, stream>>>(batch);
-    if (int err = launched()) return err;
-  }
-  return 0;
+  return launch_in_batches<CopyBatch>(
+      list, count,
+      [](const pmg_copy &c) -> int64_t {
+        return c.nbytes && (!c.src || !c.dst) ? -1 : int64_t(c.nbytes);
+      },
+      [&](const CopyBatch &batch, int k, uint64_t most) {
+        const dim3 grid(grid_for(most / 16 + 1, size_t(kThreads) * kCopyUnroll, kPlainMaxBlocks), k);
+        copy_list_kernel<<<grid, kThreads, 0, stream>>>(batch);
+      });
 }
 
 int pmg_mean_list(const pmg_mean *list, int count, const float *own, const float *shadow,
                   size_t slot_elems, int rank, int nranks, cudaStream_t stream) {
   if (int err = check_ranks(rank, nranks)) return err;
-  if (count < 0 || (count > 0 && (!list || !own)) || (nranks > 1 && !shadow))
-    return PMG_ERR_INVALID_ARGUMENT;
-  for (int at = 0; at < count; at += kCopyBatch) {
-    MeanBatch batch = {};
-    const int k = min(kCopyBatch, count - at);
-    uint64_t most = 0;
-    for (int i = 0; i < k; ++i) {
-      batch.e[i] = list[at + i];
-      if (batch.e[i].n && !batch.e[i].out) return PMG_ERR_INVALID_ARGUMENT;
-      if (batch.e[i].at + batch.e[i].n > slot_elems) return PMG_ERR_INVALID_ARGUMENT;
-      most = max(most, batch.e[i].n);
-    }
-    if (!most) continue;
-    const dim3 grid(grid_for(most / 4 + 1, kThreads, kPlainMaxBlocks), k);
-    mean_list_kernel<<<grid, kThreads, 0, stream>>>(batch, own, shadow, slot_elems, rank, nranks);
-    if (int err = launched()) return err;
-  }
-  return 0;
+  if ((count > 0 && !own) || (nranks > 1 && !shadow)) return PMG_ERR_INVALID_ARGUMENT;
+  return launch_in_batches<MeanBatch>(
+      list, count,
+      [&](const pmg_mean &m) -> int64_t {
+        return (m.n && !m.out) || m.at + m.n > slot_elems ? -1 : int64_t(m.n);
+      },
+      [&](const MeanBatch &batch, int k, uint64_t most) {
+        const dim3 grid(grid_for(most / 4 + 1, kThreads, kPlainMaxBlocks), k);
+        mean_list_kernel<<<grid, kThreads, 0, stream>>>(batch, own, shadow, slot_elems, rank,
+                                                        nranks);
+      });
 }
 
 int pmg_accumulate(float *ref, const void *avg, size_t n, int wire_dtype, cudaStream_t stream) {

@@ -231,6 +231,17 @@ int after_side(const pmg_group &g, cudaStream_t stream) {
   return g.side_out ? pmg_stream_wait_event(stream, g.side_out) : 0;
 }
 
+// How every operation that reads arrays begins, on XLA's stream: wait for any exchange still
+// on the side stream, then pack the arrays into the group's buffer.
+ffi::Error pack(const char *op, const pmg_group &g, const std::vector<Array> &in,
+                const std::vector<size_t> &at, cudaStream_t stream) {
+  int status;
+  if ((status = after_side(g, stream))) return failed(op, "wait for the side stream", status);
+  if ((status = pmg_copy_list(copies(g, in, at, true).data(), int(in.size()), stream)))
+    return failed(op, "pack", status);
+  return ffi::Error::Success();
+}
+
 // The gather algorithm averages float32 only (pmg_mean_list), from a registered shadow.
 ffi::Error gather_ready(const char *op, const pmg_group &g, int32_t algo, int dtype) {
   if (algo != PMG_ALGO_GATHER || (dtype == PMG_FLOAT32 && (g.shadow || g.nranks == 1)))
@@ -268,10 +279,8 @@ ffi::Error average(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingR
   if (auto e = place(kAverage, g, in, offsets, total, &at, &dtype); e.failure()) return e;
   OnGroupDevice on(kAverage, g, in[0].data);
   if (on.error().failure()) return on.error();
+  if (auto e = pack(kAverage, g, in, at, stream); e.failure()) return e;
   int status;
-  if ((status = after_side(g, stream))) return failed(kAverage, "wait for the side stream", status);
-  if ((status = pmg_copy_list(copies(g, in, at, true).data(), int(in.size()), stream)))
-    return failed(kAverage, "pack", status);
   if ((status = allreduce(g, algo, max_blocks, chunk_bytes, size_t(total), dtype, stream)))
     return failed(kAverage, "average", status);
   if ((status = pmg_copy_list(copies(g, out, at, false).data(), int(out.size()), stream)))
@@ -295,10 +304,8 @@ ffi::Error average_start(cudaStream_t stream, ffi::RemainingArgs args, ffi::Rema
   if (auto e = gather_ready(kStart, g, algo, dtype); e.failure()) return e;
   OnGroupDevice on(kStart, g, in[0].data);
   if (on.error().failure()) return on.error();
+  if (auto e = pack(kStart, g, in, at, stream); e.failure()) return e;
   int status;
-  if ((status = after_side(g, stream))) return failed(kStart, "wait for the side stream", status);
-  if ((status = pmg_copy_list(copies(g, in, at, true).data(), int(in.size()), stream)))
-    return failed(kStart, "pack", status);
   if ((status = pmg_event_record(g.side_in, stream)) ||
       (status = pmg_stream_wait_event(g.side, g.side_in)))
     return failed(kStart, "order the side stream after the pack", status);
