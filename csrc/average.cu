@@ -469,15 +469,15 @@ struct MeanBatch {
 };
 
 // blockIdx.y picks the entry. Rank r's value of element i is at src[r] + i: this rank's own
-// buffer, or its shadow slot. Four floats a thread when every pointer is 16-byte aligned.
+// array, or its shadow slot. Four floats a thread when every pointer is 16-byte aligned.
 __global__ void __launch_bounds__(kThreads)
-    mean_list_kernel(MeanBatch batch, const float *own, const float *shadow, size_t slot_elems,
-                     int rank, int nranks) {
+    mean_list_kernel(MeanBatch batch, const float *shadow, size_t slot_elems, int rank,
+                     int nranks) {
   const pmg_mean m = batch.e[blockIdx.y];
   const float *src[PMG_MAX_RANKS];
   uintptr_t bits = reinterpret_cast<uintptr_t>(m.out) | reinterpret_cast<uintptr_t>(m.fresh);
   for (int r = 0, slot = 0; r < nranks; ++r) {
-    src[r] = (r == rank ? own : shadow + size_t(slot++) * slot_elems) + m.at;
+    src[r] = r == rank ? m.own : shadow + size_t(slot++) * slot_elems + m.at;
     bits |= reinterpret_cast<uintptr_t>(src[r]);
   }
   const float denom = float(nranks);
@@ -486,6 +486,7 @@ __global__ void __launch_bounds__(kThreads)
   const size_t nvec = (bits & 15) ? 0 : m.n / 4;
   for (size_t v = tid; v < nvec; v += nthreads) {
     float acc[4];
+    // own may alias out: every load of element v comes before its store, in this thread.
     acc_first<float>(acc, __ldcs(reinterpret_cast<const uint4 *>(src[0]) + v));
     for (int r = 1; r < nranks; ++r) acc_add<float>(acc, __ldcs(reinterpret_cast<const uint4 *>(src[r]) + v));
     float4 out = make_float4(__fdiv_rn(acc[0], denom), __fdiv_rn(acc[1], denom),
@@ -499,10 +500,11 @@ __global__ void __launch_bounds__(kThreads)
     reinterpret_cast<float4 *>(m.out)[v] = out;
   }
   for (size_t i = nvec * 4 + tid; i < m.n; i += nthreads) {
+    const float own = src[rank][i];
     float a = src[0][i];
     for (int r = 1; r < nranks; ++r) a += src[r][i];
     const float mean = __fdiv_rn(a, denom);
-    m.out[i] = m.fresh ? __fadd_rn(m.fresh[i], __fsub_rn(mean, src[rank][i])) : mean;
+    m.out[i] = m.fresh ? __fadd_rn(m.fresh[i], __fsub_rn(mean, own)) : mean;
   }
 }
 
@@ -658,19 +660,18 @@ int pmg_copy_list(const pmg_copy *list, int count, cudaStream_t stream) {
       });
 }
 
-int pmg_mean_list(const pmg_mean *list, int count, const float *own, const float *shadow,
-                  size_t slot_elems, int rank, int nranks, cudaStream_t stream) {
+int pmg_mean_list(const pmg_mean *list, int count, const float *shadow, size_t slot_elems,
+                  int rank, int nranks, cudaStream_t stream) {
   if (int err = check_ranks(rank, nranks)) return err;
-  if ((count > 0 && !own) || (nranks > 1 && !shadow)) return PMG_ERR_INVALID_ARGUMENT;
+  if (nranks > 1 && !shadow) return PMG_ERR_INVALID_ARGUMENT;
   return launch_in_batches<MeanBatch>(
       list, count,
       [&](const pmg_mean &m) -> int64_t {
-        return (m.n && !m.out) || m.at + m.n > slot_elems ? -1 : int64_t(m.n);
+        return (m.n && (!m.out || !m.own)) || m.at + m.n > slot_elems ? -1 : int64_t(m.n);
       },
       [&](const MeanBatch &batch, int k, uint64_t most) {
         const dim3 grid(grid_for(most / 4 + 1, kThreads, kPlainMaxBlocks), k);
-        mean_list_kernel<<<grid, kThreads, 0, stream>>>(batch, own, shadow, slot_elems, rank,
-                                                        nranks);
+        mean_list_kernel<<<grid, kThreads, 0, stream>>>(batch, shadow, slot_elems, rank, nranks);
       });
 }
 
@@ -728,6 +729,30 @@ int pmg_gather_peers(const pmg_peers *peers, int rank, int nranks, void *shadow,
     cudaError_t err = cudaMemcpyAsync(slot, peers->data[r], nbytes, cudaMemcpyDefault, stream);
     if (err != cudaSuccess) return err;
     slot += nbytes;
+  }
+  return 0;
+}
+
+int pmg_push_peers(const pmg_peers *peers, size_t shadow_offset, size_t slot_bytes, int rank,
+                   int nranks, const void *const *src, const size_t *at, const size_t *nbytes,
+                   int count, cudaStream_t stream) {
+  if (int err = check_ranks(rank, nranks)) return err;
+  if (int err = check_peers(peers, nranks)) return err;
+  if (count < 0 || (count > 0 && (!src || !at || !nbytes)) || !shadow_offset)
+    return PMG_ERR_INVALID_ARGUMENT;
+  for (int i = 0; i < count; ++i)
+    if (nbytes[i] && (!src[i] || at[i] + nbytes[i] > slot_bytes)) return PMG_ERR_INVALID_ARGUMENT;
+  for (int p = 0; p < nranks; ++p) {
+    if (p == rank) continue;
+    // This rank's slot in p's shadow: p keeps no slot for itself.
+    char *slot = static_cast<char *>(peers->data[p]) + shadow_offset +
+                 size_t(rank < p ? rank : rank - 1) * slot_bytes;
+    for (int i = 0; i < count; ++i) {
+      if (!nbytes[i]) continue;
+      // DMA writes over P2P: the copy engines carry them and leave every SM to the caller.
+      cudaError_t err = cudaMemcpyAsync(slot + at[i], src[i], nbytes[i], cudaMemcpyDefault, stream);
+      if (err != cudaSuccess) return err;
+    }
   }
   return 0;
 }

@@ -28,8 +28,9 @@ enum pmg_dtype { PMG_FLOAT32 = 0, PMG_FLOAT16 = 1, PMG_BFLOAT16 = 2 };
 
 /* The all-reduce algorithms. pmg_allreduce_average runs the first three; PMG_ALGO_CE names
  * pmg_ce_allreduce_average where one code must say which (the XLA operation's attribute).
- * PMG_ALGO_GATHER exists only in the overlapped XLA pair (csrc/xla_ffi.cc): the peers'
- * buffers are copied into a shadow by DMA beside XLA's work, and pmg_mean_list averages. */
+ * PMG_ALGO_GATHER exists only in the XLA start/done pair (csrc/xla_ffi.cc): every rank's
+ * arrays reach every other rank's shadow by DMA beside XLA's work, and pmg_mean_list
+ * averages. */
 enum pmg_algo {
   PMG_ALGO_ONESHOT = 0,
   PMG_ALGO_TWOSHOT = 1,
@@ -77,10 +78,12 @@ typedef struct pmg_copy {
   uint64_t nbytes;
 } pmg_copy;
 
-/* One entry of pmg_mean_list: n float32 values at element `at` of the exchange buffer, their
- * mean over the ranks stored at out, or with fresh, out = fresh + (mean - own value). */
+/* One entry of pmg_mean_list: n float32 values, this rank's at own and every peer's at
+ * element `at` of its shadow slot; their mean over the ranks stored at out, or with fresh,
+ * out = fresh + (mean - own). */
 typedef struct pmg_mean {
   const float *fresh; /* NULL: store the mean itself */
+  const float *own;   /* may alias out */
   float *out;         /* may alias fresh */
   uint64_t at;
   uint64_t n;
@@ -196,13 +199,21 @@ int pmg_ce_allreduce_average(const pmg_peers *peers, size_t stage_offset, int ra
                              size_t n, int dtype, size_t chunk_bytes, int max_blocks,
                              uint64_t timeout_ns, cudaStream_t stream, cudaStream_t copy_stream,
                              cudaEvent_t event);
-/* The mean of every rank's float32 values for each entry: this rank's at own + at, peer r's
- * at shadow + slot(r) * slot_elems + at, where slot(r) counts the ranks other than this one
- * before r (pmg_gather_peers's layout). Summed in rank order, then divided by nranks, as
- * every kernel here; with an entry's fresh, out = fresh + (mean - own) (the one-step-delayed
- * correction of an overlapped exchange) in the same pass. */
-int pmg_mean_list(const pmg_mean *list, int count, const float *own, const float *shadow,
-                  size_t slot_elems, int rank, int nranks, cudaStream_t stream);
+/* The mean of every rank's float32 values for each entry: this rank's at the entry's own,
+ * peer r's at shadow + slot(r) * slot_elems + at, where slot(r) counts the ranks other than
+ * this one before r (pmg_gather_peers's layout). Summed in rank order, then divided by
+ * nranks, as every kernel here; with an entry's fresh, out = fresh + (mean - own) (the
+ * one-step-delayed correction of an overlapped exchange) in the same pass. */
+int pmg_mean_list(const pmg_mean *list, int count, const float *shadow, size_t slot_elems,
+                  int rank, int nranks, cudaStream_t stream);
+/* The other half of the shadow's protocol, by stores instead of loads: copy each of count
+ * local arrays (src[i], nbytes[i] bytes) by DMA into every peer's shadow, at byte at[i] of
+ * this rank's slot there. Peer p's shadow starts shadow_offset bytes after its data (the
+ * same on every rank) and has nranks - 1 slots of slot_bytes, in rank order without p. Only
+ * queues the copies: the caller fences them with GPU barriers (csrc/xla_ffi.cc). */
+int pmg_push_peers(const pmg_peers *peers, size_t shadow_offset, size_t slot_bytes, int rank,
+                   int nranks, const void *const *src, const size_t *at, const size_t *nbytes,
+                   int count, cudaStream_t stream);
 /* A GPU-side barrier alone (one block), for methods that move data with copies. */
 int pmg_device_barrier(const pmg_peers *peers, int rank, int nranks, uint64_t timeout_ns,
                        cudaStream_t stream);
@@ -237,6 +248,10 @@ typedef struct pmg_group {
   cudaStream_t side;
   cudaEvent_t side_in, side_out;
   void *shadow; /* PMG_ALGO_GATHER's: nranks - 1 slots of nbytes; NULL until it is needed */
+  /* Nonzero when the shadow lies in the shared block, shadow_offset bytes after the data on
+   * every rank: then peers push into it (pmg_push_peers) and no pack is needed. Zero: the
+   * shadow is private, and each rank pulls the peers' packed buffers (pmg_gather_peers). */
+  size_t shadow_offset;
 } pmg_group;
 /* *id == 0: register group under a new id, returned in *id. Otherwise replace the entry of
  * the registered id *id (the group gained a shadow). */

@@ -6,24 +6,29 @@
 // "pympgu_average" takes N arrays of one dtype and returns N arrays of the same shapes (the
 // Python side aliases each output to its input), all on XLA's stream.
 //
-// The overlapped pair lets XLA compute while the link works:
-//   "pympgu_average_start" takes the N arrays and returns a token. It packs them on XLA's
-//   stream (so XLA may reuse their memory as soon as the operation is behind it in stream
-//   order), then queues the exchange (an all-reduce kernel, or the gather below) on the
+// The start/done pair lets XLA compute while the link works:
+//   "pympgu_average_start" takes N arrays and returns a token. It queues the exchange on the
 //   group's high-priority side stream and returns.
-//   "pympgu_average_done" takes the token and returns the N averages. It orders XLA's stream
-//   after the side stream, then unpacks. Its outputs are written on XLA's stream only: XLA
-//   may have given their memory to temporaries of the work between the two. Given N more
-//   arrays (fresh), it returns fresh + (average - input) instead: the one-step-delayed
-//   correction, in the same pass (the gather algorithm only).
-// With PMG_ALGO_GATHER the side stream does no arithmetic at all: a barrier (every rank has
-// packed), DMA copies of the peers' buffers into this rank's shadow, a barrier (every peer has
-// copied ours). The copy engines leave every SM to XLA, whose matrix products lose a whole
-// wave to a kernel that takes even a few SMs; the done operation then averages from the
-// buffer and the shadow (pmg_mean_list).
-// Python (pympgu.xla.average_during) places the work between them with optimization barriers.
-// Every operation first orders XLA's stream after any all-reduce still on the side stream, so
-// nothing packs into the buffer while it is being averaged.
+//   "pympgu_average_done" takes the token and the same N arrays and returns their averages.
+//   It orders XLA's stream after the side stream, then writes its outputs, on XLA's stream
+//   only: XLA may have given their memory to temporaries of the work between the two. Given
+//   N more arrays (fresh), it returns fresh + (average - input) instead: the one-step-delayed
+//   correction of an overlapped step, in the same pass (the gather algorithm only).
+// With PMG_ALGO_GATHER (float32) the side stream does no arithmetic at all, and the done
+// operation averages the arrays and the shadow in one pass (pmg_mean_list). The copy engines
+// leave every SM to XLA, whose matrix products lose a whole wave to a kernel that takes even
+// a few SMs. The side stream runs a barrier (every rank is done reading its shadow), DMA
+// copies, and a barrier (every copy has landed). The copies go one of two ways:
+//   - push, when the group's shadow lies in the shared block: each array goes from XLA's
+//     memory straight into every peer's shadow (pmg_push_peers). Nothing is packed. A start
+//     may then come in two parts (attribute "phase"), so that the arrays computed first
+//     cross the link while XLA computes the rest (pympgu.xla.average_results);
+//   - pull, with a private shadow: the start packs the arrays into the group's buffer on
+//     XLA's stream, and each rank copies the peers' buffers into its shadow.
+// Other algorithms pack, run the all-reduce kernel on the side stream, and unpack in the done.
+// Python (pympgu.xla) places the work between them with optimization barriers.
+// Every operation that packs first orders XLA's stream after any exchange still on the side
+// stream, so nothing packs into the buffer while it is being averaged.
 //
 // Attributes, fixed when the function is traced (the done operation takes group, algo,
 // offsets and total):
@@ -33,7 +38,8 @@
 //   chunk_bytes the DMA chunk of PMG_ALGO_CE;
 //   offsets     element offset of each array in the group's buffer (every rank the same);
 //   total       elements averaged from the buffer's start: at least the last array's end, and
-//               what an Exchanger's own path averages, so the two paths can take turns.
+//               what an Exchanger's own path averages, so the two paths can take turns;
+//   phase       (start only) kFirst, kLast or both (below).
 //
 // The registry is built without XLA too; only the handler needs jaxlib's headers.
 #include <algorithm>
@@ -288,13 +294,26 @@ ffi::Error average(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingR
   return ffi::Error::Success();
 }
 
+// The phases of a start (its attribute "phase"): the barrier before it (every rank is done
+// reading its shadow), the barrier after it (every rank's arrays have reached every shadow),
+// or both. A start in two parts lets the arrays that are ready first cross the link while
+// XLA computes the rest (pympgu.xla.average_results).
+constexpr int32_t kFirst = 1, kLast = 2, kWhole = kFirst | kLast;
+
 ffi::Error average_start(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
                          int64_t group, int32_t algo, int32_t max_blocks, int64_t chunk_bytes,
-                         ffi::Span<const int64_t> offsets, int64_t total) {
+                         ffi::Span<const int64_t> offsets, int64_t total, int32_t phase) {
   pmg_group g;
   if (auto e = lookup_group(kStart, group, &g); e.failure()) return e;
   if (!g.side || !g.side_in || !g.side_out)
     return ffi::Error::InvalidArgument("pympgu_average_start: the group has no side stream");
+  // Peers push into a shadow in the shared block; without one, each rank pulls the peers'
+  // packed buffers, which needs every array packed at once.
+  const bool push = algo == PMG_ALGO_GATHER && g.shadow_offset && g.nranks > 1;
+  if (phase < 1 || phase > kWhole || (phase != kWhole && !push))
+    return ffi::Error::InvalidArgument(
+        "pympgu_average_start: phase must be 1, 2 or 3, and a start in parts needs the gather "
+        "algorithm and a group with a shared shadow");
   if (args.size() == 0) return ffi::Error::Success();
   std::vector<Array> in;
   std::vector<size_t> at;
@@ -304,12 +323,28 @@ ffi::Error average_start(cudaStream_t stream, ffi::RemainingArgs args, ffi::Rema
   if (auto e = gather_ready(kStart, g, algo, dtype); e.failure()) return e;
   OnGroupDevice on(kStart, g, in[0].data);
   if (on.error().failure()) return on.error();
-  if (auto e = pack(kStart, g, in, at, stream); e.failure()) return e;
   int status;
+  if (!push) {
+    if (auto e = pack(kStart, g, in, at, stream); e.failure()) return e;
+  }
   if ((status = pmg_event_record(g.side_in, stream)) ||
       (status = pmg_stream_wait_event(g.side, g.side_in)))
-    return failed(kStart, "order the side stream after the pack", status);
-  if (algo == PMG_ALGO_GATHER) {
+    return failed(kStart, "order the side stream after XLA's", status);
+  if (push) {
+    // Straight from XLA's arrays: they stay alive and unchanged until the done operation,
+    // which takes them as operands and runs after the side stream.
+    std::vector<const void *> src;
+    std::vector<size_t> nbytes;
+    for (const Array &a : in) src.push_back(a.data), nbytes.push_back(a.nbytes);
+    if (((phase & kFirst) &&
+         (status = pmg_device_barrier(&g.peers, g.rank, g.nranks, g.timeout_ns, g.side))) ||
+        (status = pmg_push_peers(&g.peers, g.shadow_offset, gather_elems(g, total) * sizeof(float),
+                                 g.rank, g.nranks, src.data(), at.data(), nbytes.data(),
+                                 int(in.size()), g.side)) ||
+        ((phase & kLast) &&
+         (status = pmg_device_barrier(&g.peers, g.rank, g.nranks, g.timeout_ns, g.side))))
+      return failed(kStart, "push", status);
+  } else if (algo == PMG_ALGO_GATHER) {
     if ((status = pmg_device_barrier(&g.peers, g.rank, g.nranks, g.timeout_ns, g.side)) ||
         (status = pmg_gather_peers(&g.peers, g.rank, g.nranks, g.shadow, gather_elems(g, total),
                                    dtype, g.side)) ||
@@ -319,7 +354,7 @@ ffi::Error average_start(cudaStream_t stream, ffi::RemainingArgs args, ffi::Rema
     return failed(kStart, "average", status);
   }
   if ((status = pmg_event_record(g.side_out, g.side)))
-    return failed(kStart, "record the average's end", status);
+    return failed(kStart, "record the exchange's end", status);
   return ffi::Error::Success();
 }
 
@@ -329,43 +364,46 @@ ffi::Error average_done(cudaStream_t stream, ffi::RemainingArgs args, ffi::Remai
   pmg_group g;
   if (auto e = lookup_group(kDone, group, &g); e.failure()) return e;
   if (rets.size() == 0) return ffi::Error::Success();
-  // args: the token (it only orders this operation after its start), then fresh, if any.
-  const size_t nfresh = args.size() - 1;
-  if (nfresh && nfresh != rets.size())
-    return ffi::Error::InvalidArgument("pympgu_average_done: needs one fresh array per output");
-  if (nfresh && algo != PMG_ALGO_GATHER)
+  // args: the token (it only orders this operation after its start), the arrays the start
+  // took (this rank's own values), then fresh, if any.
+  const size_t n = rets.size();
+  if (args.size() != 1 + n && args.size() != 1 + 2 * n)
+    return ffi::Error::InvalidArgument(
+        "pympgu_average_done: takes the token, the averaged arrays and optionally one fresh "
+        "array per output");
+  const bool correct = args.size() == 1 + 2 * n;
+  if (correct && algo != PMG_ALGO_GATHER)
     return ffi::Error::InvalidArgument(
         "pympgu_average_done: the fused correction needs the gather algorithm");
-  std::vector<Array> out, fresh;
+  std::vector<Array> out, own, fresh;
   std::vector<size_t> at;
   int dtype;
-  if (auto e = collect(rets, rets.size(), &out); e.failure()) return e;
+  if (auto e = collect(rets, n, &out); e.failure()) return e;
   if (auto e = place(kDone, g, out, offsets, total, &at, &dtype); e.failure()) return e;
   if (auto e = gather_ready(kDone, g, algo, dtype); e.failure()) return e;
-  for (size_t i = 0; i < nfresh; ++i) {
+  for (size_t i = 0; i < args.size() - 1; ++i) {
     auto a = args.get<ffi::AnyBuffer>(i + 1);
     if (a.has_error()) return a.error();
-    if (a->element_type() != out[i].type || a->size_bytes() != out[i].nbytes)
-      return ffi::Error::InvalidArgument("pympgu_average_done: fresh array " +
-                                         std::to_string(i) + " differs from its output");
-    fresh.push_back({a->untyped_data(), a->element_type(), a->size_bytes()});
+    if (a->element_type() != out[i % n].type || a->size_bytes() != out[i % n].nbytes)
+      return ffi::Error::InvalidArgument("pympgu_average_done: operand " + std::to_string(i + 1) +
+                                         " differs from its output");
+    (i < n ? own : fresh).push_back({a->untyped_data(), a->element_type(), a->size_bytes()});
   }
   OnGroupDevice on(kDone, g, out[0].data);
   if (on.error().failure()) return on.error();
   int status;
   if ((status = after_side(g, stream))) return failed(kDone, "wait for the side stream", status);
   if (algo == PMG_ALGO_GATHER) {
-    std::vector<pmg_mean> list(out.size());
+    std::vector<pmg_mean> list(n);
     const size_t esize = pmg_dtype_size(dtype);
-    for (size_t i = 0; i < out.size(); ++i)
-      list[i] = {nfresh ? static_cast<const float *>(fresh[i].data) : nullptr,
-                 static_cast<float *>(out[i].data), at[i] / esize, out[i].nbytes / esize};
-    status = pmg_mean_list(list.data(), int(list.size()),
-                           static_cast<const float *>(g.peers.data[g.rank]),
-                           static_cast<const float *>(g.shadow), gather_elems(g, total), g.rank,
-                           g.nranks, stream);
+    for (size_t i = 0; i < n; ++i)
+      list[i] = {correct ? static_cast<const float *>(fresh[i].data) : nullptr,
+                 static_cast<const float *>(own[i].data), static_cast<float *>(out[i].data),
+                 at[i] / esize, out[i].nbytes / esize};
+    status = pmg_mean_list(list.data(), int(n), static_cast<const float *>(g.shadow),
+                           gather_elems(g, total), g.rank, g.nranks, stream);
     if (status) return failed(kDone, "average", status);
-  } else if ((status = pmg_copy_list(copies(g, out, at, false).data(), int(out.size()), stream))) {
+  } else if ((status = pmg_copy_list(copies(g, out, at, false).data(), int(n), stream))) {
     return failed(kDone, "unpack", status);
   }
   return ffi::Error::Success();
@@ -392,7 +430,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(pmg_xla_average_start, average_start,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .RemainingArgs()
-                                  .RemainingRets() PMG_AVERAGE_ATTRS);
+                                  .RemainingRets() PMG_AVERAGE_ATTRS
+                                  .Attr<int32_t>("phase"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pmg_xla_average_done, average_done,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()

@@ -43,6 +43,7 @@ cdef extern from "pympgu.h" nogil:
         cudaEvent_t side_in
         cudaEvent_t side_out
         void *shadow
+        size_t shadow_offset
 
     const char *pmg_error_name(int status)
     const char *pmg_error_string(int status)

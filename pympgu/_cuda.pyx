@@ -855,7 +855,11 @@ cdef class PeerGroup:
     peers write barrier flags into, then ``nbytes`` of data, then (``staging``) the area the
     peers store into for the algorithms 'push' and 'ce', (nranks - 1) / nranks of ``nbytes``.
     staging=None allocates it when 'auto' would use it, for buffers of at least
-    ``push_min_bytes(nranks)``; every rank must pass the same nbytes and staging. Share
+    ``push_min_bytes(nranks)``. ``shadow`` adds nranks - 1 copies of ``nbytes`` that the
+    peers copy their arrays into by DMA: the XLA operations' 'gather' algorithm then needs no
+    pack (pympgu.xla.average_results, correct_during); without it, the shadow they need is
+    private and allocated on first use. Every rank must pass the same nbytes, staging and
+    shadow. Share
     ``handle`` (64 bytes) with the peers, then ``connect()`` with every rank's handle in rank
     order; after that ``allreduce()`` averages the data buffers of all ranks in place with no
     host round-trip. ``close()`` unmaps the peers and frees the block.
@@ -874,7 +878,8 @@ cdef class PeerGroup:
     cdef readonly Stream stream
     cdef readonly size_t stage_bytes
     cdef object mappings
-    cdef object shadow
+    cdef object shadow  # a private shadow's DeviceBuffer
+    cdef readonly size_t shadow_offset  # from the data to the shared shadow; 0: none
     cdef Stream copy_stream
     cdef Event order
     cdef int64_t _xla_id
@@ -882,7 +887,7 @@ cdef class PeerGroup:
     cdef Event side_in, side_out
 
     def __init__(self, int rank, int nranks, size_t nbytes, device=None, double timeout=60.0,
-                 staging=None):
+                 staging=None, bint shadow=False):
         if nranks < 1 or nranks > PMG_MAX_RANKS:
             raise ValueError(f"nranks must be 1 to {PMG_MAX_RANKS}, got {nranks}")
         if rank < 0 or rank >= nranks:
@@ -899,7 +904,12 @@ cdef class PeerGroup:
             staging = nranks > 1 and nbytes >= push_min_bytes(nranks)
         self.stage_bytes = pmg_stage_bytes(nranks, nbytes) if staging else 0
         self.stage_offset = _align(nbytes, _ALIGN)
-        self.block = DeviceBuffer(self.data_offset + self.stage_offset + self.stage_bytes)
+        cdef size_t end = self.stage_offset + self.stage_bytes
+        self.shadow_offset = 0
+        if shadow and nranks > 1:
+            self.shadow_offset = _align(end, _ALIGN)
+            end = self.shadow_offset + (nranks - 1) * _align(nbytes, _ALIGN)
+        self.block = DeviceBuffer(self.data_offset + end)
         self.stream = Stream()
         if self.stage_bytes:
             self.copy_stream = Stream()
@@ -1026,12 +1036,13 @@ cdef class PeerGroup:
     def xla_id(self, bint shadow=False):
         """This group's id for pympgu's XLA operations (pympgu.xla), registering it on first
         use; close() unregisters it, after which functions traced with it fail with an error
-        rather than touch freed memory. shadow: the operations also get the shadow that the
-        overlapped pair's gather algorithm copies the peers' buffers into ((nranks - 1) *
-        nbytes, allocated once, here)."""
+        rather than touch freed memory. shadow: the operations also get the shadow of the
+        gather algorithm: the shared one (see the class), or else a private one ((nranks - 1)
+        * nbytes, allocated once, here)."""
         if not self.connected:
             raise RuntimeError("PeerGroup is not connected: call connect(handles) first")
-        if self._xla_id and (not shadow or self.shadow is not None or self.nranks == 1):
+        if self._xla_id and (not shadow or self.shadow_offset or self.shadow is not None
+                             or self.nranks == 1):
             return self._xla_id
         cdef pmg_group g
         memset(&g, 0, sizeof(pmg_group))
@@ -1050,8 +1061,9 @@ cdef class PeerGroup:
             self.side_out = Event(timing=False)
         g.side = self.side.handle
         g.side_in, g.side_out = self.side_in.handle, self.side_out.handle
-        if shadow or self.shadow is not None:
+        if shadow or self.shadow_offset or self.shadow is not None:
             g.shadow = self._shadow()
+            g.shadow_offset = self.shadow_offset
         check(pmg_xla_register(&g, &self._xla_id))  # a new id, or the same id updated
         return self._xla_id
 
@@ -1099,6 +1111,8 @@ cdef class PeerGroup:
     cdef void *_shadow(self) except? NULL:
         if self.nranks == 1:
             return NULL
+        if self.shadow_offset:
+            return <void *><uintptr_t>(self.block.ptr + self.data_offset + self.shadow_offset)
         if self.shadow is None:
             self.shadow = DeviceBuffer((self.nranks - 1) * _align(self.nbytes, _ALIGN),
                                        self.device)

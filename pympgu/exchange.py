@@ -74,11 +74,15 @@ class Exchanger:
     and only matters on GPUs. ``wire_dtype`` is None (the layout's dtype), or 'bfloat16' /
     'float16' for float32 layouts (see the module docstring). ``max_blocks`` caps the GPU averaging kernel's grid (every rank must give the
     same; None: twice the SM count), leaving SMs free for compute that overlaps it.
+    ``shadow`` (GPUs; every rank the same) gives the peer group a shared shadow, nranks - 1
+    more copies of the buffer, that peers copy their arrays into by DMA: the XLA exchanges
+    that overlap computation (``xla_average_results``, ``xla_correct_during``) then need no
+    pack, and ``xla_average_results`` can cut the step in two (pympgu.PeerGroup).
     ``stats`` adds up the host seconds spent in each step and counts exchanges.
     """
 
     def __init__(self, ctx, layout, method="auto", wire_dtype=None, timeout=60.0,
-                 max_blocks=None):
+                 max_blocks=None, shadow=False):
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         self.ctx = ctx
@@ -86,6 +90,7 @@ class Exchanger:
         self.offsets, self.total, self.dtype = plan_layout(self.layout)
         self.sizes = [math.prod(shape) for _, shape, _ in self.layout]
         self.method = method
+        self.shadow = bool(shadow)
         if max_blocks is not None and not 1 <= int(max_blocks) <= 512:
             raise ValueError(f"max_blocks must be 1 to 512, got {max_blocks}")
         self.max_blocks = None if max_blocks is None else int(max_blocks)
@@ -194,6 +199,18 @@ class Exchanger:
         from . import xla
         return xla.average(arrays, self._xla_group(arrays), algo=self.method,
                            max_blocks=self.max_blocks)
+
+    def xla_average_results(self, fn, which, *args):
+        """``fn(*args)`` (a flat list of arrays) with its results at positions ``which``
+        averaged, each sent as soon as it is computed (``pympgu.xla.average_results``); the
+        results at ``which`` are the layout's first entries, in its order."""
+        import jax
+
+        from . import xla
+        shapes = jax.eval_shape(lambda *a: list(fn(*a)), *args)
+        group = self._xla_group([shapes[i] for i in which])
+        return xla.average_results(fn, which, group, *args, algo=self.method,
+                                   max_blocks=self.max_blocks)
 
     def xla_average_during(self, arrays, fn, *args):
         """``xla_average(arrays)`` taken while ``fn(*args)`` computes; returns both
@@ -336,14 +353,16 @@ class _CudaBackend:
         # that it would pick 'push'.
         staging = {"push": True, "ce": True, "auto": None}.get(ex.method, False)
         self.group = cuda.PeerGroup(ctx.rank, ctx.nranks, ex.nbytes, device=ctx.device,
-                                    timeout=timeout, staging=staging)
+                                    timeout=timeout, staging=staging, shadow=ex.shadow)
         try:
             facts = {"device": ctx.device, "sm_count": self.group.sm_count, "pid": os.getpid(),
                      "exchange_blocks": ex.max_blocks, "method": ex.method,
-                     "ce_chunk_bytes": cuda.ce_chunk_bytes()}
+                     "ce_chunk_bytes": cuda.ce_chunk_bytes(), "shadow": ex.shadow}
             all_facts, blobs, max_blocks = ctx.register(ex.layout, facts, self.group.handle)
             for key, what in (("exchange_blocks", "cap the exchange kernel alike (max_blocks)"),
                               ("method", "use the same method"),
+                              # Peers copy into each other's shadow: all have one, or none.
+                              ("shadow", "give the Exchanger a shadow alike"),
                               ("ce_chunk_bytes", "use the same PYMPGU_CE_CHUNK_BYTES")):
                 values = [f.get(key) for f in all_facts]
                 if len(set(values)) != 1:

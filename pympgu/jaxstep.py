@@ -5,9 +5,10 @@ explicit inputs and every shared variable, and returns the outputs and the updat
 values; ``Function.__call__`` wraps it in Python bookkeeping. ``JaxStep`` calls the same
 program through a jit of its own and stores the updates back into the shared variables
 exactly as PyTensor does, so everything else (evaluation, checkpoints) sees the same state.
-The point is what else goes into that jit: given ``exchange``, a traceable function of the
-updated state (``Exchanger.xla_average``), the new state is averaged with the other ranks
-inside the same call, so a step and its exchange are one dispatch. Given ``during`` instead
+The point is what else goes into that jit: given ``exchange`` (``Exchanger.
+xla_average_results``), the new state is averaged with the other ranks inside the same call,
+so a step and its exchange are one dispatch, and the averages of the last layers cross the
+link while the step computes the first layers' gradients. Given ``during`` instead
 (``Exchanger.xla_correct_during``), the state the step starts from is averaged while the
 step computes, and the step's result is corrected by what the average changed (the
 one-step-delayed correction of ``--overlap``). (The bookkeeping itself is
@@ -18,8 +19,11 @@ small: about 13 µs a step for the seed MLP on an H200, docs/BENCHMARKS.md.)
 class JaxStep:
     """Call ``fn`` (a PyTensor function compiled with mode='JAX') through its JAX program.
 
-    ``state`` lists shared variables that ``fn`` updates; ``exchange``, if given, maps their
-    new values (a list, in ``state``'s order) to what they become (the average). ``during``,
+    ``state`` lists shared variables that ``fn`` updates. ``exchange``, if given, is called
+    as ``exchange(compute, which, *args)``: ``compute(*args)`` returns the program's outputs
+    (a list), ``which`` the positions of ``state``'s new values among them, in ``state``'s
+    order, and ``exchange`` returns the outputs with some of those replaced by what they
+    become (the average; ``Exchanger.xla_average_results``). ``during``,
     if given, is called as ``during(old, compute, *args)`` with the values ``state`` starts
     the step with; ``compute(*args)`` returns ``(new, outs)``, the new values of ``state``
     and all of the program's outputs, and ``during`` returns ``(values, outs)``, where
@@ -63,11 +67,9 @@ class JaxStep:
                 for out, value in zip(state_outs, values):
                     outs[out] = value
                 return outs
-            outs = list(program(*args))
             if exchange is not None:
-                for out, value in zip(state_outs, exchange([outs[o] for o in state_outs])):
-                    outs[out] = value
-            return outs
+                return list(exchange(lambda *a: list(program(*a)), state_outs, *args))
+            return list(program(*args))
 
         self.jitted = jax.jit(run)
 

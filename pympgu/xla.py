@@ -20,9 +20,12 @@ a function raises instead of touching freed memory.
 
 ``average_during(arrays, group, fn, *args)`` returns the averages and ``fn(*args)``, the
 peers' data crossing the link on a side stream of the group's while XLA computes ``fn``: the
-link and the SMs work at once. Only the pack (before ``fn``) and the last pass (after it)
-stay on XLA's stream. ``correct_during`` is the same with the one-step-delayed correction of
-an overlapped training step fused into that last pass.
+link and the SMs work at once. Only a pack (before ``fn``, unless the group has a shared
+shadow) and the last pass (after it) stay on XLA's stream. ``correct_during`` is the same
+with the one-step-delayed correction of an overlapped training step fused into that last
+pass. ``average_results(fn, which, group, *args)`` averages some of ``fn``'s own results,
+each sent as soon as it is computed, while ``fn`` computes the rest: an exact exchange that
+hides behind the end of a training step, as DDP's gradient buckets do.
 
 Needs pympgu built with jaxlib installed (its XLA FFI headers; ``build.sh`` and
 ``pip install --no-build-isolation .`` see it) and JAX with CUDA.
@@ -77,7 +80,8 @@ def _register():
 
 def _attributes(arrays, group, algo, max_blocks, overlapped=False):
     """The operation's attributes for averaging ``arrays`` over ``group`` (checked here, so
-    that a bad call fails when traced rather than when run), and the algorithm's name."""
+    that a bad call fails when traced rather than when run), and the algorithm's name.
+    overlapped: for the start/done pair, where 'auto' means 'gather' for float32."""
     from ._cuda import ALGORITHM_CODES, ce_chunk_bytes
     from .exchange import ITEMSIZE, plan_layout
     layout = [(str(i), list(a.shape), str(a.dtype)) for i, a in enumerate(arrays)]
@@ -165,17 +169,14 @@ def _overlapped(arrays, group, fn, args, algo, max_blocks, correct):
         result = fn(*args)
         return ([], result[1]) if correct else ([], result)
     attrs, chosen = _attributes(arrays, group, algo, max_blocks, overlapped=True)
-    start = jax.ffi.ffi_call(START, jax.ShapeDtypeStruct((), np.uint32), has_side_effect=False)
-    token = start(*arrays, **attrs)
+    token = _start(arrays, attrs, _WHOLE)
     # XLA orders independent work as it likes; these barriers make fn's inputs wait for the
     # start, and the done wait for fn's results, so that fn runs while the link works.
     token, args = lax.optimization_barrier((token, args))
     result = fn(*args)
     token, result = lax.optimization_barrier((token, result))
-    done_attrs = {k: attrs[k] for k in ("group", "algo", "offsets", "total")}
     if not correct:
-        done = jax.ffi.ffi_call(DONE, _shapes(arrays), has_side_effect=False)
-        return list(done(token, **done_attrs)), result
+        return _done(token, arrays, attrs), result
     new, extra = result
     fresh = list(new[:len(arrays)])
     if [(f.shape, f.dtype) for f in fresh] != [(a.shape, a.dtype) for a in arrays]:
@@ -183,9 +184,97 @@ def _overlapped(arrays, group, fn, args, algo, max_blocks, correct):
                          f"averaged array, of its shape and dtype; got {len(fresh)} for "
                          f"{len(arrays)}")
     if chosen == "gather":  # the correction fused into the average's pass
-        done = jax.ffi.ffi_call(DONE, _shapes(arrays), has_side_effect=False,
-                                input_output_aliases={1 + i: i for i in range(len(arrays))})
-        return list(done(token, *fresh, **done_attrs)), extra
-    done = jax.ffi.ffi_call(DONE, _shapes(arrays), has_side_effect=False)
-    means = done(token, **done_attrs)
+        return _done(token, arrays, attrs, fresh), extra
+    means = _done(token, arrays, attrs)
     return [f + (m - a) for f, m, a in zip(fresh, means, arrays)], extra
+
+
+# The phases of a start (csrc/xla_ffi.cc): with the barrier before, after, or both.
+_FIRST, _LAST, _WHOLE = 1, 2, 3
+
+
+def _start(arrays, attrs, phase, offsets=None):
+    """Queue the exchange of ``arrays`` (the start's part ``phase``); returns its token."""
+    import jax
+    start = jax.ffi.ffi_call(START, jax.ShapeDtypeStruct((), np.uint32), has_side_effect=False)
+    if offsets is not None:
+        attrs = dict(attrs, offsets=offsets)
+    return start(*arrays, **attrs, phase=np.int32(phase))
+
+
+def _done(token, arrays, attrs, fresh=None, in_place=False):
+    """The averages of ``arrays`` once the exchange of ``token`` has ended (with ``fresh``,
+    the corrected values instead). Written over ``fresh`` if given, or with ``in_place``
+    over ``arrays`` (the gather algorithm reads each element before it writes it; XLA
+    would copy an array that is still used elsewhere first)."""
+    import jax
+    n = len(arrays)
+    if fresh is not None:
+        aliases = {1 + n + i: i for i in range(n)}
+    elif in_place and attrs["algo"] == _gather_code():
+        aliases = {1 + i: i for i in range(n)}
+    else:
+        aliases = {}
+    done = jax.ffi.ffi_call(DONE, _shapes(arrays), has_side_effect=False,
+                            input_output_aliases=aliases)
+    keep = {k: attrs[k] for k in ("group", "algo", "offsets", "total")}
+    return list(done(token, *arrays, *(fresh or []), **keep))
+
+
+def _gather_code():
+    from ._cuda import ALGORITHM_CODES
+    return ALGORITHM_CODES["gather"]
+
+
+def average_results(fn, which, group, *args, algo="auto", max_blocks=None):
+    """``fn(*args)``, a flat list of arrays, with the arrays at positions ``which`` replaced by
+    their means over every rank; each mean starts as soon as its array is computed.
+
+    With ``algo="auto"``, float32 arrays and a group made with ``shadow=True`` (an Exchanger
+    made with ``shadow=True``), ``fn`` is cut in two (pympgu.jaxsplit): the arrays computed
+    first, such as a network's last layers, cross the link by DMA while ``fn`` computes the
+    rest, and the others follow. One pass at the end averages them all. The result is the
+    same as ``average`` of ``fn``'s results, bit for bit. Otherwise, or when ``fn`` offers
+    nothing to hide the link behind, it is ``average`` after ``fn``. The rules of ``average``
+    apply (module docstring); ``which`` names the arrays in the order the group's buffer
+    lays them out.
+    """
+    if hasattr(group, "xla_average_results"):  # an Exchanger
+        return group.xla_average_results(fn, which, *args)
+    import jax
+    from jax import lax
+
+    from . import jaxsplit
+    flat = list(args)
+    which = list(which)
+    shapes = None
+    split = None
+    if which and getattr(group, "shadow_offset", 0) and group.nranks > 1 and algo == "auto":
+        closed = jaxsplit.trace(fn, flat)
+        shapes = [closed.jaxpr.outvars[i].aval for i in which]
+        if all(s.dtype == np.float32 for s in shapes):
+            split = jaxsplit.Split(closed, which)
+            if not split.early:
+                split = None
+    if split is None:
+        outs = list(fn(*flat))
+        for i, mean in zip(which, average([outs[i] for i in which], group, algo, max_blocks)):
+            outs[i] = mean
+        return outs
+    attrs, _ = _attributes([jax.ShapeDtypeStruct(s.shape, s.dtype) for s in shapes], group,
+                           algo, max_blocks, overlapped=True)
+    offsets = dict(zip(which, attrs["offsets"]))
+
+    def start(early):
+        phase = _FIRST if split.late else _WHOLE
+        return _start(early, attrs, phase, np.asarray([offsets[i] for i in split.early]))
+
+    token, outs = split.run(flat, start, lambda t, v: lax.optimization_barrier((t, v)))
+    if split.late:
+        # After phase 2 by its operands; after the first start by the token.
+        token, late = lax.optimization_barrier((token, [outs[i] for i in split.late]))
+        token = _start(late, attrs, _LAST, np.asarray([offsets[i] for i in split.late]))
+    token, outs = lax.optimization_barrier((token, outs))
+    for i, mean in zip(which, _done(token, [outs[i] for i in which], attrs, in_place=True)):
+        outs[i] = mean
+    return outs

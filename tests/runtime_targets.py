@@ -182,7 +182,7 @@ def jax_rounds(ctx, rounds, big=1 << 23):
         return {"digest": digest, "stats": ex.stats}
 
 
-def xla_rounds(ctx, rounds, method="auto", big=1 << 23):
+def xla_rounds(ctx, rounds, method="auto", big=1 << 23, shadow=False):
     """The exchange inside a jitted JAX function (Exchanger.xla_average): each round's new
     values are averaged in the same XLA call that computes them, checked bit for bit. Rounds
     1, 3, ... take the Python path (start/finish) instead, so the two paths must agree on the
@@ -190,8 +190,11 @@ def xla_rounds(ctx, rounds, method="auto", big=1 << 23):
     layout), as the training loop's parameters-only exchange does; round 4 is overlapped
     (Exchanger.xla_average_during) with work of its own, checked too, and round 6 applies
     the overlapped step's delayed correction (Exchanger.xla_correct_during), after which the
-    ranks' values differ. With method 'auto' both go by the gather algorithm. Once the
-    Exchanger is closed, the traced function must raise rather than run on freed memory."""
+    ranks' values differ. With method 'auto' both go by the gather algorithm. Round 8
+    averages a function's own results as they are computed (Exchanger.xla_average_results):
+    with a shadow, all but b2 cross the link while a matrix product that b2 depends on is
+    computed. Once the Exchanger is closed, the traced function must raise rather than run
+    on freed memory."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
 
@@ -205,7 +208,16 @@ def xla_rounds(ctx, rounds, method="auto", big=1 << 23):
     def shift(rank, k):
         return np.float32(0.25 * rank + 0.125 * k)
 
-    ex = Exchanger(ctx, layout, method=method)
+    ex = Exchanger(ctx, layout, method=method, shadow=shadow)
+
+    def results(*args):
+        *xs, c = args
+        ys = [x + c for x in xs]
+        # Work that phase 2 computes, and b2 waits for (adding 0 leaves it exact).
+        product = jax.numpy.sum((xs[0] @ xs[2]) @ xs[2].T)
+        ys[3] = ys[3] + np.float32(0) * product
+        return ys + [product]
+
     try:
         fused = jax.jit(lambda xs, c: ex.xla_average([x + c for x in xs]))
         prefix = jax.jit(lambda xs, c: ex.xla_average([x + c for x in xs[:2]]) +
@@ -217,6 +229,8 @@ def xla_rounds(ctx, rounds, method="auto", big=1 << 23):
         corrected = jax.jit(lambda xs, c: ex.xla_correct_during(
             [x + c for x in xs], lambda ys: ([y * np.float32(3) for y in ys], None),
             [x + c for x in xs])[0])
+        resulted = jax.jit(lambda xs, c: ex.xla_average_results(
+            results, list(range(len(layout))), *xs, c)[:len(layout)])
         step = jax.jit(lambda xs, c: [x + c for x in xs])
         offsets = list(zip(ex.offsets, ex.sizes, [s for _, s, _ in layout]))
         split = jax.jit(lambda flat: [flat[o:o + n].reshape(s) for o, n, s in offsets])
@@ -239,6 +253,8 @@ def xla_rounds(ctx, rounds, method="auto", big=1 << 23):
                     olds[0][t].shape) for t in range(len(layout))]
                 models = [[o * np.float32(3) + (mean - o) for o, mean in zip(os_, means)]
                           for os_ in olds]
+            elif k == 8:
+                path, xs, averaged = "XLA results", resulted(xs, c), len(layout)
             elif k % 2 == 0:
                 path, xs, averaged = "XLA", fused(xs, c), len(layout)
             else:
@@ -255,7 +271,7 @@ def xla_rounds(ctx, rounds, method="auto", big=1 << 23):
                 if not np.array_equal(np.asarray(got), want):
                     raise AssertionError(f"rank {ctx.rank} round {k} ({path} path) tensor "
                                          f"{layout[t][0]} is wrong")
-        # Round 7 (the Python path) made the replicas identical again.
+        # The last round, odd (the Python path), made the replicas identical again.
         digest = hashlib.sha256(b"".join(np.asarray(a).tobytes() for a in xs[:2])).hexdigest()
     finally:
         ex.close()

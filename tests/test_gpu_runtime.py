@@ -53,18 +53,19 @@ def test_gpu_workers_jax_without_host_waits():
     assert all(r["stats"]["exchanges"] == 4 for r in results)
 
 
-@pytest.mark.parametrize("nranks,method", [(2, "auto"), (2, "oneshot"), (2, "twoshot"),
-                                           (2, "push"), (2, "ce"), (3, "auto")])
-def test_gpu_exchange_inside_xla(nranks, method):
-    """pympgu's average as an XLA operation inside jit, plain and overlapped, alternating
-    with the Python path."""
+@pytest.mark.parametrize("nranks,method,shadow", [
+    (2, "auto", False), (2, "oneshot", False), (2, "twoshot", False), (2, "push", False),
+    (2, "ce", False), (3, "auto", False), (2, "auto", True), (3, "auto", True)])
+def test_gpu_exchange_inside_xla(nranks, method, shadow):
+    """pympgu's average as an XLA operation inside jit, plain, overlapped and as the results
+    are computed, alternating with the Python path. With a shadow, peers push into it."""
     pytest.importorskip("jax")
     from pympgu import xla
     ok, why = xla.available()
     if not ok:
         pytest.skip(why)
     from runtime_targets import xla_rounds
-    results = launch(xla_rounds, (8, method), gpus=devices(nranks))
+    results = launch(xla_rounds, (10, method, 1 << 23, shadow), gpus=devices(nranks))
     assert len({r["digest"] for r in results}) == 1
     assert all(r["closed_raises"] for r in results)
 

@@ -119,3 +119,52 @@ def test_xla_average_keeps_jax_fast_dispatch(monkeypatch):
     with pytest.raises(ValueError, match="one array per averaged array"):
         jax.make_jaxpr(lambda a: xla.correct_during([a, a], Group(), lambda x: ([x], None), a))(
             jnp.ones(4))
+
+
+def test_xla_average_results_cuts_the_step(monkeypatch):
+    # Traced on the CPU: with a shared shadow, the results that need no late work start
+    # first (phase 1), the matrix product they do not need comes after that start and its
+    # barrier, and the result that needs it is sent by a second start; one done averages all.
+    # Without a shadow it is a plain average after the function.
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pympgu import xla
+
+    class Group:
+        nbytes, max_blocks, nranks, shadow_offset = 1 << 20, 8, 2, 1 << 20
+
+        def algorithm(self, nbytes, algo):
+            return "oneshot"
+
+        def xla_id(self, shadow=False):
+            return 1
+
+    def fn(w, v):
+        late = w @ w.T @ w  # what only the last result needs
+        return [w * 2, v + 1, v + jnp.sum(late)]
+
+    monkeypatch.setattr(xla, "_register", lambda: None)
+    args = (jnp.ones((64, 64)), jnp.ones(64))
+    jaxpr = jax.make_jaxpr(lambda w, v: xla.average_results(fn, [0, 2], Group(), w, v))(*args)
+    assert not jaxpr.effects
+    eqns = jaxpr.jaxpr.eqns
+    names = [e.primitive.name for e in eqns]
+    calls = [k for k, n in enumerate(names) if n == "ffi_call"]
+    assert len(calls) == 3, names
+    first, second, done = ({k: np.asarray(getattr(v, "val", v)) for k, v in
+                            eqns[c].params["attributes"]} for c in calls)
+    assert first["phase"] == 1 and second["phase"] == 2 and "phase" not in done, names
+    assert calls[0] < names.index("dot_general") and calls[1] > max(
+        k for k, n in enumerate(names) if n == "dot_general"), names
+    assert names[calls[2] - 1] == "optimization_barrier", names
+    assert first["offsets"].tolist() == [0]  # w * 2 first, at the buffer's start
+    assert second["offsets"].tolist() == [done["offsets"].tolist()[1]] != [0]
+    out = jax.eval_shape(lambda w, v: xla.average_results(fn, [0, 2], Group(), w, v), *args)
+    assert [o.shape for o in out] == [(64, 64), (64,), (64,)]
+
+    Group.shadow_offset = 0  # no shared shadow: average after the function
+    jaxpr = jax.make_jaxpr(lambda w, v: xla.average_results(fn, [0, 2], Group(), w, v))(*args)
+    names = [e.primitive.name for e in jaxpr.jaxpr.eqns]
+    assert names.count("ffi_call") == 1 and "optimization_barrier" not in names, names

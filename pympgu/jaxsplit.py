@@ -1,0 +1,158 @@
+"""Cut a JAX program in two where some of its results are ready (pympgu.xla.average_results).
+
+A training step computes its last layer's gradient first and its first layer's last. The
+averages of the parameters whose new values are ready early can cross the link while the
+step computes the rest, as PyTorch DDP's gradient buckets do. XLA schedules a jitted
+program as it likes, so the cut is made by hand: the program is traced to a jaxpr, and its
+equations are split into
+
+- phase 1: every equation that the chosen early results need;
+- phase 2: everything else, whose inputs are then held behind an optimization barrier with
+  the exchange's token, so that XLA can start none of it before the exchange has started.
+
+Which results are early is chosen from the matrix products' FLOPs. The early set grows one
+result at a time, each time by the one that adds the least work to phase 1, and the set
+kept is the one that maximizes (bytes sent early) x (FLOPs left in phase 2 to hide them
+behind): a result sent early but with no work left to hide behind gains nothing. A program
+without matrix products is not cut.
+"""
+import math
+
+import numpy as np
+
+
+def _flops(eqn):
+    """Floating-point operations of one equation: its matrix products and convolutions (the
+    elementwise rest is small beside them), and those of any program it calls."""
+    name = eqn.primitive.name
+    if name == "dot_general":
+        (contract, _), _ = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval.shape
+        return 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contract)
+    if name == "conv_general_dilated":
+        rhs = eqn.invars[1].aval.shape
+        out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
+        return 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs) // max(out_features, 1)
+    total = 0
+    for param in eqn.params.values():
+        inner = getattr(param, "jaxpr", param)  # a ClosedJaxpr, or a Jaxpr
+        if hasattr(inner, "eqns"):
+            total += sum(_flops(e) for e in inner.eqns)
+    return total
+
+
+def _nbytes(var):
+    return math.prod(var.aval.shape) * np.dtype(var.aval.dtype).itemsize
+
+
+def _is_var(v):
+    return not hasattr(v, "val")  # a Literal carries its value
+
+
+class Split:
+    """A traced program, cut for the results at positions ``which`` (see the module).
+
+    ``early`` and ``late`` partition ``which``, in its order; ``late`` may be empty, and
+    ``early`` is empty when nothing is worth cutting. ``flops`` is the work of each phase.
+    """
+
+    def __init__(self, closed, which):
+        jaxpr, consts = closed.jaxpr, list(closed.consts)
+        # A jitted function traces to one call of its own program: look inside it.
+        while (len(jaxpr.eqns) == 1 and "jaxpr" in jaxpr.eqns[0].params
+               and list(jaxpr.eqns[0].invars) == list(jaxpr.invars)
+               and list(jaxpr.eqns[0].outvars) == list(jaxpr.outvars)
+               and not jaxpr.eqns[0].effects):
+            inner = jaxpr.eqns[0].params["jaxpr"]
+            if not hasattr(inner, "consts"):
+                break
+            jaxpr, consts = inner.jaxpr, list(inner.consts)
+        self.jaxpr, self.consts, self.which = jaxpr, consts, list(which)
+        eqns = jaxpr.eqns
+        producer = {}
+        for k, eqn in enumerate(eqns):
+            for v in eqn.outvars:
+                producer[v] = k
+        cost = [_flops(e) for e in eqns]
+        total = sum(cost)
+
+        def cone(vars_):
+            seen, todo = set(), [v for v in vars_ if _is_var(v) and v in producer]
+            while todo:
+                k = producer[todo.pop()]
+                if k not in seen:
+                    seen.add(k)
+                    todo += [v for v in eqns[k].invars if _is_var(v) and v in producer]
+            return seen
+
+        outvars = jaxpr.outvars
+        cones = {i: cone([outvars[i]]) for i in self.which}
+        # Grow the early set one result at a time, each time by the result that adds the
+        # least work to phase 1 (the most bytes among equals); keep the best prefix.
+        best, best_score, union, left = set(), 0, set(), list(self.which)
+        while left:
+            i = min(left, key=lambda j: (sum(cost[k] for k in cones[j] - union),
+                                         -_nbytes(outvars[j])))
+            union |= cones[i]
+            riders = {j for j in self.which if cones[j] <= union}  # ready at no extra work
+            left = [j for j in left if j not in riders]
+            score = sum(_nbytes(outvars[j]) for j in riders) * (
+                total - sum(cost[k] for k in union))
+            if score > best_score:
+                best, best_score = riders, score
+        if jaxpr.effects:  # an ordered side effect must keep its place: do not cut
+            best = set()
+        self.early = [i for i in self.which if i in best]
+        self.late = [i for i in self.which if i not in best]
+        first = set().union(*(cones[i] for i in self.early)) if self.early else set()
+        self.phase1 = [e for k, e in enumerate(eqns) if k in first]
+        self.phase2 = [e for k, e in enumerate(eqns) if k not in first]
+        self.flops = (sum(cost[k] for k in first), total - sum(cost[k] for k in first))
+        made = {v for e in self.phase2 for v in e.outvars}
+        # What phase 2 reads from before it: held back with the token.
+        self.crossing = list(dict.fromkeys(
+            v for e in self.phase2 for v in e.invars if _is_var(v) and v not in made))
+
+    def run(self, args, start, hold):
+        """Evaluate the program on the flat ``args`` (tracers, inside jit): phase 1, then
+        ``start(early values)`` (it returns a token), ``hold(token, values)`` on what phase 2
+        reads (it returns both, held: lax.optimization_barrier), then phase 2. Returns the
+        token and every output."""
+        env = dict(zip(self.jaxpr.constvars, self.consts))
+        env.update(zip(self.jaxpr.invars, args))
+        _evaluate(self.phase1, env)
+        outvars = self.jaxpr.outvars
+        token = start([_read(env, outvars[i]) for i in self.early])
+        token, held = hold(token, [env[v] for v in self.crossing])
+        env.update(zip(self.crossing, held))
+        _evaluate(self.phase2, env)
+        return token, [_read(env, v) for v in outvars]
+
+
+def _read(env, v):
+    return env[v] if _is_var(v) else v.val
+
+
+def _evaluate(eqns, env):
+    """Bind each equation in turn, as jax.core.eval_jaxpr does for a whole program."""
+    for eqn in eqns:
+        params = eqn.primitive.get_bind_params(eqn.params)
+        subfuns = ()
+        if isinstance(params, tuple):  # JAX before 0.7 returned (subfuns, params)
+            subfuns, params = params
+        manager = getattr(getattr(eqn, "ctx", None), "manager", None)
+        if manager is not None:
+            with manager:
+                out = eqn.primitive.bind(*subfuns, *(_read(env, v) for v in eqn.invars), **params)
+        else:
+            out = eqn.primitive.bind(*subfuns, *(_read(env, v) for v in eqn.invars), **params)
+        outs = out if eqn.primitive.multiple_results else [out]
+        env.update(zip(eqn.outvars, outs))
+
+
+def trace(fn, args):
+    """``fn``'s program for these flat arguments (arrays or tracers), with ``fn`` returning
+    a flat sequence of arrays."""
+    import jax
+    shapes = [jax.ShapeDtypeStruct(np.shape(a), a.dtype) for a in args]
+    return jax.make_jaxpr(lambda *a: list(fn(*a)))(*shapes)
