@@ -22,7 +22,9 @@
 //   - push, when the group's shadow lies in the shared block: each array goes from XLA's
 //     memory straight into every peer's shadow (pmg_push_peers). Nothing is packed. A start
 //     may then come in two parts (attribute "phase"), so that the arrays computed first
-//     cross the link while XLA computes the rest (pympgu.xla.average_results);
+//     cross the link while XLA computes the rest (pympgu.xla.average_results). The second
+//     part takes the first's token as its first operand: XLA would drop an operation whose
+//     token nothing uses;
 //   - pull, with a private shadow: the start packs the arrays into the group's buffer on
 //     XLA's stream, and each rank copies the peers' buffers into its shadow.
 // Other algorithms pack, run the all-reduce kernel on the side stream, and unpack in the done.
@@ -118,8 +120,8 @@ struct Array {
   size_t nbytes;
 };
 
-ffi::Error collect(ffi::RemainingArgs args, size_t count, std::vector<Array> *out) {
-  for (size_t i = 0; i < count; ++i) {
+ffi::Error collect(ffi::RemainingArgs args, size_t from, size_t count, std::vector<Array> *out) {
+  for (size_t i = from; i < from + count; ++i) {
     auto a = args.get<ffi::AnyBuffer>(i);
     if (a.has_error()) return a.error();
     out->push_back({a->untyped_data(), a->element_type(), a->size_bytes()});
@@ -280,7 +282,7 @@ ffi::Error average(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingR
   std::vector<Array> in, out;
   std::vector<size_t> at;
   int dtype;
-  if (auto e = collect(args, args.size(), &in); e.failure()) return e;
+  if (auto e = collect(args, 0, args.size(), &in); e.failure()) return e;
   if (auto e = collect(rets, rets.size(), &out); e.failure()) return e;
   if (auto e = place(kAverage, g, in, offsets, total, &at, &dtype); e.failure()) return e;
   OnGroupDevice on(kAverage, g, in[0].data);
@@ -314,11 +316,13 @@ ffi::Error average_start(cudaStream_t stream, ffi::RemainingArgs args, ffi::Rema
     return ffi::Error::InvalidArgument(
         "pympgu_average_start: phase must be 1, 2 or 3, and a start in parts needs the gather "
         "algorithm and a group with a shared shadow");
-  if (args.size() == 0) return ffi::Error::Success();
+  // The last part's first operand is the first part's token: it only orders the two.
+  const size_t skip = phase == kLast ? 1 : 0;
+  if (args.size() <= skip) return ffi::Error::Success();
   std::vector<Array> in;
   std::vector<size_t> at;
   int dtype;
-  if (auto e = collect(args, args.size(), &in); e.failure()) return e;
+  if (auto e = collect(args, skip, args.size() - skip, &in); e.failure()) return e;
   if (auto e = place(kStart, g, in, offsets, total, &at, &dtype); e.failure()) return e;
   if (auto e = gather_ready(kStart, g, algo, dtype); e.failure()) return e;
   OnGroupDevice on(kStart, g, in[0].data);

@@ -31,12 +31,18 @@ Needs pympgu built with jaxlib installed (its XLA FFI headers; ``build.sh`` and
 ``pip install --no-build-isolation .`` see it) and JAX with CUDA.
 """
 import functools
+import math
+import os
 
 import numpy as np
 
 TARGET = "pympgu_average"
 START, DONE = "pympgu_average_start", "pympgu_average_done"
 _registered = False
+# average_results cuts a function for exchanges of at least this many bytes (the size from
+# which 'auto' takes the link-bound 'push' algorithm on 2 H200s); PYMPGU_SPLIT_MIN_BYTES
+# overrides it.
+SPLIT_MIN_BYTES = int(os.environ.get("PYMPGU_SPLIT_MIN_BYTES", 16 << 20))
 
 
 @functools.lru_cache(maxsize=None)
@@ -193,12 +199,16 @@ def _overlapped(arrays, group, fn, args, algo, max_blocks, correct):
 _FIRST, _LAST, _WHOLE = 1, 2, 3
 
 
-def _start(arrays, attrs, phase, offsets=None):
-    """Queue the exchange of ``arrays`` (the start's part ``phase``); returns its token."""
+def _start(arrays, attrs, phase, offsets=None, after=None):
+    """Queue the exchange of ``arrays`` (the start's part ``phase``); returns its token. The
+    last part takes the first part's token (``after``) as its first operand: XLA drops an
+    operation whose token nothing uses, even through an optimization barrier."""
     import jax
     start = jax.ffi.ffi_call(START, jax.ShapeDtypeStruct((), np.uint32), has_side_effect=False)
     if offsets is not None:
         attrs = dict(attrs, offsets=offsets)
+    if phase == _LAST:
+        arrays = [after, *arrays]
     return start(*arrays, **attrs, phase=np.int32(phase))
 
 
@@ -234,8 +244,8 @@ def average_results(fn, which, group, *args, algo="auto", max_blocks=None):
     made with ``shadow=True``), ``fn`` is cut in two (pympgu.jaxsplit): the arrays computed
     first, such as a network's last layers, cross the link by DMA while ``fn`` computes the
     rest, and the others follow. One pass at the end averages them all. The result is the
-    same as ``average`` of ``fn``'s results, bit for bit. Otherwise, or when ``fn`` offers
-    nothing to hide the link behind, it is ``average`` after ``fn``. The rules of ``average``
+    same on every rank, bit for bit. Otherwise, for exchanges under ``SPLIT_MIN_BYTES``, or
+    when ``fn`` offers nothing to hide the link behind, it is ``average`` after ``fn``. The rules of ``average``
     apply (module docstring); ``which`` names the arrays in the order the group's buffer
     lays them out.
     """
@@ -252,7 +262,11 @@ def average_results(fn, which, group, *args, algo="auto", max_blocks=None):
     if which and getattr(group, "shadow_offset", 0) and group.nranks > 1 and algo == "auto":
         closed = jaxsplit.trace(fn, flat)
         shapes = [closed.jaxpr.outvars[i].aval for i in which]
-        if all(s.dtype == np.float32 for s in shapes):
+        nbytes = sum(math.prod(s.shape) * 4 for s in shapes)
+        # Small exchanges are not cut: the kernels average them in tens of microseconds,
+        # less than the second part and its copies cost the host (the seed's 1.6 MB step
+        # took 0.45 ms cut against 0.20 whole, docs/BENCHMARKS.md).
+        if all(s.dtype == np.float32 for s in shapes) and nbytes >= SPLIT_MIN_BYTES:
             split = jaxsplit.Split(closed, which)
             if not split.early:
                 split = None
@@ -270,10 +284,9 @@ def average_results(fn, which, group, *args, algo="auto", max_blocks=None):
         return _start(early, attrs, phase, np.asarray([offsets[i] for i in split.early]))
 
     token, outs = split.run(flat, start, lambda t, v: lax.optimization_barrier((t, v)))
-    if split.late:
-        # After phase 2 by its operands; after the first start by the token.
-        token, late = lax.optimization_barrier((token, [outs[i] for i in split.late]))
-        token = _start(late, attrs, _LAST, np.asarray([offsets[i] for i in split.late]))
+    if split.late:  # after phase 2 by its operands, and after the first part by the token
+        token = _start([outs[i] for i in split.late], attrs, _LAST,
+                       np.asarray([offsets[i] for i in split.late]), after=token)
     token, outs = lax.optimization_barrier((token, outs))
     for i, mean in zip(which, _done(token, [outs[i] for i in which], attrs, in_place=True)):
         outs[i] = mean

@@ -268,9 +268,13 @@ def xla_rounds(ctx, rounds, method="auto", big=1 << 23, shadow=False):
                 for ms in models:
                     ms[t] = mean.reshape(ms[t].shape)
             for t, (got, want) in enumerate(zip(xs, models[ctx.rank])):
-                if not np.array_equal(np.asarray(got), want):
-                    raise AssertionError(f"rank {ctx.rank} round {k} ({path} path) tensor "
-                                         f"{layout[t][0]} is wrong")
+                got = np.asarray(got)
+                if not np.array_equal(got, want):
+                    wrong = np.flatnonzero(got.ravel() != want.ravel())
+                    raise AssertionError(
+                        f"rank {ctx.rank} round {k} ({path} path) tensor {layout[t][0]} is "
+                        f"wrong at {wrong.size} of {want.size} elements, from {wrong[0]}: got "
+                        f"{got.ravel()[wrong[:3]]}, want {want.ravel()[wrong[:3]]}")
         # The last round, odd (the Python path), made the replicas identical again.
         digest = hashlib.sha256(b"".join(np.asarray(a).tobytes() for a in xs[:2])).hexdigest()
     finally:

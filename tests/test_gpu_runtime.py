@@ -87,3 +87,23 @@ def test_gpu_training_overlapped_inside_xla():
     assert plain["exchange_share"] is None and overlapped["exchange_share"] is None  # fused
     assert overlapped["test_error"] < 0.25, overlapped  # chance is 0.9
     assert abs(overlapped["test_error"] - plain["test_error"]) <= 0.03, (plain, overlapped)
+
+
+def test_gpu_training_with_the_step_cut(monkeypatch):
+    """Exact averaging with the step cut in two (xla.average_results), forced on a small MLP:
+    the last layers' averages start while the first layer's gradient is computed. Exact, so
+    it learns as the uncut step does on the same data and seed (the same mean, rounded the
+    same way up to summation order), and run() checks that the replicas end identical."""
+    pytest.importorskip("jax")
+    from pympgu import train, xla
+    ok, why = xla.available()
+    if not ok:
+        pytest.skip(why)
+    cfg = dict(train.DEFAULTS, data=None, backend="jax", method="auto", sync_every=1, seed=0,
+               overlap=False, exchange_dtype="float32", out=None, resume=None, epochs=1,
+               hidden=[256, 128])
+    whole = train.run(cfg, devices(2))[-1]
+    monkeypatch.setenv("PYMPGU_SPLIT_MIN_BYTES", "0")  # the spawned workers read it
+    cut = train.run(cfg, devices(2))[-1]
+    assert cut["test_error"] < 0.25, cut
+    assert abs(cut["test_error"] - whole["test_error"]) <= 0.01, (whole, cut)

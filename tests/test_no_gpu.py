@@ -146,6 +146,7 @@ def test_xla_average_results_cuts_the_step(monkeypatch):
         return [w * 2, v + 1, v + jnp.sum(late)]
 
     monkeypatch.setattr(xla, "_register", lambda: None)
+    monkeypatch.setattr(xla, "SPLIT_MIN_BYTES", 0)  # these arrays are small
     args = (jnp.ones((64, 64)), jnp.ones(64))
     jaxpr = jax.make_jaxpr(lambda w, v: xla.average_results(fn, [0, 2], Group(), w, v))(*args)
     assert not jaxpr.effects
@@ -159,12 +160,21 @@ def test_xla_average_results_cuts_the_step(monkeypatch):
     assert calls[0] < names.index("dot_general") and calls[1] > max(
         k for k, n in enumerate(names) if n == "dot_general"), names
     assert names[calls[2] - 1] == "optimization_barrier", names
+    # The second part takes the first's token (held by the barrier before phase 2): XLA
+    # would otherwise drop the first part, whose token nothing else uses.
+    hold = eqns[names.index("optimization_barrier")]
+    assert eqns[calls[0]].outvars[0] in hold.invars
+    assert eqns[calls[1]].invars[0] in hold.outvars
     assert first["offsets"].tolist() == [0]  # w * 2 first, at the buffer's start
     assert second["offsets"].tolist() == [done["offsets"].tolist()[1]] != [0]
     out = jax.eval_shape(lambda w, v: xla.average_results(fn, [0, 2], Group(), w, v), *args)
     assert [o.shape for o in out] == [(64, 64), (64,), (64,)]
 
-    Group.shadow_offset = 0  # no shared shadow: average after the function
-    jaxpr = jax.make_jaxpr(lambda w, v: xla.average_results(fn, [0, 2], Group(), w, v))(*args)
-    names = [e.primitive.name for e in jaxpr.jaxpr.eqns]
-    assert names.count("ffi_call") == 1 and "optimization_barrier" not in names, names
+    # Too small to cut, or no shared shadow: a plain average after the function.
+    for threshold, offset in ((64 * 65 * 4 + 1, 1 << 20), (0, 0)):
+        monkeypatch.setattr(xla, "SPLIT_MIN_BYTES", threshold)
+        Group.shadow_offset = offset
+        jaxpr = jax.make_jaxpr(lambda w, v: xla.average_results(fn, [0, 2], Group(), w, v))(
+            *args)
+        names = [e.primitive.name for e in jaxpr.jaxpr.eqns]
+        assert names.count("ffi_call") == 1 and "optimization_barrier" not in names, names
