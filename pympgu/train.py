@@ -305,16 +305,16 @@ class Sync:
     replicas end identical. The fp32 wire and the kernel methods allow fusing; fuse=False
     (PYMPGU_XLA_EXCHANGE=0 in pympgu.train) turns it off.
 
-    Fused, an exchange averages the parameters alone (half the bytes) and each rank keeps
-    its own momentum, except at the epoch's last step, which averages everything so that
-    replicas end identical. With every=1 that changes nothing but rounding: when the
-    parameters are averaged after every step, p' = mean(p + v_r') = p + mean(v_r'), and
-    mean(v_r') obeys the same recurrence (mu * mean(v_r) - lr * mean(g_r)) as an averaged
-    momentum would, from the same start. This is why data-parallel SGD needs only the
-    gradients. Overlapped, the same holds of the replicas' mean: p_r' = mean(p) + v_r', so
-    mean(p') = mean(p) + mean(v'). With every > 1 it is local SGD's model averaging, as
-    PyTorch's PostLocalSGDOptimizer does it: momentum stays local between the epoch's
-    exchanges (docs/TRAINING.md has the accuracy).
+    Fused with every=1, an exchange averages the parameters alone (half the bytes) and each
+    rank keeps its own momentum, except at the epoch's last step, which averages everything
+    so that replicas end identical. That changes nothing but rounding: when the parameters
+    are averaged after every step, p' = mean(p + v_r') = p + mean(v_r'), and mean(v_r')
+    obeys the same recurrence (mu * mean(v_r) - lr * mean(g_r)) as an averaged momentum
+    would, from the same start. This is why data-parallel SGD needs only the gradients.
+    Overlapped, the same holds of the replicas' mean: p_r' = mean(p) + v_r', so mean(p') =
+    mean(p) + mean(v'). With every > 1 the argument fails and the whole state is averaged:
+    keeping momentum local there (local SGD's model averaging) cost 0.74 points of test
+    error on Fashion-MNIST (docs/BENCHMARKS.md, session 8).
     """
 
     def __init__(self, rep, ex, every=1, overlap=False, fuse=True):
@@ -323,7 +323,7 @@ class Sync:
         self.stepped = False  # a step was taken since the pending exchange started
         self.fused = (fuse and ex is not None and rep.jax is not None
                       and ex.xla_unavailable() is None)
-        self.params_only = self.fused  # but the epoch's last exchange
+        self.params_only = self.fused and every == 1  # but the epoch's last exchange
 
     def step(self, idx, step, last=False):
         """Training step `step` (counted from 0) of an epoch on minibatch idx, then the

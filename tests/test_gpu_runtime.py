@@ -89,7 +89,7 @@ def test_gpu_training_overlapped_inside_xla():
     assert abs(overlapped["test_error"] - plain["test_error"]) <= 0.03, (plain, overlapped)
 
 
-def test_gpu_training_with_the_step_cut(monkeypatch):
+def test_gpu_training_cut_inside_xla(monkeypatch):
     """Exact averaging with the step cut in two (xla.average_results), forced on a small MLP:
     the last layers' averages start while the first layer's gradient is computed. Exact, so
     it learns as the uncut step does on the same data and seed (the same mean, rounded the
