@@ -508,7 +508,9 @@ def build_parser():
                        help="GPU averaging algorithm: the kernels 'oneshot', 'twoshot' and "
                             "'push' (two-shot by stores), 'ce' (two-shot, pushing by DMA), or "
                             "'copy', the seed's peer-copy method (default: auto, by buffer "
-                            "size; docs/TRAINING.md)")
+                            "size; for GPU workers from 16 MiB, the step is cut so that the "
+                            "last layers' parameters cross the link by DMA while the first "
+                            "layers' gradients compute: docs/TRAINING.md)")
     where.add_argument("--port", type=int, default=None,
                        help="coordinator port on 127.0.0.1 (default: a free one)")
     d = p.add_argument_group("data")
@@ -536,7 +538,7 @@ def build_parser():
                         "(GPU workers: inside the step's XLA call, the peers' bytes moved by "
                         "the copy engines on a side stream), then apply the average with a "
                         "one-step-delayed correction (default: off; every average is exact). "
-                        "On 2 H200s it runs the wide MLP at 0.78 ms per step against 0.92 "
+                        "On 2 H200s it runs the wide MLP at 0.74 ms per step against 0.82 "
                         "without, with the same test error (docs/BENCHMARKS.md). Queued from "
                         "Python instead (CPU workers, or PYMPGU_XLA_EXCHANGE=0), with "
                         "--sync-every K the average arrives K steps late, which with high "

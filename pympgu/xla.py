@@ -25,7 +25,9 @@ shadow) and the last pass (after it) stay on XLA's stream. ``correct_during`` is
 with the one-step-delayed correction of an overlapped training step fused into that last
 pass. ``average_results(fn, which, group, *args)`` averages some of ``fn``'s own results,
 each sent as soon as it is computed, while ``fn`` computes the rest: an exact exchange that
-hides behind the end of a training step, as DDP's gradient buckets do.
+hides behind the end of a training step, as DDP's gradient buckets do. A group carries one
+of these exchanges at a time: two start/done pairs on the same group must not interleave
+in one function, since both land in the same shadow.
 
 Needs pympgu built with jaxlib installed (its XLA FFI headers; ``build.sh`` and
 ``pip install --no-build-isolation .`` see it) and JAX with CUDA.
@@ -243,11 +245,11 @@ def average_results(fn, which, group, *args, algo="auto", max_blocks=None):
     With ``algo="auto"``, float32 arrays and a group made with ``shadow=True`` (an Exchanger
     made with ``shadow=True``), ``fn`` is cut in two (pympgu.jaxsplit): the arrays computed
     first, such as a network's last layers, cross the link by DMA while ``fn`` computes the
-    rest, and the others follow. One pass at the end averages them all. The result is the
-    same on every rank, bit for bit. Otherwise, for exchanges under ``SPLIT_MIN_BYTES``, or
-    when ``fn`` offers nothing to hide the link behind, it is ``average`` after ``fn``. The rules of ``average``
-    apply (module docstring); ``which`` names the arrays in the order the group's buffer
-    lays them out.
+    rest, and the others follow. One pass at the end averages them all, summed in rank
+    order, so every rank gets the same bits. Otherwise, for exchanges under
+    ``SPLIT_MIN_BYTES``, or when ``fn`` offers nothing to hide the link behind, it is
+    ``average`` after ``fn``. The rules of ``average`` apply (module docstring); ``which``
+    names the arrays in the order the group's buffer lays them out.
     """
     if hasattr(group, "xla_average_results"):  # an Exchanger
         return group.xla_average_results(fn, which, *args)
@@ -257,7 +259,6 @@ def average_results(fn, which, group, *args, algo="auto", max_blocks=None):
     from . import jaxsplit
     flat = list(args)
     which = list(which)
-    shapes = None
     split = None
     if which and getattr(group, "shadow_offset", 0) and group.nranks > 1 and algo == "auto":
         closed = jaxsplit.trace(fn, flat)
