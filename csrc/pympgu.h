@@ -231,7 +231,23 @@ int pmg_copy_average(const pmg_peers *peers, int rank, int nranks, void *shadow,
                      int dtype, uint64_t timeout_ns, cudaStream_t stream);
 
 /* ---- the average as an XLA operation (csrc/xla_ffi.cc) ----
- * A registered group is everything the operation needs of a PeerGroup; the operation names
+ * The points of an exchange through the start/done pair that a timeline marks: on XLA's
+ * stream, the (first) start, the last part's start, the done's arrival and its end; on the
+ * side stream, the moment the copies may begin (after the first barrier), the end of the
+ * first and of the last part's copies, and the end of the exchange (after the last
+ * barrier). A start in one part marks both parts' points. */
+enum pmg_mark {
+  PMG_MARK_START = 0,
+  PMG_MARK_SIDE_BEGIN = 1,
+  PMG_MARK_FIRST_SENT = 2,
+  PMG_MARK_LAST_START = 3,
+  PMG_MARK_LAST_SENT = 4,
+  PMG_MARK_LANDED = 5,
+  PMG_MARK_DONE = 6,
+  PMG_MARK_AVERAGED = 7,
+  PMG_MARKS = 8
+};
+/* A registered group is everything the operation needs of a PeerGroup; the operation names
  * it by the id that pmg_xla_register returns (ids are never reused, so a function traced
  * with a closed group fails with an error instead of touching freed memory). */
 typedef struct pmg_group {
@@ -242,9 +258,9 @@ typedef struct pmg_group {
   uint64_t timeout_ns;
   cudaStream_t copy_stream; /* for PMG_ALGO_CE; NULL without staging */
   cudaEvent_t event;
-  /* The overlapped pair ("pympgu_average_start" and "_done") runs its exchange on side, a
-   * high-priority stream of the group's own: side_in orders it after the pack on XLA's
-   * stream, side_out orders XLA's stream after it. */
+  /* The start/done pair ("pympgu_average_start" and "_done") runs its exchange on side, a
+   * high-priority stream of the group's own: side_in orders it after XLA's work so far
+   * (the arrays, or their pack), side_out orders XLA's stream after it. */
   cudaStream_t side;
   cudaEvent_t side_in, side_out;
   void *shadow; /* PMG_ALGO_GATHER's: nranks - 1 slots of nbytes; NULL until it is needed */
@@ -252,13 +268,20 @@ typedef struct pmg_group {
    * every rank: then peers push into it (pmg_push_peers) and no pack is needed. Zero: the
    * shadow is private, and each rank pulls the peers' packed buffers (pmg_gather_peers). */
   size_t shadow_offset;
+  /* Nonzero: the barrier before a push runs on XLA's stream, between XLA's work and the
+   * copies, rather than on the side stream, where it may wait for an SM behind XLA's
+   * kernels (PYMPGU_PUSH_BARRIER=xla; docs/BENCHMARKS.md, session 8). */
+  int barrier_on_xla;
+  /* Timing events that the pair records at each point of an exchange (pmg_mark), or all
+   * NULL: PeerGroup.xla_timeline reads the last exchange's (PYMPGU_XLA_TIMELINE=1). */
+  cudaEvent_t marks[PMG_MARKS];
 } pmg_group;
 /* *id == 0: register group under a new id, returned in *id. Otherwise replace the entry of
  * the registered id *id (the group gained a shadow). */
 int pmg_xla_register(const pmg_group *group, int64_t *id);
 int pmg_xla_unregister(int64_t id);
 /* The XLA FFI handler (an XLA_FFI_Handler *) of the operation named: "pympgu_average", or
- * the overlapped pair "pympgu_average_start" and "pympgu_average_done" (see xla_ffi.cc).
+ * the pair "pympgu_average_start" and "pympgu_average_done" (see xla_ffi.cc).
  * NULL for another name, or when pympgu was built without jaxlib's FFI headers. */
 void *pmg_xla_handler(const char *name);
 #endif

@@ -46,6 +46,7 @@
 // The registry is built without XLA too; only the handler needs jaxlib's headers.
 #include <algorithm>
 #include <cstring>
+#include <initializer_list>
 #include <map>
 #include <mutex>
 #include <string>
@@ -239,6 +240,15 @@ int after_side(const pmg_group &g, cudaStream_t stream) {
   return g.side_out ? pmg_stream_wait_event(stream, g.side_out) : 0;
 }
 
+// Records the timeline's points `which` (pmg_mark) on stream, when the group keeps a
+// timeline (PeerGroup.xla_timeline); a no-op otherwise.
+int mark(const pmg_group &g, std::initializer_list<int> which, cudaStream_t stream) {
+  for (int w : which)
+    if (g.marks[w])
+      if (int status = pmg_event_record(g.marks[w], stream)) return status;
+  return 0;
+}
+
 // How every operation that reads arrays begins, on XLA's stream: wait for any exchange still
 // on the side stream, then pack the arrays into the group's buffer.
 ffi::Error pack(const char *op, const pmg_group &g, const std::vector<Array> &in,
@@ -328,9 +338,20 @@ ffi::Error average_start(cudaStream_t stream, ffi::RemainingArgs args, ffi::Rema
   OnGroupDevice on(kStart, g, in[0].data);
   if (on.error().failure()) return on.error();
   int status;
+  const bool first = phase & kFirst, last = phase & kLast;
+  if ((first && (status = mark(g, {PMG_MARK_START}, stream))) ||
+      (last && (status = mark(g, {PMG_MARK_LAST_START}, stream))))
+    return failed(kStart, "mark the timeline", status);
   if (!push) {
     if (auto e = pack(kStart, g, in, at, stream); e.failure()) return e;
   }
+  // Before any copy into a peer's shadow, every rank must be done reading its own. On the
+  // side stream that barrier is a kernel that may wait for an SM behind XLA's; on XLA's
+  // stream it runs between XLA's kernels (g.barrier_on_xla).
+  const bool barrier_on_xla = push && first && g.barrier_on_xla;
+  if (barrier_on_xla &&
+      (status = pmg_device_barrier(&g.peers, g.rank, g.nranks, g.timeout_ns, stream)))
+    return failed(kStart, "barrier", status);
   if ((status = pmg_event_record(g.side_in, stream)) ||
       (status = pmg_stream_wait_event(g.side, g.side_in)))
     return failed(kStart, "order the side stream after XLA's", status);
@@ -340,24 +361,31 @@ ffi::Error average_start(cudaStream_t stream, ffi::RemainingArgs args, ffi::Rema
     std::vector<const void *> src;
     std::vector<size_t> nbytes;
     for (const Array &a : in) src.push_back(a.data), nbytes.push_back(a.nbytes);
-    if (((phase & kFirst) &&
+    if ((first && !barrier_on_xla &&
          (status = pmg_device_barrier(&g.peers, g.rank, g.nranks, g.timeout_ns, g.side))) ||
+        (first && (status = mark(g, {PMG_MARK_SIDE_BEGIN}, g.side))) ||
         (status = pmg_push_peers(&g.peers, g.shadow_offset, gather_elems(g, total) * sizeof(float),
                                  g.rank, g.nranks, src.data(), at.data(), nbytes.data(),
                                  int(in.size()), g.side)) ||
-        ((phase & kLast) &&
-         (status = pmg_device_barrier(&g.peers, g.rank, g.nranks, g.timeout_ns, g.side))))
+        (first && (status = mark(g, {PMG_MARK_FIRST_SENT}, g.side))) ||
+        (last && (status = mark(g, {PMG_MARK_LAST_SENT}, g.side))) ||
+        (last && (status = pmg_device_barrier(&g.peers, g.rank, g.nranks, g.timeout_ns, g.side))))
       return failed(kStart, "push", status);
   } else if (algo == PMG_ALGO_GATHER) {
     if ((status = pmg_device_barrier(&g.peers, g.rank, g.nranks, g.timeout_ns, g.side)) ||
+        (status = mark(g, {PMG_MARK_SIDE_BEGIN}, g.side)) ||
         (status = pmg_gather_peers(&g.peers, g.rank, g.nranks, g.shadow, gather_elems(g, total),
                                    dtype, g.side)) ||
+        (status = mark(g, {PMG_MARK_FIRST_SENT, PMG_MARK_LAST_SENT}, g.side)) ||
         (status = pmg_device_barrier(&g.peers, g.rank, g.nranks, g.timeout_ns, g.side)))
       return failed(kStart, "gather", status);
-  } else if ((status = allreduce(g, algo, max_blocks, chunk_bytes, size_t(total), dtype, g.side))) {
+  } else if ((status = mark(g, {PMG_MARK_SIDE_BEGIN}, g.side)) ||
+             (status = allreduce(g, algo, max_blocks, chunk_bytes, size_t(total), dtype, g.side)) ||
+             (status = mark(g, {PMG_MARK_FIRST_SENT, PMG_MARK_LAST_SENT}, g.side))) {
     return failed(kStart, "average", status);
   }
-  if ((status = pmg_event_record(g.side_out, g.side)))
+  if ((last && (status = mark(g, {PMG_MARK_LANDED}, g.side))) ||
+      (status = pmg_event_record(g.side_out, g.side)))
     return failed(kStart, "record the exchange's end", status);
   return ffi::Error::Success();
 }
@@ -396,6 +424,8 @@ ffi::Error average_done(cudaStream_t stream, ffi::RemainingArgs args, ffi::Remai
   OnGroupDevice on(kDone, g, out[0].data);
   if (on.error().failure()) return on.error();
   int status;
+  if ((status = mark(g, {PMG_MARK_DONE}, stream)))
+    return failed(kDone, "mark the timeline", status);
   if ((status = after_side(g, stream))) return failed(kDone, "wait for the side stream", status);
   if (algo == PMG_ALGO_GATHER) {
     std::vector<pmg_mean> list(n);
@@ -410,6 +440,8 @@ ffi::Error average_done(cudaStream_t stream, ffi::RemainingArgs args, ffi::Remai
   } else if ((status = pmg_copy_list(copies(g, out, at, false).data(), int(n), stream))) {
     return failed(kDone, "unpack", status);
   }
+  if ((status = mark(g, {PMG_MARK_AVERAGED}, stream)))
+    return failed(kDone, "mark the timeline", status);
   return ffi::Error::Success();
 }
 

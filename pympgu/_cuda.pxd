@@ -16,6 +16,7 @@ cdef extern from "pympgu.h" nogil:
         PMG_ALGO_CE
         PMG_ALGO_GATHER
         PMG_ERR_INVALID_ARGUMENT
+        PMG_MARKS
 
     ctypedef struct pmg_signal:
         pass
@@ -44,6 +45,8 @@ cdef extern from "pympgu.h" nogil:
         cudaEvent_t side_out
         void *shadow
         size_t shadow_offset
+        int barrier_on_xla
+        cudaEvent_t marks[PMG_MARKS]
 
     const char *pmg_error_name(int status)
     const char *pmg_error_string(int status)

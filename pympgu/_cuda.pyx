@@ -834,6 +834,19 @@ ALGORITHM_CODES = {"oneshot": PMG_ALGO_ONESHOT, "twoshot": PMG_ALGO_TWOSHOT,
 
 
 XLA_OPERATIONS = ("pympgu_average", "pympgu_average_start", "pympgu_average_done")
+# The points of an exchange that PeerGroup.xla_timeline reports, in pmg_mark's order.
+XLA_MARKS = ("start", "side_begin", "first_sent", "last_start", "last_sent", "landed", "done",
+             "averaged")
+XLA_MARK_COUNT = PMG_MARKS
+
+
+def _push_barrier_on_xla():
+    """PYMPGU_PUSH_BARRIER: 'side' (the default) or 'xla', the stream that runs the barrier
+    before the XLA pair's copies into the peers' shadows (csrc/pympgu.h, pmg_group)."""
+    value = os.environ.get("PYMPGU_PUSH_BARRIER", "side")
+    if value not in ("side", "xla"):
+        raise ValueError(f"PYMPGU_PUSH_BARRIER must be 'side' or 'xla', got {value!r}")
+    return value == "xla"
 
 
 def xla_handler(name="pympgu_average"):
@@ -885,6 +898,7 @@ cdef class PeerGroup:
     cdef int64_t _xla_id
     cdef Stream side  # the overlapped XLA pair's, made with the registration
     cdef Event side_in, side_out
+    cdef object marks  # the pair's timeline events (PYMPGU_XLA_TIMELINE=1), or None
 
     def __init__(self, int rank, int nranks, size_t nbytes, device=None, double timeout=60.0,
                  staging=None, bint shadow=False):
@@ -1061,11 +1075,28 @@ cdef class PeerGroup:
             self.side_out = Event(timing=False)
         g.side = self.side.handle
         g.side_in, g.side_out = self.side_in.handle, self.side_out.handle
+        g.barrier_on_xla = _push_barrier_on_xla()
+        if self.marks is None and os.environ.get("PYMPGU_XLA_TIMELINE") == "1":
+            self.marks = [Event(timing=True) for _ in range(PMG_MARKS)]
+        if self.marks is not None:
+            for i, ev in enumerate(self.marks):
+                g.marks[i] = (<Event>ev).handle
         if shadow or self.shadow_offset or self.shadow is not None:
             g.shadow = self._shadow()
             g.shadow_offset = self.shadow_offset
         check(pmg_xla_register(&g, &self._xla_id))  # a new id, or the same id updated
         return self._xla_id
+
+    def xla_timeline(self):
+        """Where the last exchange through the XLA start/done pair spent its time: a dict
+        of milliseconds from its (first) start on XLA's stream to each point of
+        ``XLA_MARKS`` (csrc/pympgu.h, pmg_mark). None unless PYMPGU_XLA_TIMELINE=1 was set
+        when the group was registered (``xla_id``). Waits for that exchange to end."""
+        if self.marks is None:
+            return None
+        self.marks[-1].synchronize()
+        start = self.marks[0]
+        return {name: start.elapsed_ms(ev) for name, ev in zip(XLA_MARKS, self.marks)}
 
     def copy_average(self, size_t n, dtype="float32", bint synchronize=True):
         """The seed's method: copy each peer's buffer into a shadow, then average locally."""

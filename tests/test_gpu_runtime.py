@@ -70,6 +70,32 @@ def test_gpu_exchange_inside_xla(nranks, method, shadow):
     assert all(r["closed_raises"] for r in results)
 
 
+@pytest.mark.parametrize("barrier", ["side", "xla"])
+def test_gpu_xla_timeline_and_barrier_stream(barrier, monkeypatch):
+    """The cut exchange with the barrier before its copies on either stream
+    (PYMPGU_PUSH_BARRIER), checked bit for bit by xla_rounds, and the timeline of its last
+    cut round (PYMPGU_XLA_TIMELINE=1): every mark in the order its stream imposes."""
+    pytest.importorskip("jax")
+    from pympgu import xla
+    ok, why = xla.available()
+    if not ok:
+        pytest.skip(why)
+    from runtime_targets import xla_rounds
+    monkeypatch.setenv("PYMPGU_PUSH_BARRIER", barrier)  # the spawned workers read both
+    monkeypatch.setenv("PYMPGU_XLA_TIMELINE", "1")
+    results = launch(xla_rounds, (10, "auto", 1 << 23, True), gpus=devices(2))
+    assert len({r["digest"] for r in results}) == 1
+    slack = 0.01  # ms: events on two streams, at the timer's resolution
+    for r in results:
+        t = r["timeline"]
+        assert t["start"] == 0.0, t
+        side = [t[k] for k in ("side_begin", "first_sent", "last_sent", "landed")]
+        on_xla = [t[k] for k in ("start", "last_start", "done", "averaged")]
+        for order in (side, on_xla):
+            assert all(b >= a - slack for a, b in zip(order, order[1:])), t
+        assert t["side_begin"] >= -slack and t["averaged"] >= t["landed"] - slack, t
+
+
 def test_gpu_training_overlapped_inside_xla():
     """--overlap with JAX workers: the average runs inside the step's XLA call, beside its
     compute, and learns as well as plain averaging on the same data and seed; run() checks

@@ -178,3 +178,19 @@ def test_xla_average_results_cuts_the_step(monkeypatch):
             *args)
         names = [e.primitive.name for e in jaxpr.jaxpr.eqns]
         assert names.count("ffi_call") == 1 and "optimization_barrier" not in names, names
+
+
+def test_push_barrier_setting_is_checked(monkeypatch):
+    try:
+        from pympgu import _cuda
+    except ImportError:
+        pytest.skip("pympgu was built without CUDA")
+    for value, on_xla in (("side", False), ("xla", True)):
+        monkeypatch.setenv("PYMPGU_PUSH_BARRIER", value)
+        assert _cuda._push_barrier_on_xla() is on_xla
+    monkeypatch.delenv("PYMPGU_PUSH_BARRIER")
+    assert _cuda._push_barrier_on_xla() is False
+    monkeypatch.setenv("PYMPGU_PUSH_BARRIER", "gpu")
+    with pytest.raises(ValueError, match="PYMPGU_PUSH_BARRIER must be 'side' or 'xla', got 'gpu'"):
+        _cuda._push_barrier_on_xla()
+    assert len(_cuda.XLA_MARKS) == _cuda.XLA_MARK_COUNT

@@ -1,0 +1,112 @@
+"""Where an exchange inside the step's XLA call spends its time, point by point, on the GPU.
+
+    PYTHONPATH=. python benchmarks/probe_timeline.py --gpus 0 1 [--hidden 4096 4096]
+                                                    [--barrier side xla]
+
+The GPU machine has no profiler, so the exchange marks its own points with CUDA events
+(PYMPGU_XLA_TIMELINE=1, PeerGroup.xla_timeline). Each rank builds the training loop's
+replica and Exchanger (with its shared shadow, as pympgu.train does) and runs two steps:
+'exact' (the parameters averaged after the step; from 16 MiB the step is cut, so that the
+last layers leave while the first layer's gradient is computed) and 'overlap' (the
+parameters the step starts from averaged while it computes). After each step it reads the
+marks, which waits for that step, so steps do not overlap one another. It prints, per rank,
+the median of each point in ms after the (first) start:
+
+  side_begin   the copies may begin (after the first GPU barrier)
+  first_sent   the first part's copies have ended
+  last_start   XLA reached the last part (the end of phase 2 when cut)
+  last_sent    the last part's copies have ended
+  landed       the last GPU barrier: every rank's copies are in
+  done         XLA reached the done operation (its work beside the exchange has ended)
+  averaged     the average (and the correction) is written
+
+and the plain step alone, back to back, for scale. It runs once per --barrier value
+(PYMPGU_PUSH_BARRIER: the first barrier on the side stream, or on XLA's). The distance from
+start to side_begin is what the copies wait before they can run.
+"""
+import argparse
+import os
+import time
+
+
+def worker(ctx, hidden, batch, steps):
+    from pympgu.train import Replica, _setup_backend, make_exchanger
+    _setup_backend(ctx, "jax")  # before PyTensor is imported
+    import jax
+    import numpy as np
+
+    from pympgu import CudaError
+    cfg = dict(data=None, hidden=hidden, lr=0.05, momentum=0.9, batch_size=batch, l1=0.0,
+               l2=1e-4, backend="jax", method="auto", exchange_dtype="float32",
+               exchange_blocks=None, overlap=False)
+    rep = Replica(ctx, cfg)
+    ex = make_exchanger(ctx, rep, cfg)
+    try:
+        group = ex.backend.group
+        idx = jax.device_put(np.arange(batch, dtype=np.int32))
+        plain = rep.jax_step()
+        for _ in range(5):
+            plain(idx)
+        rep.wait()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            plain(idx)
+        rep.wait()
+        out = {"plain_ms": 1e3 * (time.perf_counter() - t0) / steps}
+        for name, overlap in (("exact", False), ("overlap", True)):
+            step = rep.jax_step(ex, params_only=True, overlap=overlap)
+            for _ in range(5):
+                step(idx)
+            rep.wait()
+            ctx.barrier()
+            seen = []
+            try:
+                for _ in range(steps):
+                    step(idx)
+                    seen.append(group.xla_timeline())
+            except CudaError:
+                # A mark never recorded: an exchange under PYMPGU_SPLIT_MIN_BYTES runs as one
+                # operation, not through the start/done pair.
+                out[name] = None
+                continue
+            out[name] = {k: float(np.median([s[k] for s in seen])) for k in seen[0]}
+        return out
+    finally:
+        ex.close()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpus", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--hidden", type=int, nargs="+", default=[4096, 4096])
+    p.add_argument("--batch-size", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--barrier", nargs="+", choices=["side", "xla"], default=["side", "xla"],
+                   help="where the barrier before the copies runs (PYMPGU_PUSH_BARRIER); "
+                        "one run per value")
+    a = p.parse_args()
+    if len(a.gpus) < 2:
+        p.error("--gpus needs at least two GPUs (or the same GPU twice): there is no "
+                "exchange to time on one")
+    from pympgu._cuda import XLA_MARKS
+    from pympgu.launch import launch
+    os.environ["PYMPGU_XLA_TIMELINE"] = "1"  # the spawned workers inherit it
+    for where in a.barrier:
+        os.environ["PYMPGU_PUSH_BARRIER"] = where
+        results = launch(worker, (a.hidden, a.batch_size, a.steps), gpus=a.gpus)
+        print(f"first barrier on the {where} stream; ms after the start (median of {a.steps}):")
+        print(f"{'rank':>4} {'step':>8} " + " ".join(f"{m:>11}" for m in XLA_MARKS[1:]))
+        for rank, r in enumerate(results):
+            for name in ("exact", "overlap"):
+                if r[name] is None:
+                    print(f"{rank:>4} {name:>8} not through the start/done pair (an exchange "
+                          "under PYMPGU_SPLIT_MIN_BYTES)")
+                    continue
+                print(f"{rank:>4} {name:>8} " +
+                      " ".join(f"{r[name][m]:>11.3f}" for m in XLA_MARKS[1:]))
+            print(f"{rank:>4} {'plain':>8} {r['plain_ms']:>11.3f} ms a step, back to back")
+
+
+if __name__ == "__main__":
+    main()
