@@ -373,9 +373,12 @@ def make_exchanger(ctx, rep, cfg):
     if blocks is None and cfg.get("overlap"):
         blocks = OVERLAP_BLOCKS
     # A shared shadow lets the exchanges inside the step's XLA call start as soon as the
-    # last layers are computed, and spares the overlapped one its pack ('gather').
+    # last layers are computed, and spares the overlapped one its pack ('gather'). It costs
+    # nranks - 1 copies of the state on each GPU: only where one of the two will use it.
+    from .xla import SPLIT_MAX_RANKS
     shadow = (rep.jax is not None and not ctx.is_cpu and cfg.get("xla_exchange", True)
-              and cfg["method"] == "auto" and cfg["exchange_dtype"] in (None, "float32"))
+              and cfg["method"] == "auto" and cfg["exchange_dtype"] in (None, "float32")
+              and (cfg.get("overlap") or ctx.nranks <= SPLIT_MAX_RANKS))
     ex = Exchanger(ctx, state_layout(rep), method=cfg["method"], wire_dtype=cfg["exchange_dtype"],
                    max_blocks=blocks, shadow=shadow)
     try:

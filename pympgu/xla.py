@@ -45,6 +45,11 @@ _registered = False
 # which 'auto' takes the link-bound 'push' algorithm on 2 H200s); PYMPGU_SPLIT_MIN_BYTES
 # overrides it.
 SPLIT_MIN_BYTES = int(os.environ.get("PYMPGU_SPLIT_MIN_BYTES", 16 << 20))
+# ... and of at most this many ranks. The cut sends every rank's arrays to every peer,
+# (R - 1) times the bytes per rank, where the two-shot kernels send 2 (R - 1) / R times: the
+# same at R = 2, where it was measured, and R / 2 times more above. PYMPGU_SPLIT_MAX_RANKS
+# overrides it.
+SPLIT_MAX_RANKS = int(os.environ.get("PYMPGU_SPLIT_MAX_RANKS", 2))
 
 
 @functools.lru_cache(maxsize=None)
@@ -247,8 +252,8 @@ def average_results(fn, which, group, *args, algo="auto", max_blocks=None):
     first, such as a network's last layers, cross the link by DMA while ``fn`` computes the
     rest, and the others follow. One pass at the end averages them all, summed in rank
     order, so every rank gets the same bits. Otherwise, for exchanges under
-    ``SPLIT_MIN_BYTES``, or when ``fn`` offers nothing to hide the link behind, it is
-    ``average`` after ``fn``. The rules of ``average`` apply (module docstring); ``which``
+    ``SPLIT_MIN_BYTES`` or groups of more than ``SPLIT_MAX_RANKS``, or when ``fn`` offers
+    nothing to hide the link behind, it is ``average`` after ``fn``. The rules of ``average`` apply (module docstring); ``which``
     names the arrays in the order the group's buffer lays them out.
     """
     if hasattr(group, "xla_average_results"):  # an Exchanger
@@ -260,7 +265,8 @@ def average_results(fn, which, group, *args, algo="auto", max_blocks=None):
     flat = list(args)
     which = list(which)
     split = None
-    if which and getattr(group, "shadow_offset", 0) and group.nranks > 1 and algo == "auto":
+    if (which and getattr(group, "shadow_offset", 0) and 1 < group.nranks <= SPLIT_MAX_RANKS
+            and algo == "auto"):
         closed = jaxsplit.trace(fn, flat)
         shapes = [closed.jaxpr.outvars[i].aval for i in which]
         nbytes = sum(math.prod(s.shape) * 4 for s in shapes)

@@ -56,10 +56,12 @@ def test_gpu_workers_jax_without_host_waits():
 @pytest.mark.parametrize("nranks,method,shadow", [
     (2, "auto", False), (2, "oneshot", False), (2, "twoshot", False), (2, "push", False),
     (2, "ce", False), (3, "auto", False), (2, "auto", True), (3, "auto", True)])
-def test_gpu_exchange_inside_xla(nranks, method, shadow):
+def test_gpu_exchange_inside_xla(nranks, method, shadow, monkeypatch):
     """pympgu's average as an XLA operation inside jit, plain, overlapped and as the results
-    are computed, alternating with the Python path. With a shadow, peers push into it."""
+    are computed, alternating with the Python path. With a shadow, peers push into it, and
+    the results round is cut on 3 ranks too (above the default PYMPGU_SPLIT_MAX_RANKS)."""
     pytest.importorskip("jax")
+    monkeypatch.setenv("PYMPGU_SPLIT_MAX_RANKS", "8")  # the spawned workers read it
     from pympgu import xla
     ok, why = xla.available()
     if not ok:

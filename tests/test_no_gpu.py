@@ -170,10 +170,11 @@ def test_xla_average_results_cuts_the_step(monkeypatch):
     out = jax.eval_shape(lambda w, v: xla.average_results(fn, [0, 2], Group(), w, v), *args)
     assert [o.shape for o in out] == [(64, 64), (64,), (64,)]
 
-    # Too small to cut, or no shared shadow: a plain average after the function.
-    for threshold, offset in ((64 * 65 * 4 + 1, 1 << 20), (0, 0)):
+    # Too small to cut, too many ranks, or no shared shadow: a plain average after it.
+    for threshold, nranks, offset in ((64 * 65 * 4 + 1, 2, 1 << 20), (0, 3, 1 << 20),
+                                      (0, 2, 0)):
         monkeypatch.setattr(xla, "SPLIT_MIN_BYTES", threshold)
-        Group.shadow_offset = offset
+        Group.nranks, Group.shadow_offset = nranks, offset
         jaxpr = jax.make_jaxpr(lambda w, v: xla.average_results(fn, [0, 2], Group(), w, v))(
             *args)
         names = [e.primitive.name for e in jaxpr.jaxpr.eqns]
