@@ -50,7 +50,7 @@ for step in $steps; do
       IFS=';' read -ra runs <<< "${TRAINBENCH:---gpus 0}"
       for k in "${!runs[@]}"; do
         echo "--- bench train ${runs[$k]}"
-        timeout 400 python3 -m pympgu.bench train ${runs[$k]} --json "$OUT/train_bench$k.json" 2>&1 | grep -v -i warn | tail -14
+        timeout 400 python3 -m pympgu.bench train ${runs[$k]} --json "$OUT/train_bench$k.json" 2>&1 | grep -v -i "warn\|return func\|return lax" | tail -26
       done
       [ -z "${TRAINBENCH:-}" ] && timeout 150 python3 -m pympgu.bench train --gpus 0 0 --models wide --steps 10 --warmup 3 --no-ddp 2>&1 | grep -v -i warn | tail -8 ;;
     variants) timeout 400 python3 benchmarks/accuracy_variants.py --data-dir ${DATA:-.data/fashion} --gpus ${VGPUS:-0 0} 2>&1 | grep -v -i warn | tail -8 ;;

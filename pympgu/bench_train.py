@@ -256,10 +256,14 @@ def ddp_rank(rank, world, devices, cfg, n_in, n_out, steps, warmup, init_file):
         t0 = time.perf_counter()
         for _ in range(steps):
             step()
+        # PyTorch returns before the GPU is done, as JAX does: a loop as long as the whole
+        # means the host sets DDP's pace, not the GPU.
+        issued = time.perf_counter() - t0
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         return {"samples_per_s": world * cfg["batch_size"] * steps / wall,
-                "ms_per_step": 1e3 * wall / steps}
+                "ms_per_step": 1e3 * wall / steps, "host_ms": 1e3 * issued / steps,
+                "tf32": bool(torch.backends.cuda.matmul.allow_tf32)}
     finally:
         dist.destroy_process_group()
 
@@ -376,6 +380,10 @@ def table(rows):
                          f"loop), plain JAX step {r['plain_jax_ms']:.3f} ms: PyTensor's overhead "
                          f"{r['pytensor_ms'] - r['plain_jax_ms']:+.3f} ms per step, "
                          f"{r['direct_ms'] - r['plain_jax_ms']:+.3f} ms called directly")
+        if "host_ms" in r:
+            lines.append(f"{r['model']}: DDP on GPUs {r['gpus']}: the host issues a step in "
+                         f"{r['host_ms']:.3f} ms of its {r['ms_per_step']:.3f} ms (TF32 "
+                         f"matmuls {'on' if r['tf32'] else 'off'})")
         if "r1" in r:
             o = r["r1"]
             lines.append(f"{r['model']}: one exchange of {o['bytes'] / 1e6:.1f} MB at R = 1 takes "

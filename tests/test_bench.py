@@ -28,3 +28,12 @@ def test_train_bench_rejects_bad_flags():
     r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "9"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--cpu takes 1 to 8" in r.stderr
+
+
+def test_train_bench_table_says_whether_ddp_is_host_bound():
+    from pympgu.bench_train import table
+    row = dict(model="wide", system="DDP", gpus=[0], variant="-", batch=1024,
+               samples_per_s=4.5e5, ms_per_step=2.262, scaling=1.0, host_ms=2.1, tf32=True)
+    text = table([row])
+    assert "wide: DDP on GPUs [0]: the host issues a step in 2.100 ms of its 2.262 ms (TF32 " \
+           "matmuls on)" in text
