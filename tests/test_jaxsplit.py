@@ -108,3 +108,22 @@ def test_mlp_sends_its_last_layers_early():
         "print('early', early, round(share, 3))\n"
     )
     run_jax_on_cpu(code, "early")
+
+
+def test_flops_of_products_convolutions_and_nested_programs():
+    """The cost model counts 2 * M * N * K for a matrix product, 2 * outputs * (kernel
+    volume / output features) for a convolution, and looks inside nested jitted calls."""
+    pytest.importorskip("jax")
+    code = (
+        "import os; os.environ['JAX_PLATFORMS']='cpu';"
+        "import jax, jax.numpy as jnp, numpy as np; from jax import lax; from pympgu import jaxsplit\n"
+        "def flops(fn, *shapes):\n"
+        "    j = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(s, np.float32) for s in shapes]).jaxpr\n"
+        "    return sum(jaxsplit._flops(e) for e in j.eqns)\n"
+        "assert flops(lambda a, b: a @ b, (8, 16), (16, 4)) == 2 * 8 * 4 * 16\n"
+        "conv = lambda x, k: lax.conv_general_dilated(x, k, (1, 1), 'SAME')\n"
+        "assert flops(conv, (2, 3, 10, 10), (5, 3, 3, 3)) == 2 * (2 * 5 * 10 * 10) * (3 * 3 * 3)\n"
+        "assert flops(jax.jit(lambda a, b: jnp.tanh(a @ b)), (8, 16), (16, 4)) == 2 * 8 * 4 * 16\n"
+        "print('counted')\n"
+    )
+    run_jax_on_cpu(code, "counted")
