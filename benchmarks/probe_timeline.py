@@ -24,9 +24,10 @@ and the plain step alone, back to back, for scale. It runs once per --barrier va
 (PYMPGU_PUSH_BARRIER: the first barrier on the side stream, or on XLA's). The distance from
 start to side_begin is what the copies wait before they can run.
 """
-import argparse
 import os
 import time
+
+from probe_common import parser, replica_config
 
 
 def worker(ctx, hidden, batch, steps):
@@ -36,9 +37,7 @@ def worker(ctx, hidden, batch, steps):
     import numpy as np
 
     from pympgu import CudaError
-    cfg = dict(data=None, hidden=hidden, lr=0.05, momentum=0.9, batch_size=batch, l1=0.0,
-               l2=1e-4, backend="jax", method="auto", exchange_dtype="float32",
-               exchange_blocks=None, overlap=False)
+    cfg = replica_config(hidden, batch)
     rep = Replica(ctx, cfg)
     ex = make_exchanger(ctx, rep, cfg)
     try:
@@ -76,11 +75,7 @@ def worker(ctx, hidden, batch, steps):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gpus", type=int, nargs="+", default=[0, 1])
-    p.add_argument("--hidden", type=int, nargs="+", default=[4096, 4096])
-    p.add_argument("--batch-size", type=int, default=1024)
+    p = parser(__doc__)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--barrier", nargs="+", choices=["side", "xla"], default=["side", "xla"],
                    help="where the barrier before the copies runs (PYMPGU_PUSH_BARRIER); "

@@ -15,10 +15,11 @@ a pass over the state). With
 steps alone, every rank at once and then one at a time, and says where JAX put each rank's
 model. --only-params runs the parameters-only step alone, for a profiler.
 """
-import argparse
 import os
 import re
 import time
+
+from probe_common import parser, replica_config
 
 
 def _where(rep, ctx):
@@ -51,9 +52,7 @@ def worker(ctx, hidden, batch, calls, exchanger=True, only_params=False):
 
     from pympgu.bench_train import _bare_kernel_ms
     from pympgu.exchange import Exchanger
-    cfg = dict(data=None, hidden=hidden, lr=0.05, momentum=0.9, batch_size=batch, l1=0.0,
-               l2=1e-4, backend="jax", method="auto", exchange_dtype="float32",
-               exchange_blocks=None, overlap=False)
+    cfg = replica_config(hidden, batch)
     rep = Replica(ctx, cfg)
     # One rank alone (--gpus 0) still gets an Exchanger: its exchange is the pack, a local
     # kernel and the unpack, which prices the copies around the link.
@@ -161,11 +160,7 @@ def worker(ctx, hidden, batch, calls, exchanger=True, only_params=False):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gpus", type=int, nargs="+", default=[0, 1])
-    p.add_argument("--hidden", type=int, nargs="+", default=[4096, 4096])
-    p.add_argument("--batch-size", type=int, default=1024)
+    p = parser(__doc__)
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--no-exchanger", action="store_true",
                    help="no Exchanger (no IPC mapping, no peer access): time the steps alone")

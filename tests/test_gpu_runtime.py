@@ -8,6 +8,21 @@ from runtime_targets import average_rounds_gpu, wire_rounds
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
 
+def needs_xla():
+    """Skip unless pympgu's XLA operations can run here (JAX with a GPU, built with them)."""
+    pytest.importorskip("jax")
+    from pympgu import xla
+    ok, why = xla.available()
+    if not ok:
+        pytest.skip(why)
+
+
+# One epoch of exact per-step averaging on the embedded data, JAX workers (train.DEFAULTS
+# supplies the rest).
+JAX_TRAINING = dict(data=None, backend="jax", method="auto", sync_every=1, seed=0,
+                    overlap=False, exchange_dtype="float32", out=None, resume=None, epochs=1)
+
+
 def devices(nranks):
     n = visible_gpus()
     return [r % n for r in range(nranks)]  # ranks share GPUs when there are fewer
@@ -60,12 +75,8 @@ def test_gpu_exchange_inside_xla(nranks, method, shadow, monkeypatch):
     """pympgu's average as an XLA operation inside jit, plain, overlapped and as the results
     are computed, alternating with the Python path. With a shadow, peers push into it, and
     the results round is cut on 3 ranks too (above the default PYMPGU_SPLIT_MAX_RANKS)."""
-    pytest.importorskip("jax")
+    needs_xla()
     monkeypatch.setenv("PYMPGU_SPLIT_MAX_RANKS", "8")  # the spawned workers read it
-    from pympgu import xla
-    ok, why = xla.available()
-    if not ok:
-        pytest.skip(why)
     from runtime_targets import xla_rounds
     results = launch(xla_rounds, (10, method, 1 << 23, shadow), gpus=devices(nranks))
     assert len({r["digest"] for r in results}) == 1
@@ -77,11 +88,7 @@ def test_gpu_xla_timeline_and_barrier_stream(barrier, monkeypatch):
     """The cut exchange with the barrier before its copies on either stream
     (PYMPGU_PUSH_BARRIER), checked bit for bit by xla_rounds, and the timeline of its last
     cut round (PYMPGU_XLA_TIMELINE=1): every mark in the order its stream imposes."""
-    pytest.importorskip("jax")
-    from pympgu import xla
-    ok, why = xla.available()
-    if not ok:
-        pytest.skip(why)
+    needs_xla()
     from runtime_targets import xla_rounds
     monkeypatch.setenv("PYMPGU_PUSH_BARRIER", barrier)  # the spawned workers read both
     monkeypatch.setenv("PYMPGU_XLA_TIMELINE", "1")
@@ -102,14 +109,9 @@ def test_gpu_training_overlapped_inside_xla():
     """--overlap with JAX workers: the average runs inside the step's XLA call, beside its
     compute, and learns as well as plain averaging on the same data and seed; run() checks
     that the replicas end identical."""
-    pytest.importorskip("jax")
-    from pympgu import train, xla
-    ok, why = xla.available()
-    if not ok:
-        pytest.skip(why)
-    cfg = dict(train.DEFAULTS, data=None, backend="jax", method="auto", sync_every=1, seed=0,
-               overlap=False, exchange_dtype="float32", out=None, resume=None, epochs=1,
-               hidden=[64])
+    needs_xla()
+    from pympgu import train
+    cfg = dict(train.DEFAULTS, **JAX_TRAINING, hidden=[64])
     plain = train.run(cfg, devices(2))[-1]
     overlapped = train.run(dict(cfg, overlap=True), devices(2))[-1]
     assert plain["exchange_share"] is None and overlapped["exchange_share"] is None  # fused
@@ -122,14 +124,9 @@ def test_gpu_training_cut_inside_xla(monkeypatch):
     the last layers' averages start while the first layer's gradient is computed. Exact, so
     it learns as the uncut step does on the same data and seed (the same mean, rounded the
     same way up to summation order), and run() checks that the replicas end identical."""
-    pytest.importorskip("jax")
-    from pympgu import train, xla
-    ok, why = xla.available()
-    if not ok:
-        pytest.skip(why)
-    cfg = dict(train.DEFAULTS, data=None, backend="jax", method="auto", sync_every=1, seed=0,
-               overlap=False, exchange_dtype="float32", out=None, resume=None, epochs=1,
-               hidden=[256, 128])
+    needs_xla()
+    from pympgu import train
+    cfg = dict(train.DEFAULTS, **JAX_TRAINING, hidden=[256, 128])
     whole = train.run(cfg, devices(2))[-1]
     monkeypatch.setenv("PYMPGU_SPLIT_MIN_BYTES", "0")  # the spawned workers read it
     cut = train.run(cfg, devices(2))[-1]
