@@ -234,18 +234,20 @@ int pmg_copy_average(const pmg_peers *peers, int rank, int nranks, void *shadow,
  * The points of an exchange through the start/done pair that a timeline marks: on XLA's
  * stream, the (first) start, the last part's start, the done's arrival and its end; on the
  * side stream, the moment the copies may begin (after the first barrier), the end of the
- * first and of the last part's copies, and the end of the exchange (after the last
- * barrier). A start in one part marks both parts' points. */
+ * first part's copies, the moment every rank's first part has landed (a barrier), the end
+ * of the last part's copies, and the end of the exchange (after the last barrier). A start
+ * in one part marks both parts' points. */
 enum pmg_mark {
   PMG_MARK_START = 0,
   PMG_MARK_SIDE_BEGIN = 1,
   PMG_MARK_FIRST_SENT = 2,
   PMG_MARK_LAST_START = 3,
-  PMG_MARK_LAST_SENT = 4,
-  PMG_MARK_LANDED = 5,
-  PMG_MARK_DONE = 6,
-  PMG_MARK_AVERAGED = 7,
-  PMG_MARKS = 8
+  PMG_MARK_FIRST_LANDED = 4,
+  PMG_MARK_LAST_SENT = 5,
+  PMG_MARK_LANDED = 6,
+  PMG_MARK_DONE = 7,
+  PMG_MARK_AVERAGED = 8,
+  PMG_MARKS = 9
 };
 /* A registered group is everything the operation needs of a PeerGroup; the operation names
  * it by the id that pmg_xla_register returns (ids are never reused, so a function traced
@@ -260,9 +262,11 @@ typedef struct pmg_group {
   cudaEvent_t event;
   /* The start/done pair ("pympgu_average_start" and "_done") runs its exchange on side, a
    * high-priority stream of the group's own: side_in orders it after XLA's work so far
-   * (the arrays, or their pack), side_out orders XLA's stream after it. */
+   * (the arrays, or their pack), side_out orders XLA's stream after it. When a start comes
+   * in two parts, side_first marks the moment every rank's first part has landed, so that
+   * XLA averages those arrays while the last part crosses the link. */
   cudaStream_t side;
-  cudaEvent_t side_in, side_out;
+  cudaEvent_t side_in, side_out, side_first;
   void *shadow; /* PMG_ALGO_GATHER's: nranks - 1 slots of nbytes; NULL until it is needed */
   /* Nonzero when the shadow lies in the shared block, shadow_offset bytes after the data on
    * every rank: then peers push into it (pmg_push_peers) and no pack is needed. Zero: the

@@ -24,7 +24,8 @@
 //     may then come in two parts (attribute "phase"), so that the arrays computed first
 //     cross the link while XLA computes the rest (pympgu.xla.average_results). The second
 //     part takes the first's token as its first operand: XLA would drop an operation whose
-//     token nothing uses;
+//     token nothing uses. Its done comes in two parts too: the first part's arrays are
+//     averaged as soon as they have landed, while the last part crosses the link;
 //   - pull, with a private shadow: the start packs the arrays into the group's buffer on
 //     XLA's stream, and each rank copies the peers' buffers into its shadow.
 // Other algorithms pack, run the all-reduce kernel on the side stream, and unpack in the done.
@@ -41,7 +42,8 @@
 //   offsets     element offset of each array in the group's buffer (every rank the same);
 //   total       elements averaged from the buffer's start: at least the last array's end, and
 //               what an Exchanger's own path averages, so the two paths can take turns;
-//   phase       (start only) kFirst, kLast or both (below).
+//   phase       (start only) kFirst, kLast or both (below);
+//   part        (done only) the whole exchange, or the first or last part's arrays (below).
 //
 // The registry is built without XLA too; only the handler needs jaxlib's headers.
 #include <algorithm>
@@ -312,6 +314,19 @@ ffi::Error average(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingR
 // XLA computes the rest (pympgu.xla.average_results).
 constexpr int32_t kFirst = 1, kLast = 2, kWhole = kFirst | kLast;
 
+// Before the last part's copies: a barrier proves that every rank's first part has landed,
+// and side_first tells XLA's stream, whose done operation then averages those arrays while
+// the last part crosses the link. It runs after XLA has reached the last part (side_in), so
+// that it never spins on an SM beside XLA's kernels; the copies behind it on the side
+// stream would have waited for the first part's anyway.
+int first_landed(const pmg_group &g) {
+  int status;
+  if ((status = pmg_device_barrier(&g.peers, g.rank, g.nranks, g.timeout_ns, g.side)) ||
+      (status = pmg_event_record(g.side_first, g.side)))
+    return status;
+  return mark(g, {PMG_MARK_FIRST_LANDED}, g.side);
+}
+
 ffi::Error average_start(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
                          int64_t group, int32_t algo, int32_t max_blocks, int64_t chunk_bytes,
                          ffi::Span<const int64_t> offsets, int64_t total, int32_t phase) {
@@ -364,6 +379,7 @@ ffi::Error average_start(cudaStream_t stream, ffi::RemainingArgs args, ffi::Rema
     if ((first && !barrier_on_xla &&
          (status = pmg_device_barrier(&g.peers, g.rank, g.nranks, g.timeout_ns, g.side))) ||
         (first && (status = mark(g, {PMG_MARK_SIDE_BEGIN}, g.side))) ||
+        (phase == kLast && (status = first_landed(g))) ||
         (status = pmg_push_peers(&g.peers, g.shadow_offset, gather_elems(g, total) * sizeof(float),
                                  g.rank, g.nranks, src.data(), at.data(), nbytes.data(),
                                  int(in.size()), g.side)) ||
@@ -384,17 +400,31 @@ ffi::Error average_start(cudaStream_t stream, ffi::RemainingArgs args, ffi::Rema
              (status = mark(g, {PMG_MARK_FIRST_SENT, PMG_MARK_LAST_SENT}, g.side))) {
     return failed(kStart, "average", status);
   }
-  if ((last && (status = mark(g, {PMG_MARK_LANDED}, g.side))) ||
+  // Whole, the exchange's first part lands with its last.
+  const bool whole = last && !(push && phase == kLast);
+  if ((whole && (status = mark(g, {PMG_MARK_FIRST_LANDED}, g.side))) ||
+      (whole && (status = pmg_event_record(g.side_first, g.side))) ||
+      (last && (status = mark(g, {PMG_MARK_LANDED}, g.side))) ||
       (status = pmg_event_record(g.side_out, g.side)))
     return failed(kStart, "record the exchange's end", status);
   return ffi::Error::Success();
 }
 
+// What a done operation averages (its attribute "part"): the whole exchange, or, after a
+// start in two parts, the first part's arrays (once they have landed, while the last part
+// crosses the link) or the last part's (once everything has landed). Python orders the two
+// dones of one exchange, first part first.
+constexpr int32_t kDoneWhole = 0, kDoneFirst = 1, kDoneLast = 2;
+
 ffi::Error average_done(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
                         int64_t group, int32_t algo, ffi::Span<const int64_t> offsets,
-                        int64_t total) {
+                        int64_t total, int32_t part) {
   pmg_group g;
   if (auto e = lookup_group(kDone, group, &g); e.failure()) return e;
+  if (part < kDoneWhole || part > kDoneLast || (part != kDoneWhole && algo != PMG_ALGO_GATHER))
+    return ffi::Error::InvalidArgument(
+        "pympgu_average_done: part must be 0, 1 or 2, and a done in parts needs the gather "
+        "algorithm");
   if (rets.size() == 0) return ffi::Error::Success();
   // args: the token (it only orders this operation after its start), the arrays the start
   // took (this rank's own values), then fresh, if any.
@@ -424,9 +454,11 @@ ffi::Error average_done(cudaStream_t stream, ffi::RemainingArgs args, ffi::Remai
   OnGroupDevice on(kDone, g, out[0].data);
   if (on.error().failure()) return on.error();
   int status;
-  if ((status = mark(g, {PMG_MARK_DONE}, stream)))
+  if (part != kDoneLast && (status = mark(g, {PMG_MARK_DONE}, stream)))
     return failed(kDone, "mark the timeline", status);
-  if ((status = after_side(g, stream))) return failed(kDone, "wait for the side stream", status);
+  if ((status = part == kDoneFirst ? pmg_stream_wait_event(stream, g.side_first)
+                                   : after_side(g, stream)))
+    return failed(kDone, "wait for the side stream", status);
   if (algo == PMG_ALGO_GATHER) {
     std::vector<pmg_mean> list(n);
     const size_t esize = pmg_dtype_size(dtype);
@@ -440,7 +472,7 @@ ffi::Error average_done(cudaStream_t stream, ffi::RemainingArgs args, ffi::Remai
   } else if ((status = pmg_copy_list(copies(g, out, at, false).data(), int(n), stream))) {
     return failed(kDone, "unpack", status);
   }
-  if ((status = mark(g, {PMG_MARK_AVERAGED}, stream)))
+  if (part != kDoneFirst && (status = mark(g, {PMG_MARK_AVERAGED}, stream)))
     return failed(kDone, "mark the timeline", status);
   return ffi::Error::Success();
 }
@@ -476,7 +508,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(pmg_xla_average_done, average_done,
                                   .Attr<int64_t>("group")
                                   .Attr<int32_t>("algo")
                                   .Attr<ffi::Span<const int64_t>>("offsets")
-                                  .Attr<int64_t>("total"));
+                                  .Attr<int64_t>("total")
+                                  .Attr<int32_t>("part"));
 
 extern "C" void *pmg_xla_handler(const char *name) {
   const std::string n = name ? name : "";

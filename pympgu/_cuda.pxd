@@ -43,6 +43,7 @@ cdef extern from "pympgu.h" nogil:
         cudaStream_t side
         cudaEvent_t side_in
         cudaEvent_t side_out
+        cudaEvent_t side_first
         void *shadow
         size_t shadow_offset
         int barrier_on_xla

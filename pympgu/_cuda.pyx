@@ -835,8 +835,8 @@ ALGORITHM_CODES = {"oneshot": PMG_ALGO_ONESHOT, "twoshot": PMG_ALGO_TWOSHOT,
 
 XLA_OPERATIONS = ("pympgu_average", "pympgu_average_start", "pympgu_average_done")
 # The points of an exchange that PeerGroup.xla_timeline reports, in pmg_mark's order.
-XLA_MARKS = ("start", "side_begin", "first_sent", "last_start", "last_sent", "landed", "done",
-             "averaged")
+XLA_MARKS = ("start", "side_begin", "first_sent", "last_start", "first_landed", "last_sent",
+             "landed", "done", "averaged")
 XLA_MARK_COUNT = PMG_MARKS
 
 
@@ -897,7 +897,7 @@ cdef class PeerGroup:
     cdef Event order
     cdef int64_t _xla_id
     cdef Stream side  # the overlapped XLA pair's, made with the registration
-    cdef Event side_in, side_out
+    cdef Event side_in, side_out, side_first
     cdef object marks  # the pair's timeline events (PYMPGU_XLA_TIMELINE=1), or None
 
     def __init__(self, int rank, int nranks, size_t nbytes, device=None, double timeout=60.0,
@@ -1073,8 +1073,10 @@ cdef class PeerGroup:
             self.side = Stream(high_priority=True)
             self.side_in = Event(timing=False)
             self.side_out = Event(timing=False)
+            self.side_first = Event(timing=False)
         g.side = self.side.handle
         g.side_in, g.side_out = self.side_in.handle, self.side_out.handle
+        g.side_first = self.side_first.handle
         g.barrier_on_xla = _push_barrier_on_xla()
         if self.marks is None and os.environ.get("PYMPGU_XLA_TIMELINE") == "1":
             self.marks = [Event(timing=True) for _ in range(PMG_MARKS)]

@@ -13,7 +13,9 @@ For each model (the seed's MLP 784-500-10 at batch 5000, plain SGD; the wide MLP
   average on a side stream while the step computes; '-py' queued from Python) and a
   bfloat16 wire;
 - PyTorch DistributedDataParallel on the same architecture, batch and optimiser (when
-  torch is importable and every rank has its own GPU), with TF32 matmuls as JAX uses;
+  torch is importable and every rank has its own GPU), with TF32 matmuls as JAX uses: eager
+  ('DDP', as most scripts run it) and with each step captured in a CUDA graph ('DDP-graph',
+  its fastest form when the host is slower than the GPU);
 - a plain JAX step (jax.grad of the same loss, jitted) against the PyTensor-compiled call,
   on one GPU: the per-step cost of PyTensor's wrapper.
 
@@ -48,6 +50,10 @@ VARIANTS = {  # name: (sync_every, overlap, exchange dtype, exchange inside the 
     "overlap4": (4, True, "float32", True),
     "bf16": (1, False, "bfloat16", False),
 }
+# The PyTorch baselines: DDP as most scripts run it (eager), and with each step captured in
+# a CUDA graph (one launch a step), its fastest form for a small model whose host is slower
+# than its GPU. name: captured in a graph.
+DDP_SYSTEMS = {"DDP": False, "DDP-graph": True}
 
 
 # ---------------------------------------------------------------- pympgu workers
@@ -211,8 +217,13 @@ def _plain_jax_ms(rep, cfg, batches):
 
 # ---------------------------------------------------------------- DDP
 
-def ddp_rank(rank, world, devices, cfg, n_in, n_out, steps, warmup, init_file):
-    """One DDP rank: the same MLP, batch and optimiser in PyTorch; rank 0 returns timings."""
+def ddp_rank(rank, world, devices, cfg, n_in, n_out, steps, warmup, init_file, graph=False):
+    """One DDP rank: the same MLP, batch and optimiser in PyTorch; rank 0 returns timings.
+    With ``graph``, the whole step (forward, backward with DDP's all-reduces, optimiser) is
+    captured once in a CUDA graph and replayed, PyTorch's recipe for a step whose host is
+    slower than its GPU: one launch a step, so the GPU sets the pace."""
+    import contextlib
+
     import torch
     import torch.distributed as dist
     device = devices[rank]
@@ -223,41 +234,62 @@ def ddp_rank(rank, world, devices, cfg, n_in, n_out, steps, warmup, init_file):
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     try:
-        sizes = [n_in, *cfg["hidden"], n_out]
-        layers = []
-        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
-            layers.append(torch.nn.Linear(a, b))
-            if i < len(sizes) - 2:
-                layers.append(torch.nn.Tanh())
-        model = torch.nn.Sequential(*layers).cuda()
-        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device])
-        weights = [m.weight for m in model if isinstance(m, torch.nn.Linear)]
-        biases = [m.bias for m in model if isinstance(m, torch.nn.Linear)]
-        # pympgu's cost has l2 * sum(W^2), whose gradient is 2 * l2 * W: weight decay 2 * l2.
-        opt = torch.optim.SGD([{"params": weights, "weight_decay": 2 * cfg["l2"]},
-                               {"params": biases, "weight_decay": 0.0}],
-                              lr=cfg["lr"], momentum=cfg["momentum"])
-        gen = torch.Generator(device="cuda").manual_seed(rank)
-        ntrain = 8000
-        x_all = torch.randn(ntrain, n_in, device="cuda", generator=gen)
-        y_all = torch.randint(0, n_out, (ntrain,), device="cuda", generator=gen)
+        # Capture needs DDP built and warmed up on a stream other than the default one, and
+        # at least 11 eager steps first (DDP settles its buckets in the first ones).
+        side = torch.cuda.Stream() if graph else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            sizes = [n_in, *cfg["hidden"], n_out]
+            layers = []
+            for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+                layers.append(torch.nn.Linear(a, b))
+                if i < len(sizes) - 2:
+                    layers.append(torch.nn.Tanh())
+            model = torch.nn.Sequential(*layers).cuda()
+            ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device])
+            weights = [m.weight for m in model if isinstance(m, torch.nn.Linear)]
+            biases = [m.bias for m in model if isinstance(m, torch.nn.Linear)]
+            # pympgu's cost has l2 * sum(W^2), whose gradient is 2 * l2 * W: weight decay 2 * l2.
+            opt = torch.optim.SGD([{"params": weights, "weight_decay": 2 * cfg["l2"]},
+                                   {"params": biases, "weight_decay": 0.0}],
+                                  lr=cfg["lr"], momentum=cfg["momentum"])
+            # The default generator: a captured graph draws new indices at each replay.
+            torch.cuda.manual_seed(rank)
+            ntrain = 8000
+            x_all = torch.randn(ntrain, n_in, device="cuda")
+            y_all = torch.randint(0, n_out, (ntrain,), device="cuda")
 
-        def step():
-            idx = torch.randint(0, ntrain, (cfg["batch_size"],), device="cuda", generator=gen)
-            loss = torch.nn.functional.cross_entropy(ddp(x_all[idx]), y_all[idx])
+            def body():
+                idx = torch.randint(0, ntrain, (cfg["batch_size"],), device="cuda")
+                loss = torch.nn.functional.cross_entropy(ddp(x_all[idx]), y_all[idx])
+                loss.backward()
+                opt.step()
+
+            def eager():
+                opt.zero_grad(set_to_none=True)
+                body()
+
+            for _ in range(max(warmup, 11) if graph else warmup):
+                eager()
+        step = eager
+        if graph:
+            torch.cuda.current_stream().wait_stream(side)
+            captured = torch.cuda.CUDAGraph()
+            # Captured with no gradients, backward writes them afresh at each replay.
             opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-
-        for _ in range(warmup):
-            step()
+            with torch.cuda.graph(captured):
+                body()
+            step = captured.replay
+            for _ in range(warmup):
+                step()
         torch.cuda.synchronize()
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(steps):
             step()
         # PyTorch returns before the GPU is done, as JAX does: a loop as long as the whole
-        # means the host sets DDP's pace, not the GPU.
+        # means the host sets DDP's pace, not the GPU (or that the launch queue filled).
         issued = time.perf_counter() - t0
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
@@ -276,13 +308,15 @@ def _ddp_entry(rank, conn, args):
         raise SystemExit(1)
 
 
-def run_ddp(devices, cfg, n_in, n_out, steps, warmup, timeout=600):
-    """DDP over devices in spawned processes; rank 0's timings. Every child is reaped."""
+def run_ddp(devices, cfg, n_in, n_out, steps, warmup, graph=False, timeout=600):
+    """DDP over devices in spawned processes (``graph``: each step a CUDA graph); rank 0's
+    timings. Every child is reaped."""
     import multiprocessing as mp
     import tempfile
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="pympgu-ddp-") as tmp:
-        args = (len(devices), devices, cfg, n_in, n_out, steps, warmup, os.path.join(tmp, "init"))
+        args = (len(devices), devices, cfg, n_in, n_out, steps, warmup, os.path.join(tmp, "init"),
+                graph)
         pipes, procs = [], []
         try:
             for rank in range(len(devices)):
@@ -338,21 +372,29 @@ def measure(gpus, models, variants, steps, warmup, data, use_ddp, log=print,
                                                       exchange_dtype=wire, xla_exchange=in_xla),
                              False))
         if use_ddp and gpus[0] is not None:
-            runs.append(("DDP", gpus[:1], "-", base, False))
-            if multi and len(set(gpus)) == len(gpus):
-                runs.append(("DDP", gpus, "-", base, False))
+            for system in DDP_SYSTEMS:
+                runs.append((system, gpus[:1], "-", base, False))
+                if multi and len(set(gpus)) == len(gpus):
+                    runs.append((system, gpus, "-", base, False))
         for system, devs, variant, cfg, plain in runs:
             where = f"{len(devs)} CPU workers" if devs[0] is None else f"GPUs {devs}"
             log(f"  {name}: {system} on {where}, variant {variant}", flush=True)
             if system == "pympgu":
                 r = run_pympgu(devs, cfg, steps, warmup, plain)
             else:
-                r = run_ddp(devs, cfg, ds.n_in, ds.n_classes, steps, warmup)
+                try:
+                    r = run_ddp(devs, cfg, ds.n_in, ds.n_classes, steps, warmup,
+                                graph=DDP_SYSTEMS[system])
+                except RuntimeError as e:  # a baseline that fails leaves the others' rows
+                    log(f"  {name}: {system} on {where} failed, no row: {e}", flush=True)
+                    continue
             rows.append(dict(r, model=name, system=system, gpus=list(devs), variant=variant,
                              batch=cfg["batch_size"]))
     for row in rows:  # scaling against the same system's 1-GPU row
-        one = next(r for r in rows if r["model"] == row["model"] and
-                   r["system"] == row["system"] and len(r["gpus"]) == 1)
+        one = next((r for r in rows if r["model"] == row["model"] and
+                    r["system"] == row["system"] and len(r["gpus"]) == 1), None)
+        if one is None:  # its 1-GPU run failed
+            continue
         row["scaling"] = row["samples_per_s"] / (len(row["gpus"]) * one["samples_per_s"])
         if row is not one and row["system"] == "pympgu":
             row["added_ms_per_step"] = row["ms_per_step"] - one["ms_per_step"]
@@ -360,7 +402,7 @@ def measure(gpus, models, variants, steps, warmup, data, use_ddp, log=print,
 
 
 def table(rows):
-    head = (f"{'model':<5} {'system':<7} {'GPUs':<10} {'variant':<10} {'batch/GPU':>9} "
+    head = (f"{'model':<5} {'system':<9} {'GPUs':<10} {'variant':<10} {'batch/GPU':>9} "
             f"{'samples/s':>12} {'ms/step':>8} {'scaling':>8} {'added ms':>9} "
             f"{'kernel ms':>10} {'wire MB':>8}")
     lines = [head, "-" * len(head)]
@@ -368,9 +410,9 @@ def table(rows):
         def opt(key, fmt):
             return format(r[key], fmt) if key in r else "-"
         where = ",".join("cpu" if g is None else str(g) for g in r["gpus"])
-        lines.append(f"{r['model']:<5} {r['system']:<7} {where:<10} "
+        lines.append(f"{r['model']:<5} {r['system']:<9} {where:<10} "
                      f"{r['variant']:<10} {r['batch']:>9} {r['samples_per_s']:12.0f} "
-                     f"{r['ms_per_step']:8.3f} {r['scaling']:8.2f} "
+                     f"{r['ms_per_step']:8.3f} {opt('scaling', '8.2f'):>8} "
                      f"{opt('added_ms_per_step', '9.3f'):>9} {opt('bare_kernel_ms', '10.3f'):>10} "
                      f"{(format(r['wire_bytes'] / 1e6, '8.1f') if 'wire_bytes' in r else '-'):>8}")
     for r in rows:
@@ -381,7 +423,7 @@ def table(rows):
                          f"{r['pytensor_ms'] - r['plain_jax_ms']:+.3f} ms per step, "
                          f"{r['direct_ms'] - r['plain_jax_ms']:+.3f} ms called directly")
         if "host_ms" in r:
-            lines.append(f"{r['model']}: DDP on GPUs {r['gpus']}: the host issues a step in "
+            lines.append(f"{r['model']}: {r['system']} on GPUs {r['gpus']}: the host issues a step in "
                          f"{r['host_ms']:.3f} ms of its {r['ms_per_step']:.3f} ms (TF32 "
                          f"matmuls {'on' if r['tf32'] else 'off'})")
         if "r1" in r:

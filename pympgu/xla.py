@@ -204,6 +204,9 @@ def _overlapped(arrays, group, fn, args, algo, max_blocks, correct):
 
 # The phases of a start (csrc/xla_ffi.cc): with the barrier before, after, or both.
 _FIRST, _LAST, _WHOLE = 1, 2, 3
+# The parts of a done: the whole exchange, or the first or last part's arrays of a start in
+# two parts (csrc/xla_ffi.cc).
+_DONE_WHOLE, _DONE_FIRST, _DONE_LAST = 0, 1, 2
 
 
 def _start(arrays, attrs, phase, offsets=None, after=None):
@@ -219,11 +222,13 @@ def _start(arrays, attrs, phase, offsets=None, after=None):
     return start(*arrays, **attrs, phase=np.int32(phase))
 
 
-def _done(token, arrays, attrs, fresh=None, in_place=False):
+def _done(token, arrays, attrs, fresh=None, in_place=False, part=_DONE_WHOLE, offsets=None):
     """The averages of ``arrays`` once the exchange of ``token`` has ended (with ``fresh``,
     the corrected values instead). Written over ``fresh`` if given, or with ``in_place``
     over ``arrays`` (the gather algorithm reads each element before it writes it; XLA
-    would copy an array that is still used elsewhere first)."""
+    would copy an array that is still used elsewhere first). After a start in two parts,
+    ``part`` and ``offsets`` average one part's arrays: the first part's once they have
+    landed, the last part's once everything has."""
     import jax
     n = len(arrays)
     if fresh is not None:
@@ -235,7 +240,9 @@ def _done(token, arrays, attrs, fresh=None, in_place=False):
     done = jax.ffi.ffi_call(DONE, _shapes(arrays), has_side_effect=False,
                             input_output_aliases=aliases)
     keep = {k: attrs[k] for k in ("group", "algo", "offsets", "total")}
-    return list(done(token, *arrays, *(fresh or []), **keep))
+    if offsets is not None:
+        keep["offsets"] = offsets
+    return list(done(token, *arrays, *(fresh or []), **keep, part=np.int32(part)))
 
 
 def _gather_code():
@@ -286,15 +293,27 @@ def average_results(fn, which, group, *args, algo="auto", max_blocks=None):
                            algo, max_blocks, overlapped=True)
     offsets = dict(zip(which, attrs["offsets"]))
 
+    def at(part):
+        return np.asarray([offsets[i] for i in part])
+
     def start(early):
-        phase = _FIRST if split.late else _WHOLE
-        return _start(early, attrs, phase, np.asarray([offsets[i] for i in split.early]))
+        return _start(early, attrs, _FIRST if split.late else _WHOLE, at(split.early))
 
     token, outs = split.run(flat, start, lambda t, v: lax.optimization_barrier((t, v)))
-    if split.late:  # after phase 2 by its operands, and after the first part by the token
-        token = _start([outs[i] for i in split.late], attrs, _LAST,
-                       np.asarray([offsets[i] for i in split.late]), after=token)
+    if not split.late:
+        token, outs = lax.optimization_barrier((token, outs))
+        for i, mean in zip(which, _done(token, [outs[i] for i in which], attrs, in_place=True)):
+            outs[i] = mean
+        return outs
+    # After phase 2 by its operands, and after the first part by the token.
+    token = _start([outs[i] for i in split.late], attrs, _LAST, at(split.late), after=token)
     token, outs = lax.optimization_barrier((token, outs))
-    for i, mean in zip(which, _done(token, [outs[i] for i in which], attrs, in_place=True)):
-        outs[i] = mean
+    # The first part is averaged while the last crosses the link; the barrier puts the last
+    # part's done after it on XLA's stream, where the two would otherwise go in any order.
+    for part, kind in ((split.early, _DONE_FIRST), (split.late, _DONE_LAST)):
+        means = _done(token, [outs[i] for i in part], attrs, in_place=True, part=kind,
+                      offsets=at(part))
+        token, means = lax.optimization_barrier((token, means))
+        for i, mean in zip(part, means):
+            outs[i] = mean
     return outs

@@ -98,11 +98,14 @@ def test_gpu_xla_timeline_and_barrier_stream(barrier, monkeypatch):
     for r in results:
         t = r["timeline"]
         assert t["start"] == 0.0, t
-        side = [t[k] for k in ("side_begin", "first_sent", "last_sent", "landed")]
+        side = [t[k] for k in ("side_begin", "first_sent", "first_landed", "last_sent",
+                               "landed")]
         on_xla = [t[k] for k in ("start", "last_start", "done", "averaged")]
         for order in (side, on_xla):
             assert all(b >= a - slack for a, b in zip(order, order[1:])), t
         assert t["side_begin"] >= -slack and t["averaged"] >= t["landed"] - slack, t
+        # The barrier that tells XLA the first part has landed waits for the last start.
+        assert t["first_landed"] >= t["last_start"] - slack, t
 
 
 def test_gpu_training_overlapped_inside_xla():

@@ -124,8 +124,9 @@ def test_xla_average_keeps_jax_fast_dispatch(monkeypatch):
 def test_xla_average_results_cuts_the_step(monkeypatch):
     # Traced on the CPU: with a shared shadow, the results that need no late work start
     # first (phase 1), the matrix product they do not need comes after that start and its
-    # barrier, and the result that needs it is sent by a second start; one done averages all.
-    # Without a shadow it is a plain average after the function.
+    # barrier, and the result that needs it is sent by a second start. Two dones follow, the
+    # first part's before the last part's. Without a shadow it is a plain average after the
+    # function.
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
     import numpy as np
@@ -153,20 +154,26 @@ def test_xla_average_results_cuts_the_step(monkeypatch):
     eqns = jaxpr.jaxpr.eqns
     names = [e.primitive.name for e in eqns]
     calls = [k for k, n in enumerate(names) if n == "ffi_call"]
-    assert len(calls) == 3, names
-    first, second, done = ({k: np.asarray(getattr(v, "val", v)) for k, v in
-                            eqns[c].params["attributes"]} for c in calls)
-    assert first["phase"] == 1 and second["phase"] == 2 and "phase" not in done, names
+    assert len(calls) == 4, names
+    first, second, done_first, done_last = ({k: np.asarray(getattr(v, "val", v)) for k, v in
+                                             eqns[c].params["attributes"]} for c in calls)
+    assert first["phase"] == 1 and second["phase"] == 2 and "phase" not in done_first, names
+    assert done_first["part"] == 1 and done_last["part"] == 2, names
     assert calls[0] < names.index("dot_general") and calls[1] > max(
         k for k, n in enumerate(names) if n == "dot_general"), names
     assert names[calls[2] - 1] == "optimization_barrier", names
+    # The last part's done waits, through a barrier, for the first part's results.
+    between = eqns[calls[3] - 1]
+    assert between.primitive.name == "optimization_barrier", names
+    assert set(eqns[calls[2]].outvars) <= set(between.invars)
+    assert eqns[calls[3]].invars[0] in between.outvars
     # The second part takes the first's token (held by the barrier before phase 2): XLA
     # would otherwise drop the first part, whose token nothing else uses.
     hold = eqns[names.index("optimization_barrier")]
     assert eqns[calls[0]].outvars[0] in hold.invars
     assert eqns[calls[1]].invars[0] in hold.outvars
-    assert first["offsets"].tolist() == [0]  # w * 2 first, at the buffer's start
-    assert second["offsets"].tolist() == [done["offsets"].tolist()[1]] != [0]
+    assert first["offsets"].tolist() == done_first["offsets"].tolist() == [0]  # w * 2 first
+    assert second["offsets"].tolist() == done_last["offsets"].tolist() != [0]
     out = jax.eval_shape(lambda w, v: xla.average_results(fn, [0, 2], Group(), w, v), *args)
     assert [o.shape for o in out] == [(64, 64), (64,), (64,)]
 
