@@ -278,7 +278,9 @@ def ddp_rank(rank, world, devices, cfg, n_in, n_out, steps, warmup, init_file, g
             captured = torch.cuda.CUDAGraph()
             # Captured with no gradients, backward writes them afresh at each replay.
             opt.zero_grad(set_to_none=True)
-            with torch.cuda.graph(captured):
+            # On the warm-up's stream: a gradient accumulated on another stream than the
+            # one its parameter's first backward ran on makes autograd wait across streams.
+            with torch.cuda.graph(captured, stream=side, capture_error_mode="thread_local"):
                 body()
             step = captured.replay
             for _ in range(warmup):
@@ -308,16 +310,18 @@ def _ddp_entry(rank, conn, args):
         raise SystemExit(1)
 
 
-def run_ddp(devices, cfg, n_in, n_out, steps, warmup, graph=False, timeout=600):
+def run_ddp(devices, cfg, n_in, n_out, steps, warmup, graph=False, timeout=120):
     """DDP over devices in spawned processes (``graph``: each step a CUDA graph); rank 0's
-    timings. Every child is reaped."""
+    timings. The first rank to fail, die or stall past ``timeout`` seconds raises at once
+    (its peers would wait for it in NCCL forever), and every child is reaped."""
     import multiprocessing as mp
+    import multiprocessing.connection
     import tempfile
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="pympgu-ddp-") as tmp:
         args = (len(devices), devices, cfg, n_in, n_out, steps, warmup, os.path.join(tmp, "init"),
                 graph)
-        pipes, procs = [], []
+        pipes, procs, ok = [], [], False
         try:
             for rank in range(len(devices)):
                 a, b = ctx.Pipe()
@@ -325,18 +329,28 @@ def run_ddp(devices, cfg, n_in, n_out, steps, warmup, graph=False, timeout=600):
                 p.start()
                 pipes.append(a)
                 procs.append(p)
-            results = []
-            for rank, pipe in enumerate(pipes):
-                if not pipe.poll(timeout):
-                    raise RuntimeError(f"DDP rank {rank} said nothing for {timeout} s")
-                kind, value = pipe.recv()
-                if kind == "error":
-                    raise RuntimeError(f"DDP rank {rank} failed:\n{value}")
-                results.append(value)
+            results, deadline = {}, time.monotonic() + timeout
+            while len(results) < len(pipes):
+                waiting = [p for p in pipes if pipes.index(p) not in results]
+                ready = mp.connection.wait(waiting, max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    late = [pipes.index(p) for p in waiting]
+                    raise RuntimeError(f"DDP ranks {late} said nothing for {timeout} s")
+                for pipe in ready:
+                    rank = pipes.index(pipe)
+                    try:
+                        kind, value = pipe.recv()
+                    except EOFError:
+                        raise RuntimeError(f"DDP rank {rank} died (exit code "
+                                           f"{procs[rank].exitcode})") from None
+                    if kind == "error":
+                        raise RuntimeError(f"DDP rank {rank} failed:\n{value}")
+                    results[rank] = value
+            ok = True
             return results[0]
         finally:
             for p in procs:
-                p.join(30)
+                p.join(30 if ok else 0)
                 if p.is_alive():
                     p.kill()
                     p.join(5)
@@ -390,6 +404,9 @@ def measure(gpus, models, variants, steps, warmup, data, use_ddp, log=print,
                     continue
             rows.append(dict(r, model=name, system=system, gpus=list(devs), variant=variant,
                              batch=cfg["batch_size"]))
+            # Each row as it comes: a run that is cut short keeps what it measured.
+            log(f"  {name}: {system} on {where}, variant {variant}: "
+                f"{r['ms_per_step']:.3f} ms/step, {r['samples_per_s']:.0f} samples/s", flush=True)
     for row in rows:  # scaling against the same system's 1-GPU row
         one = next((r for r in rows if r["model"] == row["model"] and
                     r["system"] == row["system"] and len(r["gpus"]) == 1), None)
