@@ -14,8 +14,8 @@ For each model (the seed's MLP 784-500-10 at batch 5000, plain SGD; the wide MLP
   bfloat16 wire;
 - PyTorch DistributedDataParallel on the same architecture, batch and optimiser (when
   torch is importable and every rank has its own GPU), with TF32 matmuls as JAX uses: eager
-  ('DDP', as most scripts run it) and with each step captured in a CUDA graph ('DDP-graph',
-  its fastest form when the host is slower than the GPU);
+  ('DDP', as most scripts run it; it also reports the GPU time of its step alone) and, with
+  --ddp-graph, with each step captured in a CUDA graph ('DDP-graph');
 - a plain JAX step (jax.grad of the same loss, jitted) against the PyTensor-compiled call,
   on one GPU: the per-step cost of PyTensor's wrapper.
 
@@ -52,8 +52,12 @@ VARIANTS = {  # name: (sync_every, overlap, exchange dtype, exchange inside the 
 }
 # The PyTorch baselines: DDP as most scripts run it (eager), and with each step captured in
 # a CUDA graph (one launch a step), its fastest form for a small model whose host is slower
-# than its GPU. name: captured in a graph.
+# than its GPU (--ddp-graph: on 2 H200s its 2-GPU run hung, docs/BENCHMARKS.md, session 9).
+# name: captured in a graph.
 DDP_SYSTEMS = {"DDP": False, "DDP-graph": True}
+# Eager DDP steps queued behind a held GPU to time them on the GPU alone: few enough that
+# their kernels fit CUDA's launch queue (about 40 a step), so the host never waits.
+GPU_TIMED_STEPS = 10
 
 
 # ---------------------------------------------------------------- pympgu workers
@@ -295,9 +299,24 @@ def ddp_rank(rank, world, devices, cfg, n_in, n_out, steps, warmup, init_file, g
         issued = time.perf_counter() - t0
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-        return {"samples_per_s": world * cfg["batch_size"] * steps / wall,
-                "ms_per_step": 1e3 * wall / steps, "host_ms": 1e3 * issued / steps,
-                "tf32": bool(torch.backends.cuda.matmul.allow_tf32)}
+        out = {"samples_per_s": world * cfg["batch_size"] * steps / wall,
+               "ms_per_step": 1e3 * wall / steps, "host_ms": 1e3 * issued / steps,
+               "tf32": bool(torch.backends.cuda.matmul.allow_tf32)}
+        if not graph:
+            # What the GPUs alone take a step: a sleeping kernel holds each GPU while the
+            # host queues a few steps behind it, and events time them back to back. That is
+            # DDP's step if its host kept up.
+            dist.barrier()
+            torch.cuda.synchronize()
+            torch.cuda._sleep(int(2e8))  # about 0.1 s at H200's clock; the queueing takes ~0.02
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for _ in range(GPU_TIMED_STEPS):
+                step()
+            end.record()
+            end.synchronize()
+            out["gpu_ms"] = begin.elapsed_time(end) / GPU_TIMED_STEPS
+        return out
     finally:
         dist.destroy_process_group()
 
@@ -367,9 +386,9 @@ def run_pympgu(devices, cfg, steps, warmup, plain_jax=False):
     return launch(pympgu_worker, args, gpus=devices)[0]
 
 
-def measure(gpus, models, variants, steps, warmup, data, use_ddp, log=print,
+def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print,
             exchange_blocks=None, method="auto"):
-    """Every row of the benchmark, as a list of dicts."""
+    """Every row of the benchmark, as a list of dicts; ``ddp``: the DDP_SYSTEMS to run."""
     from . import data as datamod
     ds = datamod.load(data)
     rows = []
@@ -385,8 +404,8 @@ def measure(gpus, models, variants, steps, warmup, data, use_ddp, log=print,
                 runs.append(("pympgu", gpus, v, dict(base, sync_every=k, overlap=overlap,
                                                       exchange_dtype=wire, xla_exchange=in_xla),
                              False))
-        if use_ddp and gpus[0] is not None:
-            for system in DDP_SYSTEMS:
+        if gpus[0] is not None:
+            for system in ddp:
                 runs.append((system, gpus[:1], "-", base, False))
                 if multi and len(set(gpus)) == len(gpus):
                     runs.append((system, gpus, "-", base, False))
@@ -440,9 +459,11 @@ def table(rows):
                          f"{r['pytensor_ms'] - r['plain_jax_ms']:+.3f} ms per step, "
                          f"{r['direct_ms'] - r['plain_jax_ms']:+.3f} ms called directly")
         if "host_ms" in r:
-            lines.append(f"{r['model']}: {r['system']} on GPUs {r['gpus']}: the host issues a step in "
-                         f"{r['host_ms']:.3f} ms of its {r['ms_per_step']:.3f} ms (TF32 "
-                         f"matmuls {'on' if r['tf32'] else 'off'})")
+            gpu = (f"; queued behind a held GPU, a step takes {r['gpu_ms']:.3f} ms"
+                   if "gpu_ms" in r else "")
+            lines.append(f"{r['model']}: {r['system']} on GPUs {r['gpus']}: the host issues a "
+                         f"step in {r['host_ms']:.3f} ms of its {r['ms_per_step']:.3f} ms{gpu} "
+                         f"(TF32 matmuls {'on' if r['tf32'] else 'off'})")
         if "r1" in r:
             o = r["r1"]
             lines.append(f"{r['model']}: one exchange of {o['bytes'] / 1e6:.1f} MB at R = 1 takes "
@@ -476,6 +497,9 @@ def main(argv=None):
     parser.add_argument("--method", choices=METHODS, default="auto",
                         help="as pympgu.train's flag: the GPU averaging algorithm (default: auto)")
     parser.add_argument("--no-ddp", action="store_true", help="skip PyTorch DDP")
+    parser.add_argument("--ddp-graph", action="store_true",
+                        help="also time DDP with each step captured in a CUDA graph (it hung "
+                             "on 2 GPUs here, and is then reported as failed after 120 s)")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
     from . import cuda
@@ -507,8 +531,9 @@ def main(argv=None):
           f"{args.warmup} warm-up", flush=True)
     if len(gpus) == 1:
         print("  one GPU: only the 1-GPU rows (give two or more GPUs for scaling)", flush=True)
+    ddp = (("DDP", "DDP-graph") if args.ddp_graph else ("DDP",)) if use_ddp else ()
     rows = measure(gpus, args.models, args.variants, args.steps, args.warmup, args.data_dir,
-                   use_ddp, exchange_blocks=args.exchange_blocks, method=args.method)
+                   ddp, exchange_blocks=args.exchange_blocks, method=args.method)
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:
