@@ -23,7 +23,9 @@ the median of each point in ms after the (first) start:
                ended)
   averaged     the average (and the correction) is written: all of it
 
-and the plain step alone, back to back, for scale. It runs once per --barrier value
+and the plain step alone, back to back, for scale; then the plain step beside DMA copies of
+the whole buffer from the peers (no barrier, no kernel of pympgu's), and those copies alone:
+what the link's traffic alone costs XLA's compute. It runs once per --barrier value
 (PYMPGU_PUSH_BARRIER: the first barrier on the side stream, or on XLA's). The distance from
 start to side_begin is what the copies wait before they can run.
 """
@@ -55,6 +57,26 @@ def worker(ctx, hidden, batch, steps):
             plain(idx)
         rep.wait()
         out = {"plain_ms": 1e3 * (time.perf_counter() - t0) / steps}
+        # The same steps while every rank's copy engines pull the peers' whole buffers into
+        # its shadow, with no barrier and no kernel of pympgu's on the GPU: what DMA traffic
+        # alone costs XLA's compute. Then the copies alone.
+        n = group.nbytes // 4
+        ctx.barrier()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            group.gather(n, synchronize=False)
+            plain(idx)
+        rep.wait()
+        group.stream.synchronize()
+        out["dma_plain_ms"] = 1e3 * (time.perf_counter() - t0) / steps
+        ctx.barrier()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            group.gather(n, synchronize=False)
+        group.stream.synchronize()
+        out["dma_ms"] = 1e3 * (time.perf_counter() - t0) / steps
+        out["dma_mb"] = group.nbytes / 1e6
+        ctx.barrier()  # no rank's exchange below lands in a shadow a peer still copies into
         for name, overlap in (("exact", False), ("overlap", True)):
             step = rep.jax_step(ex, params_only=True, overlap=overlap)
             for _ in range(5):
@@ -103,7 +125,9 @@ def main():
                     continue
                 print(f"{rank:>4} {name:>8} " +
                       " ".join(f"{r[name][m]:>12.3f}" for m in XLA_MARKS[1:]))
-            print(f"{rank:>4} {'plain':>8} {r['plain_ms']:>11.3f} ms a step, back to back")
+            print(f"{rank:>4} {'plain':>8} {r['plain_ms']:>11.3f} ms a step, back to back; "
+                  f"{r['dma_plain_ms']:.3f} beside a {r['dma_mb']:.1f} MB DMA pull from the "
+                  f"peers, which alone takes {r['dma_ms']:.3f}")
 
 
 if __name__ == "__main__":

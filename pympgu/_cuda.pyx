@@ -1109,17 +1109,19 @@ cdef class PeerGroup:
         self._launched(pmg_copy_average(&self.peers, self.rank, self.nranks, shadow, n, code,
                                         self.timeout_ns, self.stream.handle), synchronize)
 
-    def gather(self, size_t n, dtype="float32"):
+    def gather(self, size_t n, dtype="float32", bint synchronize=True):
         """First half of the copy method without GPU barriers: copy peers into the shadow.
 
         For GPUs without peer access to each other's memory: hold a host barrier before
-        this and after it returns, then call shadow_average.
+        this and after it returns, then call shadow_average. ``synchronize=False`` leaves
+        the copies queued on the group's stream (benchmarks/probe_timeline.py runs them
+        beside a training step).
         """
         cdef int code = dtype_code(dtype)
         self._require(n, code)
         set_device(self.device)
         self._launched(pmg_gather_peers(&self.peers, self.rank, self.nranks, self._shadow(), n,
-                                        code, self.stream.handle), True)
+                                        code, self.stream.handle), synchronize)
 
     def shadow_average(self, size_t n, dtype="float32", bint synchronize=True):
         """Second half of the copy method: average own buffer and the shadow, in place."""
