@@ -25,7 +25,9 @@ the median of each point in ms after the (first) start:
 
 and the plain step alone, back to back, for scale; then the plain step beside DMA copies of
 the whole buffer from the peers (no barrier, no kernel of pympgu's), and those copies alone:
-what the link's traffic alone costs XLA's compute. It runs once per --barrier value
+what the link's traffic alone costs XLA's compute. Last, each step back to back, and again
+with the exchange's operations replaced by a pass of XLA's own over the same arrays (not
+averaged): what the program's shape costs without the link. It runs once per --barrier value
 (PYMPGU_PUSH_BARRIER: the first barrier on the side stream, or on XLA's). The distance from
 start to side_begin is what the copies wait before they can run.
 """
@@ -39,6 +41,7 @@ def worker(ctx, hidden, batch, steps):
     from pympgu.train import Replica, _setup_backend, make_exchanger
     _setup_backend(ctx, "jax")  # before PyTensor is imported
     import jax
+    import jax.numpy as jnp
     import numpy as np
 
     from pympgu import CudaError
@@ -48,6 +51,18 @@ def worker(ctx, hidden, batch, steps):
     try:
         group = ex.backend.group
         idx = jax.device_put(np.arange(batch, dtype=np.int32))
+
+        def back_to_back(step):
+            for _ in range(5):
+                step(idx)
+            rep.wait()
+            ctx.barrier()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step(idx)
+            rep.wait()
+            return 1e3 * (time.perf_counter() - t0) / steps
+
         plain = rep.jax_step()
         for _ in range(5):
             plain(idx)
@@ -94,6 +109,21 @@ def worker(ctx, hidden, batch, steps):
                 out[name] = None
                 continue
             out[name] = {k: float(np.median([s[k] for s in seen])) for k in seen[0]}
+            out[name + "_ms"] = back_to_back(step)
+        # The same programs with the exchange's operations replaced by a pass of XLA's own
+        # over the same arrays (no link, no side stream, no kernel of pympgu's; the results
+        # are not averaged): what the program's shape alone costs, its optimization barriers
+        # and the arrays kept alive until the done.
+        from pympgu import xla
+        xla._start = lambda arrays, attrs, phase, offsets=None, after=None: (
+            jnp.zeros((), jnp.uint32) if after is None else after + 1)
+        xla._done = lambda token, arrays, attrs, fresh=None, **kw: [
+            (f if fresh is not None else a) + 0 * a
+            for f, a in zip(fresh if fresh is not None else arrays, arrays)]
+        rep._steps.clear()
+        for name, overlap in (("exact", False), ("overlap", True)):
+            out[name + "_dry_ms"] = back_to_back(rep.jax_step(ex, params_only=True,
+                                                              overlap=overlap))
         return out
     finally:
         ex.close()
@@ -128,6 +158,9 @@ def main():
             print(f"{rank:>4} {'plain':>8} {r['plain_ms']:>11.3f} ms a step, back to back; "
                   f"{r['dma_plain_ms']:.3f} beside a {r['dma_mb']:.1f} MB DMA pull from the "
                   f"peers, which alone takes {r['dma_ms']:.3f}")
+            print(f"{rank:>4} {'':>8} back to back: exact {r.get('exact_ms', float('nan')):.3f} ms a step "
+                  f"({r['exact_dry_ms']:.3f} with XLA passes in place of the exchange), overlap "
+                  f"{r.get('overlap_ms', float('nan')):.3f} ({r['overlap_dry_ms']:.3f})")
 
 
 if __name__ == "__main__":
