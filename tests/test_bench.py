@@ -33,7 +33,34 @@ def test_train_bench_rejects_bad_flags():
 def test_train_bench_table_says_whether_ddp_is_host_bound():
     from pympgu.bench_train import table
     row = dict(model="wide", system="DDP", gpus=[0], variant="-", batch=1024,
-               samples_per_s=4.5e5, ms_per_step=2.262, scaling=1.0, host_ms=2.1, tf32=True)
-    text = table([row])
-    assert "wide: DDP on GPUs [0]: the host issues a step in 2.100 ms of its 2.262 ms (TF32 " \
-           "matmuls on)" in text
+               samples_per_s=4.5e5, ms_per_step=2.262, scaling=1.0, host_ms=2.1, tf32=True,
+               gpu_ms=0.932)
+    # A row whose 1-GPU run failed has no scaling.
+    graph = dict(row, system="DDP-graph", gpus=[0, 1], host_ms=0.06, tf32=False)
+    del graph["scaling"], graph["gpu_ms"]
+    text = table([row, graph])
+    assert "wide: DDP on GPUs [0]: the host issues a step in 2.100 ms of its 2.262 ms; queued " \
+           "behind a held GPU, a step takes 0.932 ms (TF32 matmuls on)" in text
+    assert "wide: DDP-graph on GPUs [0, 1]: the host issues a step in 0.060 ms of its 2.262 ms " \
+           "(TF32 matmuls off)" in text
+    assert "DDP-graph 0,1" in text
+
+
+def test_ddp_run_that_fails_raises_at_once_naming_its_rank():
+    # Without torch (CI), every DDP rank fails on import: the run must say which rank failed
+    # and why, promptly, and leave no process behind.
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("torch is importable here: the ranks would not fail")
+    import multiprocessing as mp
+    import time
+
+    from pympgu.bench_train import MODELS, run_ddp
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"DDP rank [01] failed:[\s\S]*torch"):
+        run_ddp([0, 1], MODELS["seed"], 784, 10, steps=1, warmup=1, timeout=60)
+    assert time.monotonic() - t0 < 50
+    assert not mp.active_children()
