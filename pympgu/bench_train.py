@@ -321,15 +321,25 @@ def ddp_rank(rank, world, devices, cfg, n_in, n_out, steps, warmup, init_file, g
         dist.destroy_process_group()
 
 
-def _ddp_entry(rank, conn, args):
+# How long a DDP run may go without a word from every rank (a run takes about 15 s).
+DDP_TIMEOUT_S = 120
+
+
+def _ddp_entry(rank, conn, args, stall_s):
+    import faulthandler
+    # A rank stuck in NCCL or CUDA says nothing: print where every thread is before the
+    # parent gives up on it.
+    faulthandler.dump_traceback_later(stall_s)
     try:
         conn.send(("result", ddp_rank(rank, *args)))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         raise SystemExit(1)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
-def run_ddp(devices, cfg, n_in, n_out, steps, warmup, graph=False, timeout=120):
+def run_ddp(devices, cfg, n_in, n_out, steps, warmup, graph=False, timeout=DDP_TIMEOUT_S):
     """DDP over devices in spawned processes (``graph``: each step a CUDA graph); rank 0's
     timings. The first rank to fail, die or stall past ``timeout`` seconds raises at once
     (its peers would wait for it in NCCL forever), and every child is reaped."""
@@ -344,7 +354,8 @@ def run_ddp(devices, cfg, n_in, n_out, steps, warmup, graph=False, timeout=120):
         try:
             for rank in range(len(devices)):
                 a, b = ctx.Pipe()
-                p = ctx.Process(target=_ddp_entry, args=(rank, b, args), daemon=True)
+                p = ctx.Process(target=_ddp_entry, args=(rank, b, args, max(1, timeout - 10)),
+                                daemon=True)
                 p.start()
                 pipes.append(a)
                 procs.append(p)
@@ -499,7 +510,8 @@ def main(argv=None):
     parser.add_argument("--no-ddp", action="store_true", help="skip PyTorch DDP")
     parser.add_argument("--ddp-graph", action="store_true",
                         help="also time DDP with each step captured in a CUDA graph (it hung "
-                             "on 2 GPUs here, and is then reported as failed after 120 s)")
+                             f"on 2 GPUs here, and is then reported as failed after "
+                             f"{DDP_TIMEOUT_S} s, with each rank's stacks)")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
     from . import cuda
