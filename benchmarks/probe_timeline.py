@@ -52,42 +52,37 @@ def worker(ctx, hidden, batch, steps):
         group = ex.backend.group
         idx = jax.device_put(np.arange(batch, dtype=np.int32))
 
-        def back_to_back(step):
+        def back_to_back(step, beside=None):
+            """ms a step, issued back to back after 5 to warm up; ``beside()`` is queued
+            before each."""
             for _ in range(5):
                 step(idx)
             rep.wait()
             ctx.barrier()
             t0 = time.perf_counter()
             for _ in range(steps):
+                if beside is not None:
+                    beside()
                 step(idx)
             rep.wait()
+            group.stream.synchronize()
             return 1e3 * (time.perf_counter() - t0) / steps
 
         plain = rep.jax_step()
-        for _ in range(5):
-            plain(idx)
-        rep.wait()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            plain(idx)
-        rep.wait()
-        out = {"plain_ms": 1e3 * (time.perf_counter() - t0) / steps}
+        out = {"plain_ms": back_to_back(plain)}
         # The same steps while every rank's copy engines pull the peers' whole buffers into
         # its shadow, with no barrier and no kernel of pympgu's on the GPU: what DMA traffic
         # alone costs XLA's compute. Then the copies alone.
         n = group.nbytes // 4
+
+        def pull():
+            group.gather(n, synchronize=False)
+
+        out["dma_plain_ms"] = back_to_back(plain, pull)
         ctx.barrier()
         t0 = time.perf_counter()
         for _ in range(steps):
-            group.gather(n, synchronize=False)
-            plain(idx)
-        rep.wait()
-        group.stream.synchronize()
-        out["dma_plain_ms"] = 1e3 * (time.perf_counter() - t0) / steps
-        ctx.barrier()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            group.gather(n, synchronize=False)
+            pull()
         group.stream.synchronize()
         out["dma_ms"] = 1e3 * (time.perf_counter() - t0) / steps
         out["dma_mb"] = group.nbytes / 1e6

@@ -226,8 +226,6 @@ def ddp_rank(rank, world, devices, cfg, n_in, n_out, steps, warmup, init_file, g
     With ``graph``, the whole step (forward, backward with DDP's all-reduces, optimiser) is
     captured once in a CUDA graph and replayed, PyTorch's recipe for a step whose host is
     slower than its GPU: one launch a step, so the GPU sets the pace."""
-    import contextlib
-
     import torch
     import torch.distributed as dist
     device = devices[rank]
@@ -243,7 +241,7 @@ def ddp_rank(rank, world, devices, cfg, n_in, n_out, steps, warmup, init_file, g
         side = torch.cuda.Stream() if graph else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        with torch.cuda.stream(side):  # no-op for None
             sizes = [n_in, *cfg["hidden"], n_out]
             layers = []
             for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
@@ -360,14 +358,14 @@ def run_ddp(devices, cfg, n_in, n_out, steps, warmup, graph=False, timeout=DDP_T
                 pipes.append(a)
                 procs.append(p)
             results, deadline = {}, time.monotonic() + timeout
-            while len(results) < len(pipes):
-                waiting = [p for p in pipes if pipes.index(p) not in results]
-                ready = mp.connection.wait(waiting, max(0.0, deadline - time.monotonic()))
+            pending = {pipe: rank for rank, pipe in enumerate(pipes)}
+            while pending:
+                ready = mp.connection.wait(list(pending), max(0.0, deadline - time.monotonic()))
                 if not ready:
-                    late = [pipes.index(p) for p in waiting]
-                    raise RuntimeError(f"DDP ranks {late} said nothing for {timeout} s")
+                    raise RuntimeError(f"DDP ranks {sorted(pending.values())} said nothing "
+                                       f"for {timeout} s")
                 for pipe in ready:
-                    rank = pipes.index(pipe)
+                    rank = pending.pop(pipe)
                     try:
                         kind, value = pipe.recv()
                     except EOFError:

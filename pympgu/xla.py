@@ -300,20 +300,19 @@ def average_results(fn, which, group, *args, algo="auto", max_blocks=None):
         return _start(early, attrs, _FIRST if split.late else _WHOLE, at(split.early))
 
     token, outs = split.run(flat, start, lambda t, v: lax.optimization_barrier((t, v)))
-    if not split.late:
-        token, outs = lax.optimization_barrier((token, outs))
-        for i, mean in zip(which, _done(token, [outs[i] for i in which], attrs, in_place=True)):
-            outs[i] = mean
-        return outs
-    # After phase 2 by its operands, and after the first part by the token.
-    token = _start([outs[i] for i in split.late], attrs, _LAST, at(split.late), after=token)
+    parts = [(split.early, _DONE_WHOLE)]
+    if split.late:  # after phase 2 by its operands, and after the first part by the token
+        token = _start([outs[i] for i in split.late], attrs, _LAST, at(split.late), after=token)
+        # The first part is averaged while the last crosses the link.
+        parts = [(split.early, _DONE_FIRST), (split.late, _DONE_LAST)]
     token, outs = lax.optimization_barrier((token, outs))
-    # The first part is averaged while the last crosses the link; the barrier puts the last
-    # part's done after it on XLA's stream, where the two would otherwise go in any order.
-    for part, kind in ((split.early, _DONE_FIRST), (split.late, _DONE_LAST)):
+    for part, kind in parts:
         means = _done(token, [outs[i] for i in part], attrs, in_place=True, part=kind,
                       offsets=at(part))
-        token, means = lax.optimization_barrier((token, means))
+        if kind == _DONE_FIRST:
+            # Puts the last part's done after this one on XLA's stream, where the two would
+            # otherwise go in any order.
+            token, means = lax.optimization_barrier((token, means))
         for i, mean in zip(part, means):
             outs[i] = mean
     return outs
