@@ -8,7 +8,8 @@ The GPU machine has no profiler, so the exchange marks its own points with CUDA 
 replica and Exchanger (with its shared shadow, as pympgu.train does) and runs two steps:
 'exact' (the parameters averaged after the step; from 16 MiB the step is cut, so that the
 last layers leave while the first layer's gradient is computed) and 'overlap' (the
-parameters the step starts from averaged while it computes). After each step it reads the
+parameters the step starts from averaged while it computes, and the correction applied
+inside XLA's own update; 'pass': the same with pympgu's pass applying it). After each step it reads the
 marks, which waits for that step, so steps do not overlap one another. It prints, per rank,
 the median of each point in ms after the (first) start:
 
@@ -20,8 +21,9 @@ the median of each point in ms after the (first) start:
   last_sent    the last part's copies have ended
   landed       the last GPU barrier: every rank's copies are in
   done         XLA reached the (first) done operation (its work beside the exchange has
-               ended)
-  averaged     the average (and the correction) is written: all of it
+               ended); 'overlap': the wait before XLA's update
+  averaged     the average (and the correction) is written: all of it; 'overlap': XLA's
+               stream passed the wait
 
 and the plain step alone, back to back, for scale; then the plain step beside DMA copies of
 the whole buffer from the peers (no barrier, no kernel of pympgu's), and those copies alone:
@@ -37,7 +39,12 @@ import time
 from probe_common import parser, replica_config
 
 
-def worker(ctx, hidden, batch, steps):
+# The steps timed: name, overlapped, and whether XLA's update applies the correction
+# (PYMPGU_FUSED_CORRECTION; pympgu.xla.correct_during's shadow) or pympgu's pass does.
+STEPS = (("exact", False, "1"), ("overlap", True, "1"), ("pass", True, "0"))
+
+
+def worker(ctx, hidden, batch, steps, hlo_dir=None):
     from pympgu.train import Replica, _setup_backend, make_exchanger
     _setup_backend(ctx, "jax")  # before PyTensor is imported
     import jax
@@ -68,7 +75,14 @@ def worker(ctx, hidden, batch, steps):
             group.stream.synchronize()
             return 1e3 * (time.perf_counter() - t0) / steps
 
+        def dump(name, step):
+            # The program XLA runs, to see how it fused the step (--hlo; rank 0's).
+            if hlo_dir and ctx.rank == 0:
+                with open(os.path.join(hlo_dir, name + ".hlo.txt"), "w") as f:
+                    f.write(step.jitted.lower(*step.arguments(idx)).compile().as_text())
+
         plain = rep.jax_step()
+        dump("plain", plain)
         out = {"plain_ms": back_to_back(plain)}
         # The same steps while every rank's copy engines pull the peers' whole buffers into
         # its shadow, with no barrier and no kernel of pympgu's on the GPU: what DMA traffic
@@ -87,8 +101,16 @@ def worker(ctx, hidden, batch, steps):
         out["dma_ms"] = 1e3 * (time.perf_counter() - t0) / steps
         out["dma_mb"] = group.nbytes / 1e6
         ctx.barrier()  # no rank's exchange below lands in a shadow a peer still copies into
-        for name, overlap in (("exact", False), ("overlap", True)):
-            step = rep.jax_step(ex, params_only=True, overlap=overlap)
+
+        def build(overlap, fused):
+            # PYMPGU_FUSED_CORRECTION is read when a step is built (Exchanger.xla_shadow).
+            os.environ["PYMPGU_FUSED_CORRECTION"] = fused
+            rep._steps.clear()
+            return rep.jax_step(ex, params_only=True, overlap=overlap)
+
+        for name, overlap, fused in STEPS:
+            step = build(overlap, fused)
+            dump(name, step)
             for _ in range(5):
                 step(idx)
             rep.wait()
@@ -115,10 +137,11 @@ def worker(ctx, hidden, batch, steps):
         xla._done = lambda token, arrays, attrs, fresh=None, **kw: [
             (f if fresh is not None else a) + 0 * a
             for f, a in zip(fresh if fresh is not None else arrays, arrays)]
-        rep._steps.clear()
-        for name, overlap in (("exact", False), ("overlap", True)):
-            out[name + "_dry_ms"] = back_to_back(rep.jax_step(ex, params_only=True,
-                                                              overlap=overlap))
+        xla._wait = lambda token, after, attrs, k: after[k]
+        for name, overlap, fused in STEPS:
+            step = build(overlap, fused)
+            dump(name + "_dry", step)
+            out[name + "_dry_ms"] = back_to_back(step)
         return out
     finally:
         ex.close()
@@ -130,6 +153,8 @@ def main():
     p.add_argument("--barrier", nargs="+", choices=["side", "xla"], default=["side"],
                    help="where the barrier before the copies runs (PYMPGU_PUSH_BARRIER); "
                         "one run per value")
+    p.add_argument("--hlo", metavar="DIR",
+                   help="also write each step's compiled XLA program (rank 0's) into DIR")
     a = p.parse_args()
     if len(a.gpus) < 2:
         p.error("--gpus needs at least two GPUs (or the same GPU twice): there is no "
@@ -139,11 +164,11 @@ def main():
     os.environ["PYMPGU_XLA_TIMELINE"] = "1"  # the spawned workers inherit it
     for where in a.barrier:
         os.environ["PYMPGU_PUSH_BARRIER"] = where
-        results = launch(worker, (a.hidden, a.batch_size, a.steps), gpus=a.gpus)
+        results = launch(worker, (a.hidden, a.batch_size, a.steps, a.hlo), gpus=a.gpus)
         print(f"first barrier on the {where} stream; ms after the start (median of {a.steps}):")
         print(f"{'rank':>4} {'step':>8} " + " ".join(f"{m:>12}" for m in XLA_MARKS[1:]))
         for rank, r in enumerate(results):
-            for name in ("exact", "overlap"):
+            for name, _, _ in STEPS:
                 if r[name] is None:
                     print(f"{rank:>4} {name:>8} not through the start/done pair (an exchange "
                           "under PYMPGU_SPLIT_MIN_BYTES)")
@@ -153,9 +178,10 @@ def main():
             print(f"{rank:>4} {'plain':>8} {r['plain_ms']:>11.3f} ms a step, back to back; "
                   f"{r['dma_plain_ms']:.3f} beside a {r['dma_mb']:.1f} MB DMA pull from the "
                   f"peers, which alone takes {r['dma_ms']:.3f}")
-            print(f"{rank:>4} {'':>8} back to back: exact {r.get('exact_ms', float('nan')):.3f} ms a step "
-                  f"({r['exact_dry_ms']:.3f} with XLA passes in place of the exchange), overlap "
-                  f"{r.get('overlap_ms', float('nan')):.3f} ({r['overlap_dry_ms']:.3f})")
+            print(f"{rank:>4} {'':>8} back to back, ms a step (with XLA passes in place of "
+                  "the exchange): " + ", ".join(
+                      f"{name} {r.get(name + '_ms', float('nan')):.3f} "
+                      f"({r[name + '_dry_ms']:.3f})" for name, _, _ in STEPS))
 
 
 if __name__ == "__main__":

@@ -236,7 +236,8 @@ int pmg_copy_average(const pmg_peers *peers, int rank, int nranks, void *shadow,
  * side stream, the moment the copies may begin (after the first barrier), the end of the
  * first part's copies, the moment every rank's first part has landed (a barrier), the end
  * of the last part's copies, and the end of the exchange (after the last barrier). A start
- * in one part marks both parts' points. */
+ * in one part marks both parts' points. "pympgu_average_wait" marks the done's two points
+ * where XLA's stream reaches it and passes it. */
 enum pmg_mark {
   PMG_MARK_START = 0,
   PMG_MARK_SIDE_BEGIN = 1,
@@ -285,7 +286,8 @@ typedef struct pmg_group {
 int pmg_xla_register(const pmg_group *group, int64_t *id);
 int pmg_xla_unregister(int64_t id);
 /* The XLA FFI handler (an XLA_FFI_Handler *) of the operation named: "pympgu_average", or
- * the pair "pympgu_average_start" and "pympgu_average_done" (see xla_ffi.cc).
+ * the pair "pympgu_average_start" and "pympgu_average_done", or "pympgu_average_wait"
+ * (see xla_ffi.cc).
  * NULL for another name, or when pympgu was built without jaxlib's FFI headers. */
 void *pmg_xla_handler(const char *name);
 #endif

@@ -30,6 +30,14 @@
 //     XLA's stream, and each rank copies the peers' buffers into its shadow.
 // Other algorithms pack, run the all-reduce kernel on the side stream, and unpack in the done.
 // Python (pympgu.xla) places the work between them with optimization barriers.
+//   "pympgu_average_wait" takes the token and any other operands, and returns one of them
+//   (aliased, untouched): it only orders XLA's stream after the side stream. With it, XLA
+//   reads the shared shadow itself (an argument of the jitted function; pympgu.xla.
+//   correct_during's shadow=), and averages and corrects inside its own update of each
+//   array, with no pass of pympgu's. The other operands are what that update needs (its
+//   gradients): XLA runs an operation once its operands exist, so the wait then stalls
+//   XLA's stream no earlier than the update would. The one returned is one the update
+//   reads, so that XLA keeps the wait.
 // Every operation that packs first orders XLA's stream after any exchange still on the side
 // stream, so nothing packs into the buffer while it is being averaged.
 //
@@ -477,9 +485,28 @@ ffi::Error average_done(cudaStream_t stream, ffi::RemainingArgs args, ffi::Remai
   return ffi::Error::Success();
 }
 
+// Records DONE and AVERAGED where XLA's stream reaches it: from there XLA's own update
+// reads the shadow.
+constexpr const char *kWait = "pympgu_average_wait";
+
+ffi::Error average_wait(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                        int64_t group) {
+  pmg_group g;
+  if (auto e = lookup_group(kWait, group, &g); e.failure()) return e;
+  auto token = args.get<ffi::AnyBuffer>(0);
+  if (token.has_error()) return token.error();
+  OnGroupDevice on(kWait, g, token->untyped_data());
+  if (on.error().failure()) return on.error();
+  int status;
+  if ((status = mark(g, {PMG_MARK_DONE}, stream)) || (status = after_side(g, stream)) ||
+      (status = mark(g, {PMG_MARK_AVERAGED}, stream)))
+    return failed(kWait, "wait for the side stream", status);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
-// Neither is marked command-buffer compatible: XLA runs them as thunks, at each execution,
+// None is marked command-buffer compatible: XLA runs them as thunks, at each execution,
 // which the side stream's fork and join need (a captured graph would replay them without it).
 #define PMG_AVERAGE_ATTRS                        \
   .Attr<int64_t>("group")                        \
@@ -510,12 +537,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(pmg_xla_average_done, average_done,
                                   .Attr<ffi::Span<const int64_t>>("offsets")
                                   .Attr<int64_t>("total")
                                   .Attr<int32_t>("part"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(pmg_xla_average_wait, average_wait,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("group"));
 
 extern "C" void *pmg_xla_handler(const char *name) {
   const std::string n = name ? name : "";
   if (n == kAverage) return reinterpret_cast<void *>(pmg_xla_average);
   if (n == kStart) return reinterpret_cast<void *>(pmg_xla_average_start);
   if (n == kDone) return reinterpret_cast<void *>(pmg_xla_average_done);
+  if (n == kWait) return reinterpret_cast<void *>(pmg_xla_average_wait);
   return nullptr;
 }
 

@@ -833,7 +833,8 @@ ALGORITHM_CODES = {"oneshot": PMG_ALGO_ONESHOT, "twoshot": PMG_ALGO_TWOSHOT,
                    "push": PMG_ALGO_PUSH, "ce": PMG_ALGO_CE, "gather": PMG_ALGO_GATHER}
 
 
-XLA_OPERATIONS = ("pympgu_average", "pympgu_average_start", "pympgu_average_done")
+XLA_OPERATIONS = ("pympgu_average", "pympgu_average_start", "pympgu_average_done",
+                  "pympgu_average_wait")
 # The points of an exchange that PeerGroup.xla_timeline reports, in pmg_mark's order.
 XLA_MARKS = ("start", "side_begin", "first_sent", "last_start", "first_landed", "last_sent",
              "landed", "done", "averaged")
@@ -961,6 +962,14 @@ cdef class PeerGroup:
     @property
     def data_ptr(self):
         return self.block.ptr + self.data_offset
+
+    def shadow_view(self):
+        """A float32 DeviceArray over the shared shadow (nranks - 1 slots; the XLA pair's
+        peers push into it), or None without one. pympgu.xla.shadow_array gives it to JAX."""
+        if not self.shadow_offset:
+            return None
+        n = (self.nranks - 1) * _align(self.nbytes, _ALIGN) // 4
+        return self.block.view("float32", (n,), self.data_offset + self.shadow_offset)
 
     def connect(self, handles, max_blocks=None):
         """Map every peer's block; handles[r] is rank r's handle (ours is skipped).

@@ -219,11 +219,24 @@ class Exchanger:
         return xla.average_during(arrays, self._xla_group(arrays), fn, *args,
                                   algo=self.method, max_blocks=self.max_blocks)
 
-    def xla_correct_during(self, arrays, fn, *args):
-        """``pympgu.xla.correct_during`` over this exchanger's group."""
+    def xla_correct_during(self, arrays, fn, *args, shadow=None):
+        """``pympgu.xla.correct_during`` over this exchanger's group; ``shadow`` is
+        ``xla_shadow()``'s array, or None."""
         from . import xla
         return xla.correct_during(arrays, self._xla_group(arrays), fn, *args,
-                                  algo=self.method, max_blocks=self.max_blocks)
+                                  algo=self.method, max_blocks=self.max_blocks, shadow=shadow)
+
+    def xla_shadow(self):
+        """The shared shadow as a JAX array, for ``xla_correct_during``'s ``shadow``, or
+        None where it cannot serve: no shared shadow (``shadow=True``), a number of ranks
+        that is not a power of two (pympgu.xla.shadow_array), a method other than 'auto',
+        or other arrays than float32. PYMPGU_FUSED_CORRECTION=0 also
+        says None, which leaves the correction to pympgu's own pass (to compare the two)."""
+        from . import xla
+        if (os.environ.get("PYMPGU_FUSED_CORRECTION", "1") == "0" or self.method != "auto"
+                or self.xla_unavailable() or any(d != "float32" for _, _, d in self.layout)):
+            return None
+        return xla.shadow_array(self.backend.group)
 
     def _xla_group(self, arrays):
         """The PeerGroup for an XLA exchange of ``arrays``, after checking both."""

@@ -57,16 +57,7 @@ class Split:
     """
 
     def __init__(self, closed, which):
-        jaxpr, consts = closed.jaxpr, list(closed.consts)
-        # A jitted function traces to one call of its own program: look inside it.
-        while (len(jaxpr.eqns) == 1 and "jaxpr" in jaxpr.eqns[0].params
-               and list(jaxpr.eqns[0].invars) == list(jaxpr.invars)
-               and list(jaxpr.eqns[0].outvars) == list(jaxpr.outvars)
-               and not jaxpr.eqns[0].effects):
-            inner = jaxpr.eqns[0].params["jaxpr"]
-            if not hasattr(inner, "consts"):
-                break
-            jaxpr, consts = inner.jaxpr, list(inner.consts)
+        jaxpr, consts = _unwrap(closed)
         self.jaxpr, self.consts, self.which = jaxpr, consts, list(which)
         eqns = jaxpr.eqns
         producer = {}
@@ -129,6 +120,87 @@ class Split:
         return token, [_read(env, v) for v in outvars]
 
 
+def _unwrap(closed):
+    """The program of a traced function, and its constants: a jitted function traces to
+    one call of its own program, so look inside it."""
+    jaxpr, consts = closed.jaxpr, list(closed.consts)
+    while (len(jaxpr.eqns) == 1 and "jaxpr" in jaxpr.eqns[0].params
+           and list(jaxpr.eqns[0].invars) == list(jaxpr.invars)
+           and list(jaxpr.eqns[0].outvars) == list(jaxpr.outvars)
+           and not jaxpr.eqns[0].effects):
+        inner = jaxpr.eqns[0].params["jaxpr"]
+        if not hasattr(inner, "consts"):
+            break
+        jaxpr, consts = inner.jaxpr, list(inner.consts)
+    return jaxpr, consts
+
+
+# Primitives that map elements to elements (with scalars or broadcasts beside them): XLA
+# fuses a chain of them into one pass, which may also read the shadow.
+ELEMENTWISE = frozenset("""
+    abs add and broadcast_in_dim clamp convert_element_type copy copy_p div eq exp exp2
+    expand_dims ge gt integer_pow le log log1p logistic lt max min mul ne neg not or pow
+    reshape rsqrt select_n sign sqrt square squeeze sub tanh
+""".split())
+
+
+class Tail:
+    """A traced program, cut before the elementwise tail of its results at ``which``.
+
+    A training step ends with its update, ``p + (momentum * v - lr * g)`` and the like:
+    elementwise work that XLA fuses into one pass over the parameters. ``tail`` is that
+    work: every equation, reached backward from those results through elementwise
+    equations only, whose values nothing outside the tail needs. ``crossing`` lists what
+    the tail reads from the work before it (the gradients). pympgu.xla.correct_during adds
+    the one-step-delayed correction to the tail, so that XLA fuses it into the update.
+    """
+
+    def __init__(self, closed, which):
+        jaxpr, consts = _unwrap(closed)
+        self.jaxpr, self.consts = jaxpr, consts
+        eqns = jaxpr.eqns
+        producer, users = {}, {}
+        for k, eqn in enumerate(eqns):
+            for v in eqn.outvars:
+                producer[v] = k
+            for v in eqn.invars:
+                if _is_var(v):
+                    users.setdefault(v, set()).add(k)
+        tail, todo = set(), [jaxpr.outvars[i] for i in which]
+        while todo:
+            v = todo.pop()
+            k = producer.get(v) if _is_var(v) else None
+            if k is None or k in tail or eqns[k].primitive.name not in ELEMENTWISE:
+                continue
+            tail.add(k)
+            todo += eqns[k].invars
+        # An equation whose values work outside the tail reads must come before it, and so
+        # must what it reads.
+        leaving = True
+        while leaving:
+            leaving = {k for k in tail
+                       if any(users.get(v, set()) - tail for v in eqns[k].outvars)}
+            tail -= leaving
+        self.before = [e for k, e in enumerate(eqns) if k not in tail]
+        self.tail = [e for k, e in enumerate(eqns) if k in tail]
+        made = {v for e in self.before for v in e.outvars}
+        self.crossing = list(dict.fromkeys(
+            v for e in self.tail for v in e.invars if _is_var(v) and v in made))
+
+    def run(self, args, hold):
+        """Evaluate the program on the flat ``args`` (tracers, inside jit): the work before
+        the tail, then ``hold(values of crossing)``, which returns those values, held, and
+        anything else, then the tail on the held values. Returns every output and what else
+        ``hold`` returned."""
+        env = dict(zip(self.jaxpr.constvars, self.consts))
+        env.update(zip(self.jaxpr.invars, args))
+        _evaluate(self.before, env)
+        held, other = hold([env[v] for v in self.crossing])
+        env.update(zip(self.crossing, held))
+        _evaluate(self.tail, env)
+        return [_read(env, v) for v in self.jaxpr.outvars], other
+
+
 def _read(env, v):
     return env[v] if _is_var(v) else v.val
 
@@ -150,9 +222,14 @@ def _evaluate(eqns, env):
         env.update(zip(eqn.outvars, outs))
 
 
-def trace(fn, args):
+def trace(fn, args, inline=False):
     """``fn``'s program for these flat arguments (arrays or tracers), with ``fn`` returning
-    a flat sequence of arrays."""
+    a flat sequence of arrays. ``inline``: the equations of the jitted functions it calls
+    too, in its own program (jax.disable_jit), where a cut can see them; it also unrolls
+    loops with a fixed count."""
+    import contextlib
+
     import jax
     shapes = [jax.ShapeDtypeStruct(np.shape(a), a.dtype) for a in args]
-    return jax.make_jaxpr(lambda *a: list(fn(*a)))(*shapes)
+    with jax.disable_jit() if inline else contextlib.nullcontext():
+        return jax.make_jaxpr(lambda *a: list(fn(*a)))(*shapes)

@@ -28,11 +28,14 @@ class JaxStep:
     the step with; ``compute(*args)`` returns ``(new, outs)``, the new values of ``state``
     and all of the program's outputs, and ``during`` returns ``(values, outs)``, where
     ``values`` replace a leading part of ``new`` (``Exchanger.xla_correct_during``: each
-    becomes new + (average of old - old)). Calling returns ``fn``'s outputs: the value itself
-    when there is one, else a list.
+    becomes new + (average of old - old)). ``inputs`` are arrays that ``during`` reads
+    (``Exchanger.xla_shadow``'s): the jitted program takes them after ``fn``'s arguments
+    at every call, since closed over they would be copied into it as constants, and hands
+    them to ``during`` as its keyword ``inputs`` (when there are any). Calling returns ``fn``'s outputs: the
+    value itself when there is one, else a list.
     """
 
-    def __init__(self, fn, state, exchange=None, during=None):
+    def __init__(self, fn, state, exchange=None, during=None, inputs=()):
         import jax
         from pytensor.compile.sharedvalue import SharedVariable
 
@@ -57,13 +60,18 @@ class JaxStep:
         state_outs = [out_of[position[id(s)]] for s in state]
         state_ins = [position[id(s)] for s in state]
 
+        self.inputs = list(inputs)
+        nargs = self.nargs
+
         def run(*args):
+            args, more = args[:nargs], args[nargs:]
             if during is not None:
                 def compute(*args):
                     outs = list(program(*args))
                     return [outs[o] for o in state_outs], outs
 
-                values, outs = during([args[k] for k in state_ins], compute, *args)
+                given = {"inputs": list(more)} if more else {}
+                values, outs = during([args[k] for k in state_ins], compute, *args, **given)
                 for out, value in zip(state_outs, values):
                     outs[out] = value
                 return outs
@@ -83,7 +91,7 @@ class JaxStep:
             args[k] = value
         for k, container in self.shared:
             args[k] = container.storage[0]
-        return args
+        return args + self.inputs
 
     def __call__(self, *inputs):
         outs = self.jitted(*self.arguments(*inputs))

@@ -142,16 +142,24 @@ class Replica:
         if fn is None:
             from .jaxstep import JaxStep
             exchange = during = None
+            inputs = []
             if ex is not None:
                 # The state lists parameters first, then momentum.
                 k = len(self.model.params) if params_only else len(self.model.state)
                 if overlap:
-                    def during(old, compute, *args):
-                        return ex.xla_correct_during(old[:k], compute, *args)
+                    # With the shared shadow as an input, XLA's update applies the
+                    # correction itself (pympgu.xla.correct_during).
+                    shadow = ex.xla_shadow()
+                    inputs = [] if shadow is None else [shadow]
+
+                    def during(old, compute, *args, inputs=()):
+                        return ex.xla_correct_during(old[:k], compute, *args,
+                                                     shadow=inputs[0] if inputs else None)
                 else:
                     def exchange(compute, which, *args):
                         return ex.xla_average_results(compute, which[:k], *args)
-            fn = self._steps[key] = JaxStep(self.train_fn, self.model.state, exchange, during)
+            fn = self._steps[key] = JaxStep(self.train_fn, self.model.state, exchange, during,
+                                            inputs)
         return fn
 
     def device_batches(self, batches):

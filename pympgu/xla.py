@@ -40,6 +40,7 @@ import numpy as np
 
 TARGET = "pympgu_average"
 START, DONE = "pympgu_average_start", "pympgu_average_done"
+WAIT = "pympgu_average_wait"
 _registered = False
 # average_results cuts a function for exchanges of at least this many bytes (the size from
 # which 'auto' takes the link-bound 'push' algorithm on 2 H200s); PYMPGU_SPLIT_MIN_BYTES
@@ -161,7 +162,7 @@ def average_during(arrays, group, fn, *args, algo="auto", max_blocks=None):
     return _overlapped(list(arrays), group, fn, args, algo, max_blocks, correct=False)
 
 
-def correct_during(arrays, group, fn, *args, algo="auto", max_blocks=None):
+def correct_during(arrays, group, fn, *args, algo="auto", max_blocks=None, shadow=None):
     """The one-step-delayed correction of an overlapped exchange, in one call.
 
     ``fn(*args)`` returns ``(new, extra)``, where ``new`` is a list whose first
@@ -169,37 +170,138 @@ def correct_during(arrays, group, fn, *args, algo="auto", max_blocks=None):
     ``arrays`` are averaged as in ``average_during``. Returns ``([new_i + (mean_i -
     arrays_i)], extra)``: the step's own change, applied to the average. With the gather
     algorithm the average and the correction are one pass over the bytes.
+
+    ``shadow`` (``shadow_array(group)``, passed into the jitted function as an argument;
+    the gather algorithm and a shared shadow) takes that pass away: the mean is summed,
+    in rank order, inside XLA's own elementwise update of each array (``fn``'s
+    elementwise tail, pympgu.jaxsplit.Tail), which then reads the peers' values straight
+    from the shadow where they landed. XLA's stream waits for them just before that
+    update, once the gradients it reads exist.
     """
     if hasattr(group, "xla_correct_during"):  # an Exchanger
-        return group.xla_correct_during(arrays, fn, *args)
-    return _overlapped(list(arrays), group, fn, args, algo, max_blocks, correct=True)
+        return group.xla_correct_during(arrays, fn, *args, shadow=shadow)
+    return _overlapped(list(arrays), group, fn, args, algo, max_blocks, correct=True,
+                       shadow=shadow)
 
 
-def _overlapped(arrays, group, fn, args, algo, max_blocks, correct):
+def shadow_array(group):
+    """``correct_during``'s ``shadow`` for ``group``: a JAX array over its shared shadow,
+    without a copy. Pass it into the jitted function as an argument: closed over, JAX would
+    copy it into the program as a constant. None when the group has no shared shadow, or
+    when its number of ranks is not a power of two: XLA's division then rounds otherwise
+    than pympgu's kernels (by one unit in the last place, seen on 3 H200 ranks)."""
+    import jax
+    if not _power_of_two(group.nranks) or group.nranks == 1:
+        return None
+    view = group.shadow_view()
+    return None if view is None else jax.dlpack.from_dlpack(view)
+
+
+def _power_of_two(n):
+    return n > 0 and n & (n - 1) == 0
+
+
+def _overlapped(arrays, group, fn, args, algo, max_blocks, correct, shadow=None):
     import jax
     from jax import lax
     if not arrays:
         result = fn(*args)
         return ([], result[1]) if correct else ([], result)
     attrs, chosen = _attributes(arrays, group, algo, max_blocks, overlapped=True)
+    if shadow is not None and not (chosen == "gather" and getattr(group, "shadow_offset", 0)
+                                   and group.nranks > 1 and _power_of_two(group.nranks)):
+        raise ValueError("correct_during: shadow= needs the gather algorithm (float32, algo "
+                         "'auto' or 'gather'), a group made with shadow=True, and a power "
+                         "of two ranks")
     token = _start(arrays, attrs, _WHOLE)
     # XLA orders independent work as it likes; these barriers make fn's inputs wait for the
     # start, and the done wait for fn's results, so that fn runs while the link works.
     token, args = lax.optimization_barrier((token, args))
+    if shadow is not None:
+        return _corrected_in_update(arrays, group, fn, args, attrs, token, shadow)
     result = fn(*args)
     token, result = lax.optimization_barrier((token, result))
     if not correct:
         return _done(token, arrays, attrs), result
     new, extra = result
+    fresh = _fresh(new, arrays)
+    if chosen == "gather":  # the correction fused into the average's pass
+        return _done(token, arrays, attrs, fresh), extra
+    means = _done(token, arrays, attrs)
+    return [f + (m - a) for f, m, a in zip(fresh, means, arrays)], extra
+
+
+def _corrected_in_update(arrays, group, fn, args, attrs, token, shadow):
+    """correct_during's result with the correction inside fn's own update (``shadow``)."""
+    import jax
+    from jax import lax
+
+    from . import jaxsplit
+    leaves, tree = jax.tree_util.tree_flatten(args)
+
+    out_tree = []
+
+    def flat(*xs):
+        outs, structure = jax.tree_util.tree_flatten(fn(*jax.tree_util.tree_unflatten(tree, xs)))
+        out_tree[:] = [structure]
+        return outs
+
+    n = len(arrays)
+    # Inlined: fn may return a jitted program's results in an order of its own (JaxStep).
+    cut = jaxsplit.Tail(jaxsplit.trace(flat, leaves, inline=True), range(n))
+
+    if not cut.crossing:  # no work to wait behind: pympgu's pass corrects
+        new, extra = fn(*args)
+        fresh = _fresh(new, arrays)
+        token, fresh = lax.optimization_barrier((token, fresh))
+        return _done(token, arrays, attrs, fresh), extra
+
+    def hold(gradients):
+        # The wait takes what the update reads from before it (the gradients), so that XLA's
+        # stream waits there; it passes the smallest through, so that XLA keeps it (XLA
+        # drops an operation whose results nothing uses, even through a barrier).
+        k = min(range(len(gradients)), key=lambda i: math.prod(gradients[i].shape))
+        gradients = list(gradients)
+        gradients[k] = _wait(token, gradients, attrs, k)
+        return lax.optimization_barrier((gradients, shadow))
+
+    outs, landed = cut.run(leaves, hold)
+    new, extra = jax.tree_util.tree_unflatten(out_tree[0], outs)
+    # As pmg_mean_list sums (csrc/average.cu): rank order, then one division, by a power
+    # of two, which XLA's arithmetic rounds as the kernel's does (shadow_array).
+    rank, nranks = group.rank, group.nranks
+    slot = _slot_elems(group, int(attrs["total"]))
+    corrected = []
+    for f, a, at in zip(_fresh(new, arrays), arrays, attrs["offsets"]):
+        size = math.prod(a.shape)
+        terms = []
+        for r in range(nranks):
+            if r == rank:
+                terms.append(a)
+            else:
+                begin = (r if r < rank else r - 1) * slot + int(at)
+                terms.append(lax.slice(landed, (begin,), (begin + size,)).reshape(a.shape))
+        total = terms[0]
+        for t in terms[1:]:
+            total = total + t
+        corrected.append(f + (total / np.float32(nranks) - a))
+    return corrected, extra
+
+
+def _fresh(new, arrays):
+    """The successors of ``arrays`` at the head of ``new``, checked."""
     fresh = list(new[:len(arrays)])
     if [(f.shape, f.dtype) for f in fresh] != [(a.shape, a.dtype) for a in arrays]:
         raise ValueError("correct_during: fn's new values must begin with one array per "
                          f"averaged array, of its shape and dtype; got {len(fresh)} for "
                          f"{len(arrays)}")
-    if chosen == "gather":  # the correction fused into the average's pass
-        return _done(token, arrays, attrs, fresh), extra
-    means = _done(token, arrays, attrs)
-    return [f + (m - a) for f, m, a in zip(fresh, means, arrays)], extra
+    return fresh
+
+
+def _slot_elems(group, total):
+    """Elements per shadow slot for an exchange of ``total``: gather_elems in
+    csrc/xla_ffi.cc (rounded up to 64, within the buffer)."""
+    return min((total + 63) // 64 * 64, group.nbytes // 4)
 
 
 # The phases of a start (csrc/xla_ffi.cc): with the barrier before, after, or both.
@@ -243,6 +345,15 @@ def _done(token, arrays, attrs, fresh=None, in_place=False, part=_DONE_WHOLE, of
     if offsets is not None:
         keep["offsets"] = offsets
     return list(done(token, *arrays, *(fresh or []), **keep, part=np.int32(part)))
+
+
+def _wait(token, after, attrs, k):
+    """``after[k]``, once the exchange of ``token`` has landed and every array of ``after``
+    exists."""
+    import jax
+    wait = jax.ffi.ffi_call(WAIT, jax.ShapeDtypeStruct(after[k].shape, after[k].dtype),
+                            has_side_effect=False, input_output_aliases={1 + k: 0})
+    return wait(token, *after, group=attrs["group"])
 
 
 def _gather_code():

@@ -190,7 +190,8 @@ def xla_rounds(ctx, rounds, method="auto", big=1 << 23, shadow=False):
     layout), as the training loop's parameters-only exchange does; round 4 is overlapped
     (Exchanger.xla_average_during) with work of its own, checked too, and round 6 applies
     the overlapped step's delayed correction (Exchanger.xla_correct_during), after which the
-    ranks' values differ. With method 'auto' both go by the gather algorithm. Round 8
+    ranks' values differ; with a shadow, inside XLA's own arithmetic (Exchanger.xla_shadow).
+    With method 'auto' both go by the gather algorithm. Round 8
     averages a function's own results as they are computed (Exchanger.xla_average_results):
     with a shadow, all but b2 cross the link while a matrix product that b2 depends on is
     computed. Once the Exchanger is closed, the traced function must raise rather than run
@@ -226,9 +227,16 @@ def xla_rounds(ctx, rounds, method="auto", big=1 << 23, shadow=False):
         # multiplying by 3 rounds alike in JAX and numpy.
         overlapped = jax.jit(lambda xs, c: ex.xla_average_during(
             [x + c for x in xs], lambda ys: [y * np.float32(3) for y in ys], xs))
-        corrected = jax.jit(lambda xs, c: ex.xla_correct_during(
-            [x + c for x in xs], lambda ys: ([y * np.float32(3) for y in ys], None),
-            [x + c for x in xs])[0])
+        # With a shared shadow, XLA applies the correction inside fn's own arithmetic
+        # (xla_shadow), after a wait that needs work before it (the sum, times 0). Adding 1
+        # rounds alike there and in numpy, as XLA may fuse a multiply and an add into one
+        # instruction.
+        def plus_one(ys):
+            work = np.float32(0) * jax.numpy.sum(ys[-1])
+            return [y + np.float32(1) + work for y in ys], None
+
+        corrected = jax.jit(lambda xs, c, shadow: ex.xla_correct_during(
+            [x + c for x in xs], plus_one, [x + c for x in xs], shadow=shadow)[0])
         resulted = jax.jit(lambda xs, c: ex.xla_average_results(
             results, list(range(len(layout))), *xs, c)[:len(layout)])
         step = jax.jit(lambda xs, c: [x + c for x in xs])
@@ -247,11 +255,13 @@ def xla_rounds(ctx, rounds, method="auto", big=1 << 23, shadow=False):
                         raise AssertionError(f"rank {ctx.rank}: the work beside the overlapped "
                                              f"average got tensor {layout[t][0]} wrong")
             elif k == 6:
-                path, xs, averaged = "XLA corrected", corrected(xs, c), 0
+                shadow = ex.xla_shadow()
+                path = "XLA corrected" + (" in the update" if shadow is not None else "")
+                xs, averaged = corrected(xs, c, shadow), 0
                 olds = [[m + shift(r, k) for m in ms] for r, ms in enumerate(models)]
                 means = [model_average([o[t].ravel() for o in olds], "float32").reshape(
                     olds[0][t].shape) for t in range(len(layout))]
-                models = [[o * np.float32(3) + (mean - o) for o, mean in zip(os_, means)]
+                models = [[(o + np.float32(1)) + (mean - o) for o, mean in zip(os_, means)]
                           for os_ in olds]
             elif k == 8:
                 path, xs, averaged = "XLA results", resulted(xs, c), len(layout)

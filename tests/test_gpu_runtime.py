@@ -108,18 +108,23 @@ def test_gpu_xla_timeline_and_barrier_stream(barrier, monkeypatch):
         assert t["first_landed"] >= t["last_start"] - slack, t
 
 
-def test_gpu_training_overlapped_inside_xla():
+def test_gpu_training_overlapped_inside_xla(monkeypatch):
     """--overlap with JAX workers: the average runs inside the step's XLA call, beside its
     compute, and learns as well as plain averaging on the same data and seed; run() checks
-    that the replicas end identical."""
+    that the replicas end identical. The correction is applied inside XLA's update (the
+    default), or by pympgu's pass (PYMPGU_FUSED_CORRECTION=0): the same arithmetic, up to
+    how XLA rounds the update it fuses it into."""
     needs_xla()
     from pympgu import train
     cfg = dict(train.DEFAULTS, **JAX_TRAINING, hidden=[64])
     plain = train.run(cfg, devices(2))[-1]
     overlapped = train.run(dict(cfg, overlap=True), devices(2))[-1]
+    monkeypatch.setenv("PYMPGU_FUSED_CORRECTION", "0")  # the spawned workers read it
+    passed = train.run(dict(cfg, overlap=True), devices(2))[-1]
     assert plain["exchange_share"] is None and overlapped["exchange_share"] is None  # fused
     assert overlapped["test_error"] < 0.25, overlapped  # chance is 0.9
     assert abs(overlapped["test_error"] - plain["test_error"]) <= 0.03, (plain, overlapped)
+    assert abs(overlapped["test_error"] - passed["test_error"]) <= 0.01, (passed, overlapped)
 
 
 def test_gpu_training_cut_inside_xla(monkeypatch):

@@ -127,3 +127,35 @@ def test_flops_of_products_convolutions_and_nested_programs():
         "print('counted')\n"
     )
     run_jax_on_cpu(code, "counted")
+
+
+def test_tail_is_the_update():
+    """The tail of an MLP's new state is its update, elementwise work alone, which reads the
+    gradients from before it; before, the hold and the tail give every output bit for bit.
+    JaxStep's order of outputs hides the program's equations in one call unless inlined."""
+    pytest.importorskip("jax")
+    code = PRELUDE + (
+        "m, prog, args, which = step([32, 16], 64)\n"
+        "def compute(*a):  # as JaxStep's: the new state first, then every output\n"
+        "    outs = list(prog(*a))\n"
+        "    return [outs[i] for i in which] + outs\n"
+        "assert not jaxsplit.Tail(jaxsplit.trace(compute, args), range(len(which))).tail\n"
+        "tail = jaxsplit.Tail(jaxsplit.trace(compute, args, inline=True), range(len(which)))\n"
+        "names = {e.primitive.name for e in tail.tail}\n"
+        "assert names <= jaxsplit.ELEMENTWISE, names\n"
+        "assert len(tail.tail) >= 2 * len(which), len(tail.tail)\n"
+        "made = {v: e.primitive.name for e in tail.before for v in e.outvars}\n"
+        "kinds = sorted(made[v] for v in tail.crossing)\n"
+        "assert kinds.count('dot_general') == len(m.weights), kinds\n"
+        "assert kinds.count('reduce_sum') >= len(m.weights), kinds\n"
+        "seen = []\n"
+        "def run(*a):\n"
+        "    outs, other = tail.run(list(a), lambda g: (seen.append(len(g)) or g, 0))\n"
+        "    return outs\n"
+        "cut, whole = jax.jit(run)(*args), compute(*args)\n"
+        "assert seen == [len(tail.crossing)]\n"
+        "for a, b in zip(cut, whole):\n"
+        "    assert np.array_equal(np.asarray(a), np.asarray(b))\n"
+        "print('tail', len(tail.tail), kinds)\n"
+    )
+    run_jax_on_cpu(code, "tail")

@@ -121,6 +121,83 @@ def test_xla_average_keeps_jax_fast_dispatch(monkeypatch):
             jnp.ones(4))
 
 
+def test_xla_correction_inside_the_update(monkeypatch):
+    # Given the shared shadow as an input, correct_during cuts fn before its elementwise
+    # tail (the update): the wait comes after every matrix product and takes the gradients,
+    # the tail reads the shadow after it, and there is no done operation. Run on the CPU
+    # with the start and the wait stood in for, each result is fresh + (mean - own), the
+    # mean summed in rank order from this rank's value and the shadow's slots (4 ranks).
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pympgu import xla
+
+    class Group:
+        nbytes, max_blocks, nranks, rank, shadow_offset = 1 << 12, 8, 4, 1, 1 << 12
+
+        def algorithm(self, nbytes, algo):
+            return "oneshot"
+
+        def xla_id(self, shadow=False):
+            return 1
+
+    def fn(w, b, x):
+        h = jnp.tanh(x @ w + b)
+        gw, gb = x.T @ h, jnp.sum(h, axis=0)
+        return [w - np.float32(0.1) * gw, b * np.float32(0.9) - np.float32(0.1) * gb], h.sum()
+
+    monkeypatch.setattr(xla, "_register", lambda: None)
+    rng = np.random.default_rng(0)
+    w, b, x = (rng.standard_normal(s).astype(np.float32) for s in ((16, 8), (8,), (4, 16)))
+    shadow = rng.standard_normal(3 * Group.nbytes // 4).astype(np.float32)
+
+    def step(w, b, x, shadow):
+        return xla.correct_during([w, b], Group(), fn, w, b, x, shadow=shadow)
+
+    jaxpr = jax.make_jaxpr(step)(w, b, x, shadow)
+    assert not jaxpr.effects
+    eqns = jaxpr.jaxpr.eqns
+    names = [e.primitive.name for e in eqns]
+    calls = [k for k, n in enumerate(names) if n == "ffi_call"]
+    assert len(calls) == 2, names
+    start, wait = (eqns[k] for k in calls)
+    assert start.params["target_name"] == xla.START
+    assert wait.params["target_name"] == xla.WAIT
+    dots = [k for k, n in enumerate(names) if n == "dot_general"]
+    assert calls[0] < dots[0] and calls[1] > dots[-1], names
+    # The gradients are the wait's operands; the tail's reads of the shadow come after it.
+    gradients = {eqns[k].outvars[0] for k in dots[1:]}
+    assert gradients <= set(wait.invars), names
+    # It passes the smallest gradient (b's) through, held with the shadow for the tail.
+    (operand, result), = wait.params["input_output_aliases"]
+    assert result == 0 and wait.invars[operand].aval.shape == (8,), wait
+    held = eqns[calls[1] + 1]
+    assert held.primitive.name == "optimization_barrier" and wait.outvars[0] in held.invars
+    assert not [n for n in names[calls[1]:] if n in ("dot_general", "tanh", "reduce_sum")]
+
+    monkeypatch.setattr(xla, "_start", lambda *a, **k: jnp.uint32(0))
+    monkeypatch.setattr(xla, "_wait", lambda token, after, attrs, k: after[k])
+    got, loss = jax.jit(lambda *a: step(*a))(w, b, x, shadow)  # traced anew
+    (fw, fb), want_loss = fn(w, b, x)
+    attrs, _ = xla._attributes([w, b], Group(), "auto", None, overlapped=True)
+    slot = xla._slot_elems(Group(), int(attrs["total"]))
+    for g, fresh, own, at in zip(got, (fw, fb), (w, b), attrs["offsets"]):
+        peer0, peer2, peer3 = (shadow[s * slot + at:s * slot + at + own.size].reshape(
+            own.shape) for s in (0, 1, 2))
+        mean = (((peer0 + own) + peer2) + peer3) / np.float32(4)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(fresh) + (mean - own),
+                                   rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    with pytest.raises(ValueError, match="shadow= needs the gather algorithm"):
+        xla.correct_during([w, b], Group(), fn, w, b, x, shadow=shadow, algo="oneshot")
+    # XLA's division by 3 ranks rounds otherwise than the kernels': no shadow for them.
+    Group.nranks = 3
+    with pytest.raises(ValueError, match="a power of two ranks"):
+        xla.correct_during([w, b], Group(), fn, w, b, x, shadow=shadow)
+    assert xla.shadow_array(Group()) is None
+
+
 def test_xla_average_results_cuts_the_step(monkeypatch):
     # Traced on the CPU: with a shared shadow, the results that need no late work start
     # first (phase 1), the matrix product they do not need comes after that start and its
