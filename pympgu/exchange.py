@@ -230,8 +230,8 @@ class Exchanger:
         """The shared shadow as a JAX array, for ``xla_correct_during``'s ``shadow``, or
         None where it cannot serve: no shared shadow (``shadow=True``), a number of ranks
         that is not a power of two (pympgu.xla.shadow_array), a method other than 'auto',
-        or other arrays than float32. PYMPGU_FUSED_CORRECTION=0 also
-        says None, which leaves the correction to pympgu's own pass (to compare the two)."""
+        or other arrays than float32. PYMPGU_FUSED_CORRECTION=0 also says None, which
+        leaves the correction to pympgu's own pass (to compare the two)."""
         from . import xla
         if (os.environ.get("PYMPGU_FUSED_CORRECTION", "1") == "0" or self.method != "auto"
                 or self.xla_unavailable() or any(d != "float32" for _, _, d in self.layout)):

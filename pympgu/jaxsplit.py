@@ -15,6 +15,9 @@ result at a time, each time by the one that adds the least work to phase 1, and 
 kept is the one that maximizes (bytes sent early) x (FLOPs left in phase 2 to hide them
 behind): a result sent early but with no work left to hide behind gains nothing. A program
 without matrix products is not cut.
+
+``Tail`` cuts a program another way, before the elementwise update at its end, so that
+pympgu.xla.correct_during can fuse the overlapped step's correction into that update.
 """
 import math
 

@@ -23,7 +23,8 @@ peers' data crossing the link on a side stream of the group's while XLA computes
 link and the SMs work at once. Only a pack (before ``fn``, unless the group has a shared
 shadow) and the last pass (after it) stay on XLA's stream. ``correct_during`` is the same
 with the one-step-delayed correction of an overlapped training step fused into that last
-pass. ``average_results(fn, which, group, *args)`` averages some of ``fn``'s own results,
+pass, or, given the shared shadow as a JAX array (``shadow_array``), into ``fn``'s own
+update, with no pass at all. ``average_results(fn, which, group, *args)`` averages some of ``fn``'s own results,
 each sent as soon as it is computed, while ``fn`` computes the rest: an exact exchange that
 hides behind the end of a training step, as DDP's gradient buckets do. A group carries one
 of these exchanges at a time: two start/done pairs on the same group must not interleave
@@ -218,7 +219,9 @@ def _overlapped(arrays, group, fn, args, algo, max_blocks, correct, shadow=None)
     # start, and the done wait for fn's results, so that fn runs while the link works.
     token, args = lax.optimization_barrier((token, args))
     if shadow is not None:
-        return _corrected_in_update(arrays, group, fn, args, attrs, token, shadow)
+        fused = _corrected_in_update(arrays, group, fn, args, attrs, token, shadow)
+        if fused is not None:
+            return fused
     result = fn(*args)
     token, result = lax.optimization_barrier((token, result))
     if not correct:
@@ -232,7 +235,9 @@ def _overlapped(arrays, group, fn, args, algo, max_blocks, correct, shadow=None)
 
 
 def _corrected_in_update(arrays, group, fn, args, attrs, token, shadow):
-    """correct_during's result with the correction inside fn's own update (``shadow``)."""
+    """correct_during's result with the correction inside fn's own update (``shadow``), or
+    None when fn has no work before its update for the wait to follow (then pympgu's pass
+    corrects)."""
     import jax
     from jax import lax
 
@@ -250,11 +255,8 @@ def _corrected_in_update(arrays, group, fn, args, attrs, token, shadow):
     # Inlined: fn may return a jitted program's results in an order of its own (JaxStep).
     cut = jaxsplit.Tail(jaxsplit.trace(flat, leaves, inline=True), range(n))
 
-    if not cut.crossing:  # no work to wait behind: pympgu's pass corrects
-        new, extra = fn(*args)
-        fresh = _fresh(new, arrays)
-        token, fresh = lax.optimization_barrier((token, fresh))
-        return _done(token, arrays, attrs, fresh), extra
+    if not cut.crossing:
+        return None
 
     def hold(gradients):
         # The wait takes what the update reads from before it (the gradients), so that XLA's

@@ -176,6 +176,13 @@ def test_xla_correction_inside_the_update(monkeypatch):
     assert held.primitive.name == "optimization_barrier" and wait.outvars[0] in held.invars
     assert not [n for n in names[calls[1]:] if n in ("dot_general", "tanh", "reduce_sum")]
 
+    # An update with no work before it leaves no place for the wait: pympgu's pass corrects.
+    jaxpr = jax.make_jaxpr(lambda w, b, s: xla.correct_during(
+        [w, b], Group(), lambda w, b: ([w + 1, b + 1], None), w, b, shadow=s))(w, b, shadow)
+    targets = [e.params["target_name"] for e in jaxpr.jaxpr.eqns
+               if e.primitive.name == "ffi_call"]
+    assert targets == [xla.START, xla.DONE], targets
+
     monkeypatch.setattr(xla, "_start", lambda *a, **k: jnp.uint32(0))
     monkeypatch.setattr(xla, "_wait", lambda token, after, attrs, k: after[k])
     got, loss = jax.jit(lambda *a: step(*a))(w, b, x, shadow)  # traced anew
