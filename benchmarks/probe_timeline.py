@@ -5,13 +5,14 @@
 
 The GPU machine has no profiler, so the exchange marks its own points with CUDA events
 (PYMPGU_XLA_TIMELINE=1, PeerGroup.xla_timeline). Each rank builds the training loop's
-replica and Exchanger (with its shared shadow, as pympgu.train does) and runs two steps:
+replica and Exchanger (with its shared shadow, as pympgu.train does) and runs these steps:
 'exact' (the parameters averaged after the step; from 16 MiB the step is cut, so that the
-last layers leave while the first layer's gradient is computed) and 'overlap' (the
-parameters the step starts from averaged while it computes, and the correction applied
-inside XLA's own update; 'pass': the same with pympgu's pass applying it). After each step it reads the
-marks, which waits for that step, so steps do not overlap one another. It prints, per rank,
-the median of each point in ms after the (first) start:
+last layers leave while the first layer's gradient is computed); 'overlap' (the parameters
+the step starts from averaged while it computes, and the correction applied inside XLA's
+own update); 'pass' (the same, with pympgu's pass applying it); 'state' (as 'overlap', with
+the momentum averaged too, as the due step of --sync-every K > 1 does). After each step it
+reads the marks, which waits for that step, so steps do not overlap one another. It prints,
+per rank, the median of each point in ms after the (first) start:
 
   side_begin   the copies may begin (after the first GPU barrier)
   first_sent   the first part's copies have ended
@@ -39,9 +40,12 @@ import time
 from probe_common import parser, replica_config
 
 
-# The steps timed: name, overlapped, and whether XLA's update applies the correction
-# (PYMPGU_FUSED_CORRECTION; pympgu.xla.correct_during's shadow) or pympgu's pass does.
-STEPS = (("exact", False, "1"), ("overlap", True, "1"), ("pass", True, "0"))
+# The steps timed: name, overlapped, whether XLA's update applies the correction
+# (PYMPGU_FUSED_CORRECTION; pympgu.xla.correct_during's shadow) or pympgu's pass does, and
+# what is averaged: the parameters (--sync-every 1) or the whole state, momentum too
+# (the due step of --sync-every K > 1: twice the bytes).
+STEPS = (("exact", False, "1", True), ("overlap", True, "1", True), ("pass", True, "0", True),
+         ("state", True, "1", False))
 
 
 def worker(ctx, hidden, batch, steps, hlo_dir=None):
@@ -102,14 +106,14 @@ def worker(ctx, hidden, batch, steps, hlo_dir=None):
         out["dma_mb"] = group.nbytes / 1e6
         ctx.barrier()  # no rank's exchange below lands in a shadow a peer still copies into
 
-        def build(overlap, fused):
+        def build(overlap, fused, params_only):
             # PYMPGU_FUSED_CORRECTION is read when a step is built (Exchanger.xla_shadow).
             os.environ["PYMPGU_FUSED_CORRECTION"] = fused
             rep._steps.clear()
-            return rep.jax_step(ex, params_only=True, overlap=overlap)
+            return rep.jax_step(ex, params_only=params_only, overlap=overlap)
 
-        for name, overlap, fused in STEPS:
-            step = build(overlap, fused)
+        for name, *how in STEPS:
+            step = build(*how)
             dump(name, step)
             for _ in range(5):
                 step(idx)
@@ -138,8 +142,8 @@ def worker(ctx, hidden, batch, steps, hlo_dir=None):
             (f if fresh is not None else a) + 0 * a
             for f, a in zip(fresh if fresh is not None else arrays, arrays)]
         xla._wait = lambda token, after, attrs, k: after[k]
-        for name, overlap, fused in STEPS:
-            step = build(overlap, fused)
+        for name, *how in STEPS:
+            step = build(*how)
             dump(name + "_dry", step)
             out[name + "_dry_ms"] = back_to_back(step)
         return out
@@ -168,7 +172,7 @@ def main():
         print(f"first barrier on the {where} stream; ms after the start (median of {a.steps}):")
         print(f"{'rank':>4} {'step':>8} " + " ".join(f"{m:>12}" for m in XLA_MARKS[1:]))
         for rank, r in enumerate(results):
-            for name, _, _ in STEPS:
+            for name, *_ in STEPS:
                 if r[name] is None:
                     print(f"{rank:>4} {name:>8} not through the start/done pair (an exchange "
                           "under PYMPGU_SPLIT_MIN_BYTES)")
@@ -181,7 +185,7 @@ def main():
             print(f"{rank:>4} {'':>8} back to back, ms a step (with XLA passes in place of "
                   "the exchange): " + ", ".join(
                       f"{name} {r.get(name + '_ms', float('nan')):.3f} "
-                      f"({r[name + '_dry_ms']:.3f})" for name, _, _ in STEPS))
+                      f"({r[name + '_dry_ms']:.3f})" for name, *_ in STEPS))
 
 
 if __name__ == "__main__":
