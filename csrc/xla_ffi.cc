@@ -508,6 +508,9 @@ ffi::Error average_wait(cudaStream_t stream, ffi::RemainingArgs args, ffi::Remai
 
 // None is marked command-buffer compatible: XLA runs them as thunks, at each execution,
 // which the side stream's fork and join need (a captured graph would replay them without it).
+// Every operation takes XLA's stream, any number of operands and results, and attributes.
+#define PMG_BIND \
+  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().RemainingArgs().RemainingRets()
 #define PMG_AVERAGE_ATTRS                        \
   .Attr<int64_t>("group")                        \
       .Attr<int32_t>("algo")                     \
@@ -516,33 +519,17 @@ ffi::Error average_wait(cudaStream_t stream, ffi::RemainingArgs args, ffi::Remai
       .Attr<ffi::Span<const int64_t>>("offsets") \
       .Attr<int64_t>("total")
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(pmg_xla_average, average,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .RemainingArgs()
-                                  .RemainingRets() PMG_AVERAGE_ATTRS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(pmg_xla_average, average, PMG_BIND PMG_AVERAGE_ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pmg_xla_average_start, average_start,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .RemainingArgs()
-                                  .RemainingRets() PMG_AVERAGE_ATTRS
-                                  .Attr<int32_t>("phase"));
+                              PMG_BIND PMG_AVERAGE_ATTRS.Attr<int32_t>("phase"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pmg_xla_average_done, average_done,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<int64_t>("group")
+                              PMG_BIND.Attr<int64_t>("group")
                                   .Attr<int32_t>("algo")
                                   .Attr<ffi::Span<const int64_t>>("offsets")
                                   .Attr<int64_t>("total")
                                   .Attr<int32_t>("part"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pmg_xla_average_wait, average_wait,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<int64_t>("group"));
+                              PMG_BIND.Attr<int64_t>("group"));
 
 extern "C" void *pmg_xla_handler(const char *name) {
   const std::string n = name ? name : "";
