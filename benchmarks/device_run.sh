@@ -13,7 +13,7 @@ for step in $steps; do
   echo "=== $step"
   case $step in
     tests) timeout 540 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_exchange.py tests/test_gpu_runtime.py 2>&1 | tail -15 ;;
-    xla) grep -i "without the XLA" "$OUT/build.log"; timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_runtime.py -k "xla or jax" 2>&1 | tail -15 ;;
+    xla) grep -i "without the XLA" "$OUT/build.log"; timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_runtime.py -k "xla or jax" 2>&1 | tail -15 ;;
     runtime) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_runtime.py 2>&1 | tail -15 ;;
     # Where a step's time goes: host or GPU, one rank or two per GPU, with the exchange or not.
     diag)

@@ -10,7 +10,8 @@ replica and Exchanger (with its shared shadow, as pympgu.train does) and runs th
 last layers leave while the first layer's gradient is computed); 'overlap' (the parameters
 the step starts from averaged while it computes, and the correction applied inside XLA's
 own update); 'pass' (the same, with pympgu's pass applying it); 'state' (as 'overlap', with
-the momentum averaged too, as the due step of --sync-every K > 1 does). After each step it
+the momentum averaged too: whether those 160 MB cross within one step, where --sync-every
+K > 1 gives them K - 1 steps more). After each step it
 reads the marks, which waits for that step, so steps do not overlap one another. It prints,
 per rank, the median of each point in ms after the (first) start:
 
@@ -40,12 +41,13 @@ import time
 from probe_common import parser, replica_config
 
 
-# The steps timed: name, overlapped, whether XLA's update applies the correction
-# (PYMPGU_FUSED_CORRECTION; pympgu.xla.correct_during's shadow) or pympgu's pass does, and
-# what is averaged: the parameters (--sync-every 1) or the whole state, momentum too
-# (the due step of --sync-every K > 1: twice the bytes).
-STEPS = (("exact", False, "1", True), ("overlap", True, "1", True), ("pass", True, "0", True),
-         ("state", True, "1", False))
+# The steps timed: name, overlapped (Replica.step's overlap), whether XLA's update applies
+# the correction (PYMPGU_FUSED_CORRECTION; pympgu.xla.correct_during's shadow) or pympgu's
+# pass does, and what is averaged: the parameters (--sync-every 1) or the whole state,
+# momentum too (twice the bytes: do they cross within one step? --sync-every K > 1 gives
+# them K - 1 steps more).
+STEPS = (("exact", None, "1", True), ("overlap", "during", "1", True),
+         ("pass", "during", "0", True), ("state", "during", "1", False))
 
 
 def worker(ctx, hidden, batch, steps, hlo_dir=None):

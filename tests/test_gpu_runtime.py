@@ -78,7 +78,7 @@ def test_gpu_exchange_inside_xla(nranks, method, shadow, monkeypatch):
     needs_xla()
     monkeypatch.setenv("PYMPGU_SPLIT_MAX_RANKS", "8")  # the spawned workers read it
     from runtime_targets import xla_rounds
-    results = launch(xla_rounds, (10, method, 1 << 23, shadow), gpus=devices(nranks))
+    results = launch(xla_rounds, (12, method, 1 << 23, shadow), gpus=devices(nranks))
     assert len({r["digest"] for r in results}) == 1
     assert all(r["closed_raises"] for r in results)
 
@@ -108,15 +108,17 @@ def test_gpu_xla_timeline_and_barrier_stream(barrier, monkeypatch):
         assert t["first_landed"] >= t["last_start"] - slack, t
 
 
-def test_gpu_training_overlapped_inside_xla(monkeypatch):
+@pytest.mark.parametrize("every", [1, 2])
+def test_gpu_training_overlapped_inside_xla(every, monkeypatch):
     """--overlap with JAX workers: the average runs inside the step's XLA call, beside its
     compute, and learns as well as plain averaging on the same data and seed; run() checks
     that the replicas end identical. The correction is applied inside XLA's update (the
     default), or by pympgu's pass (PYMPGU_FUSED_CORRECTION=0): the same arithmetic, up to
-    how XLA rounds the update it fuses it into."""
+    how XLA rounds the update it fuses it into. With --sync-every 2 each exchange starts in
+    one step's call and is corrected for in the next's."""
     needs_xla()
     from pympgu import train
-    cfg = dict(train.DEFAULTS, **JAX_TRAINING, hidden=[64])
+    cfg = dict(train.DEFAULTS, **JAX_TRAINING, hidden=[64], sync_every=every)
     plain = train.run(cfg, devices(2))[-1]
     overlapped = train.run(dict(cfg, overlap=True), devices(2))[-1]
     monkeypatch.setenv("PYMPGU_FUSED_CORRECTION", "0")  # the spawned workers read it

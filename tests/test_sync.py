@@ -106,19 +106,28 @@ def test_single_worker_never_exchanges():
     assert "wait" not in rep.calls and rep.state[0][0] == 2.0
 
 
-@pytest.mark.parametrize("every,overlap,expected", [
-    (1, False, ["params", "params", "params", "all"]),  # the epoch's last step: all
-    (2, False, ["step", "all", "step", "all"]),  # replicas drift: momentum averaged too
+@pytest.mark.parametrize("every,overlap,steps,expected", [
+    (1, False, 4, ["params", "params", "params", "all"]),  # the epoch's last step: all
+    (2, False, 4, ["step", "all", "step", "all"]),  # replicas drift: momentum averaged too
     # Overlapped steps start from averaged parameters; the epoch's last is plain, so that
     # replicas end identical.
-    (1, True, ["params overlapped", "params overlapped", "params overlapped", "all"]),
-    (2, True, ["step", "all overlapped", "step", "all"]),
+    (1, True, 4, ["params during", "params during", "params during", "all"]),
+    # With every > 1 the average crosses the link until the step before the next exchange,
+    # which corrects for it.
+    (2, True, 4, ["step", "all start", "all correct", "all"]),
+    (4, True, 8, ["step", "step", "step", "all start", "step", "step", "all correct",
+                  "all"]),
+    # The epoch ends first: its last step corrects, then an exact exchange follows.
+    (4, True, 6, ["step", "step", "step", "all start", "step", "all correct", "exchange"]),
 ])
-def test_fused_steps_average_parameters_alone_only_when_exact(every, overlap, expected):
+def test_fused_steps_average_parameters_alone_only_when_exact(every, overlap, steps, expected):
     class Rep(FakeRep):
-        def step(self, idx, ex=None, params_only=False, overlap=False):
+        def step(self, idx, ex=None, params_only=False, overlap=None):
             call = "step" if ex is None else "params" if params_only else "all"
-            self.calls.append(call + (" overlapped" if overlap else ""))
+            self.calls.append(call + (f" {overlap}" if overlap else ""))
+
+        def exchange(self, ex):
+            self.calls.append("exchange")
 
     class Ex(FakeEx):
         def xla_unavailable(self):
@@ -128,7 +137,8 @@ def test_fused_steps_average_parameters_alone_only_when_exact(every, overlap, ex
     rep.jax = object()  # a JAX worker
     sync = Sync(rep, Ex(lambda a: a), every, overlap=overlap)
     assert sync.fused
-    for i in range(4):
-        sync.step(None, i, last=i == 3)
+    for i in range(steps):
+        sync.step(None, i, last=i == steps - 1)
     assert rep.calls == expected
+    assert not sync.started
     assert not Sync(rep, Ex(lambda a: a), every, fuse=False).fused  # PYMPGU_XLA_EXCHANGE=0
