@@ -244,7 +244,7 @@ def _overlapped(arrays, group, fn, args, algo, max_blocks, correct, shadow=None,
         token = _start(arrays, attrs, _WHOLE)
         # XLA orders independent work as it likes; these barriers make fn's inputs wait for
         # the start, and the done wait for fn's results, so that fn runs while the link works.
-        token, args = lax.optimization_barrier((token, args))
+        token, args = _hold(token, args, arrays)
         if not finish:  # the token leaves the function, so XLA keeps the start
             return token, fn(*args)
     if shadow is not None:
@@ -261,6 +261,24 @@ def _overlapped(arrays, group, fn, args, algo, max_blocks, correct, shadow=None,
         return _done(token, arrays, attrs, fresh), extra
     means = _done(token, arrays, attrs)
     return [f + (m - a) for f, m, a in zip(fresh, means, arrays)], extra
+
+
+def _hold(token, args, arrays):
+    """``(token, args)``, with the arguments that are not among ``arrays`` (a training
+    step's minibatch, say) held behind the start's token: fn's work that needs them waits
+    for the start. The averaged arrays themselves are not held: a weight or a bias that
+    comes out of an optimization barrier cost the wide MLP's step XLA's fusion of the bias
+    into cuBLAS's matrix product, about 0.05 ms a step (docs/BENCHMARKS.md, session 11).
+    When every argument is averaged, all are held."""
+    import jax
+    from jax import lax
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    own = {id(a) for a in arrays}
+    held = [i for i, leaf in enumerate(leaves) if id(leaf) not in own] or range(len(leaves))
+    token, kept = lax.optimization_barrier((token, [leaves[i] for i in held]))
+    for i, leaf in zip(held, kept):
+        leaves[i] = leaf
+    return token, jax.tree_util.tree_unflatten(tree, leaves)
 
 
 def _corrected_in_update(arrays, group, fn, args, attrs, token, shadow):

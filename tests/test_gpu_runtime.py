@@ -118,7 +118,7 @@ def test_gpu_training_overlapped_inside_xla(every, monkeypatch):
     one step's call and is corrected for in the next's."""
     needs_xla()
     from pympgu import train
-    cfg = dict(train.DEFAULTS, **JAX_TRAINING, hidden=[64], sync_every=every)
+    cfg = dict(train.DEFAULTS, **dict(JAX_TRAINING, sync_every=every), hidden=[64])
     plain = train.run(cfg, devices(2))[-1]
     overlapped = train.run(dict(cfg, overlap=True), devices(2))[-1]
     monkeypatch.setenv("PYMPGU_FUSED_CORRECTION", "0")  # the spawned workers read it

@@ -236,6 +236,12 @@ def test_xla_correction_inside_the_update(monkeypatch):
     assert wait.params["target_name"] == xla.WAIT
     dots = [k for k, n in enumerate(names) if n == "dot_general"]
     assert calls[0] < dots[0] and calls[1] > dots[-1], names
+    # Behind the start's token: x, which fn's work needs first, but not the averaged w and
+    # b (out of a barrier, XLA's GPU compiler no longer fused a bias into cuBLAS's product).
+    first = eqns[calls[0] + 1]
+    assert first.primitive.name == "optimization_barrier", names
+    w_in, b_in, x_in, _ = jaxpr.jaxpr.invars
+    assert x_in in first.invars and not {w_in, b_in} & set(first.invars), first
     # The gradients are the wait's operands; the tail's reads of the shadow come after it.
     gradients = {eqns[k].outvars[0] for k in dots[1:]}
     assert gradients <= set(wait.invars), names
