@@ -31,7 +31,9 @@ and the plain step alone, back to back, for scale; then the plain step beside DM
 the whole buffer from the peers (no barrier, no kernel of pympgu's), and those copies alone:
 what the link's traffic alone costs XLA's compute. Last, each step back to back, and again
 with the exchange's operations replaced by a pass of XLA's own over the same arrays (not
-averaged): what the program's shape costs without the link. It runs once per --barrier value
+averaged): what the program's shape costs without the link; and --overlap --sync-every 4's
+four steps (the exchange started in one, corrected for three steps later), both ways. It
+runs once per --barrier value
 (PYMPGU_PUSH_BARRIER: the first barrier on the side stream, or on XLA's). The distance from
 start to side_begin is what the copies wait before they can run.
 """
