@@ -10,8 +10,7 @@ replica and Exchanger (with its shared shadow, as pympgu.train does) and runs th
 last layers leave while the first layer's gradient is computed); 'overlap' (the parameters
 the step starts from averaged while it computes, and the correction applied inside XLA's
 own update); 'pass' (the same, with pympgu's pass applying it); 'state' (as 'overlap', with
-the momentum averaged too: whether those 160 MB cross within one step, where --sync-every
-K > 1 gives them K - 1 steps more). After each step it
+the momentum averaged too, as the due step of --sync-every K > 1 does). After each step it
 reads the marks, which waits for that step, so steps do not overlap one another. It prints,
 per rank, the median of each point in ms after the (first) start:
 
@@ -32,8 +31,7 @@ the whole buffer from the peers (no barrier, no kernel of pympgu's), and those c
 what the link's traffic alone costs XLA's compute. Last, each step back to back, and again
 with the exchange's operations replaced by a pass of XLA's own over the same arrays (not
 averaged): what the program's shape costs without the link; and --overlap --sync-every 4's
-four steps (the exchange started in one, corrected for three steps later), both ways. It
-runs once per --barrier value
+four steps ('state', then three plain steps), both ways. It runs once per --barrier value
 (PYMPGU_PUSH_BARRIER: the first barrier on the side stream, or on XLA's). The distance from
 start to side_begin is what the copies wait before they can run.
 """
@@ -43,13 +41,12 @@ import time
 from probe_common import parser, replica_config
 
 
-# The steps timed: name, overlapped (Replica.step's overlap), whether XLA's update applies
-# the correction (PYMPGU_FUSED_CORRECTION; pympgu.xla.correct_during's shadow) or pympgu's
-# pass does, and what is averaged: the parameters (--sync-every 1) or the whole state,
-# momentum too (twice the bytes: do they cross within one step? --sync-every K > 1 gives
-# them K - 1 steps more).
-STEPS = (("exact", None, "1", True), ("overlap", "during", "1", True),
-         ("pass", "during", "0", True), ("state", "during", "1", False))
+# The steps timed: name, overlapped, whether XLA's update applies the correction
+# (PYMPGU_FUSED_CORRECTION; pympgu.xla.correct_during's shadow) or pympgu's pass does, and
+# what is averaged: the parameters (--sync-every 1) or the whole state, momentum too
+# (the due step of --sync-every K > 1: twice the bytes).
+STEPS = (("exact", False, "1", True), ("overlap", True, "1", True), ("pass", True, "0", True),
+         ("state", True, "1", False))
 
 
 def worker(ctx, hidden, batch, steps, hlo_dir=None):
@@ -117,18 +114,16 @@ def worker(ctx, hidden, batch, steps, hlo_dir=None):
             return rep.jax_step(ex, params_only=params_only, overlap=overlap)
 
         def cycle():
-            # --overlap --sync-every 4's steps (pympgu.train.Sync): the due step starts the
-            # exchange of the whole state, two steps know nothing of it, and the step before
-            # the next exchange corrects for it. Timed as one call, ms a step. rep.step
-            # builds the steps anew, with the correction in XLA's update.
+            # --overlap --sync-every 4's steps (pympgu.train.Sync): the due step averages the
+            # whole state while it computes, then three plain steps. Timed as one call, ms a
+            # step. rep.step builds the steps anew, with the correction in XLA's update.
             os.environ["PYMPGU_FUSED_CORRECTION"] = "1"
             rep._steps.clear()
 
             def run(idx):
-                rep.step(idx, ex, overlap="start")
-                rep.step(idx)
-                rep.step(idx)
-                rep.step(idx, ex, overlap="correct")
+                rep.step(idx, ex, overlap=True)
+                for _ in range(3):
+                    rep.step(idx)
             return run
 
         out["cycle_ms"] = back_to_back(cycle()) / 4

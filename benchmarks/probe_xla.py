@@ -80,12 +80,12 @@ def worker(ctx, hidden, batch, calls, exchanger=True, only_params=False):
         def device_ms(step, k=8):
             # k steps unrolled in one jitted call: no host between them, so this is GPU time
             # (unrolled, as a loop would add copies of the carried state).
-            args, more = step.arguments(idx)
+            args = step.arguments(idx)
             where = {id(c): i for i, c in step.shared}
             feed = [(out, where[id(c)]) for out, c in step.updates]
 
             def body(_, args):
-                outs, _ = step.jitted(list(args), more)
+                outs = step.jitted(*args)
                 args = list(args)
                 for out, i in feed:
                     args[i] = outs[out]
@@ -133,7 +133,7 @@ def worker(ctx, hidden, batch, calls, exchanger=True, only_params=False):
         def exchange_only():
             rep.set_values(alone(rep.values()))
 
-        overlapped = rep.jax_step(ex, params_only=True, overlap="during")
+        overlapped = rep.jax_step(ex, params_only=True, overlap=True)
         step, step_po = (lambda: plain(idx)), (lambda: params_only(idx))
         step_ov = lambda: overlapped(idx)  # noqa: E731
         out = {"step_ms": timed(step), "fused_ms": timed(lambda: fused(idx)),

@@ -219,19 +219,12 @@ class Exchanger:
         return xla.average_during(arrays, self._xla_group(arrays), fn, *args,
                                   algo=self.method, max_blocks=self.max_blocks)
 
-    def xla_correct_during(self, arrays, fn, *args, shadow=None, token=None):
+    def xla_correct_during(self, arrays, fn, *args, shadow=None):
         """``pympgu.xla.correct_during`` over this exchanger's group; ``shadow`` is
-        ``xla_shadow()``'s array, or None; ``token`` is ``xla_start_during``'s, or None."""
+        ``xla_shadow()``'s array, or None."""
         from . import xla
         return xla.correct_during(arrays, self._xla_group(arrays), fn, *args,
-                                  algo=self.method, max_blocks=self.max_blocks, shadow=shadow,
-                                  token=token)
-
-    def xla_start_during(self, arrays, fn, *args):
-        """``pympgu.xla.start_during`` over this exchanger's group."""
-        from . import xla
-        return xla.start_during(arrays, self._xla_group(arrays), fn, *args, algo=self.method,
-                                max_blocks=self.max_blocks)
+                                  algo=self.method, max_blocks=self.max_blocks, shadow=shadow)
 
     def xla_shadow(self):
         """The shared shadow as a JAX array, for ``xla_correct_during``'s ``shadow``, or

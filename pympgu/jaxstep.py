@@ -28,12 +28,10 @@ class JaxStep:
     the step with; ``compute(*args)`` returns ``(new, outs)``, the new values of ``state``
     and all of the program's outputs, and ``during`` returns ``(values, outs)``, where
     ``values`` replace a leading part of ``new`` (``Exchanger.xla_correct_during``: each
-    becomes new + (average of old - old)). ``during`` may return a third item, ``carry``
-    (arrays, such as ``Exchanger.xla_start_during``'s token), which the call leaves in
-    ``self.carry``. ``inputs`` are arrays that ``during`` reads (``Exchanger.xla_shadow``'s),
-    or a function that returns them at each call (a pytree): the jitted program takes them
-    as an argument of its own, since closed over they would be copied into it as constants,
-    and hands them to ``during`` as its keyword ``inputs`` (when given). Calling returns
+    becomes new + (average of old - old)). ``inputs`` are arrays that ``during`` reads
+    (``Exchanger.xla_shadow``'s): the jitted program takes them after ``fn``'s arguments
+    at every call, since closed over they would be copied into it as constants, and hands
+    them to ``during`` as its keyword ``inputs`` (when there are any). Calling returns
     ``fn``'s outputs: the value itself when there is one, else a list.
     """
 
@@ -62,30 +60,30 @@ class JaxStep:
         state_outs = [out_of[position[id(s)]] for s in state]
         state_ins = [position[id(s)] for s in state]
 
-        self.inputs = inputs
-        given = callable(inputs) or bool(inputs)
-        self.carry = None
+        self.inputs = list(inputs)
+        nargs = self.nargs
 
-        def run(args, more):
+        def run(*args):
+            args, more = args[:nargs], args[nargs:]
             if during is not None:
                 def compute(*args):
                     outs = list(program(*args))
                     return [outs[o] for o in state_outs], outs
 
-                values, outs, *carry = during([args[k] for k in state_ins], compute, *args,
-                                              **({"inputs": more} if given else {}))
+                given = {"inputs": list(more)} if more else {}
+                values, outs = during([args[k] for k in state_ins], compute, *args, **given)
                 for out, value in zip(state_outs, values):
                     outs[out] = value
-                return outs, (carry[0] if carry else None)
+                return outs
             if exchange is not None:
-                return list(exchange(lambda *a: list(program(*a)), state_outs, *args)), None
-            return list(program(*args)), None
+                return list(exchange(lambda *a: list(program(*a)), state_outs, *args))
+            return list(program(*args))
 
         self.jitted = jax.jit(run)
 
     def arguments(self, *inputs):
-        """The jitted program's arguments for these explicit inputs, as ``(fn's arguments,
-        inputs)`` (``jitted.lower`` takes them too, to inspect the compiled program)."""
+        """The jitted program's arguments for these explicit inputs (``jitted.lower`` takes
+        them too, to inspect the compiled program)."""
         if len(inputs) != len(self.explicit):
             raise TypeError(f"expected {len(self.explicit)} inputs, got {len(inputs)}")
         args = [None] * self.nargs
@@ -93,10 +91,10 @@ class JaxStep:
             args[k] = value
         for k, container in self.shared:
             args[k] = container.storage[0]
-        return args, self.inputs() if callable(self.inputs) else self.inputs
+        return args + self.inputs
 
     def __call__(self, *inputs):
-        outs, self.carry = self.jitted(*self.arguments(*inputs))
+        outs = self.jitted(*self.arguments(*inputs))
         for out, container in self.updates:
             container.storage[0] = outs[out]
         results = outs[:self.nout]

@@ -93,7 +93,6 @@ class Replica:
         self.jax = None
         self._jit_cache = {}
         self._steps = {}
-        self.started = None  # (token, state) of the exchange an overlap="start" step began
         if cfg["backend"] == "jax":
             import jax
             import jax.numpy as jnp
@@ -123,65 +122,39 @@ class Replica:
                 f"rank {self.ctx.rank}: JAX put the model on GPU {where}, not on this rank's "
                 f"GPU {self.ctx.device}; was jax_default_device set elsewhere?")
 
-    def step(self, idx, ex=None, params_only=False, overlap=None):
+    def step(self, idx, ex=None, params_only=False, overlap=False):
         """One training step on the minibatch idx; returns its cost.
 
         With JAX the compiled program is called directly (pympgu.jaxstep), so that given
         ex the step also averages the state with every rank inside the same jitted call
         (Exchanger.xla_average): all of it, or with params_only the parameters alone (see
-        Sync for when that is exact). ``overlap`` (--overlap) says how the step averages
-        the state it starts from while it computes:
-        - "during": the average ends within the step, which corrects its result by it;
-        - "start": the average is left in flight past the step;
-        - "correct": the step corrects its result by the average that the last "start"
-          step began, as "during" does, having let it cross the link meanwhile.
+        Sync for when that is exact). With overlap it averages the state it starts from
+        while it computes, and corrects its result by that average (--overlap).
         """
         if self.jax is None:
             return self.train_fn(idx)
-        step = self.jax_step(ex, params_only, overlap)
-        if overlap == "start":
-            old = self.values()  # the side stream reads these until the correction
-            cost = step(idx)
-            self.started = (step.carry, old)
-            return cost
-        cost = step(idx)
-        if overlap == "correct":
-            self.started = None
-        return cost
+        return self.jax_step(ex, params_only, overlap)(idx)
 
-    def jax_step(self, ex=None, params_only=False, overlap=None):
+    def jax_step(self, ex=None, params_only=False, overlap=False):
         """The JaxStep that step() calls for these arguments, built once."""
         key = (ex is not None, params_only, overlap)
         fn = self._steps.get(key)
         if fn is None:
             from .jaxstep import JaxStep
             exchange = during = None
-            inputs = ()
+            inputs = []
             if ex is not None:
                 # The state lists parameters first, then momentum.
                 k = len(self.model.params) if params_only else len(self.model.state)
-                if overlap == "start":
-                    def during(old, compute, *args):
-                        token, (new, outs) = ex.xla_start_during(old[:k], compute, *args)
-                        return new, outs, token
-                elif overlap in ("during", "correct"):
+                if overlap:
                     # With the shared shadow as an input, XLA's update applies the
                     # correction itself (pympgu.xla.correct_during).
                     shadow = ex.xla_shadow()
-                    if overlap == "during":
-                        inputs = {"shadow": shadow}
-                    else:
-                        def inputs():
-                            token, old = self.started
-                            return {"shadow": shadow, "token": token, "old": old[:k]}
+                    inputs = [] if shadow is None else [shadow]
 
-                    def during(old, compute, *args, inputs):
-                        return ex.xla_correct_during(inputs.get("old", old[:k]), compute, *args,
-                                                     shadow=inputs["shadow"],
-                                                     token=inputs.get("token"))
-                elif overlap:
-                    raise ValueError(f"overlap must be 'during', 'start' or 'correct', not "
-                                     f"{overlap!r}")
+                    def during(old, compute, *args, inputs=()):
+                        return ex.xla_correct_during(old[:k], compute, *args,
+                                                     shadow=inputs[0] if inputs else None)
                 else:
                     def exchange(compute, which, *args):
                         return ex.xla_average_results(compute, which[:k], *args)
@@ -326,22 +299,23 @@ class Replica:
 class Sync:
     """When and how a replica meets the others: every ``every`` steps, plainly or overlapped.
 
-    Plain: average, carry on. Overlapped: finish the exchange started at the previous sync
-    point (correcting the steps taken meanwhile), then start averaging the current values, so
-    the next steps compute while it runs. On GPUs neither waits on the host: the work is
-    queued in order on the streams. ``seconds`` adds up the host time the training loop
-    spends here (on GPUs, queueing, plus any wait when the host is an exchange ahead).
+    Plain: average, carry on. Overlapped: start averaging the current values, so that the
+    next step computes while it runs, and after that step apply the average with the
+    one-step-delayed correction. With every > 1 the correction still comes one step after
+    the start, not at the next sync point: kept K steps, a late correction made training
+    unstable (momentum 0.9, K = 4: 31% test error on Fashion-MNIST against 16.2% one step
+    late, 17.4% two steps late; docs/BENCHMARKS.md, session 11). On GPUs nothing waits on
+    the host: the work is queued in order on the streams. ``seconds`` adds up the host time
+    the training loop spends here (on GPUs, queueing, plus any wait when the host is an
+    exchange ahead).
 
     Exchanges of JAX workers are ``fused``: the average runs inside the step's own jitted
     call (Exchanger.xla_average), so no separate exchange is queued at all and its host
     time is part of the step's. Overlapped, the step averages the state it starts from on a
-    side stream while it computes, then applies the same delayed correction as the unfused
-    path (Exchanger.xla_correct_during). With every == 1 the average must land within that
-    step. With every > 1 it has until the step before the next exchange: the due step only
-    starts it (Replica.step's overlap="start") and that later step corrects its own result
-    by it ("correct"), so every - 1 more steps hide the link's time. The epoch's last
-    exchange is plain, so replicas end identical. The fp32 wire and the kernel methods
-    allow fusing; fuse=False (PYMPGU_XLA_EXCHANGE=0 in pympgu.train) turns it off.
+    side stream while it computes, then applies the same one-step-delayed correction as the
+    unfused path (Exchanger.xla_correct_during); the epoch's last exchange is plain, so
+    replicas end identical. The fp32 wire and the kernel methods allow fusing; fuse=False
+    (PYMPGU_XLA_EXCHANGE=0 in pympgu.train) turns it off.
 
     Fused with every=1, an exchange averages the parameters alone (half the bytes) and each
     rank keeps its own momentum, except at the epoch's last step, which averages everything
@@ -362,27 +336,14 @@ class Sync:
         self.fused = (fuse and ex is not None and rep.jax is not None
                       and ex.xla_unavailable() is None)
         self.params_only = self.fused and every == 1  # but the epoch's last exchange
-        self.started = False  # a fused exchange is in flight, to be corrected for
 
     def step(self, idx, step, last=False):
         """Training step `step` (counted from 0) of an epoch on minibatch idx, then the
         exchange if one is due (`last` forces one); returns the step's cost."""
         due = self.ex is not None and (not (step + 1) % self.every or last)
-        if self.fused:
-            mode = None
-            if self.started and (last or not (step + 2) % self.every):
-                mode = "correct"  # the step before the next exchange, or the epoch's last
-            elif due and self.overlap and not last:
-                mode = "during" if self.every == 1 else "start"
-            if mode or due:
-                cost = self.rep.step(idx, self.ex, overlap=mode,
-                                     params_only=self.params_only and not last)
-                self.started = mode == "start"
-                if mode == "correct" and last:  # replicas end the epoch identical
-                    t0 = time.perf_counter()
-                    self.rep.exchange(self.ex)
-                    self.seconds += time.perf_counter() - t0
-                return cost
+        if self.fused and due:
+            return self.rep.step(idx, self.ex, params_only=self.params_only and not last,
+                                 overlap=self.overlap and not last)
         cost = self.rep.step(idx)
         self.after_step(step, last)
         return cost
@@ -390,7 +351,12 @@ class Sync:
     def after_step(self, step, last=False):
         """Call after step `step` (counted from 0) of an epoch; `last` forces a sync."""
         self.stepped = True
-        if self.ex is None or ((step + 1) % self.every and not last):
+        due = self.ex is not None and (not (step + 1) % self.every or last)
+        if not due:
+            if self.overlap and self.ex is not None and self.ex.pending:
+                t0 = time.perf_counter()
+                self.rep.exchange_correct(self.ex)  # one step after its start
+                self.seconds += time.perf_counter() - t0
             return
         t0 = time.perf_counter()
         if self.overlap:

@@ -163,25 +163,7 @@ def average_during(arrays, group, fn, *args, algo="auto", max_blocks=None):
     return _overlapped(list(arrays), group, fn, args, algo, max_blocks, correct=False)
 
 
-def start_during(arrays, group, fn, *args, algo="auto", max_blocks=None):
-    """``(token, fn(*args))``: starts averaging ``arrays`` before ``fn`` runs, and leaves the
-    exchange in flight on the group's side stream, past the end of this function.
-
-    A later jitted function finishes it: ``correct_during(arrays, group, fn2, *args2,
-    token=token)``, given this function's ``token`` (returned from one jitted call, passed
-    into the next) and the same ``arrays``, which must stay alive until then (hold on to
-    them: the side stream reads them while the functions in between run). Meanwhile no
-    other exchange may use the group. This gives the link several steps where
-    ``correct_during`` alone gives it one (``--overlap --sync-every K``).
-    """
-    if hasattr(group, "xla_start_during"):  # an Exchanger
-        return group.xla_start_during(arrays, fn, *args)
-    return _overlapped(list(arrays), group, fn, args, algo, max_blocks, correct=True,
-                       finish=False)
-
-
-def correct_during(arrays, group, fn, *args, algo="auto", max_blocks=None, shadow=None,
-                   token=None):
+def correct_during(arrays, group, fn, *args, algo="auto", max_blocks=None, shadow=None):
     """The one-step-delayed correction of an overlapped exchange, in one call.
 
     ``fn(*args)`` returns ``(new, extra)``, where ``new`` is a list whose first
@@ -196,14 +178,11 @@ def correct_during(arrays, group, fn, *args, algo="auto", max_blocks=None, shado
     elementwise tail, pympgu.jaxsplit.Tail), which then reads the peers' values straight
     from the shadow where they landed. XLA's stream waits for them just before that
     update, once the gradients it reads exist.
-
-    ``token`` (``start_during``'s) finishes an exchange that an earlier function started
-    from ``arrays``, instead of starting one here.
     """
     if hasattr(group, "xla_correct_during"):  # an Exchanger
-        return group.xla_correct_during(arrays, fn, *args, shadow=shadow, token=token)
+        return group.xla_correct_during(arrays, fn, *args, shadow=shadow)
     return _overlapped(list(arrays), group, fn, args, algo, max_blocks, correct=True,
-                       shadow=shadow, token=token)
+                       shadow=shadow)
 
 
 def shadow_array(group):
@@ -223,15 +202,10 @@ def _power_of_two(n):
     return n > 0 and n & (n - 1) == 0
 
 
-def _overlapped(arrays, group, fn, args, algo, max_blocks, correct, shadow=None, token=None,
-                finish=True):
-    """The exchange of ``arrays`` beside ``fn``: started here unless ``token`` says it was
-    started earlier, and finished here unless ``finish`` is False (then ``(token,
-    fn(*args))``)."""
+def _overlapped(arrays, group, fn, args, algo, max_blocks, correct, shadow=None):
+    import jax
     from jax import lax
     if not arrays:
-        if not finish:
-            raise ValueError("start_during: nothing to average")
         result = fn(*args)
         return ([], result[1]) if correct else ([], result)
     attrs, chosen = _attributes(arrays, group, algo, max_blocks, overlapped=True)
@@ -240,13 +214,10 @@ def _overlapped(arrays, group, fn, args, algo, max_blocks, correct, shadow=None,
         raise ValueError("correct_during: shadow= needs the gather algorithm (float32, algo "
                          "'auto' or 'gather'), a group made with shadow=True, and a power "
                          "of two ranks")
-    if token is None:
-        token = _start(arrays, attrs, _WHOLE)
-        # XLA orders independent work as it likes; these barriers make fn's inputs wait for
-        # the start, and the done wait for fn's results, so that fn runs while the link works.
-        token, args = _hold(token, args, arrays)
-        if not finish:  # the token leaves the function, so XLA keeps the start
-            return token, fn(*args)
+    token = _start(arrays, attrs, _WHOLE)
+    # XLA orders independent work as it likes; these barriers make fn's inputs wait for the
+    # start, and the done wait for fn's results, so that fn runs while the link works.
+    token, args = _hold(token, args, arrays)
     if shadow is not None:
         fused = _corrected_in_update(arrays, group, fn, args, attrs, token, shadow)
         if fused is not None:

@@ -182,13 +182,6 @@ def jax_rounds(ctx, rounds, big=1 << 23):
         return {"digest": digest, "stats": ex.stats}
 
 
-def _plus_ones(x, n):
-    """x + 1, n times, rounded after each as float32 steps do."""
-    for _ in range(n):
-        x = x + np.float32(1)
-    return x
-
-
 def xla_rounds(ctx, rounds, method="auto", big=1 << 23, shadow=False):
     """The exchange inside a jitted JAX function (Exchanger.xla_average): each round's new
     values are averaged in the same XLA call that computes them, checked bit for bit. Rounds
@@ -201,10 +194,8 @@ def xla_rounds(ctx, rounds, method="auto", big=1 << 23, shadow=False):
     With method 'auto' both go by the gather algorithm. Round 8
     averages a function's own results as they are computed (Exchanger.xla_average_results):
     with a shadow, all but b2 cross the link while a matrix product that b2 depends on is
-    computed. Round 10 is round 6 spread over three jitted calls, as --overlap --sync-every
-    K > 1 does: one starts the exchange (Exchanger.xla_start_during), the next knows
-    nothing of it, and the third corrects by it (xla_correct_during's token). Once the
-    Exchanger is closed, the traced function must raise rather than run on freed memory."""
+    computed. Once the Exchanger is closed, the traced function must raise rather than run
+    on freed memory."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
 
@@ -246,10 +237,6 @@ def xla_rounds(ctx, rounds, method="auto", big=1 << 23, shadow=False):
 
         corrected = jax.jit(lambda xs, c, shadow: ex.xla_correct_during(
             [x + c for x in xs], plus_one, [x + c for x in xs], shadow=shadow)[0])
-        # Spread: the arrays sent are the first call's inputs, held until the third.
-        begun = jax.jit(lambda olds: ex.xla_start_during(olds, plus_one, olds))
-        finished = jax.jit(lambda olds, token, ys, shadow: ex.xla_correct_during(
-            olds, plus_one, ys, shadow=shadow, token=token)[0])
         resulted = jax.jit(lambda xs, c: ex.xla_average_results(
             results, list(range(len(layout))), *xs, c)[:len(layout)])
         step = jax.jit(lambda xs, c: [x + c for x in xs])
@@ -267,23 +254,14 @@ def xla_rounds(ctx, rounds, method="auto", big=1 << 23, shadow=False):
                     if not np.array_equal(np.asarray(got), x * np.float32(3)):
                         raise AssertionError(f"rank {ctx.rank}: the work beside the overlapped "
                                              f"average got tensor {layout[t][0]} wrong")
-            elif k in (6, 10):
+            elif k == 6:
                 shadow = ex.xla_shadow()
-                path = ("XLA corrected" + (" in the update" if shadow is not None else "")
-                        + (" three calls later" if k == 10 else ""))
-                if k == 6:
-                    xs, steps = corrected(xs, c, shadow), 1
-                else:
-                    olds = step(xs, c)
-                    token, (ys, _) = begun(olds)
-                    ys = step(ys, np.float32(1))  # a step that knows nothing of it
-                    xs, steps = finished(olds, token, ys, shadow), 3
-                    del olds  # only now may JAX free what the side stream read
-                averaged = 0
+                path = "XLA corrected" + (" in the update" if shadow is not None else "")
+                xs, averaged = corrected(xs, c, shadow), 0
                 olds = [[m + shift(r, k) for m in ms] for r, ms in enumerate(models)]
                 means = [model_average([o[t].ravel() for o in olds], "float32").reshape(
                     olds[0][t].shape) for t in range(len(layout))]
-                models = [[_plus_ones(o, steps) + (mean - o) for o, mean in zip(os_, means)]
+                models = [[(o + np.float32(1)) + (mean - o) for o, mean in zip(os_, means)]
                           for os_ in olds]
             elif k == 8:
                 path, xs, averaged = "XLA results", resulted(xs, c), len(layout)
@@ -293,7 +271,7 @@ def xla_rounds(ctx, rounds, method="auto", big=1 << 23, shadow=False):
                 ex.start(step(xs, c))
                 xs = split(jax.dlpack.from_dlpack(ex.finish(flat=True, wait=False)))
                 path, averaged = "Python", len(layout)
-            if k not in (6, 10):
+            if k != 6:
                 models = [[m + shift(r, k) for m in ms] for r, ms in enumerate(models)]
             for t in range(averaged):
                 mean = model_average([ms[t].ravel() for ms in models], "float32")

@@ -78,7 +78,7 @@ def test_gpu_exchange_inside_xla(nranks, method, shadow, monkeypatch):
     needs_xla()
     monkeypatch.setenv("PYMPGU_SPLIT_MAX_RANKS", "8")  # the spawned workers read it
     from runtime_targets import xla_rounds
-    results = launch(xla_rounds, (12, method, 1 << 23, shadow), gpus=devices(nranks))
+    results = launch(xla_rounds, (10, method, 1 << 23, shadow), gpus=devices(nranks))
     assert len({r["digest"] for r in results}) == 1
     assert all(r["closed_raises"] for r in results)
 
@@ -114,8 +114,8 @@ def test_gpu_training_overlapped_inside_xla(every, monkeypatch):
     compute, and learns as well as plain averaging on the same data and seed; run() checks
     that the replicas end identical. The correction is applied inside XLA's update (the
     default), or by pympgu's pass (PYMPGU_FUSED_CORRECTION=0): the same arithmetic, up to
-    how XLA rounds the update it fuses it into. With --sync-every 2 each exchange starts in
-    one step's call and is corrected for in the next's."""
+    how XLA rounds the update it fuses it into. With --sync-every 2 the due step averages
+    the whole state, momentum too."""
     needs_xla()
     from pympgu import train
     cfg = dict(train.DEFAULTS, **dict(JAX_TRAINING, sync_every=every), hidden=[64])

@@ -17,7 +17,7 @@ PRELUDE = (
     "    m = models.MLP(ds.n_in, hidden, ds.n_classes)\n"
     "    f = m.compile(ds, batch, 100, 0.05, 0.9, 0, 0, 'JAX')[0]\n"
     "    st = JaxStep(f, m.state)\n"
-    "    args = st.arguments(np.arange(batch, dtype=np.int32))[0]\n"
+    "    args = st.arguments(np.arange(batch, dtype=np.int32))\n"
     "    fg = f.maker.fgraph\n"
     "    pos = {id(i.variable): k for k, i in enumerate(f.maker.inputs)}\n"
     "    out_of = {i: o for o, i in fg.update_mapping.items()}\n"

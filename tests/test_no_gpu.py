@@ -121,92 +121,6 @@ def test_xla_average_keeps_jax_fast_dispatch(monkeypatch):
             jnp.ones(4))
 
 
-class _ShadowGroup:
-    """A PeerGroup with a shared shadow, as the XLA functions see it, rank 1 of 4."""
-    nbytes, max_blocks, nranks, rank, shadow_offset = 1 << 12, 8, 4, 1, 1 << 12
-
-    def algorithm(self, nbytes, algo):
-        return "oneshot"
-
-    def xla_id(self, shadow=False):
-        return 1
-
-
-def _tanh_step(w, b, x):
-    """A training step's shape: matrix products, then an elementwise update of (w, b)."""
-    import jax.numpy as jnp
-    import numpy as np
-    h = jnp.tanh(x @ w + b)
-    gw, gb = x.T @ h, jnp.sum(h, axis=0)
-    return [w - np.float32(0.1) * gw, b * np.float32(0.9) - np.float32(0.1) * gb], h.sum()
-
-
-def _tanh_inputs():
-    import numpy as np
-    rng = np.random.default_rng(0)
-    return (*(rng.standard_normal(s).astype(np.float32) for s in ((16, 8), (8,), (4, 16))),
-            rng.standard_normal(3 * _ShadowGroup.nbytes // 4).astype(np.float32))
-
-
-def _check_corrected(got, result, own, shadow):
-    """got is result's new values + (mean - own), the mean summed in rank order from own
-    (rank 1) and the shadow's slots for ranks 0, 2 and 3."""
-    import numpy as np
-
-    from pympgu import xla
-    attrs, _ = xla._attributes(own, _ShadowGroup(), "auto", None, overlapped=True)
-    slot = xla._slot_elems(_ShadowGroup(), int(attrs["total"]))
-    for g, fresh, a, at in zip(got, result[0], own, attrs["offsets"]):
-        peer0, peer2, peer3 = (shadow[s * slot + at:s * slot + at + a.size].reshape(
-            a.shape) for s in (0, 1, 2))
-        mean = (((peer0 + a) + peer2) + peer3) / np.float32(4)
-        np.testing.assert_allclose(np.asarray(g), np.asarray(fresh) + (mean - a),
-                                   rtol=1e-6, atol=1e-6)
-
-
-def test_xla_exchange_spans_functions(monkeypatch):
-    # start_during leaves the exchange in flight and returns its token from the function;
-    # a later function's correct_during(token=) corrects by it, with no start of its own:
-    # the wait after every matrix product, and the mean taken around the values the
-    # exchange started from (old), not those this function starts from.
-    jax = pytest.importorskip("jax")
-    import jax.numpy as jnp
-
-    from pympgu import xla
-    monkeypatch.setattr(xla, "_register", lambda: None)
-    w, b, x, shadow = _tanh_inputs()
-
-    def begin(w, b, x):
-        return xla.start_during([w, b], _ShadowGroup(), _tanh_step, w, b, x)
-
-    def finish(old, token, w, b, x, shadow):
-        return xla.correct_during(old, _ShadowGroup(), _tanh_step, w, b, x, shadow=shadow,
-                                  token=token)
-
-    jaxpr = jax.make_jaxpr(begin)(w, b, x)
-    names = [e.primitive.name for e in jaxpr.jaxpr.eqns]
-    assert names[:2] == ["ffi_call", "optimization_barrier"], names
-    assert jaxpr.jaxpr.eqns[0].params["target_name"] == xla.START
-    assert names.count("ffi_call") == 1  # nothing waits for it here
-    assert jaxpr.jaxpr.outvars[0] is jaxpr.jaxpr.eqns[1].outvars[0]  # the token leaves
-    token = jnp.uint32(0)
-    jaxpr = jax.make_jaxpr(finish)([w, b], token, w, b, x, shadow)
-    names = [e.primitive.name for e in jaxpr.jaxpr.eqns]
-    calls = [e.params["target_name"] for e in jaxpr.jaxpr.eqns if e.primitive.name == "ffi_call"]
-    assert calls == [xla.WAIT], names
-    assert names.index("ffi_call") > max(k for k, n in enumerate(names) if n == "dot_general")
-    jaxpr = jax.make_jaxpr(lambda *a: finish(*a, None))([w, b], token, w, b, x)
-    calls = [e.params["target_name"] for e in jaxpr.jaxpr.eqns if e.primitive.name == "ffi_call"]
-    assert calls == [xla.DONE], names  # no shadow: pympgu's pass corrects
-
-    monkeypatch.setattr(xla, "_wait", lambda token, after, attrs, k: after[k])
-    old = [w * 2, b - 1]
-    got, _ = jax.jit(lambda *a: finish(*a))(old, token, w, b, x, shadow)  # traced anew
-    _check_corrected(got, _tanh_step(w, b, x), old, shadow)
-    with pytest.raises(ValueError, match="nothing to average"):
-        xla.start_during([], _ShadowGroup(), _tanh_step, w, b, x)
-
-
 def test_xla_correction_inside_the_update(monkeypatch):
     # Given the shared shadow as an input, correct_during cuts fn before its elementwise
     # tail (the update): the wait comes after every matrix product and takes the gradients,
@@ -218,9 +132,25 @@ def test_xla_correction_inside_the_update(monkeypatch):
     import numpy as np
 
     from pympgu import xla
-    Group, fn = _ShadowGroup, _tanh_step
+
+    class Group:
+        nbytes, max_blocks, nranks, rank, shadow_offset = 1 << 12, 8, 4, 1, 1 << 12
+
+        def algorithm(self, nbytes, algo):
+            return "oneshot"
+
+        def xla_id(self, shadow=False):
+            return 1
+
+    def fn(w, b, x):
+        h = jnp.tanh(x @ w + b)
+        gw, gb = x.T @ h, jnp.sum(h, axis=0)
+        return [w - np.float32(0.1) * gw, b * np.float32(0.9) - np.float32(0.1) * gb], h.sum()
+
     monkeypatch.setattr(xla, "_register", lambda: None)
-    w, b, x, shadow = _tanh_inputs()
+    rng = np.random.default_rng(0)
+    w, b, x = (rng.standard_normal(s).astype(np.float32) for s in ((16, 8), (8,), (4, 16)))
+    shadow = rng.standard_normal(3 * Group.nbytes // 4).astype(np.float32)
 
     def step(w, b, x, shadow):
         return xla.correct_during([w, b], Group(), fn, w, b, x, shadow=shadow)
@@ -262,8 +192,16 @@ def test_xla_correction_inside_the_update(monkeypatch):
     monkeypatch.setattr(xla, "_start", lambda *a, **k: jnp.uint32(0))
     monkeypatch.setattr(xla, "_wait", lambda token, after, attrs, k: after[k])
     got, loss = jax.jit(lambda *a: step(*a))(w, b, x, shadow)  # traced anew
-    _check_corrected(got, fn(w, b, x), (w, b), shadow)
-    np.testing.assert_allclose(float(loss), float(fn(w, b, x)[1]), rtol=1e-5)
+    (fw, fb), want_loss = fn(w, b, x)
+    attrs, _ = xla._attributes([w, b], Group(), "auto", None, overlapped=True)
+    slot = xla._slot_elems(Group(), int(attrs["total"]))
+    for g, fresh, own, at in zip(got, (fw, fb), (w, b), attrs["offsets"]):
+        peer0, peer2, peer3 = (shadow[s * slot + at:s * slot + at + own.size].reshape(
+            own.shape) for s in (0, 1, 2))
+        mean = (((peer0 + own) + peer2) + peer3) / np.float32(4)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(fresh) + (mean - own),
+                                   rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
     with pytest.raises(ValueError, match="shadow= needs the gather algorithm"):
         xla.correct_during([w, b], Group(), fn, w, b, x, shadow=shadow, algo="oneshot")
     # XLA's division by 3 ranks rounds otherwise than the kernels': no shadow for them.
