@@ -20,7 +20,9 @@ VARIANTS = {"plain": {}, "overlap": dict(overlap=True),
             "bf16 wire": dict(exchange_dtype="bfloat16"),
             "sync every 4": dict(sync_every=4),
             "overlap + bf16": dict(overlap=True, exchange_dtype="bfloat16"),
-            "overlap + sync every 4": dict(overlap=True, sync_every=4)}
+            "overlap + sync every 4": dict(overlap=True, sync_every=4),
+            "overlap + sync every 4, from Python": dict(overlap=True, sync_every=4,
+                                                        xla_exchange=False)}
 
 
 def main():
@@ -42,9 +44,10 @@ def main():
     for name, over in VARIANTS.items():
         hist = train.run(dict(base, **over), devices, quiet=True)
         errors[name] = hist[-1]["test_error"]
-    print(f"{'variant':<24} {'test error':>10} {'vs plain':>9}")
+    width = max(map(len, errors))
+    print(f"{'variant':<{width}} {'test error':>10} {'vs plain':>9}")
     for name, err in errors.items():
-        print(f"{name:<24} {100 * err:9.2f}% {100 * (err - errors['plain']):+8.2f}")
+        print(f"{name:<{width}} {100 * err:9.2f}% {100 * (err - errors['plain']):+8.2f}")
     return 0
 
 

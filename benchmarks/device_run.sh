@@ -53,7 +53,7 @@ for step in $steps; do
         timeout 400 python3 -m pympgu.bench train ${runs[$k]} --json "$OUT/train_bench$k.json" 2>&1 | grep -v -i "warn\|return func\|return lax" | tail -26
       done
       [ -z "${TRAINBENCH:-}" ] && timeout 150 python3 -m pympgu.bench train --gpus 0 0 --models wide --steps 10 --warmup 3 --no-ddp 2>&1 | grep -v -i warn | tail -8 ;;
-    variants) timeout 400 python3 benchmarks/accuracy_variants.py --data-dir ${DATA:-.data/fashion} --gpus ${VGPUS:-0 0} 2>&1 | grep -v -i warn | tail -8 ;;
+    variants) timeout 540 python3 benchmarks/accuracy_variants.py --data-dir ${DATA:-.data/fashion} --gpus ${VGPUS:-0 0} 2>&1 | grep -v -i warn | tail -10 ;;
     conv) timeout 200 python3 benchmarks/probe_conv.py 2>&1 | tail -8 ;;
     # BENCH="--gpus 0 1" on the 2-GPU kind; the default puts 2 ranks on one GPU.
     bench) timeout 500 python3 -m pympgu.bench ${BENCH:---gpus 0 --procs 2 --sizes 4K 64K 1M 64M} --json "$OUT/bench.json" 2>&1 | tail -25 ;;

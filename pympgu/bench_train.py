@@ -496,7 +496,9 @@ def main(argv=None):
                         help="models to time (default: both)")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
                         help="pympgu variants for the multi-GPU rows (default: all)")
-    parser.add_argument("--steps", type=int, default=100, help="timed steps (default: 100)")
+    # 100 steps of the wide MLP (65 ms) read 0.01-0.02 ms a step slower than 300 in the same
+    # run (docs/BENCHMARKS.md, session 11).
+    parser.add_argument("--steps", type=int, default=300, help="timed steps (default: 300)")
     parser.add_argument("--warmup", type=int, default=20,
                         help="untimed steps first, compilation included (default: 20)")
     parser.add_argument("--data-dir", default=None, help="dataset, as for pympgu.train")
