@@ -237,10 +237,10 @@ def _overlapped(arrays, group, fn, args, algo, max_blocks, correct, shadow=None)
 def _hold(token, args, arrays):
     """``(token, args)``, with the arguments that are not among ``arrays`` (a training
     step's minibatch, say) held behind the start's token: fn's work that needs them waits
-    for the start. The averaged arrays themselves are not held: a weight or a bias that
-    comes out of an optimization barrier cost the wide MLP's step XLA's fusion of the bias
-    into cuBLAS's matrix product, about 0.05 ms a step (docs/BENCHMARKS.md, session 11).
-    When every argument is averaged, all are held."""
+    for the start. The averaged arrays themselves are not held: with the weights and biases
+    out of the barrier, XLA no longer fused the bias adds into cuBLAS's matrix products,
+    and fused the backward pass otherwise, which cost the wide MLP's overlapped step 0.03 ms
+    (docs/BENCHMARKS.md, session 11). When every argument is averaged, all are held."""
     import jax
     from jax import lax
     leaves, tree = jax.tree_util.tree_flatten(args)
