@@ -557,12 +557,11 @@ def build_parser():
                    help="average the parameters each step starts from while it computes "
                         "(GPU workers: inside the step's XLA call, the peers' bytes moved by "
                         "the copy engines on a side stream), then apply the average with a "
-                        "one-step-delayed correction (default: off; every average is exact). "
-                        "On 2 H200s it runs the wide MLP at 0.74 ms per step against 0.82 "
-                        "without, with the same test error (docs/BENCHMARKS.md). Queued from "
-                        "Python instead (CPU workers, or PYMPGU_XLA_EXCHANGE=0), with "
-                        "--sync-every K the average arrives K steps late, which with high "
-                        "momentum slows convergence: see docs/TRAINING.md")
+                        "one-step-delayed correction, whatever --sync-every is (default: "
+                        "off; every average is exact). On 2 H200s it runs the "
+                        "wide MLP at 0.63-0.64 ms per step against 0.79-0.80 without, within "
+                        "0.25 points of the same test error (docs/BENCHMARKS.md, "
+                        "docs/TRAINING.md)")
     m.add_argument("--exchange-dtype", choices=["float32", "bfloat16", "float16"],
                    default="float32",
                    help="dtype on the wire: bfloat16 or float16 send each sync's change in "
