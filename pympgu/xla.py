@@ -238,9 +238,10 @@ def _hold(token, args, arrays):
     """``(token, args)``, with the arguments that are not among ``arrays`` (a training
     step's minibatch, say) held behind the start's token: fn's work that needs them waits
     for the start. The averaged arrays themselves are not held: with the weights and biases
-    out of the barrier, XLA no longer fused the bias adds into cuBLAS's matrix products,
-    and fused the backward pass otherwise, which cost the wide MLP's overlapped step 0.03 ms
-    (docs/BENCHMARKS.md, session 11). When every argument is averaged, all are held."""
+    coming out of the barrier too, XLA stopped fusing the bias adds into cuBLAS's matrix
+    products and fused the backward pass otherwise, which cost the wide MLP's overlapped
+    step 0.03 ms (docs/BENCHMARKS.md, session 11). When every argument is averaged, all
+    are held."""
     import jax
     from jax import lax
     leaves, tree = jax.tree_util.tree_flatten(args)
