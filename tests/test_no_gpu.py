@@ -108,6 +108,11 @@ def test_xla_average_keeps_jax_fast_dispatch(monkeypatch):
     order = [e.primitive.name for e in jaxpr.jaxpr.eqns if e.primitive.name != "mul"]
     assert order == ["ffi_call", "optimization_barrier", "sin", "optimization_barrier",
                      "ffi_call"], order
+    # When fn reads only the averaged arrays, they are held: fn still follows the start.
+    jaxpr = jax.make_jaxpr(lambda a: xla.average_during([a], Group(), jnp.sin, a))(jnp.ones(3))
+    held = jaxpr.jaxpr.eqns[1]
+    assert held.primitive.name == "optimization_barrier", jaxpr
+    assert jaxpr.jaxpr.invars[0] in held.invars, held
     # The delayed correction: fused into the done operation by the gather algorithm (no
     # arithmetic after it), done by XLA after the averages with a kernel algorithm.
     for algo, tail in (("auto", []), ("oneshot", ["sub", "add"])):
