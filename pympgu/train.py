@@ -351,20 +351,19 @@ class Sync:
     def after_step(self, step, last=False):
         """Call after step `step` (counted from 0) of an epoch; `last` forces a sync."""
         self.stepped = True
-        due = self.ex is not None and (not (step + 1) % self.every or last)
-        if not due:
-            if self.overlap and self.ex is not None and self.ex.pending:
-                t0 = time.perf_counter()
-                self.rep.exchange_correct(self.ex)  # one step after its start
-                self.seconds += time.perf_counter() - t0
+        if self.ex is None:
+            return
+        due = not (step + 1) % self.every or last
+        pending = self.overlap and self.ex.pending
+        if not (due or pending):
             return
         t0 = time.perf_counter()
-        if self.overlap:
-            if self.ex.pending:
-                self.rep.exchange_correct(self.ex)
+        if pending:  # started one step ago: correct for it now, due or not
+            self.rep.exchange_correct(self.ex)
+        if due and self.overlap:
             self.rep.exchange_start(self.ex)
             self.stepped = False
-        else:
+        elif due:
             self.rep.exchange(self.ex)
         self.seconds += time.perf_counter() - t0
 

@@ -192,14 +192,16 @@ def shadow_array(group):
     when its number of ranks is not a power of two: XLA's division then rounds otherwise
     than pympgu's kernels (by one unit in the last place, seen on 3 H200 ranks)."""
     import jax
-    if not _power_of_two(group.nranks) or group.nranks == 1:
+    if not _fusable(group.nranks):
         return None
     view = group.shadow_view()
     return None if view is None else jax.dlpack.from_dlpack(view)
 
 
-def _power_of_two(n):
-    return n > 0 and n & (n - 1) == 0
+def _fusable(nranks):
+    """Whether XLA's arithmetic may take the mean of nranks ranks as the kernels do: more
+    than one, and a power of two, by which every division is exact (shadow_array)."""
+    return nranks > 1 and nranks & (nranks - 1) == 0
 
 
 def _overlapped(arrays, group, fn, args, algo, max_blocks, correct, shadow=None):
@@ -210,7 +212,7 @@ def _overlapped(arrays, group, fn, args, algo, max_blocks, correct, shadow=None)
         return ([], result[1]) if correct else ([], result)
     attrs, chosen = _attributes(arrays, group, algo, max_blocks, overlapped=True)
     if shadow is not None and not (chosen == "gather" and getattr(group, "shadow_offset", 0)
-                                   and group.nranks > 1 and _power_of_two(group.nranks)):
+                                   and _fusable(group.nranks)):
         raise ValueError("correct_during: shadow= needs the gather algorithm (float32, algo "
                          "'auto' or 'gather'), a group made with shadow=True, and a power "
                          "of two ranks")
@@ -392,8 +394,9 @@ def average_results(fn, which, group, *args, algo="auto", max_blocks=None):
     rest, and the others follow. One pass at the end averages them all, summed in rank
     order, so every rank gets the same bits. Otherwise, for exchanges under
     ``SPLIT_MIN_BYTES`` or groups of more than ``SPLIT_MAX_RANKS``, or when ``fn`` offers
-    nothing to hide the link behind, it is ``average`` after ``fn``. The rules of ``average`` apply (module docstring); ``which``
-    names the arrays in the order the group's buffer lays them out.
+    nothing to hide the link behind, it is ``average`` after ``fn``. The rules of
+    ``average`` apply (module docstring); ``which`` names the arrays in the order the
+    group's buffer lays them out.
     """
     if hasattr(group, "xla_average_results"):  # an Exchanger
         return group.xla_average_results(fn, which, *args)
