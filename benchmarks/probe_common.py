@@ -14,7 +14,8 @@ def parser(doc):
 
 
 def replica_config(hidden, batch):
-    """pympgu.train's configuration of a JAX replica with the default exchange."""
-    return dict(data=None, hidden=hidden, lr=0.05, momentum=0.9, batch_size=batch, l1=0.0,
-                l2=1e-4, backend="jax", method="auto", exchange_dtype="float32",
-                exchange_blocks=None, overlap=False)
+    """pympgu.train's configuration of a JAX replica with the default exchange: the
+    training benchmark's wide MLP (pympgu.bench_train.MODELS), with these layers and batch."""
+    from pympgu.bench_train import MODELS
+    return dict(MODELS["wide"], data=None, hidden=hidden, batch_size=batch, backend="jax",
+                method="auto", exchange_dtype="float32", exchange_blocks=None, overlap=False)
