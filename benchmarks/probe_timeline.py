@@ -9,8 +9,9 @@ replica and Exchanger (with its shared shadow, as pympgu.train does) and runs th
 'exact' (the parameters averaged after the step; from 16 MiB the step is cut, so that the
 last layers leave while the first layer's gradient is computed); 'overlap' (the parameters
 the step starts from averaged while it computes, and the correction applied inside XLA's
-own update); 'pass' (the same, with pympgu's pass applying it); 'state' (as 'overlap', with
-the momentum averaged too, as the due step of --sync-every K > 1 does). After each step it
+own update); 'pass' (the same, with pympgu's pass applying it); 'momentum' (as 'overlap',
+for the momentum, as the due step of --overlap --sync-every K > 1 does; the next step sends
+the parameters); 'state' (the whole state at once, twice the bytes). After each step it
 reads the marks, which waits for that step, so steps do not overlap one another. It prints,
 per rank, the median of each point in ms after the (first) start:
 
@@ -31,7 +32,7 @@ the whole buffer from the peers (no barrier, no kernel of pympgu's), and those c
 what the link's traffic alone costs XLA's compute. Last, each step back to back, and again
 with the exchange's operations replaced by a pass of XLA's own over the same arrays (not
 averaged): what the program's shape costs without the link; and --overlap --sync-every 4's
-four steps ('state', then three plain steps), both ways. It runs once per --barrier value
+four steps ('momentum', 'overlap', then two plain steps), both ways. It runs once per --barrier value
 (PYMPGU_PUSH_BARRIER: the first barrier on the side stream, or on XLA's). The distance from
 start to side_begin is what the copies wait before they can run.
 """
@@ -43,10 +44,12 @@ from probe_common import parser, replica_config
 
 # The steps timed: name, overlapped, whether XLA's update applies the correction
 # (PYMPGU_FUSED_CORRECTION; pympgu.xla.correct_during's shadow) or pympgu's pass does, and
-# what is averaged: the parameters (--sync-every 1) or the whole state, momentum too
-# (the due step of --sync-every K > 1: twice the bytes).
-STEPS = (("exact", False, "1", True), ("overlap", True, "1", True), ("pass", True, "0", True),
-         ("state", True, "1", False))
+# what is averaged (pympgu.train.Replica.part): the parameters (--sync-every 1), the
+# momentum (the due step of --overlap --sync-every K > 1), or the whole state (twice the
+# bytes: what that due step sent until session 12).
+STEPS = (("exact", False, "1", "params"), ("overlap", True, "1", "params"),
+         ("pass", True, "0", "params"), ("momentum", True, "1", "momentum"),
+         ("state", True, "1", "state"))
 
 
 def worker(ctx, hidden, batch, steps, hlo_dir=None):
@@ -107,22 +110,24 @@ def worker(ctx, hidden, batch, steps, hlo_dir=None):
         out["dma_mb"] = group.nbytes / 1e6
         ctx.barrier()  # no rank's exchange below lands in a shadow a peer still copies into
 
-        def build(overlap, fused, params_only):
+        def build(overlap, fused, part):
             # PYMPGU_FUSED_CORRECTION is read when a step is built (Exchanger.xla_shadow).
             os.environ["PYMPGU_FUSED_CORRECTION"] = fused
             rep._steps.clear()
-            return rep.jax_step(ex, params_only=params_only, overlap=overlap)
+            return rep.jax_step(ex, part, overlap)
 
         def cycle():
             # --overlap --sync-every 4's steps (pympgu.train.Sync): the due step averages the
-            # whole state while it computes, then three plain steps. Timed as one call, ms a
-            # step. rep.step builds the steps anew, with the correction in XLA's update.
+            # momentum while it computes, the next the parameters, then two plain steps.
+            # Timed as one call, ms a step. rep.step builds the steps anew, with the
+            # correction in XLA's update.
             os.environ["PYMPGU_FUSED_CORRECTION"] = "1"
             rep._steps.clear()
 
             def run(idx):
-                rep.step(idx, ex, overlap=True)
-                for _ in range(3):
+                rep.step(idx, ex, "momentum", overlap=True)
+                rep.step(idx, ex, "params", overlap=True)
+                for _ in range(2):
                     rep.step(idx)
             return run
 

@@ -124,7 +124,7 @@ def worker(ctx, hidden, batch, calls, exchanger=True, only_params=False):
             out["where"] = _where(rep, ctx)
             out["pid"] = os.getpid()
             return out
-        fused, params_only = rep.jax_step(ex), rep.jax_step(ex, params_only=True)
+        fused, params_only = rep.jax_step(ex), rep.jax_step(ex, "params")
         if only_params:
             # Nothing else on the GPU: what a profiler shows is sync1's step as training runs it.
             return {"step_ms": 0.0, "params_only_ms": timed(lambda: params_only(idx))}
@@ -133,7 +133,7 @@ def worker(ctx, hidden, batch, calls, exchanger=True, only_params=False):
         def exchange_only():
             rep.set_values(alone(rep.values()))
 
-        overlapped = rep.jax_step(ex, params_only=True, overlap=True)
+        overlapped = rep.jax_step(ex, "params", overlap=True)
         step, step_po = (lambda: plain(idx)), (lambda: params_only(idx))
         step_ov = lambda: overlapped(idx)  # noqa: E731
         out = {"step_ms": timed(step), "fused_ms": timed(lambda: fused(idx)),

@@ -103,9 +103,9 @@ def pympgu_worker(ctx, cfg, steps, warmup, plain_jax):
                "sync_host_ms_per_step": 1e3 * sync.seconds / steps,
                "step_host_ms_per_step": 1e3 * (loop_s - sync.seconds) / steps}
         if ex is not None:
-            # Elements a regular exchange moves: the parameters alone (they end where the
-            # momentum starts in the layout), or the whole state.
-            moved = ex.offsets[len(rep.model.params)] if sync.params_only else ex.total
+            # Elements a regular exchange moves: half the state (the parameters or the
+            # momentum) or all of it.
+            moved = ex.part(*rep.part(sync.regular))[1]
             out["wire_bytes"] = moved * ITEMSIZE[ex.wire_dtype or ex.dtype]
             out["exchanges"] = ex.stats["exchanges"]
             if not ctx.is_cpu:

@@ -119,38 +119,61 @@ class Exchanger:
         """Bytes each rank's buffer holds on the wire in a regular exchange."""
         return self.total * ITEMSIZE[self.wire_dtype or self.dtype]
 
-    def start(self, arrays, flat=False):
+    def start(self, arrays, flat=False, entries=None):
         """Pack this rank's arrays and start averaging them; every rank must call it.
 
         flat=True takes one 1-D array of ``total`` elements instead, laid out as finish's
         flat result (each entry at its offset; the padding between entries zero): a
         framework that packs its arrays itself then hands over a single array.
+        ``entries=(lo, hi)`` averages the layout's entries lo to hi - 1 alone (their flat
+        array has ``part(lo, hi)[1]`` elements): they must have the shapes of the first
+        hi - lo entries, in whose place they cross (a model's momentum, after its
+        parameters), and only their bytes are sent. A low-precision wire keeps each
+        entry's own reference.
         On the GPU the average may still be running when this returns: the arrays must stay
         unchanged until finish(), and are kept alive until then.
         """
         if self.pending is not None:
             raise RuntimeError("Exchanger.start called twice without finish()")
+        lo, hi = (0, len(self.layout)) if entries is None else entries
+        count = self.part(lo, hi)[1]
         if flat:
-            pairs = [("flat", self.dtype, 0, self.total, arrays)]
-        elif len(arrays) != len(self.layout):
-            raise ValueError(f"start got {len(arrays)} arrays for a layout of {len(self.layout)}")
+            pairs = [("flat", self.dtype, 0, count, arrays)]
+        elif len(arrays) != hi - lo:
+            raise ValueError(f"start got {len(arrays)} arrays for {hi - lo} entries of the "
+                             "layout")
         else:
-            pairs = [(name, dtype, off, size, a)
-                     for ((name, _, dtype), off, size), a in zip(self._entries(), arrays)]
+            pairs = [(self.layout[lo + i][0], self.dtype, self.offsets[i], self.sizes[lo + i], a)
+                     for i, a in enumerate(arrays)]
         kind = "delta" if self.primed and self.wire_dtype else "exact"
         t0 = time.perf_counter()
-        self.backend.pack(pairs, kind)
+        self.backend.pack(pairs, kind, self.offsets[lo])
         t1 = time.perf_counter()
-        self.backend.average(self.wire_dtype if kind == "delta" else self.dtype)
+        self.backend.average(self.wire_dtype if kind == "delta" else self.dtype, count)
         self.stats["pack_s"] += t1 - t0
         self.stats["average_s"] += time.perf_counter() - t1
         self.pending = kind
+        self._started = (lo, hi, count)
+
+    def part(self, lo, hi):
+        """``(entries, count)`` for averaging the layout's entries lo to hi - 1 on their own
+        (start's ``entries``): they go where the first hi - lo entries go, so they must have
+        their shapes; count is the elements they take there."""
+        n = len(self.layout)
+        if not 0 <= lo < hi <= n:
+            raise ValueError(f"entries ({lo}, {hi}) are not a part of a layout of {n}")
+        shapes = [shape for _, shape, _ in self.layout[lo:hi]]
+        if shapes != [shape for _, shape, _ in self.layout[:hi - lo]]:
+            raise ValueError(f"entries {lo} to {hi - 1} ({shapes}) must have the shapes of the "
+                             f"layout's first {hi - lo}, in whose place they are averaged")
+        return hi - lo, self.offsets[hi - lo] if hi - lo < n else self.total
 
     def finish(self, flat=False, wait=True):
         """Complete the started exchange; the averaged arrays (numpy, or DeviceArray views).
 
-        flat=True returns one 1-D array of ``total`` elements instead, each entry at its
-        offset in ``offsets``: a framework then imports the result once, not per array.
+        flat=True returns one 1-D array instead, each entry at its offset in ``offsets``
+        (``total`` elements; after ``start(entries=...)``, the part's count, laid out as the
+        first entries): a framework then imports the result once, not per array.
         wait=False (GPU) does not wait for the average: the views are then for consumers
         that import them through DLPack naming their stream, which orders them after it.
         Either way they hold the result until the next start().
@@ -158,13 +181,15 @@ class Exchanger:
         if self.pending is None:
             raise RuntimeError("Exchanger.finish called with no exchange started")
         kind, self.pending = self.pending, None
+        lo, hi, count = self._started
         t0 = time.perf_counter()
-        out = self.backend.unpack(kind, flat)  # may queue more work (the wire's accumulate)
+        # May queue more work (the wire's accumulate).
+        out = self.backend.unpack(kind, flat, hi - lo, count, self.offsets[lo])
         t1 = time.perf_counter()
         if wait:
             self.backend.wait()
-        if kind == "exact" and self.wire_dtype:
-            self.primed = True
+        if kind == "exact" and self.wire_dtype and hi - lo == len(self.layout):
+            self.primed = True  # every entry's reference is set
         self.stats["unpack_s"] += t1 - t0
         self.stats["average_s"] += time.perf_counter() - t1
         self.stats["exchanges"] += 1
@@ -289,12 +314,10 @@ class _HostBackend:
             self.views[dtype] = [np.frombuffer(s.buffer, dtype=storage, count=ex.total)
                                  for s in self.segments]
         self.ref = np.zeros(ex.total, np.float32) if ex.wire_dtype else None
-        chunk = -(-ex.total // ctx.nranks)
-        self.lo = min(ex.total, ctx.rank * chunk)
-        self.hi = min(ex.total, self.lo + chunk)
 
-    def pack(self, pairs, kind):
-        """pairs: (name, dtype, offset, size, array) for each array to pack."""
+    def pack(self, pairs, kind, shift):
+        """pairs: (name, dtype, offset, size, array) for each array to pack; shift: how far
+        past its offset in the buffer each array's reference is (a part, Exchanger.start)."""
         ex, rank = self.ex, self.ctx.rank
         own = self.views[ex.wire_dtype if kind == "delta" else ex.dtype][rank]
         for name, _, off, size, a in pairs:
@@ -302,13 +325,18 @@ class _HostBackend:
             if a.size != size:
                 raise ValueError(f"parameter {name!r} has {a.size} elements, layout says {size}")
             if kind == "delta":
-                _host.host_delta(np.ascontiguousarray(a, np.float32).reshape(-1),
-                                 self.ref[off:off + size], own[off:off + size], ex.wire_dtype)
+                ref = self.ref[shift + off:shift + off + size]
+                _host.host_delta(np.ascontiguousarray(a, np.float32).reshape(-1), ref,
+                                 own[off:off + size], ex.wire_dtype)
             else:
                 own[off:off + size] = a.reshape(-1)
 
-    def average(self, dtype):
-        rank, lo, hi = self.ctx.rank, self.lo, self.hi
+    def average(self, dtype, count):
+        """Average the buffers' first count elements: this rank's 1/R slice of them."""
+        rank = self.ctx.rank
+        chunk = -(-count // self.ctx.nranks)
+        lo = min(count, rank * chunk)
+        hi = min(count, lo + chunk)
         arrays = self.views[dtype]
         self.ctx.barrier()  # every rank has packed
         mine = arrays[rank][lo:hi]
@@ -321,19 +349,23 @@ class _HostBackend:
     def wait(self):
         pass  # the host average is complete when average() returns
 
-    def unpack(self, kind, flat):
+    def unpack(self, kind, flat, k, count, shift):
+        """The first k entries' averages (count elements of the buffer), whose references
+        lie shift elements further in ref."""
         ex, rank = self.ex, self.ctx.rank
-        result = self.views[ex.dtype][rank]
+        result = self.views[ex.dtype][rank][:count]
         if ex.wire_dtype:
+            ref = self.ref[shift:shift + count]
             if kind == "delta":
-                _host.host_accumulate(self.ref, self.views[ex.wire_dtype][rank], ex.wire_dtype)
+                _host.host_accumulate(ref, self.views[ex.wire_dtype][rank][:count],
+                                      ex.wire_dtype)
             else:
-                self.ref[:] = result
-            result = self.ref
+                ref[:] = result
+            result = ref
         if flat:
             return result.copy()
         return [result[off:off + size].reshape(shape).copy()
-                for (_, shape, _), off, size in ex._entries()]
+                for (_, shape, _), off, size in list(ex._entries())[:k]]
 
     def close(self):
         self.views = {}  # drop the numpy views first, or the mappings cannot close
@@ -410,7 +442,7 @@ class _CudaBackend:
             self.group.close()
             raise
 
-    def pack(self, pairs, kind):
+    def pack(self, pairs, kind, shift):
         ex = self.ex
         out_dtype = ex.wire_dtype if kind == "delta" else ex.dtype
         out_size, in_size = ITEMSIZE[out_dtype], ITEMSIZE[ex.dtype]
@@ -428,7 +460,8 @@ class _CudaBackend:
                 raise ValueError(f"parameter {name!r} is {info.size} {info.dtype} elements, "
                                  f"the layout says {size} {dtype}")
             keep.append(info)
-            ins = (info.ptr, self.ref.ptr + off * in_size) if kind == "delta" else (info.ptr,)
+            ins = ((info.ptr, self.ref.ptr + (shift + off) * in_size) if kind == "delta"
+                   else (info.ptr,))
             entries.append((ins, base + off * out_size, size))
         table = self.delta_table if kind == "delta" else self.copy_table
         table.set(entries)
@@ -437,8 +470,8 @@ class _CudaBackend:
         # The kernel reads the arrays until `packed`: their owner must not free them before.
         self.keep = keep
 
-    def average(self, dtype):
-        n, g = self.ex.total, self.group
+    def average(self, dtype, n):
+        g = self.group
         if not self.peer_ok:
             g.synchronize()  # packed, before the host barrier tells peers to copy
             self.ctx.barrier()
@@ -457,30 +490,31 @@ class _CudaBackend:
         finally:
             self.keep = None
 
-    def unpack(self, kind, flat):
+    def unpack(self, kind, flat, k, count, shift):
         ex, g = self.ex, self.group
-        source = g
+        itemsize = ITEMSIZE[ex.dtype]
+        source, base = g, 0
         if ex.wire_dtype:
+            ref = self.ref.view("float32", (count,), shift * itemsize)
             if kind == "delta":
-                self.cuda.accumulate(self.ref.view("float32", (ex.total,)),
-                                     g.data(ex.wire_dtype, (ex.total,)), stream=g.stream,
+                self.cuda.accumulate(ref, g.data(ex.wire_dtype, (count,)), stream=g.stream,
                                      synchronize=False)
             else:
                 # The exact exchange sets ref; later regular exchanges only write the wire
                 # slots of their entries, so clear the float32 bytes that padding would read.
-                self.ref.view("uint8").copy_from(g.data("uint8", (ex.nbytes,)))
+                ref.copy_from(g.data("float32", (count,)))
                 g.data("uint8").fill_bytes(0)
-            source = self.ref
-        itemsize = ITEMSIZE[ex.dtype]
+            source, base = self.ref, shift * itemsize
 
         def view(dtype, shape, offset):
             if source is g:
                 return g.data(dtype, shape, offset)
-            return source.view(dtype, shape, offset, g.stream)
+            return source.view(dtype, shape, base + offset, g.stream)
 
         if flat:
-            return view(ex.dtype, (ex.total,), 0)
-        return [view(dtype, shape, off * itemsize) for (_, shape, dtype), off, _ in ex._entries()]
+            return view(ex.dtype, (count,), 0)
+        return [view(dtype, shape, off * itemsize)
+                for (_, shape, dtype), off, _ in list(ex._entries())[:k]]
 
     def close(self):
         try:

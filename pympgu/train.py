@@ -122,42 +122,56 @@ class Replica:
                 f"rank {self.ctx.rank}: JAX put the model on GPU {where}, not on this rank's "
                 f"GPU {self.ctx.device}; was jax_default_device set elsewhere?")
 
-    def step(self, idx, ex=None, params_only=False, overlap=False):
+    def part(self, name):
+        """The entries (lo, hi) of the state that an exchange of ``name`` averages: 'state'
+        (all of it), 'params' or 'momentum'. The state lists the parameters, then their
+        momentum, of the same shapes: either half crosses in the Exchanger's first half."""
+        k, n = len(self.model.params), len(self.model.state)
+        return {"state": (0, n), "params": (0, k), "momentum": (k, n)}[name]
+
+    def step(self, idx, ex=None, part="state", overlap=False):
         """One training step on the minibatch idx; returns its cost.
 
         With JAX the compiled program is called directly (pympgu.jaxstep), so that given
-        ex the step also averages the state with every rank inside the same jitted call
-        (Exchanger.xla_average): all of it, or with params_only the parameters alone (see
-        Sync for when that is exact). With overlap it averages the state it starts from
+        ex the step also averages ``part`` of the state (Replica.part) with every rank
+        inside the same jitted call (Exchanger.xla_average_results; see Sync for when the
+        parameters alone are enough). With overlap it averages the values it starts from
         while it computes, and corrects its result by that average (--overlap).
         """
         if self.jax is None:
             return self.train_fn(idx)
-        return self.jax_step(ex, params_only, overlap)(idx)
+        return self.jax_step(ex, part, overlap)(idx)
 
-    def jax_step(self, ex=None, params_only=False, overlap=False):
+    def jax_step(self, ex=None, part="state", overlap=False):
         """The JaxStep that step() calls for these arguments, built once."""
-        key = (ex is not None, params_only, overlap)
+        key = (ex is not None, part, overlap)
         fn = self._steps.get(key)
         if fn is None:
             from .jaxstep import JaxStep
             exchange = during = None
             inputs = []
-            if ex is not None:
-                # The state lists parameters first, then momentum.
-                k = len(self.model.params) if params_only else len(self.model.state)
-                if overlap:
-                    # With the shared shadow as an input, XLA's update applies the
-                    # correction itself (pympgu.xla.correct_during).
-                    shadow = ex.xla_shadow()
-                    inputs = [] if shadow is None else [shadow]
+            lo, hi = self.part(part)
+            if ex is not None and overlap:
+                # With the shared shadow as an input, XLA's update applies the correction
+                # itself (pympgu.xla.correct_during).
+                shadow = ex.xla_shadow()
+                inputs = [] if shadow is None else [shadow]
 
-                    def during(old, compute, *args, inputs=()):
-                        return ex.xla_correct_during(old[:k], compute, *args,
-                                                     shadow=inputs[0] if inputs else None)
-                else:
-                    def exchange(compute, which, *args):
-                        return ex.xla_average_results(compute, which[:k], *args)
+                def during(old, compute, *args, inputs=()):
+                    def ordered(*args):
+                        # correct_during takes the averaged entries' successors first; the
+                        # rest of the new state follows, so that XLA's update of all of it
+                        # (the parameters' reads the momentum's) stays one elementwise tail
+                        # for the correction to join.
+                        new, outs = compute(*args)
+                        return new[lo:hi] + new[:lo] + new[hi:], (new, outs)
+
+                    fixed, (new, outs) = ex.xla_correct_during(
+                        old[lo:hi], ordered, *args, shadow=inputs[0] if inputs else None)
+                    return new[:lo] + fixed + new[hi:], outs
+            elif ex is not None:
+                def exchange(compute, which, *args):
+                    return ex.xla_average_results(compute, which[lo:hi], *args)
             fn = self._steps[key] = JaxStep(self.train_fn, self.model.state, exchange, during,
                                             inputs)
         return fn
@@ -182,26 +196,30 @@ class Replica:
 
     def exchange(self, ex):
         """Average parameters and momentum with every other replica."""
-        self._start(ex, self.values())
-        self.set_values(self._adopt(ex))
+        self._start(ex, self.values(), "state")
+        self.set_values(self._adopt(ex, len(self.model.state)))
 
-    def _start(self, ex, values):
+    def _start(self, ex, values, part):
+        lo, hi = self.part(part)
         if self.jax is None:
-            ex.start(values)
+            ex.start(values, entries=(lo, hi))
         else:
             # JAX packs its arrays into one (a jitted concatenation) and hands pympgu a
             # single DLPack export: one more pass on the GPU, but 0.1 ms of host time per
             # exchange instead of 0.3-0.5 ms for twelve exports (docs/BENCHMARKS.md).
-            ex.start(self._jitted(ex, "pack")(values), flat=True)
+            ex.start(self._jitted(ex, "pack", hi - lo)(values), flat=True, entries=(lo, hi))
 
-    def exchange_start(self, ex):
-        """Start averaging the current values; training may go on while it runs (--overlap)."""
-        self.snapshot = self.values()
+    def exchange_start(self, ex, part="state"):
+        """Start averaging the current values of ``part`` (Replica.part); training may go on
+        while it runs (--overlap)."""
+        lo, hi = self.part(part)
+        self.started = part
+        self.snapshot = self.values()[lo:hi]
         if self.jax is None:
             # PyTensor's C backend updates shared variables in place: keep a copy. JAX
             # arrays are immutable, so holding them is enough.
             self.snapshot = [self.np.array(v, copy=True) for v in self.snapshot]
-        self._start(ex, self.snapshot)
+        self._start(ex, self.snapshot, part)
 
     def exchange_correct(self, ex, stepped=True):
         """Finish the exchange begun by exchange_start, after `stepped` training steps.
@@ -209,19 +227,21 @@ class Replica:
         The steps taken since then are kept and the average replaces what they started
         from: values += average - snapshot (the one-step-delayed correction). With no step
         taken in between (stepped False), the values simply become the average, so every
-        replica is identical again.
+        replica is identical again. Only the part that was sent changes.
         """
-        now, snap, self.snapshot = self.values(), self.snapshot, None
+        lo, hi = self.part(self.started)
+        now, snap, self.snapshot = list(self.values()), self.snapshot, None
         if not stepped:
-            self.set_values(self._adopt(ex))
+            fixed = self._adopt(ex, hi - lo)
         elif self.ctx.is_cpu:
-            self.set_values([v + (a - s) for v, a, s in zip(now, ex.finish(), snap)])
+            fixed = [v + (a - s) for v, a, s in zip(now[lo:hi], ex.finish(), snap)]
         else:
             flat = self.jax.dlpack.from_dlpack(ex.finish(flat=True, wait=False))
-            self.set_values(self._jitted(ex, "correct")(now, flat, snap))
+            fixed = self._jitted(ex, "correct", hi - lo)(now[lo:hi], flat, snap)
+        self.set_values(now[:lo] + list(fixed) + now[hi:])
 
-    def _adopt(self, ex):
-        """Finish ex and return its result as this backend's arrays."""
+    def _adopt(self, ex, k):
+        """Finish ex and return its result (k arrays) as this backend's arrays."""
         if self.ctx.is_cpu:
             return ex.finish()
         # One DLPack import of pympgu's whole buffer, then one jitted split into JAX-owned
@@ -231,24 +251,24 @@ class Replica:
         # the import orders JAX's stream after the average (the DLPack stream handshake),
         # and the next exchange's pack waits for arrays computed from the split's output,
         # so the split has read the buffer before it is overwritten.
-        return self._jitted(ex, "split")(
+        return self._jitted(ex, "split", k)(
             self.jax.dlpack.from_dlpack(ex.finish(flat=True, wait=False)))
 
-    def _jitted(self, ex, what):
+    def _jitted(self, ex, what, k):
         """The jitted pack ('pack'), split ('split') or overlap correction ('correct') for
-        ex's layout."""
-        key = (id(ex), what)
+        the first k entries of ex's layout (where any k entries of their shapes go)."""
+        key = (id(ex), what, k)
         fn = self._jit_cache.get(key)
         if fn is None:
-            pieces = [(off, size, tuple(shape))
-                      for (_, shape, _), off, size in zip(ex.layout, ex.offsets, ex.sizes)]
+            pieces = [(off, size, tuple(shape)) for (_, shape, _), off, size
+                      in zip(ex.layout[:k], ex.offsets, ex.sizes)]
 
             def split(flat):
                 return [flat[o:o + n].reshape(shape) for o, n, shape in pieces]
 
             if what == "pack":
                 jnp = self.jnp
-                ends = [*ex.offsets[1:], ex.total]
+                ends = [*ex.offsets[1:], ex.total][:k]
                 fn = self.jax.jit(lambda values: jnp.concatenate([
                     jnp.pad(v.reshape(-1), (0, end - o - n))
                     for v, (o, n, _), end in zip(values, pieces, ends)]))
@@ -301,20 +321,25 @@ class Sync:
 
     Plain: average, carry on. Overlapped: start averaging the current values, so that the
     next step computes while it runs, and after that step apply the average with the
-    one-step-delayed correction. With every > 1 the correction still comes one step after
-    the start, not at the next sync point: kept K steps, a late correction made training
-    unstable (momentum 0.9, K = 4: 31% test error on Fashion-MNIST against 16.2% one step
-    late, 17.4% two steps late; docs/BENCHMARKS.md, session 11). On GPUs nothing waits on
-    the host: the work is queued in order on the streams. ``seconds`` adds up the host time
-    the training loop spends here (on GPUs, queueing, plus any wait when the host is an
-    exchange ahead).
+    one-step-delayed correction. On GPUs nothing waits on the host: the work is queued in
+    order on the streams. ``seconds`` adds up the host time the training loop spends here
+    (on GPUs, queueing, plus any wait when the host is an exchange ahead). The epoch's last
+    exchange is plain, so that replicas end identical.
+
+    Overlapped with every = K > 1, the momentum and the parameters cross at two successive
+    steps, each alone: the momentum during the due step (the K-th), the parameters during
+    the next, each corrected after the step it spans. Each exchange then sends half the
+    state, as --overlap's every step does, where the whole state at once stalled the due
+    step (160 MB for the wide MLP: 0.81 ms against 0.58; docs/BENCHMARKS.md, session 11).
+    On CPU, Fashion-MNIST, momentum 0.9, K = 4, this trained to 16.28% test error, the
+    whole state one step late to 16.17%, plain averaging to 15.96%. No correction comes
+    later than the step after its start: kept K steps, a late correction made training
+    unstable (31% test error; 17.4% two steps late; session 11).
 
     Exchanges of JAX workers are ``fused``: the average runs inside the step's own jitted
-    call (Exchanger.xla_average), so no separate exchange is queued at all and its host
-    time is part of the step's. Overlapped, the step averages the state it starts from on a
-    side stream while it computes, then applies the same one-step-delayed correction as the
-    unfused path (Exchanger.xla_correct_during); the epoch's last exchange is plain, so
-    replicas end identical. The fp32 wire and the kernel methods allow fusing; fuse=False
+    call (Exchanger.xla_average_results, xla_correct_during), so no separate exchange is
+    queued at all and its host time is part of the step's; an overlapped one spans the step
+    whose call it is in. The fp32 wire and the kernel methods allow fusing; fuse=False
     (PYMPGU_XLA_EXCHANGE=0 in pympgu.train) turns it off.
 
     Fused with every=1, an exchange averages the parameters alone (half the bytes) and each
@@ -324,9 +349,9 @@ class Sync:
     obeys the same recurrence (mu * mean(v_r) - lr * mean(g_r)) as an averaged momentum
     would, from the same start. This is why data-parallel SGD needs only the gradients.
     Overlapped, the same holds of the replicas' mean: p_r' = mean(p) + v_r', so mean(p') =
-    mean(p) + mean(v'). With every > 1 the argument fails and the whole state is averaged:
-    keeping momentum local there (local SGD's model averaging) cost 0.74 points of test
-    error on Fashion-MNIST (docs/BENCHMARKS.md, session 8).
+    mean(p) + mean(v'). With every > 1 the argument fails and the momentum is averaged too:
+    keeping it local there (local SGD's model averaging) cost 0.74 points of test error on
+    Fashion-MNIST (docs/BENCHMARKS.md, session 8).
     """
 
     def __init__(self, rep, ex, every=1, overlap=False, fuse=True):
@@ -337,31 +362,58 @@ class Sync:
                       and ex.xla_unavailable() is None)
         self.params_only = self.fused and every == 1  # but the epoch's last exchange
 
+    @property
+    def regular(self):
+        """The part of the state (Replica.part) that an exchange other than the epoch's
+        last sends (the momentum and the parameters take the same bytes)."""
+        if self.overlap:
+            return self.spanning(self.every - 1)
+        return "params" if self.params_only else "state"
+
+    def spanning(self, t):
+        """The part of the state (Replica.part) whose overlapped exchange spans step t:
+        starts before it computes and is corrected after it; or None."""
+        if self.every == 1:
+            return "params" if self.params_only else "state"
+        if not (t + 1) % self.every:
+            return "momentum"
+        if t and not t % self.every:
+            return "params"
+        return None
+
     def step(self, idx, step, last=False):
         """Training step `step` (counted from 0) of an epoch on minibatch idx, then the
         exchange if one is due (`last` forces one); returns the step's cost."""
-        due = self.ex is not None and (not (step + 1) % self.every or last)
-        if self.fused and due:
-            return self.rep.step(idx, self.ex, params_only=self.params_only and not last,
-                                 overlap=self.overlap and not last)
-        cost = self.rep.step(idx)
-        self.after_step(step, last)
-        return cost
+        if not self.fused:
+            cost = self.rep.step(idx)
+            self.after_step(step, last)
+            return cost
+        if last:  # the whole state, plain: replicas end identical
+            return self.rep.step(idx, self.ex)
+        if self.overlap:
+            part = self.spanning(step)
+            if part is None:
+                return self.rep.step(idx)
+            return self.rep.step(idx, self.ex, part, overlap=True)
+        if not (step + 1) % self.every:
+            return self.rep.step(idx, self.ex, "params" if self.params_only else "state")
+        return self.rep.step(idx)
 
     def after_step(self, step, last=False):
         """Call after step `step` (counted from 0) of an epoch; `last` forces a sync."""
         self.stepped = True
         if self.ex is None:
             return
-        due = not (step + 1) % self.every or last
+        due = (not (step + 1) % self.every and not self.overlap) or last
         pending = self.overlap and self.ex.pending
-        if not (due or pending):
+        begin = self.overlap and not last and self.spanning(step + 1)
+        if not (due or pending or begin):
             return
         t0 = time.perf_counter()
-        if pending:  # started one step ago: correct for it now, due or not
+        if pending:  # started one step ago: correct for it now
             self.rep.exchange_correct(self.ex)
-        if due and self.overlap:
-            self.rep.exchange_start(self.ex)
+        if begin:
+            self.rep.exchange_start(self.ex, begin)
             self.stepped = False
         elif due:
             self.rep.exchange(self.ex)

@@ -168,9 +168,11 @@ def correct_during(arrays, group, fn, *args, algo="auto", max_blocks=None, shado
 
     ``fn(*args)`` returns ``(new, extra)``, where ``new`` is a list whose first
     ``len(arrays)`` entries are the successors of ``arrays`` (same shapes), computed while
-    ``arrays`` are averaged as in ``average_during``. Returns ``([new_i + (mean_i -
-    arrays_i)], extra)``: the step's own change, applied to the average. With the gather
-    algorithm the average and the correction are one pass over the bytes.
+    ``arrays`` are averaged as in ``average_during``; any further entries are other values
+    of the same update (the parameters, when their momentum is averaged), neither
+    corrected nor returned. Returns ``([new_i + (mean_i - arrays_i)], extra)``: the step's
+    own change, applied to the average. With the gather algorithm the average and the
+    correction are one pass over the bytes.
 
     ``shadow`` (``shadow_array(group)``, passed into the jitted function as an argument;
     the gather algorithm and a shared shadow) takes that pass away: the mean is summed,
@@ -265,16 +267,20 @@ def _corrected_in_update(arrays, group, fn, args, attrs, token, shadow):
     from . import jaxsplit
     leaves, tree = jax.tree_util.tree_flatten(args)
 
-    out_tree = []
+    out_tree, updated = [], []
 
     def flat(*xs):
-        outs, structure = jax.tree_util.tree_flatten(fn(*jax.tree_util.tree_unflatten(tree, xs)))
-        out_tree[:] = [structure]
+        result = fn(*jax.tree_util.tree_unflatten(tree, xs))
+        outs, structure = jax.tree_util.tree_flatten(result)
+        out_tree[:], updated[:] = [structure], [len(result[0])]
         return outs
 
     n = len(arrays)
     # Inlined: fn may return a jitted program's results in an order of its own (JaxStep).
-    cut = jaxsplit.Tail(jaxsplit.trace(flat, leaves, inline=True), range(n))
+    # The tail is that of every new value fn returns, not of the averaged arrays' alone:
+    # the parameters' update reads the momentum's new value, which would otherwise leave
+    # the momentum's tail empty when the momentum alone is averaged.
+    cut = jaxsplit.Tail(jaxsplit.trace(flat, leaves, inline=True), range(updated[0]))
 
     if not cut.crossing:
         return None

@@ -145,6 +145,64 @@ def wire_rounds(ctx, rounds, wire, overlap=False):
             b"".join(np.asarray(a).tobytes() for a in out)).hexdigest()}
 
 
+def part_rounds(ctx, rounds, wire=None, flat=False):
+    """Exchanges of parts of a layout (Exchanger.start's ``entries``), as --overlap
+    --sync-every K sends a model's momentum and its parameters at successive steps: the
+    layout is parameters, then momentum of the same shapes. Round 0 sends everything, then
+    the momentum, the parameters and everything in turn. Every result is checked bit for
+    bit against the model: over a low-precision wire each entry keeps its own reference,
+    moved only by the exchanges that send it. flat=True packs each part into one array
+    (the part's count of elements), as JAX workers do. CPU arrays, or torch CUDA tensors on
+    GPU workers."""
+    from pympgu.exchange import Exchanger
+    torch = None
+    if not ctx.is_cpu:
+        import torch
+        torch.cuda.set_device(ctx.device)
+    layout = LAYOUT + [("v_" + name, shape, dtype) for name, shape, dtype in LAYOUT]
+    n, k = len(layout), len(LAYOUT)
+    parts = [(0, n), (k, n), (0, k)]
+
+    def inputs(rank, j):  # drifting values, as in wire_rounds
+        base = rank_params(0, 0, layout)
+        return [b + np.float32(0.01 * (j + 1)) * d
+                for b, d in zip(base, rank_params(rank, j + 1, layout))]
+
+    sent = {t: [] for t in range(n)}  # per entry: every rank's values at each exchange of it
+    with Exchanger(ctx, layout, wire_dtype=wire) as ex:
+        for j in range(rounds):
+            lo, hi = parts[j % 3] if j else (0, n)
+            mine = inputs(ctx.rank, j)[lo:hi]
+            for t in range(lo, hi):
+                sent[t].append([inputs(r, j)[t].ravel() for r in range(ctx.nranks)])
+            if flat:
+                packed = np.zeros(ex.part(lo, hi)[1], np.float32)
+                for a, off in zip(mine, ex.offsets):
+                    packed[off:off + a.size] = a.ravel()
+                mine = packed
+            if torch is not None:
+                mine = (torch.from_numpy(mine).cuda() if flat else
+                        [torch.from_numpy(a).cuda() for a in mine])
+            ex.start(mine, flat=flat, entries=(lo, hi))
+            out = ex.finish(flat=flat)
+            if flat:
+                out = [out]
+            out = [np.asarray(v.copy_to_host() if torch is not None else v) for v in out]
+            if flat:
+                out = [out[0][off:off + size] for off, size in zip(ex.offsets, ex.sizes[lo:hi])]
+            assert len(out) == hi - lo
+            for t, got in zip(range(lo, hi), out):
+                if wire:
+                    model = model_wire_exchanges(sent[t], wire)[-1]
+                else:
+                    model = model_average(sent[t][-1], "float32")
+                if not np.array_equal(got.ravel(), model):
+                    raise AssertionError(f"rank {ctx.rank} round {j} entries {lo}-{hi}: "
+                                         f"{layout[t][0]} differs from the model")
+        return {"stats": ex.stats, "digest": hashlib.sha256(
+            b"".join(np.asarray(a).tobytes() for a in out)).hexdigest()}
+
+
 def jax_rounds(ctx, rounds, big=1 << 23):
     """GPU workers with JAX arrays, as the training loop runs them: every round computes new
     arrays from the last result, starts the exchange, and imports the result through

@@ -3,7 +3,7 @@ import pytest
 
 from conftest import visible_gpus
 from pympgu.launch import WorkerFailed, launch
-from runtime_targets import average_rounds_gpu, wire_rounds
+from runtime_targets import average_rounds_gpu, part_rounds, wire_rounds
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
@@ -49,6 +49,19 @@ def test_gpu_workers_low_precision_wire(nranks, wire, overlap):
     results = launch(wire_rounds, (4, wire, overlap), gpus=devices(nranks))
     assert len({r["digest"] for r in results}) == 1
     assert all(r["stats"]["exchanges"] == 4 for r in results)
+
+
+@pytest.mark.parametrize("nranks,wire,flat,p2p", [
+    (2, None, False, True), (3, "bfloat16", True, True), (2, None, True, False)])
+def test_gpu_workers_average_parts_of_the_layout(nranks, wire, flat, p2p, monkeypatch):
+    """The momentum alone, then the parameters alone, in the buffer's first half
+    (--overlap --sync-every K from Python); without peer access too (the copy method)."""
+    pytest.importorskip("torch")
+    if not p2p:
+        monkeypatch.setenv("PYMPGU_NO_P2P", "1")  # spawned workers inherit it
+    results = launch(part_rounds, (7, wire, flat), gpus=devices(nranks))
+    assert len({r["digest"] for r in results}) == 1
+    assert all(r["stats"]["exchanges"] == 7 for r in results)
 
 
 def test_gpu_workers_without_peer_access_fall_back(monkeypatch):

@@ -194,6 +194,21 @@ def test_xla_correction_inside_the_update(monkeypatch):
                if e.primitive.name == "ffi_call"]
     assert targets == [xla.START, xla.DONE], targets
 
+    # The momentum alone (--overlap --sync-every K): the parameters' update reads its new
+    # value, yet it is still corrected inside the update (a wait, no done), since fn
+    # returns the parameters' new value after it.
+    def momentum(w, v, x):
+        v_new = np.float32(0.9) * v - np.float32(0.1) * (x.T @ jnp.tanh(x @ w))
+        return [v_new, w + v_new], None
+
+    def momentum_step(w, v, x, shadow):
+        return xla.correct_during([v], Group(), momentum, w, v, x, shadow=shadow)
+
+    jaxpr = jax.make_jaxpr(momentum_step)(w, w, x, shadow)
+    targets = [e.params["target_name"] for e in jaxpr.jaxpr.eqns
+               if e.primitive.name == "ffi_call"]
+    assert targets == [xla.START, xla.WAIT], targets
+
     monkeypatch.setattr(xla, "_start", lambda *a, **k: jnp.uint32(0))
     monkeypatch.setattr(xla, "_wait", lambda token, after, attrs, k: after[k])
     got, loss = jax.jit(lambda *a: step(*a))(w, b, x, shadow)  # traced anew
@@ -207,6 +222,13 @@ def test_xla_correction_inside_the_update(monkeypatch):
         np.testing.assert_allclose(np.asarray(g), np.asarray(fresh) + (mean - own),
                                    rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    v = rng.standard_normal(w.shape).astype(np.float32)
+    (got,), _ = jax.jit(lambda *a: momentum_step(*a))(w, v, x, shadow)  # traced anew
+    slot = xla._slot_elems(Group(), v.size)  # the slots of an exchange of v alone
+    peers = [shadow[s * slot:s * slot + v.size].reshape(v.shape) for s in (0, 1, 2)]
+    mean = (((peers[0] + v) + peers[1]) + peers[2]) / np.float32(4)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(momentum(w, v, x)[0][0]) + (mean - v),
+                               rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="shadow= needs the gather algorithm"):
         xla.correct_during([w, b], Group(), fn, w, b, x, shadow=shadow, algo="oneshot")
     # XLA's division by 3 ranks rounds otherwise than the kernels': no shadow for them.

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from pympgu.launch import WorkerFailed, launch
-from runtime_targets import attack_then_average, average_rounds, wire_rounds
+from runtime_targets import attack_then_average, average_rounds, part_rounds, wire_rounds
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -138,6 +138,29 @@ def test_cpu_workers_low_precision_wire(wire, nworkers, overlap):
     results = launch(wire_rounds, (4, wire, overlap), cpu=nworkers)
     assert len({r["digest"] for r in results}) == 1  # replicas stay bit-identical
     assert all(r["stats"]["exchanges"] == 4 for r in results)
+
+
+@pytest.mark.parametrize("wire,flat,nworkers", [
+    (None, False, 2), (None, True, 3), ("bfloat16", False, 3), ("float16", True, 2)])
+def test_cpu_workers_average_parts_of_the_layout(wire, flat, nworkers):
+    """The momentum alone, then the parameters alone (--overlap --sync-every K); over a
+    low-precision wire each keeps its own reference."""
+    results = launch(part_rounds, (7, wire, flat), cpu=nworkers)
+    assert len({r["digest"] for r in results}) == 1
+    assert all(r["stats"]["exchanges"] == 7 for r in results)
+
+
+def test_exchanger_rejects_parts_that_do_not_fit():
+    from pympgu.exchange import Exchanger
+    ex = Exchanger.__new__(Exchanger)  # part() reads the layout alone
+    ex.layout = [("w", [3, 2], "float32"), ("b", [2], "float32"), ("v_w", [3, 2], "float32"),
+                 ("extra", [7], "float32")]
+    ex.offsets, ex.total = [0, 64, 128, 192], 256
+    assert ex.part(2, 3) == (1, 64) and ex.part(0, 4) == (4, 256)
+    with pytest.raises(ValueError, match="must have the shapes of the layout's first 2"):
+        ex.part(2, 4)
+    with pytest.raises(ValueError, match=r"entries \(3, 3\) are not a part"):
+        ex.part(3, 3)
 
 
 @pytest.mark.parametrize("kwargs,message", [

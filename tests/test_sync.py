@@ -15,11 +15,12 @@ class FakeEx:
     """An exchanger whose 'average' is a fixed function of what was sent."""
 
     def __init__(self, average):
-        self.average, self.pending, self.sent = average, None, []
+        self.average, self.pending, self.sent, self.entries = average, None, [], []
 
-    def start(self, arrays):
+    def start(self, arrays, entries=None):
         assert self.pending is None
         self.sent.append([a.copy() for a in arrays])
+        self.entries.append(entries)
         self.pending = "exact"
 
     def finish(self, flat=False):
@@ -29,31 +30,35 @@ class FakeEx:
 
 
 class FakeRep:
-    """Replica's exchange methods on numpy values, as on CPU workers."""
+    """Replica's exchange methods on numpy values, as on CPU workers. The state is
+    ``values``, of which the first ``params`` are parameters and the rest their momentum."""
 
     exchange = Replica.exchange
     exchange_start = Replica.exchange_start
     exchange_correct = Replica.exchange_correct
+    part = Replica.part
     _adopt = Replica._adopt
     _start = Replica._start
 
-    def __init__(self, value):
+    def __init__(self, *values, params=None):
         self.np, self.jax, self.snapshot = np, None, None
         self.ctx = SimpleNamespace(is_cpu=True)
-        self.state = [np.array([value], np.float32)]
+        self.state = [np.array([v], np.float32) for v in values]
+        self.model = SimpleNamespace(state=self.state, params=self.state[:params])
         self.calls = []
 
     def values(self):
         return self.state
 
     def set_values(self, values):
-        self.state = [np.asarray(v, np.float32) for v in values]
+        self.state[:] = [np.asarray(v, np.float32) for v in values]
 
     def wait(self):
         self.calls.append("wait")
 
     def step(self, delta):
-        self.state[0] += np.float32(delta)  # in place, as PyTensor's C backend updates
+        for v in self.state:
+            v += np.float32(delta)  # in place, as PyTensor's C backend updates
 
 
 def run(sync, rep, deltas, every_epoch_end=True):
@@ -89,20 +94,46 @@ def test_overlap_applies_the_delayed_correction():
     assert rep.state[0][0] == 1.25 and ex.pending is None
 
 
-def test_overlap_corrects_one_step_after_the_start_whatever_k():
-    # With K = 4 the exchange started after step 3 is applied after step 4, not at the
-    # next sync point (after step 7): a correction K steps late made training unstable.
-    rep = FakeRep(0.0)
+def test_overlap_with_k_sends_the_momentum_then_the_parameters():
+    # With K = 4 the momentum's exchange spans the due step (step 3: started after step 2,
+    # corrected after it), the parameters' the next; each is half the state.
+    rep = FakeRep(0.0, 100.0, params=1)
     ex = FakeEx(lambda a: a * 0.5)
     sync = Sync(rep, ex, 4, overlap=True)
     pending = []
-    for i in range(6):
+    for i in range(8):
         rep.step(1.0)
         sync.after_step(i)
         pending.append(ex.pending is not None)
-    assert pending == [False, False, False, True, False, False]
-    # Sent 4 after step 3; step 4 moved to 5; corrected: 5 + (2 - 4) = 3; step 5: 4.
-    assert [s[0][0] for s in ex.sent] == [4.0] and rep.state[0][0] == 4.0
+    assert pending == [False, False, True, True, False, False, True, True]
+    assert ex.entries == [(1, 2), (0, 1), (1, 2), (0, 1)]
+    # After step 2 the momentum is 103 and is sent; step 3 moves it to 104, corrected to
+    # 104 + (51.5 - 103) = 52.5, and sends the parameters (4); step 4 moves them to 5,
+    # corrected to 5 + (2 - 4) = 3. Then 3 steps; the momentum 55.5 is sent and
+    # corrected to 56.5 + (27.75 - 55.5) = 28.75, and the parameters' exchange, with no
+    # step after it, leaves them at its average, 3.
+    assert [s[0][0] for s in ex.sent] == [103.0, 4.0, 55.5, 6.0]
+    sync.drain()
+    assert [v[0] for v in rep.state] == [3.0, 28.75]
+
+
+@pytest.mark.parametrize("every", [2, 3, 4])
+def test_overlapped_exchanges_span_the_same_steps_fused_or_not(every):
+    # The Python-queued path starts an exchange after the step before the one it spans;
+    # the fused path runs it inside that step: the same schedule (but at the epoch's
+    # first step, which no exchange started from Python can span).
+    rep = FakeRep(0.0, 0.0, params=1)
+    ex = FakeEx(lambda a: a)
+    sync = Sync(rep, ex, every, overlap=True)
+    spans = []
+    for i in range(13):
+        rep.step(1.0)
+        sent = len(ex.sent)
+        sync.after_step(i)
+        if len(ex.sent) > sent:
+            spans.append((i + 1, {(0, 1): "params", (1, 2): "momentum"}[ex.entries[-1]]))
+    assert spans == [(t, sync.spanning(t)) for t in range(1, 14) if sync.spanning(t)]
+    assert {p for _, p in spans} == {"params", "momentum"}
 
 
 def test_overlap_snapshot_survives_in_place_updates():
@@ -123,28 +154,29 @@ def test_single_worker_never_exchanges():
 
 
 @pytest.mark.parametrize("every,overlap,expected", [
-    (1, False, ["params", "params", "params", "all"]),  # the epoch's last step: all
-    (2, False, ["step", "all", "step", "all"]),  # replicas drift: momentum averaged too
+    (1, False, ["params"] * 5 + ["state"]),  # the epoch's last step: the whole state
+    (2, False, ["step", "state"] * 3),  # replicas drift: momentum averaged too
     # Overlapped steps start from averaged parameters; the epoch's last is plain, so that
     # replicas end identical.
-    (1, True, ["params overlapped", "params overlapped", "params overlapped", "all"]),
-    (2, True, ["step", "all overlapped", "step", "all"]),
+    (1, True, ["params overlapped"] * 5 + ["state"]),
+    # With K > 1 the momentum crosses during the due step, the parameters during the next.
+    (4, True, ["step"] * 3 + ["momentum overlapped", "params overlapped", "state"]),
 ])
 def test_fused_steps_average_parameters_alone_only_when_exact(every, overlap, expected):
     class Rep(FakeRep):
-        def step(self, idx, ex=None, params_only=False, overlap=False):
-            call = "step" if ex is None else "params" if params_only else "all"
-            self.calls.append(call + (" overlapped" if overlap else ""))
+        def step(self, idx, ex=None, part="state", overlap=False):
+            self.calls.append(("step" if ex is None else part) +
+                              (" overlapped" if overlap else ""))
 
     class Ex(FakeEx):
         def xla_unavailable(self):
             return None
 
-    rep = Rep(0.0)
+    rep = Rep(0.0, 0.0, params=1)
     rep.jax = object()  # a JAX worker
     sync = Sync(rep, Ex(lambda a: a), every, overlap=overlap)
     assert sync.fused
-    for i in range(4):
-        sync.step(None, i, last=i == 3)
+    for i in range(6):
+        sync.step(None, i, last=i == 5)
     assert rep.calls == expected
     assert not Sync(rep, Ex(lambda a: a), every, fuse=False).fused  # PYMPGU_XLA_EXCHANGE=0
