@@ -244,12 +244,13 @@ class Exchanger:
         return xla.average_during(arrays, self._xla_group(arrays), fn, *args,
                                   algo=self.method, max_blocks=self.max_blocks)
 
-    def xla_correct_during(self, arrays, fn, *args, shadow=None):
+    def xla_correct_during(self, arrays, fn, *args, shadow=None, ready=()):
         """``pympgu.xla.correct_during`` over this exchanger's group; ``shadow`` is
         ``xla_shadow()``'s array, or None."""
         from . import xla
         return xla.correct_during(arrays, self._xla_group(arrays), fn, *args,
-                                  algo=self.method, max_blocks=self.max_blocks, shadow=shadow)
+                                  algo=self.method, max_blocks=self.max_blocks, shadow=shadow,
+                                  ready=ready)
 
     def xla_shadow(self):
         """The shared shadow as a JAX array, for ``xla_correct_during``'s ``shadow``, or

@@ -166,8 +166,10 @@ class Replica:
                         new, outs = compute(*args)
                         return new[lo:hi] + new[:lo] + new[hi:], (new, outs)
 
+                    # The rest of the state need not wait for the start (xla._hold).
                     fixed, (new, outs) = ex.xla_correct_during(
-                        old[lo:hi], ordered, *args, shadow=inputs[0] if inputs else None)
+                        old[lo:hi], ordered, *args, shadow=inputs[0] if inputs else None,
+                        ready=old[:lo] + old[hi:])
                     return new[:lo] + fixed + new[hi:], outs
             elif ex is not None:
                 def exchange(compute, which, *args):

@@ -163,7 +163,8 @@ def average_during(arrays, group, fn, *args, algo="auto", max_blocks=None):
     return _overlapped(list(arrays), group, fn, args, algo, max_blocks, correct=False)
 
 
-def correct_during(arrays, group, fn, *args, algo="auto", max_blocks=None, shadow=None):
+def correct_during(arrays, group, fn, *args, algo="auto", max_blocks=None, shadow=None,
+                   ready=()):
     """The one-step-delayed correction of an overlapped exchange, in one call.
 
     ``fn(*args)`` returns ``(new, extra)``, where ``new`` is a list whose first
@@ -180,11 +181,16 @@ def correct_during(arrays, group, fn, *args, algo="auto", max_blocks=None, shado
     elementwise tail, pympgu.jaxsplit.Tail), which then reads the peers' values straight
     from the shadow where they landed. XLA's stream waits for them just before that
     update, once the gradients it reads exist.
+
+    ``fn``'s work waits for the exchange's start through the arguments it reads, except
+    ``arrays`` and ``ready``: list there the arguments that need not wait (a model's state
+    that is not averaged at this step), since what comes out of that wait is not fused as
+    freely (``_hold``).
     """
     if hasattr(group, "xla_correct_during"):  # an Exchanger
-        return group.xla_correct_during(arrays, fn, *args, shadow=shadow)
+        return group.xla_correct_during(arrays, fn, *args, shadow=shadow, ready=ready)
     return _overlapped(list(arrays), group, fn, args, algo, max_blocks, correct=True,
-                       shadow=shadow)
+                       shadow=shadow, ready=ready)
 
 
 def shadow_array(group):
@@ -206,7 +212,7 @@ def _fusable(nranks):
     return nranks > 1 and nranks & (nranks - 1) == 0
 
 
-def _overlapped(arrays, group, fn, args, algo, max_blocks, correct, shadow=None):
+def _overlapped(arrays, group, fn, args, algo, max_blocks, correct, shadow=None, ready=()):
     import jax
     from jax import lax
     if not arrays:
@@ -221,7 +227,7 @@ def _overlapped(arrays, group, fn, args, algo, max_blocks, correct, shadow=None)
     token = _start(arrays, attrs, _WHOLE)
     # XLA orders independent work as it likes; these barriers make fn's inputs wait for the
     # start, and the done wait for fn's results, so that fn runs while the link works.
-    token, args = _hold(token, args, arrays)
+    token, args = _hold(token, args, [*arrays, *ready])
     if shadow is not None:
         fused = _corrected_in_update(arrays, group, fn, args, attrs, token, shadow)
         if fused is not None:
@@ -241,11 +247,11 @@ def _overlapped(arrays, group, fn, args, algo, max_blocks, correct, shadow=None)
 def _hold(token, args, arrays):
     """``(token, args)``, with the arguments that are not among ``arrays`` (a training
     step's minibatch, say) held behind the start's token: fn's work that needs them waits
-    for the start. The averaged arrays themselves are not held: with the weights and biases
-    coming out of the barrier too, XLA stopped fusing the bias adds into cuBLAS's matrix
-    products and fused the backward pass otherwise, which cost the wide MLP's overlapped
-    step 0.03 ms (docs/BENCHMARKS.md, session 11). When every argument is averaged, all
-    are held."""
+    for the start. ``arrays`` (the averaged ones, and any others that need not wait) are not
+    held: with the weights and biases coming out of the barrier too, XLA stopped fusing the
+    bias adds into cuBLAS's matrix products and fused the backward pass otherwise, which
+    cost the wide MLP's overlapped step 0.03 ms (docs/BENCHMARKS.md, session 11). When
+    no argument is left to hold, all are held."""
     import jax
     from jax import lax
     leaves, tree = jax.tree_util.tree_flatten(args)

@@ -201,13 +201,19 @@ def test_xla_correction_inside_the_update(monkeypatch):
         v_new = np.float32(0.9) * v - np.float32(0.1) * (x.T @ jnp.tanh(x @ w))
         return [v_new, w + v_new], None
 
-    def momentum_step(w, v, x, shadow):
-        return xla.correct_during([v], Group(), momentum, w, v, x, shadow=shadow)
+    def momentum_step(w, v, x, shadow, ready=True):
+        return xla.correct_during([v], Group(), momentum, w, v, x, shadow=shadow,
+                                  ready=[w] if ready else [])
 
-    jaxpr = jax.make_jaxpr(momentum_step)(w, w, x, shadow)
-    targets = [e.params["target_name"] for e in jaxpr.jaxpr.eqns
-               if e.primitive.name == "ffi_call"]
-    assert targets == [xla.START, xla.WAIT], targets
+    for ready in (True, False):
+        jaxpr = jax.make_jaxpr(lambda *a: momentum_step(*a, ready=ready))(w, w + 1, x, shadow)
+        eqns = jaxpr.jaxpr.eqns
+        targets = [e.params["target_name"] for e in eqns if e.primitive.name == "ffi_call"]
+        assert targets == [xla.START, xla.WAIT], targets
+        # Behind the start's token: x; the parameters w too unless they are ready.
+        held = next(e for e in eqns if e.primitive.name == "optimization_barrier")
+        w_in, _, x_in, _ = jaxpr.jaxpr.invars
+        assert x_in in held.invars and (w_in in held.invars) != ready, (ready, held)
 
     monkeypatch.setattr(xla, "_start", lambda *a, **k: jnp.uint32(0))
     monkeypatch.setattr(xla, "_wait", lambda token, after, attrs, k: after[k])
