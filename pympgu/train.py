@@ -611,10 +611,11 @@ def build_parser():
                         "(GPU workers: inside the step's XLA call, the peers' bytes moved by "
                         "the copy engines on a side stream), then apply the average with a "
                         "one-step-delayed correction, whatever --sync-every is (default: "
-                        "off; every average is exact). On 2 H200s it runs the "
-                        "wide MLP at 0.63-0.64 ms per step against 0.79-0.80 without, within "
-                        "0.25 points of the same test error (docs/BENCHMARKS.md, "
-                        "docs/TRAINING.md)")
+                        "off; every average is exact). With K > 1 the momentum crosses during "
+                        "the due step and the parameters during the next. On 2 H200s it runs "
+                        "the wide MLP at 0.64 ms per step against 0.79 without (0.62 with "
+                        "--sync-every 4), within 0.33 points of the same test error "
+                        "(docs/BENCHMARKS.md, docs/TRAINING.md)")
     m.add_argument("--exchange-dtype", choices=["float32", "bfloat16", "float16"],
                    default="float32",
                    help="dtype on the wire: bfloat16 or float16 send each sync's change in "
