@@ -105,6 +105,7 @@ class Exchanger:
             self.wire_dtype = wire_dtype
         self.primed = self.wire_dtype is None  # ref is set by the first (exact) exchange
         self.pending = None  # the kind of exchange started and not finished
+        self._started = None  # its entries (lo, hi) and their count of elements
         self.stats = {"pack_s": 0.0, "average_s": 0.0, "unpack_s": 0.0, "exchanges": 0}
         backend = _HostBackend if ctx.is_cpu else _CudaBackend
         self.backend = backend(self, timeout)
