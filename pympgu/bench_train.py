@@ -105,7 +105,7 @@ def pympgu_worker(ctx, cfg, steps, warmup, plain_jax):
         if ex is not None:
             # Elements a regular exchange moves: half the state (the parameters or the
             # momentum) or all of it.
-            moved = ex.part(*rep.part(sync.regular))[1]
+            moved = ex.part(*rep.part(sync.regular))
             out["wire_bytes"] = moved * ITEMSIZE[ex.wire_dtype or ex.dtype]
             out["exchanges"] = ex.stats["exchanges"]
             if not ctx.is_cpu:

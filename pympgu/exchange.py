@@ -127,7 +127,7 @@ class Exchanger:
         flat result (each entry at its offset; the padding between entries zero): a
         framework that packs its arrays itself then hands over a single array.
         ``entries=(lo, hi)`` averages the layout's entries lo to hi - 1 alone (their flat
-        array has ``part(lo, hi)[1]`` elements): they must have the shapes of the first
+        array has ``part(lo, hi)`` elements): they must have the shapes of the first
         hi - lo entries, in whose place they cross (a model's momentum, after its
         parameters), and only their bytes are sent. A low-precision wire keeps each
         entry's own reference.
@@ -137,7 +137,7 @@ class Exchanger:
         if self.pending is not None:
             raise RuntimeError("Exchanger.start called twice without finish()")
         lo, hi = (0, len(self.layout)) if entries is None else entries
-        count = self.part(lo, hi)[1]
+        count = self.part(lo, hi)
         if flat:
             pairs = [("flat", self.dtype, 0, count, arrays)]
         elif len(arrays) != hi - lo:
@@ -157,9 +157,9 @@ class Exchanger:
         self._started = (lo, hi, count)
 
     def part(self, lo, hi):
-        """``(entries, count)`` for averaging the layout's entries lo to hi - 1 on their own
-        (start's ``entries``): they go where the first hi - lo entries go, so they must have
-        their shapes; count is the elements they take there."""
+        """The elements that averaging the layout's entries lo to hi - 1 on their own
+        (start's ``entries``) takes in the buffer: they go where the first hi - lo entries
+        go, so they must have their shapes."""
         n = len(self.layout)
         if not 0 <= lo < hi <= n:
             raise ValueError(f"entries ({lo}, {hi}) are not a part of a layout of {n}")
@@ -167,7 +167,7 @@ class Exchanger:
         if shapes != [shape for _, shape, _ in self.layout[:hi - lo]]:
             raise ValueError(f"entries {lo} to {hi - 1} ({shapes}) must have the shapes of the "
                              f"layout's first {hi - lo}, in whose place they are averaged")
-        return hi - lo, self.offsets[hi - lo] if hi - lo < n else self.total
+        return self.offsets[hi - lo] if hi - lo < n else self.total
 
     def finish(self, flat=False, wait=True):
         """Complete the started exchange; the averaged arrays (numpy, or DeviceArray views).
@@ -367,7 +367,7 @@ class _HostBackend:
         if flat:
             return result.copy()
         return [result[off:off + size].reshape(shape).copy()
-                for (_, shape, _), off, size in list(ex._entries())[:k]]
+                for (_, shape, _), off, size in zip(ex.layout[:k], ex.offsets, ex.sizes)]
 
     def close(self):
         self.views = {}  # drop the numpy views first, or the mappings cannot close
@@ -516,7 +516,7 @@ class _CudaBackend:
         if flat:
             return view(ex.dtype, (count,), 0)
         return [view(dtype, shape, off * itemsize)
-                for (_, shape, dtype), off, _ in list(ex._entries())[:k]]
+                for (_, shape, dtype), off in zip(ex.layout[:k], ex.offsets)]
 
     def close(self):
         try:

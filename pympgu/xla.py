@@ -24,9 +24,10 @@ link and the SMs work at once. Only a pack (before ``fn``, unless the group has 
 shadow) and the last pass (after it) stay on XLA's stream. ``correct_during`` is the same
 with the one-step-delayed correction of an overlapped training step fused into that last
 pass, or, given the shared shadow as a JAX array (``shadow_array``), into ``fn``'s own
-update, with no pass at all. ``average_results(fn, which, group, *args)`` averages some of ``fn``'s own results,
-each sent as soon as it is computed, while ``fn`` computes the rest: an exact exchange that
-hides behind the end of a training step, as DDP's gradient buckets do. A group carries one
+update, with no pass at all. ``average_results(fn, which, group, *args)`` averages some of
+``fn``'s own results, each sent as soon as it is computed, while ``fn`` computes the rest:
+an exact exchange that hides behind the end of a training step, as DDP's gradient buckets
+do. A group carries one
 of these exchanges at a time: two start/done pairs on the same group must not interleave
 in one function, since both land in the same shadow.
 
@@ -281,7 +282,6 @@ def _corrected_in_update(arrays, group, fn, args, attrs, token, shadow):
         out_tree[:], updated[:] = [structure], [len(result[0])]
         return outs
 
-    n = len(arrays)
     # Inlined: fn may return a jitted program's results in an order of its own (JaxStep).
     # The tail is that of every new value fn returns, not of the averaged arrays' alone:
     # the parameters' update reads the momentum's new value, which would otherwise leave

@@ -176,7 +176,7 @@ def part_rounds(ctx, rounds, wire=None, flat=False):
             for t in range(lo, hi):
                 sent[t].append([inputs(r, j)[t].ravel() for r in range(ctx.nranks)])
             if flat:
-                packed = np.zeros(ex.part(lo, hi)[1], np.float32)
+                packed = np.zeros(ex.part(lo, hi), np.float32)
                 for a, off in zip(mine, ex.offsets):
                     packed[off:off + a.size] = a.ravel()
                 mine = packed

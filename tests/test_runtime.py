@@ -156,7 +156,7 @@ def test_exchanger_rejects_parts_that_do_not_fit():
     ex.layout = [("w", [3, 2], "float32"), ("b", [2], "float32"), ("v_w", [3, 2], "float32"),
                  ("extra", [7], "float32")]
     ex.offsets, ex.total = [0, 64, 128, 192], 256
-    assert ex.part(2, 3) == (1, 64) and ex.part(0, 4) == (4, 256)
+    assert ex.part(2, 3) == 64 and ex.part(0, 4) == 256
     with pytest.raises(ValueError, match="must have the shapes of the layout's first 2"):
         ex.part(2, 4)
     with pytest.raises(ValueError, match=r"entries \(3, 3\) are not a part"):
