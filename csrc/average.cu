@@ -7,8 +7,7 @@
 
 #include "pympgu.h"
 
-static_assert(sizeof(pmg_signal) ==
-                  PMG_MAX_BLOCKS * PMG_MAX_RANKS * 4 + PMG_MAX_BLOCKS * 4 + PMG_MAX_RANKS * 4,
+static_assert(sizeof(pmg_signal) == PMG_MAX_BLOCKS * PMG_MAX_RANKS * 4 + PMG_MAX_BLOCKS * 4,
               "pmg_signal is shared between processes: its layout is part of the ABI");
 static_assert(sizeof(pmg_peers) == 128, "pmg_peers is a kernel parameter: keep it small");
 static_assert(sizeof(pmg_tensor) == 80, "pmg_tensor is uploaded as raw bytes from Python");

@@ -50,13 +50,10 @@ enum pmg_status {
 
 /* Peer-visible control block at the start of every registered (IPC-shared) allocation.
  * flags[b][r]: the last barrier value that rank r announced to this rank's block b.
- * counter[b]: this rank's own count of barriers crossed by block b (never written by peers).
- * landed[r]: how many of rank r's pushes into this rank's shadow have landed, written by
- * r's side stream after its copies (pmg_stream_write_u32; csrc/xla_ffi.cc). */
+ * counter[b]: this rank's own count of barriers crossed by block b (never written by peers). */
 typedef struct pmg_signal {
   uint32_t flags[PMG_MAX_BLOCKS][PMG_MAX_RANKS];
   uint32_t counter[PMG_MAX_BLOCKS];
-  uint32_t landed[PMG_MAX_RANKS];
 } pmg_signal;
 
 /* The R replicas as this process sees them: data[r] and signal[r] are local pointers for
@@ -151,15 +148,6 @@ int pmg_event_synchronize(cudaEvent_t event);
 /* stream's later work waits for event's last record (none yet: no wait). */
 int pmg_stream_wait_event(cudaStream_t stream, cudaEvent_t event);
 int pmg_event_elapsed_ms(cudaEvent_t start, cudaEvent_t end, float *ms);
-/* Stream memory operations (the driver's cuStreamWriteValue32 and cuStreamWaitValue32):
- * the GPU's front end does them, no SM. write: once stream's earlier work is done and
- * visible (a memory fence), store value at addr, which may be a peer's (IPC) memory. wait:
- * stream's later work waits until (int32_t)(*addr - value) >= 0. Such a wait never times
- * out: a peer that dies before its write leaves the stream waiting, and only the launcher's
- * supervision ends the run. Failures return the driver's CUresult, whose codes for these
- * calls are the runtime's own. */
-int pmg_stream_write_u32(uint32_t *addr, uint32_t value, cudaStream_t stream);
-int pmg_stream_wait_u32(const uint32_t *addr, uint32_t value, cudaStream_t stream);
 /* Make consumer's later work wait for everything queued on producer so far, without
  * blocking the host: the DLPack stream handshake. */
 int pmg_stream_wait(cudaStream_t consumer, cudaStream_t producer);
@@ -289,13 +277,6 @@ typedef struct pmg_group {
    * copies, rather than on the side stream, where it may wait for an SM behind XLA's
    * kernels (PYMPGU_PUSH_BARRIER=xla; docs/BENCHMARKS.md, session 8). */
   int barrier_on_xla;
-  /* Non-NULL: the pushes of the pair's starts that this group has queued, counted on the
-   * host (every rank queues the same starts). After its copies each rank writes the count
-   * into every peer's signal->landed[rank] from the side stream, and whatever reads the
-   * shadow waits on XLA's stream for every peer's count: no barrier kernel, which waits for
-   * an SM behind XLA's (PYMPGU_PUSH_LANDED=flag; docs/BENCHMARKS.md, session 13). NULL: a
-   * barrier kernel on the side stream proves the landing (PYMPGU_PUSH_LANDED=barrier). */
-  uint32_t *pushes;
   /* Timing events that the pair records at each point of an exchange (pmg_mark), or all
    * NULL: PeerGroup.xla_timeline reads the last exchange's (PYMPGU_XLA_TIMELINE=1). */
   cudaEvent_t marks[PMG_MARKS];

@@ -1,10 +1,8 @@
 // Thin wrappers over the CUDA runtime: each returns the cudaError_t as an int and never
 // prints, so the Cython layer turns every failure into one pympgu.CudaError.
-#include <cuda.h>  // the stream memory operations' types and flags; nothing from libcuda is linked
 #include <cuda_runtime.h>
 
 #include <cstring>
-#include <mutex>
 
 #include "pympgu.h"
 
@@ -136,58 +134,6 @@ int pmg_stream_wait(cudaStream_t consumer, cudaStream_t producer) {
 }
 int pmg_event_elapsed_ms(cudaEvent_t start, cudaEvent_t end, float *ms) {
   return cudaEventElapsedTime(ms, start, end);
-}
-
-namespace {
-
-// The driver's stream memory operations, looked up once through the runtime, so that the
-// extension needs no libcuda at link time (the build machines have no driver). The 12.0
-// versions are the _v2 calls, always enabled on drivers of CUDA 12 and later.
-typedef CUresult (*write_value_fn)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
-typedef CUresult (*wait_value_fn)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
-
-struct MemOps {
-  write_value_fn write = nullptr;
-  wait_value_fn wait = nullptr;
-  int status = 0;
-};
-
-const MemOps &memops() {
-  static MemOps ops;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    cudaDriverEntryPointQueryResult found;
-    void *fn = nullptr;
-    for (auto [name, slot] : {std::pair<const char *, void **>{"cuStreamWriteValue32",
-                                                              reinterpret_cast<void **>(&ops.write)},
-                              {"cuStreamWaitValue32", reinterpret_cast<void **>(&ops.wait)}}) {
-      cudaError_t err = cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found);
-      if (err == cudaSuccess && found != cudaDriverEntryPointSuccess) err = cudaErrorNotSupported;
-      if (err != cudaSuccess) {
-        ops.status = err;
-        return;
-      }
-      *slot = fn;
-    }
-  });
-  return ops;
-}
-
-}  // namespace
-
-int pmg_stream_write_u32(uint32_t *addr, uint32_t value, cudaStream_t stream) {
-  const MemOps &ops = memops();
-  if (ops.status) return ops.status;
-  // The default flags fence the stream's earlier work (its copies) before the store.
-  return ops.write(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(addr), value,
-                   CU_STREAM_WRITE_VALUE_DEFAULT);
-}
-
-int pmg_stream_wait_u32(const uint32_t *addr, uint32_t value, cudaStream_t stream) {
-  const MemOps &ops = memops();
-  if (ops.status) return ops.status;
-  return ops.wait(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(addr), value,
-                  CU_STREAM_WAIT_VALUE_GEQ);
 }
 
 }  // extern "C"

@@ -18,9 +18,7 @@
 // operation averages the arrays and the shadow in one pass (pmg_mean_list). The copy engines
 // leave every SM to XLA, whose matrix products lose a whole wave to a kernel that takes even
 // a few SMs. The side stream runs a barrier (every rank is done reading its shadow), DMA
-// copies, and a barrier (every copy has landed; for a push, by default, flags that each
-// rank writes into its peers' memory and XLA's stream waits on: announce_landed). The
-// copies go one of two ways:
+// copies, and a barrier (every copy has landed). The copies go one of two ways:
 //   - push, when the group's shadow lies in the shared block: each array goes from XLA's
 //     memory straight into every peer's shadow (pmg_push_peers). Nothing is packed. A start
 //     may then come in two parts (attribute "phase"), so that the arrays computed first
@@ -246,43 +244,10 @@ int allreduce(const pmg_group &g, int algo, int max_blocks, int64_t chunk_bytes,
                                max_blocks, g.timeout_ns, stream);
 }
 
-// Every peer's count of pushes landed in this rank's shadow (pmg_signal::landed).
-const uint32_t *landed(const pmg_group &g, int peer) {
-  return &g.peers.signal[g.rank]->landed[peer];
-}
-
-// Waits on stream until every peer's last push counted by g.pushes has landed here.
-int after_pushes(const pmg_group &g, cudaStream_t stream) {
-  for (int r = 0; r < g.nranks; ++r)
-    if (r != g.rank)
-      if (int status = pmg_stream_wait_u32(landed(g, r), *g.pushes, stream)) return status;
-  return 0;
-}
-
 // An all-reduce of the overlapped pair may still be running on the side stream: whatever
-// touches the group's buffer on XLA's stream waits for it, and, when pushes announce their
-// landing by flags, for every peer's copies into this rank's shadow. A no-op when none was
-// queued.
+// touches the group's buffer on XLA's stream waits for it. A no-op when none was queued.
 int after_side(const pmg_group &g, cudaStream_t stream) {
-  if (int status = g.side_out ? pmg_stream_wait_event(stream, g.side_out) : 0) return status;
-  return g.pushes && *g.pushes ? after_pushes(g, stream) : 0;
-}
-
-// After a push's last copies on the side stream: proves to the readers of the shadows that
-// every rank's copies have landed. With g.pushes, each rank writes the push's number into
-// every peer's landed flag, and readers wait on XLA's stream (after_side). A barrier kernel
-// there would wait for an SM until XLA's matrix product ends: 0.12 ms into an overlapped
-// step of the wide MLP, which then waited for it (docs/BENCHMARKS.md, session 13). Without
-// g.pushes, that barrier. With a timeline, the side stream also waits for the flags, to mark
-// the moment.
-int announce_landed(const pmg_group &g) {
-  if (!g.pushes) return pmg_device_barrier(&g.peers, g.rank, g.nranks, g.timeout_ns, g.side);
-  const uint32_t count = ++*g.pushes;
-  for (int r = 0; r < g.nranks; ++r)
-    if (r != g.rank)
-      if (int status = pmg_stream_write_u32(&g.peers.signal[r]->landed[g.rank], count, g.side))
-        return status;
-  return g.marks[PMG_MARK_LANDED] ? after_pushes(g, g.side) : 0;
+  return g.side_out ? pmg_stream_wait_event(stream, g.side_out) : 0;
 }
 
 // Records the timeline's points `which` (pmg_mark) on stream, when the group keeps a
@@ -428,7 +393,7 @@ ffi::Error average_start(cudaStream_t stream, ffi::RemainingArgs args, ffi::Rema
                                  int(in.size()), g.side)) ||
         (first && (status = mark(g, {PMG_MARK_FIRST_SENT}, g.side))) ||
         (last && (status = mark(g, {PMG_MARK_LAST_SENT}, g.side))) ||
-        (last && (status = announce_landed(g))))
+        (last && (status = pmg_device_barrier(&g.peers, g.rank, g.nranks, g.timeout_ns, g.side))))
       return failed(kStart, "push", status);
   } else if (algo == PMG_ALGO_GATHER) {
     if ((status = pmg_device_barrier(&g.peers, g.rank, g.nranks, g.timeout_ns, g.side)) ||

@@ -1,5 +1,5 @@
 # Declarations of pympgu's CUDA C API (csrc/pympgu.h built with PMG_WITH_CUDA).
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint64_t
 
 cdef extern from "cuda_runtime_api.h" nogil:
     ctypedef void *cudaStream_t
@@ -47,7 +47,6 @@ cdef extern from "pympgu.h" nogil:
         void *shadow
         size_t shadow_offset
         int barrier_on_xla
-        uint32_t *pushes
         cudaEvent_t marks[PMG_MARKS]
 
     const char *pmg_error_name(int status)

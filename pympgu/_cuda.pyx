@@ -13,7 +13,7 @@ Rules of this module, stated once:
 """
 from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_IsValid, PyCapsule_New
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
-from libc.stdint cimport int64_t, uint32_t, uint64_t, uintptr_t
+from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset
 
@@ -850,17 +850,6 @@ def _push_barrier_on_xla():
     return value == "xla"
 
 
-def _push_landed_by_flag():
-    """PYMPGU_PUSH_LANDED: 'flag' (the default) or 'barrier', how the XLA pair's push proves
-    that every rank's copies have landed: flags written by the side stream's memory
-    operations and waited on by XLA's stream, or a barrier kernel on the side stream
-    (csrc/pympgu.h, pmg_group.pushes)."""
-    value = os.environ.get("PYMPGU_PUSH_LANDED", "flag")
-    if value not in ("flag", "barrier"):
-        raise ValueError(f"PYMPGU_PUSH_LANDED must be 'flag' or 'barrier', got {value!r}")
-    return value == "flag"
-
-
 def xla_handler(name="pympgu_average"):
     """A PyCapsule of the XLA FFI handler of the operation ``name`` (one of XLA_OPERATIONS;
     for jax.ffi.register_ffi_target), or None when pympgu was built without jaxlib's
@@ -911,7 +900,6 @@ cdef class PeerGroup:
     cdef Stream side  # the overlapped XLA pair's, made with the registration
     cdef Event side_in, side_out, side_first
     cdef object marks  # the pair's timeline events (PYMPGU_XLA_TIMELINE=1), or None
-    cdef uint32_t pushes  # the pair's pushes queued (pmg_group.pushes points here)
 
     def __init__(self, int rank, int nranks, size_t nbytes, device=None, double timeout=60.0,
                  staging=None, bint shadow=False):
@@ -1099,7 +1087,6 @@ cdef class PeerGroup:
         g.side_in, g.side_out = self.side_in.handle, self.side_out.handle
         g.side_first = self.side_first.handle
         g.barrier_on_xla = _push_barrier_on_xla()
-        g.pushes = &self.pushes if _push_landed_by_flag() else NULL
         if self.marks is None and os.environ.get("PYMPGU_XLA_TIMELINE") == "1":
             self.marks = [Event(timing=True) for _ in range(PMG_MARKS)]
         if self.marks is not None:

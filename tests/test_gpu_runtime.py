@@ -96,17 +96,14 @@ def test_gpu_exchange_inside_xla(nranks, method, shadow, monkeypatch):
     assert all(r["closed_raises"] for r in results)
 
 
-@pytest.mark.parametrize("barrier, landed", [("side", "flag"), ("xla", "flag"),
-                                             ("side", "barrier")])
-def test_gpu_xla_timeline_and_barrier_stream(barrier, landed, monkeypatch):
+@pytest.mark.parametrize("barrier", ["side", "xla"])
+def test_gpu_xla_timeline_and_barrier_stream(barrier, monkeypatch):
     """The cut exchange with the barrier before its copies on either stream
-    (PYMPGU_PUSH_BARRIER), and its landing proved by flags or by a barrier kernel
-    (PYMPGU_PUSH_LANDED), checked bit for bit by xla_rounds, and the timeline of its last
+    (PYMPGU_PUSH_BARRIER), checked bit for bit by xla_rounds, and the timeline of its last
     cut round (PYMPGU_XLA_TIMELINE=1): every mark in the order its stream imposes."""
     needs_xla()
     from runtime_targets import xla_rounds
-    monkeypatch.setenv("PYMPGU_PUSH_BARRIER", barrier)  # the spawned workers read them all
-    monkeypatch.setenv("PYMPGU_PUSH_LANDED", landed)
+    monkeypatch.setenv("PYMPGU_PUSH_BARRIER", barrier)  # the spawned workers read both
     monkeypatch.setenv("PYMPGU_XLA_TIMELINE", "1")
     results = launch(xla_rounds, (10, "auto", 1 << 23, True), gpus=devices(2))
     assert len({r["digest"] for r in results}) == 1

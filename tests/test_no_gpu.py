@@ -311,22 +311,17 @@ def test_xla_average_results_cuts_the_step(monkeypatch):
         assert names.count("ffi_call") == 1 and "optimization_barrier" not in names, names
 
 
-@pytest.mark.parametrize("name, read, choices, default", [
-    ("PYMPGU_PUSH_BARRIER", "_push_barrier_on_xla", {"side": False, "xla": True}, False),
-    ("PYMPGU_PUSH_LANDED", "_push_landed_by_flag", {"flag": True, "barrier": False}, True)])
-def test_push_settings_are_checked(name, read, choices, default, monkeypatch):
+def test_push_barrier_setting_is_checked(monkeypatch):
     try:
         from pympgu import _cuda
     except ImportError:
         pytest.skip("pympgu was built without CUDA")
-    read = getattr(_cuda, read)
-    for value, expected in choices.items():
-        monkeypatch.setenv(name, value)
-        assert read() is expected
-    monkeypatch.delenv(name)
-    assert read() is default
-    monkeypatch.setenv(name, "gpu")
-    first, second = choices
-    with pytest.raises(ValueError, match=f"{name} must be '{first}' or '{second}', got 'gpu'"):
-        read()
+    for value, on_xla in (("side", False), ("xla", True)):
+        monkeypatch.setenv("PYMPGU_PUSH_BARRIER", value)
+        assert _cuda._push_barrier_on_xla() is on_xla
+    monkeypatch.delenv("PYMPGU_PUSH_BARRIER")
+    assert _cuda._push_barrier_on_xla() is False
+    monkeypatch.setenv("PYMPGU_PUSH_BARRIER", "gpu")
+    with pytest.raises(ValueError, match="PYMPGU_PUSH_BARRIER must be 'side' or 'xla', got 'gpu'"):
+        _cuda._push_barrier_on_xla()
     assert len(_cuda.XLA_MARKS) == _cuda.XLA_MARK_COUNT
