@@ -27,7 +27,7 @@ for step in $steps; do
     probe) timeout 120 python3 benchmarks/probe_dlpack.py 2>&1 | grep -v -i warn | tail -14 ;;
     # When each point of the XLA exchange happens (CUDA events), with the barrier before the
     # copies on either stream. TIMELINE="--gpus 0 1 --hidden 4096 4096" by default.
-    timeline) timeout 300 python3 benchmarks/probe_timeline.py ${TIMELINE:---gpus 0 1} 2>&1 | grep -v -i warn | tail -16 ;;
+    timeline) timeout 300 python3 benchmarks/probe_timeline.py ${TIMELINE:---gpus 0 1} 2>&1 | grep -v -i warn | tail -40 ;;
     nccl) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_exchange.py -k nccl 2>&1 | tail -3 ;;
     sanitize)
       for tool in memcheck racecheck; do

@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/probe_timeline.py --gpus 0 1 [--hidden 4096 4096]
                                                     [--barrier side xla]
+                                                    [--cycles mp.. m.p. ...] [--only-cycles]
 
 The GPU machine has no profiler, so the exchange marks its own points with CUDA events
 (PYMPGU_XLA_TIMELINE=1, PeerGroup.xla_timeline). Each rank builds the training loop's
@@ -31,10 +32,15 @@ and the plain step alone, back to back, for scale; then the plain step beside DM
 the whole buffer from the peers (no barrier, no kernel of pympgu's), and those copies alone:
 what the link's traffic alone costs XLA's compute. Last, each step back to back, and again
 with the exchange's operations replaced by a pass of XLA's own over the same arrays (not
-averaged): what the program's shape costs without the link; and --overlap --sync-every 4's
-four steps ('momentum', 'overlap', then two plain steps), both ways. It runs once per --barrier value
-(PYMPGU_PUSH_BARRIER: the first barrier on the side stream, or on XLA's). The distance from
-start to side_begin is what the copies wait before they can run.
+averaged): what the program's shape costs without the link; and sequences of steps
+(--cycles; by default --overlap --sync-every 4's four, 'mp..'), both ways. It runs once per
+--barrier value (PYMPGU_PUSH_BARRIER: the first barrier on the side stream, or on
+XLA's). The distance from start to side_begin is what the copies wait before they can run.
+
+Beside the cycles it prints each GPU's mean SM clock (pympgu.clocks) while they ran. After a
+few seconds of this probe the H200s spend most samples held below 1980 MHz for power, and
+the plain step, timed first, ran at 1980: a sum of rows timed at different clocks does not
+predict a cycle (docs/BENCHMARKS.md, session 13).
 """
 import os
 import time
@@ -52,12 +58,18 @@ STEPS = (("exact", False, "1", "params"), ("overlap", True, "1", "params"),
          ("state", True, "1", "state"))
 
 
-# --overlap --sync-every 4's four steps: the part each averages while it computes.
-CYCLE = ("momentum", "params", None, None)
-APART = ("momentum", None, "params", None)
+# Sequences of steps timed back to back as one call (--cycles), a letter a step: the part
+# it averages while it computes (m: momentum, p: parameters, s: the whole state), or '.' for
+# a plain step (not '-', which argparse would take for a flag). 'mp..' is --overlap
+# --sync-every 4 (pympgu.train.Sync); 'm.p.' has its two exchanges a step apart. Others
+# isolate what the cycle pays over its steps timed alone: '....' and 'pppp' go through
+# Replica.step as the cycle does; 'p.' and 'm.' change between an overlapped step and a
+# plain one, each way, once per exchange.
+PARTS = {"m": "momentum", "p": "params", "s": "state", ".": None}
+CYCLES = ("mp..", "m.p.")
 
 
-def worker(ctx, hidden, batch, steps, hlo_dir=None):
+def worker(ctx, hidden, batch, steps, hlo_dir=None, cycles=CYCLES, only_cycles=False):
     from pympgu.train import Replica, _setup_backend, make_exchanger
     _setup_backend(ctx, "jax")  # before PyTensor is imported
     import jax
@@ -65,12 +77,15 @@ def worker(ctx, hidden, batch, steps, hlo_dir=None):
     import numpy as np
 
     from pympgu import CudaError
+    from pympgu.clocks import Clocks
     cfg = replica_config(hidden, batch)
     rep = Replica(ctx, cfg)
     ex = make_exchanger(ctx, rep, cfg)
     try:
         group = ex.backend.group
         idx = jax.device_put(np.arange(batch, dtype=np.int32))
+
+        issued = {}  # the last back_to_back's host time and clock
 
         def back_to_back(step, beside=None):
             """ms a step, issued back to back after 5 to warm up; ``beside()`` is queued
@@ -79,14 +94,20 @@ def worker(ctx, hidden, batch, steps, hlo_dir=None):
                 step(idx)
             rep.wait()
             ctx.barrier()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                if beside is not None:
-                    beside()
-                step(idx)
-            rep.wait()
-            group.stream.synchronize()
-            return 1e3 * (time.perf_counter() - t0) / steps
+            with Clocks(ctx.device) as clocks:
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    if beside is not None:
+                        beside()
+                    step(idx)
+                # How long the host took to queue them: as long as the GPU only if the host
+                # paced it (JAX lets about 30 steps queue before it blocks).
+                issued["ms"] = 1e3 * (time.perf_counter() - t0) / steps
+                rep.wait()
+                group.stream.synchronize()
+                ms = 1e3 * (time.perf_counter() - t0) / steps
+            issued["mhz"], issued["capped"] = clocks.mhz, clocks.capped
+            return ms
 
         def dump(name, step):
             # The program XLA runs, to see how it fused the step (--hlo; rank 0's).
@@ -97,6 +118,7 @@ def worker(ctx, hidden, batch, steps, hlo_dir=None):
         plain = rep.jax_step()
         dump("plain", plain)
         out = {"plain_ms": back_to_back(plain)}
+        out["plain_clock"] = issued["mhz"], issued["capped"]
         # The same steps while every rank's copy engines pull the peers' whole buffers into
         # its shadow, with no barrier and no kernel of pympgu's on the GPU: what DMA traffic
         # alone costs XLA's compute. Then the copies alone.
@@ -121,24 +143,34 @@ def worker(ctx, hidden, batch, steps, hlo_dir=None):
             rep._steps.clear()
             return rep.jax_step(ex, part, overlap)
 
-        def cycle(parts=CYCLE):
-            # --overlap --sync-every 4's steps (pympgu.train.Sync): the due step averages the
-            # momentum while it computes, the next the parameters, then two plain steps.
-            # Timed as one call, ms a step. rep.step builds the steps anew, with the
-            # correction in XLA's update.
+        def cycle(letters):
+            # A sequence of CYCLES, timed as one call, ms a step. rep.step builds the steps
+            # anew, with the correction in XLA's update.
             os.environ["PYMPGU_FUSED_CORRECTION"] = "1"
             rep._steps.clear()
+            parts = [PARTS[c] for c in letters]
 
             def run(idx):
                 for part in parts:
                     rep.step(idx, *((ex, part, True) if part else ()))
             return run
 
-        out["cycle_ms"] = back_to_back(cycle()) / 4
-        # The same two exchanges a step apart: whether the second one pays for following
-        # the first.
-        out["apart_ms"] = back_to_back(cycle(APART)) / 4
-        for name, *how in STEPS:
+        for letters in cycles:
+            run = cycle(letters)
+            out["cycle " + letters] = back_to_back(run) / len(letters)
+            out["host " + letters] = issued["ms"] / len(letters)
+            out["clock " + letters] = issued["mhz"], issued["capped"]
+            if letters[-1] != ".":
+                # The marks of the cycle's last exchange, in its context. The host waits for
+                # each cycle to read them, so each rank starts the next cycle when its host
+                # issues it: the ranks' skew shows in side_begin, as in the rows above.
+                seen = []
+                for _ in range(steps):
+                    run(idx)
+                    seen.append(group.xla_timeline())
+                out["marks " + letters] = {k: float(np.median([s[k] for s in seen]))
+                                           for k in seen[0]}
+        for name, *how in () if only_cycles else STEPS:
             step = build(*how)
             dump(name, step)
             for _ in range(5):
@@ -168,15 +200,20 @@ def worker(ctx, hidden, batch, steps, hlo_dir=None):
             (f if fresh is not None else a) + 0 * a
             for f, a in zip(fresh if fresh is not None else arrays, arrays)]
         xla._wait = lambda token, after, attrs, k: after[k]
-        for name, *how in STEPS:
+        for name, *how in () if only_cycles else STEPS:
             step = build(*how)
             dump(name + "_dry", step)
             out[name + "_dry_ms"] = back_to_back(step)
-        out["cycle_dry_ms"] = back_to_back(cycle()) / 4
-        out["apart_dry_ms"] = back_to_back(cycle(APART)) / 4
+        for letters in cycles:
+            out["dry cycle " + letters] = back_to_back(cycle(letters)) / len(letters)
         return out
     finally:
         ex.close()
+
+
+def _clock(sample):
+    mhz, capped = sample
+    return "n/a" if mhz is None else f"{mhz:.0f} ({capped:.0%})"
 
 
 def main():
@@ -185,9 +222,18 @@ def main():
     p.add_argument("--barrier", nargs="+", choices=["side", "xla"], default=["side"],
                    help="where the barrier before the copies runs (PYMPGU_PUSH_BARRIER); "
                         "one run per value")
+    p.add_argument("--cycles", nargs="+", default=list(CYCLES), metavar="LETTERS",
+                   help="sequences of steps to time back to back, a letter a step: m, p or s "
+                        "(an overlapped step averaging the momentum, the parameters or the "
+                        "whole state) or . (a plain step); default: %(default)s")
+    p.add_argument("--only-cycles", action="store_true",
+                   help="time the plain step and the cycles only, not each step's timeline")
     p.add_argument("--hlo", metavar="DIR",
                    help="also write each step's compiled XLA program (rank 0's) into DIR")
     a = p.parse_args()
+    bad = [c for c in a.cycles if not c or set(c) - set(PARTS)]
+    if bad:
+        p.error(f"--cycles: {bad[0]!r} is not a sequence of the letters {''.join(PARTS)}")
     if len(a.gpus) < 2:
         p.error("--gpus needs at least two GPUs (or the same GPU twice): there is no "
                 "exchange to time on one")
@@ -196,11 +242,13 @@ def main():
     os.environ["PYMPGU_XLA_TIMELINE"] = "1"  # the spawned workers inherit it
     for where in a.barrier:
         os.environ["PYMPGU_PUSH_BARRIER"] = where
-        results = launch(worker, (a.hidden, a.batch_size, a.steps, a.hlo), gpus=a.gpus)
-        print(f"first barrier on the {where} stream; ms after the start (median of {a.steps}):")
+        results = launch(worker, (a.hidden, a.batch_size, a.steps, a.hlo, a.cycles,
+                                  a.only_cycles), gpus=a.gpus)
+        print(f"first barrier on the {where} stream; ms after the start (median of "
+              f"{a.steps}):")
         print(f"{'rank':>4} {'step':>8} " + " ".join(f"{m:>12}" for m in XLA_MARKS[1:]))
         for rank, r in enumerate(results):
-            for name, *_ in STEPS:
+            for name, *_ in () if a.only_cycles else STEPS:
                 if r[name] is None:
                     print(f"{rank:>4} {name:>8} not through the start/done pair (an exchange "
                           "under PYMPGU_SPLIT_MIN_BYTES)")
@@ -210,14 +258,21 @@ def main():
             print(f"{rank:>4} {'plain':>8} {r['plain_ms']:>11.3f} ms a step, back to back; "
                   f"{r['dma_plain_ms']:.3f} beside a {r['dma_mb']:.1f} MB DMA pull from the "
                   f"peers, which alone takes {r['dma_ms']:.3f}")
-            print(f"{rank:>4} {'':>8} back to back, ms a step (with XLA passes in place of "
-                  "the exchange): " + ", ".join(
-                      f"{name} {r.get(name + '_ms', float('nan')):.3f} "
-                      f"({r[name + '_dry_ms']:.3f})" for name, *_ in STEPS))
-            print(f"{rank:>4} {'':>8} --overlap --sync-every 4, back to back: "
-                  f"{r['cycle_ms']:.3f} ms a step ({r['cycle_dry_ms']:.3f}); with the "
-                  f"parameters a step later: {r['apart_ms']:.3f} ({r['apart_dry_ms']:.3f})")
-
+            if not a.only_cycles:
+                print(f"{rank:>4} {'':>8} back to back, ms a step (with XLA passes in place of "
+                      "the exchange): " + ", ".join(
+                          f"{name} {r.get(name + '_ms', float('nan')):.3f} "
+                          f"({r[name + '_dry_ms']:.3f})" for name, *_ in STEPS))
+            print(f"{rank:>4} {'':>8} cycles back to back, ms a step (dry; the host's): " +
+                  ", ".join(f"{c} {r['cycle ' + c]:.3f} ({r['dry cycle ' + c]:.3f}; "
+                            f"{r['host ' + c]:.3f})" for c in a.cycles))
+            print(f"{rank:>4} {'':>8} mean SM clock, MHz (share of samples held down for "
+                  f"power or heat): plain {_clock(r['plain_clock'])}, " +
+                  ", ".join(f"{c} {_clock(r['clock ' + c])}" for c in a.cycles))
+            for c in a.cycles:
+                if "marks " + c in r:
+                    print(f"{rank:>4} {c:>8} " +
+                          " ".join(f"{r['marks ' + c][m]:>12.3f}" for m in XLA_MARKS[1:]))
 
 if __name__ == "__main__":
     main()

@@ -23,7 +23,10 @@ Scaling efficiency is N-GPU samples/s over N times the same system's 1-GPU sampl
 pympgu it also prints what the exchange adds per step (ms/step over the 1-GPU row's: the
 host queues exchanges without waiting, so only the step time shows their cost), beside the
 bare kernel's device time for the same bytes. Minibatches are random indices into the dataset
-(the embedded MNIST test set unless --data-dir): speed does not depend on the labels.
+(the embedded MNIST test set unless --data-dir): speed does not depend on the labels. Each
+pympgu row also shows the SM clock it ran at (pympgu.clocks; the slowest rank's mean, and
+the largest share of samples the driver held down for power or heat): a step is a few
+percent slower on a GPU held below its top clock.
 """
 import argparse
 import functools
@@ -66,6 +69,7 @@ def pympgu_worker(ctx, cfg, steps, warmup, plain_jax):
     """One rank: time `steps` training steps with exchanges, as the training loop runs them."""
     import numpy as np
 
+    from .clocks import Clocks
     from .train import Replica, Sync, _setup_backend, make_exchanger
     _setup_backend(ctx, "jax")
     rep = Replica(ctx, cfg)
@@ -88,20 +92,22 @@ def pympgu_worker(ctx, cfg, steps, warmup, plain_jax):
         if ctx.nranks > 1:
             ctx.barrier()
         sync.seconds = loop_s = 0.0
-        t0 = time.perf_counter()
-        for i, idx in enumerate(batches[warmup:]):
-            t1 = time.perf_counter()
-            sync.step(idx, i, last=i == steps - 1)
-            loop_s += time.perf_counter() - t1
-        sync.drain()
-        rep.wait()
-        wall = time.perf_counter() - t0
+        with Clocks(ctx.device if not ctx.is_cpu else None) as clocks:
+            t0 = time.perf_counter()
+            for i, idx in enumerate(batches[warmup:]):
+                t1 = time.perf_counter()
+                sync.step(idx, i, last=i == steps - 1)
+                loop_s += time.perf_counter() - t1
+            sync.drain()
+            rep.wait()
+            wall = time.perf_counter() - t0
         # Host time per step: in the training call (with a fused exchange, that too), and in
         # exchanges queued on their own.
         out = {"samples_per_s": ctx.nranks * cfg["batch_size"] * steps / wall,
                "ms_per_step": 1e3 * wall / steps, "fused": sync.fused,
                "sync_host_ms_per_step": 1e3 * sync.seconds / steps,
-               "step_host_ms_per_step": 1e3 * (loop_s - sync.seconds) / steps}
+               "step_host_ms_per_step": 1e3 * (loop_s - sync.seconds) / steps,
+               "sm_mhz": clocks.mhz, "clock_capped": clocks.capped}
         if ex is not None:
             # Elements a regular exchange moves: half the state (the parameters or the
             # momentum) or all of it.
@@ -392,7 +398,10 @@ def run_pympgu(devices, cfg, steps, warmup, plain_jax=False):
     args = (cfg, steps, warmup, plain_jax)
     if devices[0] is None:
         return launch(pympgu_worker, args, cpu=len(devices))[0]
-    return launch(pympgu_worker, args, gpus=devices)[0]
+    results = launch(pympgu_worker, args, gpus=devices)
+    # Every rank's clock: the slowest GPU paces a run whose ranks wait for one another.
+    return dict(results[0], sm_mhz=[r["sm_mhz"] for r in results],
+                clock_capped=[r["clock_capped"] for r in results])
 
 
 def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print,
@@ -446,10 +455,19 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
     return rows
 
 
+def _clock(row):
+    """The slowest rank's mean SM clock and the largest share of samples held down, as
+    'MHz (share)'; '-' where unknown (CPU workers, DDP rows, no NVML)."""
+    mhz = [m for m in row.get("sm_mhz") or [] if m is not None]
+    if not mhz:
+        return "-"
+    return f"{min(mhz):.0f} ({max(c for c in row['clock_capped'] if c is not None):.0%})"
+
+
 def table(rows):
     head = (f"{'model':<5} {'system':<9} {'GPUs':<10} {'variant':<10} {'batch/GPU':>9} "
             f"{'samples/s':>12} {'ms/step':>8} {'scaling':>8} {'added ms':>9} "
-            f"{'kernel ms':>10} {'wire MB':>8}")
+            f"{'kernel ms':>10} {'wire MB':>8} {'SM MHz':>12}")
     lines = [head, "-" * len(head)]
     for r in rows:
         def opt(key, fmt):
@@ -459,7 +477,8 @@ def table(rows):
                      f"{r['variant']:<10} {r['batch']:>9} {r['samples_per_s']:12.0f} "
                      f"{r['ms_per_step']:8.3f} {opt('scaling', '8.2f'):>8} "
                      f"{opt('added_ms_per_step', '9.3f'):>9} {opt('bare_kernel_ms', '10.3f'):>10} "
-                     f"{(format(r['wire_bytes'] / 1e6, '8.1f') if 'wire_bytes' in r else '-'):>8}")
+                     f"{(format(r['wire_bytes'] / 1e6, '8.1f') if 'wire_bytes' in r else '-'):>8}"
+                     f" {_clock(r):>12}")
     for r in rows:
         if "plain_jax_ms" in r:
             lines.append(f"{r['model']}: PyTensor-compiled step {r['pytensor_ms']:.3f} ms through "

@@ -64,3 +64,61 @@ def test_ddp_run_that_fails_raises_at_once_naming_its_rank():
         run_ddp([0, 1], MODELS["seed"], 784, 10, steps=1, warmup=1, timeout=60)
     assert time.monotonic() - t0 < 50
     assert not mp.active_children()
+
+
+def test_train_bench_table_shows_the_slowest_ranks_clock():
+    from pympgu.bench_train import table
+    row = dict(model="wide", system="pympgu", gpus=[0, 1], variant="overlap4", batch=1024,
+               samples_per_s=3.3e6, ms_per_step=0.619, sm_mhz=[1951.4, 1922.6],
+               clock_capped=[0.5, 0.875])
+    line = table([row]).splitlines()[2]
+    assert line.endswith("1923 (88%)"), line
+    # CPU workers, DDP rows and machines without NVML have no clock.
+    for unknown in (dict(row, sm_mhz=[None, None], clock_capped=[None, None]),
+                    {k: v for k, v in row.items() if k not in ("sm_mhz", "clock_capped")}):
+        assert table([unknown]).splitlines()[2].endswith(" -")
+
+
+def test_clocks_averages_nvml_samples_and_counts_the_capped_ones(monkeypatch):
+    import ctypes
+    import time
+
+    from pympgu.clocks import Clocks
+
+    class FakeNvml:
+        """Returns 1980 MHz, then 1900 MHz held down by the power cap, in turn."""
+        calls = 0
+
+        def nvmlInit_v2(self):
+            return 0
+
+        def nvmlShutdown(self):
+            return 0
+
+        def nvmlDeviceGetHandleByIndex_v2(self, index, handle):
+            return 0 if index == 1 else 2  # NVML_ERROR_INVALID_ARGUMENT
+
+        def nvmlDeviceGetClockInfo(self, handle, which, mhz):
+            assert which == Clocks.SM
+            FakeNvml.calls += 1
+            ctypes.cast(mhz, ctypes.POINTER(ctypes.c_uint))[0] = 1980 if self.calls % 2 else 1900
+            return 0
+
+        def nvmlDeviceGetCurrentClocksEventReasons(self, handle, reasons):
+            ctypes.cast(reasons, ctypes.POINTER(ctypes.c_ulonglong))[0] = \
+                0 if self.calls % 2 else 0x4  # SwPowerCap with the low clock
+            return 0
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: FakeNvml())
+    with Clocks(1, period=0.001) as c:
+        while FakeNvml.calls < 10:
+            time.sleep(0.001)
+    n = len(c.samples)
+    assert n >= 10 and c.mhz == (1980 * ((n + 1) // 2) + 1900 * (n // 2)) / n
+    assert c.capped == (n // 2) / n
+    with Clocks(0) as c:  # NVML has no such GPU
+        pass
+    assert (c.mhz, c.capped) == (None, None)
+    with Clocks(None) as c:  # a CPU worker
+        pass
+    assert (c.mhz, c.capped) == (None, None)
