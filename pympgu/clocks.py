@@ -24,7 +24,9 @@ class Clocks:
     CAPS = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
     SM = 1  # nvmlClockType_t NVML_CLOCK_SM
 
-    def __init__(self, index, period=0.002):
+    # Every 10 ms: enough samples in a 0.2 s benchmark row, and the sampling thread takes
+    # the GIL rarely enough not to slow a host-bound step's dispatch.
+    def __init__(self, index, period=0.01):
         import ctypes
         self.period, self.mhz, self.capped, self.nvml = period, None, None, None
         if index is None:  # a CPU worker
@@ -39,6 +41,11 @@ class Clocks:
         if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(self.handle)):
             nvml.nvmlShutdown()
             return
+        # Drivers before 535 know the reasons by their older name only.
+        try:
+            self.reasons = nvml.nvmlDeviceGetCurrentClocksEventReasons
+        except AttributeError:
+            self.reasons = nvml.nvmlDeviceGetCurrentClocksThrottleReasons
         self.nvml = nvml
 
     def __enter__(self):
@@ -54,8 +61,7 @@ class Clocks:
         mhz, reasons = ctypes.c_uint(), ctypes.c_ulonglong()
         while not self.stop.wait(self.period):
             if not (self.nvml.nvmlDeviceGetClockInfo(self.handle, self.SM, ctypes.byref(mhz)) or
-                    self.nvml.nvmlDeviceGetCurrentClocksEventReasons(self.handle,
-                                                                     ctypes.byref(reasons))):
+                    self.reasons(self.handle, ctypes.byref(reasons))):
                 self.samples.append((mhz.value, bool(reasons.value & self.CAPS)))
 
     def __exit__(self, *exc):

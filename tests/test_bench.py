@@ -111,7 +111,8 @@ def test_clocks_averages_nvml_samples_and_counts_the_capped_ones(monkeypatch):
 
     monkeypatch.setattr(ctypes, "CDLL", lambda name: FakeNvml())
     with Clocks(1, period=0.001) as c:
-        while FakeNvml.calls < 10:
+        deadline = time.monotonic() + 10  # a sampler that died must fail the test, not hang it
+        while FakeNvml.calls < 10 and time.monotonic() < deadline:
             time.sleep(0.001)
     n = len(c.samples)
     assert n >= 10 and c.mhz == (1980 * ((n + 1) // 2) + 1900 * (n // 2)) / n
