@@ -25,8 +25,8 @@ host queues exchanges without waiting, so only the step time shows their cost), 
 bare kernel's device time for the same bytes. Minibatches are random indices into the dataset
 (the embedded MNIST test set unless --data-dir): speed does not depend on the labels. Each
 pympgu row also shows the SM clock it ran at (pympgu.clocks; the slowest rank's mean, and
-the largest share of samples the driver held down for power or heat): a step is a few
-percent slower on a GPU held below its top clock.
+the largest share of samples the driver held down for power or heat): a step is slower on
+a GPU held below its top clock.
 """
 import argparse
 import functools
