@@ -37,7 +37,9 @@ averaged): what the program's shape costs without the link; and sequences of ste
 --barrier value (PYMPGU_PUSH_BARRIER: the first barrier on the side stream, or on
 XLA's). The distance from start to side_begin is what the copies wait before they can run.
 
-Beside the cycles it prints each GPU's mean SM clock (pympgu.clocks) while they ran. After a
+For each cycle with an exchange it also prints the marks of its last exchange, the median
+over bursts of cycles queued back to back (not yet run on a GPU). Beside the cycles it
+prints each GPU's mean SM clock (pympgu.clocks) while they ran. After a
 few seconds of this probe the H200s spend most samples held below 1980 MHz for power, and
 the plain step, timed first, ran at 1980: a sum of rows timed at different clocks does not
 predict a cycle (docs/BENCHMARKS.md, session 13).
@@ -67,6 +69,8 @@ STEPS = (("exact", False, "1", "params"), ("overlap", True, "1", "params"),
 # plain one, each way, once per exchange.
 PARTS = {"m": "momentum", "p": "params", "s": "state", ".": None}
 CYCLES = ("mp..", "m.p.")
+# Each cycle's marks: the median of BURSTS bursts of BURST cycles queued back to back.
+BURSTS, BURST = 9, 30
 
 
 def worker(ctx, hidden, batch, steps, hlo_dir=None, cycles=CYCLES, only_cycles=False):
@@ -160,13 +164,15 @@ def worker(ctx, hidden, batch, steps, hlo_dir=None, cycles=CYCLES, only_cycles=F
             out["cycle " + letters] = back_to_back(run) / len(letters)
             out["host " + letters] = issued["ms"] / len(letters)
             out["clock " + letters] = issued["mhz"], issued["capped"]
-            if letters[-1] != ".":
-                # The marks of the cycle's last exchange, in its context. The host waits for
-                # each cycle to read them, so each rank starts the next cycle when its host
-                # issues it: the ranks' skew shows in side_begin, as in the rows above.
+            if set(letters) != {"."}:
+                # The marks of the last exchange of BURST cycles queued back to back: the
+                # ranks as the cycle leaves them, not as their hosts start them (session 13
+                # read them after every cycle, and saw the hosts' skew). The early rank's
+                # first barrier waits for the late one: their skew is its side_begin.
                 seen = []
-                for _ in range(steps):
-                    run(idx)
+                for _ in range(BURSTS):
+                    for _ in range(BURST):
+                        run(idx)
                     seen.append(group.xla_timeline())
                 out["marks " + letters] = {k: float(np.median([s[k] for s in seen]))
                                            for k in seen[0]}
@@ -273,6 +279,7 @@ def main():
                 if "marks " + c in r:
                     print(f"{rank:>4} {c:>8} " +
                           " ".join(f"{r['marks ' + c][m]:>12.3f}" for m in XLA_MARKS[1:]))
+
 
 if __name__ == "__main__":
     main()
