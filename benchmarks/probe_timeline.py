@@ -218,11 +218,6 @@ def worker(ctx, hidden, batch, steps, hlo_dir=None, cycles=CYCLES, only_cycles=F
         ex.close()
 
 
-def _clock(sample):
-    mhz, capped = sample
-    return "n/a" if mhz is None else f"{mhz:.0f} ({capped:.0%})"
-
-
 def main():
     p = parser(__doc__)
     p.add_argument("--steps", type=int, default=30)
@@ -245,7 +240,12 @@ def main():
         p.error("--gpus needs at least two GPUs (or the same GPU twice): there is no "
                 "exchange to time on one")
     from pympgu._cuda import XLA_MARKS
+    from pympgu.clocks import describe
     from pympgu.launch import launch
+
+    def _clock(sample):  # one GPU's (mhz, capped)
+        return describe([sample[0]], [sample[1]])
+
     os.environ["PYMPGU_XLA_TIMELINE"] = "1"  # the spawned workers inherit it
     for where in a.barrier:
         os.environ["PYMPGU_PUSH_BARRIER"] = where

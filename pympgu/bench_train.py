@@ -393,12 +393,13 @@ def run_ddp(devices, cfg, n_in, n_out, steps, warmup, graph=False, timeout=DDP_T
 # ---------------------------------------------------------------- driver
 
 def run_pympgu(devices, cfg, steps, warmup, plain_jax=False):
-    """pympgu on devices (None entries: CPU workers); rank 0's timings."""
+    """pympgu on devices (None entries: CPU workers); rank 0's timings, every rank's clock."""
     from .launch import launch
     args = (cfg, steps, warmup, plain_jax)
     if devices[0] is None:
-        return launch(pympgu_worker, args, cpu=len(devices))[0]
-    results = launch(pympgu_worker, args, gpus=devices)
+        results = launch(pympgu_worker, args, cpu=len(devices))
+    else:
+        results = launch(pympgu_worker, args, gpus=devices)
     # Every rank's clock: the slowest GPU paces a run whose ranks wait for one another.
     return dict(results[0], sm_mhz=[r["sm_mhz"] for r in results],
                 clock_capped=[r["clock_capped"] for r in results])
@@ -455,16 +456,8 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
     return rows
 
 
-def _clock(row):
-    """The slowest rank's mean SM clock and the largest share of samples held down, as
-    'MHz (share)'; '-' where unknown (CPU workers, DDP rows, no NVML)."""
-    mhz = [m for m in row.get("sm_mhz") or [] if m is not None]
-    if not mhz:
-        return "-"
-    return f"{min(mhz):.0f} ({max(c for c in row['clock_capped'] if c is not None):.0%})"
-
-
 def table(rows):
+    from .clocks import describe
     head = (f"{'model':<5} {'system':<9} {'GPUs':<10} {'variant':<10} {'batch/GPU':>9} "
             f"{'samples/s':>12} {'ms/step':>8} {'scaling':>8} {'added ms':>9} "
             f"{'kernel ms':>10} {'wire MB':>8} {'SM MHz':>12}")
@@ -478,7 +471,7 @@ def table(rows):
                      f"{r['ms_per_step']:8.3f} {opt('scaling', '8.2f'):>8} "
                      f"{opt('added_ms_per_step', '9.3f'):>9} {opt('bare_kernel_ms', '10.3f'):>10} "
                      f"{(format(r['wire_bytes'] / 1e6, '8.1f') if 'wire_bytes' in r else '-'):>8}"
-                     f" {_clock(r):>12}")
+                     f" {describe(r.get('sm_mhz', []), r.get('clock_capped', [])):>12}")
     for r in rows:
         if "plain_jax_ms" in r:
             lines.append(f"{r['model']}: PyTensor-compiled step {r['pytensor_ms']:.3f} ms through "

@@ -1,7 +1,7 @@
 """The GPU's SM clock while a benchmark runs, and whether the driver held it down.
 
-The benchmarks print it beside their timings: pympgu.bench_train per row, and
-benchmarks/probe_timeline.py per sequence of steps.
+The benchmarks print it beside their timings (``describe``): pympgu.bench_train per row,
+and benchmarks/probe_timeline.py per sequence of steps.
 """
 
 
@@ -74,3 +74,14 @@ class Clocks:
         if self.samples:
             self.mhz = sum(m for m, _ in self.samples) / len(self.samples)
             self.capped = sum(c for _, c in self.samples) / len(self.samples)
+
+
+def describe(mhz, capped):
+    """Several GPUs' samplings (lists of ``Clocks.mhz`` and ``Clocks.capped``) as one
+    'MHz (share)': the slowest GPU's mean clock, and the largest share held down, for a
+    run whose ranks wait for one another. '-' where none was sampled (CPU workers, DDP
+    rows, no NVML)."""
+    mhz = [m for m in mhz if m is not None]
+    if not mhz:
+        return "-"
+    return f"{min(mhz):.0f} ({max(c for c in capped if c is not None):.0%})"
