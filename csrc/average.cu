@@ -7,7 +7,7 @@
 
 #include "pympgu.h"
 
-static_assert(sizeof(pmg_signal) == PMG_MAX_BLOCKS * PMG_MAX_RANKS * 4 + PMG_MAX_BLOCKS * 4,
+static_assert(sizeof(pmg_signal) == PMG_MAX_BLOCKS * PMG_MAX_RANKS * 4 + PMG_MAX_BLOCKS * 4 + 16,
               "pmg_signal is shared between processes: its layout is part of the ABI");
 static_assert(sizeof(pmg_peers) == 128, "pmg_peers is a kernel parameter: keep it small");
 static_assert(sizeof(pmg_tensor) == 80, "pmg_tensor is uploaded as raw bytes from Python");
@@ -302,6 +302,124 @@ __global__ void barrier_kernel(pmg_peers p, int rank, int nranks, uint64_t timeo
   block_barrier(p, rank, nranks, timeout_ns);
 }
 
+// LL: every rank stores each 8 bytes of its values into every peer's mailbox as one 16-byte
+// line {d0, seq, d1, seq}, and each 8-byte half lands whole (NCCL's LL protocol relies on
+// the same), so a reader that sees the call's sequence number in both halves has the values
+// beside them. No barrier is needed. Peers never read this rank's data, only its mailboxes,
+// so it may write its mean as soon as it has read them. Two slots, by the sequence number's
+// parity, keep one call's mailboxes clear of the next's: rank r stores call k + 2 into slot
+// k % 2 only after finishing call k + 1, which took every peer's call k + 1 values, and a
+// peer sends those only once its call k (its reads of that slot) is over. A line still
+// holding an older call's values holds another number, unless it went unwritten for a
+// multiple of 2^32 calls (the number is 32 bits, as each half's atomicity allows), which no
+// training loop's steady sizes come near. One sequence number serves every
+// block of a call, whatever its grid: per-block numbers would let a line that changed blocks
+// between calls meet an old value with the number it waits for.
+constexpr size_t kLLLines = PMG_LL_MAX_BYTES / 8;  // per mailbox: 8 data bytes a line
+
+__device__ __forceinline__ uint4 *ll_line(const pmg_peers &p, int owner, int nranks, int slot,
+                                          int sender, size_t c) {
+  uint4 *box = reinterpret_cast<uint4 *>(reinterpret_cast<char *>(p.signal[owner]) +
+                                         sizeof(pmg_signal));
+  return box + (size_t(slot) * nranks + sender) * kLLLines + c;
+}
+
+__device__ __forceinline__ void ll_store(uint4 *line, uint2 v, uint32_t seq) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(line), "r"(v.x),
+               "r"(seq), "r"(v.y), "r"(seq)
+               : "memory");
+}
+
+// Spins on a line of this rank's own mailbox until both halves carry seq; traps after
+// timeout_ns (the sender never came), as block_barrier does.
+__device__ __forceinline__ uint2 ll_load(const uint4 *line, uint32_t seq, uint64_t timeout_ns) {
+  uint32_t d0, s0, d1, s1;
+  uint64_t start = 0;
+  while (true) {
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(d0), "=r"(s0), "=r"(d1), "=r"(s1)
+                 : "l"(line)
+                 : "memory");
+    if (s0 == seq && s1 == seq) return make_uint2(d0, d1);
+    const uint64_t now = globaltimer();
+    if (start == 0) {
+      start = now;
+    } else if (now - start > timeout_ns) {
+      __trap();
+    }
+  }
+}
+
+// Chunk c (8 bytes) of a replica of n elements; past n it reads and writes nothing.
+template <typename T>
+__device__ __forceinline__ uint2 load_chunk(const T *x, size_t c, size_t n) {
+  constexpr int E = 8 / sizeof(T);
+  if ((c + 1) * E <= n) return reinterpret_cast<const uint2 *>(x)[c];
+  uint2 v = make_uint2(0, 0);
+  T *e = reinterpret_cast<T *>(&v);
+  for (int i = 0; i < E && c * E + i < n; ++i) e[i] = x[c * E + i];
+  return v;
+}
+
+template <typename T>
+__device__ __forceinline__ void store_chunk(T *x, size_t c, size_t n, uint2 v) {
+  constexpr int E = 8 / sizeof(T);
+  if ((c + 1) * E <= n) {
+    reinterpret_cast<uint2 *>(x)[c] = v;
+    return;
+  }
+  const T *e = reinterpret_cast<const T *>(&v);
+  for (int i = 0; i < E && c * E + i < n; ++i) x[c * E + i] = e[i];
+}
+
+template <typename T, int R>
+__global__ void __launch_bounds__(kThreads)
+    ll_kernel(pmg_peers p, int rank, size_t n, uint64_t timeout_ns) {
+  constexpr int E = 8 / sizeof(T);
+  pmg_signal *self = p.signal[rank];
+  // Every block reads the number before any block can move it on (below).
+  const uint32_t seq = *reinterpret_cast<volatile uint32_t *>(&self->ll_seq) + 1;
+  const int slot = seq & 1;
+  const size_t chunks = (n + E - 1) / E;
+  const size_t first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const size_t stride = size_t(gridDim.x) * blockDim.x;
+  T *own = static_cast<T *>(p.data[rank]);
+  for (size_t c = first; c < chunks; c += stride) {
+    const uint2 v = load_chunk(own, c, n);
+#pragma unroll
+    for (int j = 1; j < R; ++j) {
+      const int to = (rank + j) % R;  // rotated, so that ranks do not all store to rank 0 first
+      ll_store(ll_line(p, to, R, slot, rank, c), v, seq);
+    }
+  }
+  for (size_t c = first; c < chunks; c += stride) {
+    float acc[E];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const uint2 v = r == rank ? load_chunk(own, c, n)
+                                : ll_load(ll_line(p, rank, R, slot, r, c), seq, timeout_ns);
+      const T *e = reinterpret_cast<const T *>(&v);
+#pragma unroll
+      for (int i = 0; i < E; ++i) acc[i] = r == 0 ? Elem<T>::load(e[i]) : acc[i] + Elem<T>::load(e[i]);
+    }
+    uint2 out;
+    T *e = reinterpret_cast<T *>(&out);
+#pragma unroll
+    for (int i = 0; i < E; ++i) e[i] = Elem<T>::store(__fdiv_rn(acc[i], float(R)));
+    store_chunk(own, c, n, out);
+  }
+  // The block that finishes last moves the number on: by then every block has read it, and
+  // the next call, queued behind this kernel, reads the new one.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(&self->ll_arrived, 1u) == gridDim.x - 1) {
+      self->ll_arrived = 0;
+      self->ll_seq = seq;
+    }
+  }
+}
+
 // Local averaging of replicas this process addresses directly. An output that aliases an
 // input is fine: each element is read and written by the same thread.
 template <typename T>
@@ -537,7 +655,10 @@ template <typename T, int R>
 void launch_allreduce(const pmg_peers &p, size_t stage_offset, int rank, size_t n, int algo,
                       int max_blocks, uint64_t timeout_ns, cudaStream_t stream) {
   const size_t nvec = n / kPerVec<T>;
-  if (algo == PMG_ALGO_ONESHOT) {
+  if (algo == PMG_ALGO_LL) {
+    unsigned blocks = grid_for((n * sizeof(T) + 7) / 8, kThreads, max_blocks);
+    ll_kernel<T, R><<<blocks, kThreads, 0, stream>>>(p, rank, n, timeout_ns);
+  } else if (algo == PMG_ALGO_ONESHOT) {
     unsigned blocks = grid_for(nvec, size_t(kThreads) * kOneShotVecs, max_blocks);
     oneshot_kernel<T, R><<<blocks, kThreads, 0, stream>>>(p, rank, n, timeout_ns);
   } else if (algo == PMG_ALGO_PUSH) {
@@ -687,12 +808,17 @@ int pmg_accumulate(float *ref, const void *avg, size_t n, int wire_dtype, cudaSt
   return launched();
 }
 
+size_t pmg_ll_bytes(int nranks) { return size_t(2) * nranks * kLLLines * sizeof(uint4); }
+
 int pmg_allreduce_average(const pmg_peers *peers, size_t stage_offset, int rank, int nranks,
                           size_t n, int dtype, int algo, int max_blocks, uint64_t timeout_ns,
                           cudaStream_t stream) {
   if (int err = check_ranks(rank, nranks)) return err;
   if (int err = check_peers(peers, nranks)) return err;
-  if (algo != PMG_ALGO_ONESHOT && algo != PMG_ALGO_TWOSHOT && algo != PMG_ALGO_PUSH)
+  if (algo != PMG_ALGO_ONESHOT && algo != PMG_ALGO_TWOSHOT && algo != PMG_ALGO_PUSH &&
+      algo != PMG_ALGO_LL)
+    return PMG_ERR_INVALID_ARGUMENT;
+  if (algo == PMG_ALGO_LL && n * pmg_dtype_size(dtype) > PMG_LL_MAX_BYTES)
     return PMG_ERR_INVALID_ARGUMENT;
   if (algo == PMG_ALGO_PUSH && (stage_offset & 15)) return PMG_ERR_MISALIGNED;
   if (max_blocks < 1 || max_blocks > PMG_MAX_BLOCKS) return PMG_ERR_INVALID_ARGUMENT;

@@ -26,7 +26,8 @@ extern "C" {
 
 enum pmg_dtype { PMG_FLOAT32 = 0, PMG_FLOAT16 = 1, PMG_BFLOAT16 = 2 };
 
-/* The all-reduce algorithms. pmg_allreduce_average runs the first three; PMG_ALGO_CE names
+/* The all-reduce algorithms. pmg_allreduce_average runs ONESHOT, TWOSHOT, PUSH and LL;
+ * PMG_ALGO_CE names
  * pmg_ce_allreduce_average where one code must say which (the XLA operation's attribute).
  * PMG_ALGO_GATHER exists only in the XLA start/done pair (csrc/xla_ffi.cc): every rank's
  * arrays reach every other rank's shadow by DMA beside XLA's work, and pmg_mean_list
@@ -36,8 +37,19 @@ enum pmg_algo {
   PMG_ALGO_TWOSHOT = 1,
   PMG_ALGO_PUSH = 2,
   PMG_ALGO_CE = 3,
-  PMG_ALGO_GATHER = 4
+  PMG_ALGO_GATHER = 4,
+  /* For small buffers, whose exchange costs round trips rather than bytes (after NCCL's
+   * protocol of that name): every rank stores its values into every peer's mailbox, each
+   * 8 bytes beside two copies of the call's sequence number, then averages from its own
+   * mailboxes as the numbers show the values have landed. One crossing of the link and no
+   * barrier, where ONESHOT waits for four crossings in a row (a barrier, the loads' round
+   * trip, another barrier). Buffers of up to PMG_LL_MAX_BYTES. */
+  PMG_ALGO_LL = 5
 };
+
+/* The LL algorithm's limit: twice its bytes cross the link (the sequence numbers), so
+ * beyond some size the other algorithms win (pympgu.cuda.ll_max_bytes says where). */
+#define PMG_LL_MAX_BYTES (256 * 1024)
 
 enum pmg_status {
   PMG_SUCCESS = 0,
@@ -50,10 +62,14 @@ enum pmg_status {
 
 /* Peer-visible control block at the start of every registered (IPC-shared) allocation.
  * flags[b][r]: the last barrier value that rank r announced to this rank's block b.
- * counter[b]: this rank's own count of barriers crossed by block b (never written by peers). */
+ * counter[b]: this rank's own count of barriers crossed by block b (never written by peers).
+ * ll_seq: the sequence number of this rank's last LL call, ll_arrived: its blocks that have
+ * finished the current one (both this rank's own). The LL mailboxes follow the block,
+ * pmg_ll_bytes(nranks) of them, before the data. */
 typedef struct pmg_signal {
   uint32_t flags[PMG_MAX_BLOCKS][PMG_MAX_RANKS];
   uint32_t counter[PMG_MAX_BLOCKS];
+  uint32_t ll_seq, ll_arrived, pad[2];
 } pmg_signal;
 
 /* The R replicas as this process sees them: data[r] and signal[r] are local pointers for
@@ -93,6 +109,10 @@ typedef struct pmg_mean {
 const char *pmg_status_name(int status);
 const char *pmg_status_string(int status);
 size_t pmg_dtype_size(int dtype); /* 0 for an unknown dtype */
+/* Bytes of LL mailboxes that follow pmg_signal in every registered allocation of a group of
+ * nranks: two slots (a call's and the next's) of one mailbox per sender, each a 16-byte line
+ * per 8 bytes of data. */
+size_t pmg_ll_bytes(int nranks);
 
 /* ---- host averaging (csrc/host_average.cpp; builds without CUDA) ---- */
 int pmg_host_average(const void *const *inputs, int nranks, void *out, size_t n, int dtype);
@@ -173,7 +193,8 @@ int pmg_copy_list(const pmg_copy *list, int count, cudaStream_t stream);
 /* pmg_host_accumulate on the device: ref[i] += avg[i] (avg in wire_dtype), i < n. */
 int pmg_accumulate(float *ref, const void *avg, size_t n, int wire_dtype, cudaStream_t stream);
 /* All-reduce-average, in place in peers->data[*], with GPU-side barriers through the
- * signal blocks: every rank calls it with the same n, dtype, algo and max_blocks.
+ * signal blocks (or LL's mailboxes): every rank calls it with the same n, dtype, algo and
+ * max_blocks.
  * timeout_ns bounds each barrier wait; past it the kernel traps (a peer never arrived).
  * PMG_ALGO_PUSH needs every rank's staging area at stage_offset bytes after its data (see
  * pmg_stage_bytes); the other algorithms ignore stage_offset. */

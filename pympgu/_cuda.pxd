@@ -15,6 +15,8 @@ cdef extern from "pympgu.h" nogil:
         PMG_ALGO_PUSH
         PMG_ALGO_CE
         PMG_ALGO_GATHER
+        PMG_ALGO_LL
+        PMG_LL_MAX_BYTES
         PMG_ERR_INVALID_ARGUMENT
         PMG_MARKS
 
@@ -97,6 +99,7 @@ cdef extern from "pympgu.h" nogil:
                               int nranks, size_t n, int dtype, int algo, int max_blocks,
                               uint64_t timeout_ns, cudaStream_t stream)
     size_t pmg_stage_bytes(int nranks, size_t nbytes)
+    size_t pmg_ll_bytes(int nranks)
     int pmg_ce_allreduce_average(const pmg_peers *peers, size_t stage_offset, int rank,
                                  int nranks, size_t n, int dtype, size_t chunk_bytes,
                                  int max_blocks, uint64_t timeout_ns, cudaStream_t stream,

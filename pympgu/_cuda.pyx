@@ -789,6 +789,25 @@ def ipc_open_handle(bytes handle):
 
 # ---------------------------------------------------------------- the peer group
 
+LL_MAX_BYTES = PMG_LL_MAX_BYTES
+
+
+def ll_max_bytes(int nranks):
+    """Largest buffer the 'auto' algorithm averages with 'll' (one crossing of the link, no
+    barrier; csrc/pympgu.h); above it, one-shot or two-shot.
+
+    Override with PYMPGU_LL_MAX_BYTES (0 turns 'll' off; at most LL_MAX_BYTES). On 2 H200s
+    over NVLink (docs/BENCHMARKS.md, session 14) 'll' beat one-shot and two-shot at every
+    size it takes, 4 KiB to 256 KiB, hence all of them. It stores R - 1 copies of twice the
+    bytes, so with more ranks the crossover will come sooner; they are not measured yet and
+    use the same.
+    """
+    env = os.environ.get("PYMPGU_LL_MAX_BYTES")
+    if env:
+        return min(int(env), LL_MAX_BYTES)
+    return LL_MAX_BYTES
+
+
 def oneshot_max_bytes(int nranks):
     """Largest buffer the 'auto' algorithm sends one-shot; above it, two-shot.
 
@@ -826,11 +845,12 @@ def ce_chunk_bytes():
     return 32 * 1024 * 1024
 
 
-ALGORITHMS = ("oneshot", "twoshot", "push", "ce")
+ALGORITHMS = ("ll", "oneshot", "twoshot", "push", "ce")
 # The C API's code of each algorithm (pmg_algo).
 # (The overlapped XLA pair also has "gather": pympgu.xla.)
-ALGORITHM_CODES = {"oneshot": PMG_ALGO_ONESHOT, "twoshot": PMG_ALGO_TWOSHOT,
-                   "push": PMG_ALGO_PUSH, "ce": PMG_ALGO_CE, "gather": PMG_ALGO_GATHER}
+ALGORITHM_CODES = {"ll": PMG_ALGO_LL, "oneshot": PMG_ALGO_ONESHOT,
+                   "twoshot": PMG_ALGO_TWOSHOT, "push": PMG_ALGO_PUSH, "ce": PMG_ALGO_CE,
+                   "gather": PMG_ALGO_GATHER}
 
 
 XLA_OPERATIONS = ("pympgu_average", "pympgu_average_start", "pympgu_average_done",
@@ -900,6 +920,10 @@ cdef class PeerGroup:
     cdef Stream side  # the overlapped XLA pair's, made with the registration
     cdef Event side_in, side_out, side_first
     cdef object marks  # the pair's timeline events (PYMPGU_XLA_TIMELINE=1), or None
+    # 'auto''s thresholds, read from the environment once: a lookup there costs about a
+    # microsecond, a fifth of what queueing a small exchange takes (docs/BENCHMARKS.md).
+    cdef readonly tuple auto_bytes  # (ll_max_bytes, oneshot_max_bytes, push_min_bytes)
+    cdef size_t ll_max, oneshot_max, push_min
 
     def __init__(self, int rank, int nranks, size_t nbytes, device=None, double timeout=60.0,
                  staging=None, bint shadow=False):
@@ -914,9 +938,14 @@ cdef class PeerGroup:
         self.nranks = nranks
         self.nbytes = nbytes
         self.timeout_ns = <uint64_t>(timeout * 1e9)
-        self.data_offset = _align(sizeof(pmg_signal), _ALIGN)
+        # The signal block, then the LL mailboxes (csrc/pympgu.h), then the data.
+        self.data_offset = _align(sizeof(pmg_signal) + pmg_ll_bytes(nranks), _ALIGN)
+        self.ll_max = ll_max_bytes(nranks)
+        self.oneshot_max = oneshot_max_bytes(nranks)
+        self.push_min = push_min_bytes(nranks)
+        self.auto_bytes = (self.ll_max, self.oneshot_max, self.push_min)
         if staging is None:
-            staging = nranks > 1 and nbytes >= push_min_bytes(nranks)
+            staging = nranks > 1 and nbytes >= self.push_min
         self.stage_bytes = pmg_stage_bytes(nranks, nbytes) if staging else 0
         self.stage_offset = _align(nbytes, _ALIGN)
         cdef size_t end = self.stage_offset + self.stage_bytes
@@ -935,10 +964,10 @@ cdef class PeerGroup:
         self.max_blocks = min(2 * device_sm_count(self.device), PMG_MAX_BLOCKS)
         memset(&self.peers, 0, sizeof(pmg_peers))
         cdef void *base = <void *><uintptr_t>self.block.ptr
-        # Zero the flags and counters before the handle leaves this process: a peer may
-        # signal into them as soon as it has mapped them.
+        # Zero the flags, counters and mailboxes before the handle leaves this process: a
+        # peer may signal into them as soon as it has mapped them.
         with nogil:
-            check(pmg_memset_async(base, 0, sizeof(pmg_signal), NULL))
+            check(pmg_memset_async(base, 0, self.data_offset, NULL))
             check(pmg_device_synchronize())
 
     @property
@@ -1010,25 +1039,33 @@ cdef class PeerGroup:
             raise ValueError(f"{n} elements do not fit the group's {self.nbytes}-byte buffer")
 
     def algorithm(self, size_t nbytes, algo="auto"):
-        """The algorithm ('oneshot', 'twoshot', 'push' or 'ce') that allreduce would use
-        for nbytes."""
+        """The algorithm ('ll', 'oneshot', 'twoshot', 'push' or 'ce') that allreduce would
+        use for nbytes."""
+        return self._choose(nbytes, algo)
+
+    cdef str _choose(self, size_t nbytes, algo):
         if algo == "auto":
-            if nbytes <= oneshot_max_bytes(self.nranks):
+            if nbytes <= self.ll_max:
+                return "ll"
+            if nbytes <= self.oneshot_max:
                 return "oneshot"
-            if self.stage_bytes and nbytes >= push_min_bytes(self.nranks):
+            if self.stage_bytes and nbytes >= self.push_min:
                 return "push"
             return "twoshot"
         if algo not in ALGORITHMS:
             raise ValueError(f"algo must be 'auto' or one of {ALGORITHMS}, got {algo!r}")
         if algo in ("push", "ce") and not self.stage_bytes and self.nranks > 1:
             raise ValueError(f"algo {algo!r} needs a PeerGroup made with staging=True")
+        if algo == "ll" and nbytes > LL_MAX_BYTES:
+            raise ValueError(f"algo 'll' averages at most {LL_MAX_BYTES} bytes, got {nbytes}")
         return algo
 
     def allreduce(self, size_t n, dtype="float32", algo="auto", bint synchronize=True,
                   max_blocks=None):
         """Average the first n elements of every rank's data buffer, in place, on the GPU.
 
-        algo: 'oneshot' (every rank reads every replica), 'twoshot' (each rank reads a slice
+        algo: 'll' (every rank stores its values, flagged, into every peer's mailbox: small
+        buffers), 'oneshot' (every rank reads every replica), 'twoshot' (each rank reads a slice
         of every replica and stores its mean into all), 'push' (two-shot by stores only) and
         'ce' (two-shot, pushing by DMA) are described in csrc/pympgu.h; 'push' and 'ce' need
         staging (see the class). 'auto' picks by size. Every rank must call it with the same
@@ -1041,9 +1078,9 @@ cdef class PeerGroup:
         cdef int blocks = self.max_blocks if max_blocks is None else max_blocks
         if not 1 <= blocks <= PMG_MAX_BLOCKS:
             raise ValueError(f"max_blocks must be 1 to {PMG_MAX_BLOCKS}, got {blocks}")
-        chosen = self.algorithm(n * pmg_dtype_size(code), algo)
+        chosen = self._choose(n * pmg_dtype_size(code), algo)
         cdef int a = ALGORITHM_CODES[chosen]
-        set_device(self.device)
+        check(pmg_set_device(self.device))  # with the GIL held: it takes far less than a release
         if chosen == "ce":
             status = pmg_ce_allreduce_average(
                 &self.peers, self.stage_offset, self.rank, self.nranks, n, code, ce_chunk_bytes(),

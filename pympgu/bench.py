@@ -19,7 +19,7 @@ import sys
 import time
 import traceback
 
-METHODS = ("auto", "oneshot", "twoshot", "push", "ce", "copy")
+METHODS = ("auto", "ll", "oneshot", "twoshot", "push", "ce", "copy")
 DEFAULT_SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20,
                  256 << 20, 1 << 30]
 
@@ -66,13 +66,17 @@ def _time_device(run, stream, iters, repeats=5, new_event=None):
 
 
 def _time_host(run, sync, iters):
-    samples = []
+    """Median host µs of one call of run() waited for by sync() ("e2e_us"), and of the
+    call alone ("queue_us": what the host spends before it can wait)."""
+    e2e, queued = [], []
     for _ in range(iters):
         t0 = time.perf_counter()
         run()
+        t1 = time.perf_counter()
         sync()
-        samples.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(samples)
+        e2e.append((time.perf_counter() - t0) * 1e6)
+        queued.append((t1 - t0) * 1e6)
+    return {"e2e_us": statistics.median(e2e), "queue_us": statistics.median(queued)}
 
 
 def columns(methods, blocks):
@@ -100,6 +104,8 @@ def rank_main(rank, nranks, device, sizes, methods, conn, init_file, use_nccl, b
             group.data("float32", n).copy_from_host(x)  # random data: never time zeros
             row = {"bytes": nbytes}
             for name, method, cap in columns(methods, blocks):
+                if method == "ll" and nbytes > cuda.LL_MAX_BYTES:
+                    continue  # beyond its mailboxes: the table shows '-'
                 if method == "copy":
                     def run(n=n):
                         group.copy_average(n, "float32", synchronize=False)
@@ -112,7 +118,7 @@ def rank_main(rank, nranks, device, sizes, methods, conn, init_file, use_nccl, b
                 group.synchronize()
                 row[name] = {"us": _time_device(run, group.stream, iters)}
                 if nbytes <= (1 << 20):
-                    row[name]["e2e_us"] = _time_host(run, group.synchronize, 200)
+                    row[name].update(_time_host(run, group.synchronize, 200))
                 if name == "auto":
                     row[name]["algo"] = group.algorithm(nbytes)
             results.append(row)
@@ -143,7 +149,7 @@ def _nccl(rank, nranks, device, sizes, results, init_file):
                 run, stream, _iters(nbytes),
                 new_event=lambda: torch.cuda.Event(enable_timing=True))}
             if nbytes <= (1 << 20):
-                row["nccl"]["e2e_us"] = _time_host(run, torch.cuda.synchronize, 200)
+                row["nccl"].update(_time_host(run, torch.cuda.synchronize, 200))
     finally:
         dist.destroy_process_group()
 
@@ -218,22 +224,26 @@ def table(results, methods, blocks=(None,)):
         head += "".join(f" {c + '/nccl':>12}" for c in methods)
     lines.append(head)
     lines.append("-" * len(head))
+    nan = {"us": float("nan")}  # a method that does not take the size ('ll' beyond its own)
     for row in results:
         line = f"{fmt_size(row['bytes']):>9} |"
         for c in cols:
-            us = row[c]["us"]
+            us = row.get(c, nan)["us"]
             line += f" {us:11.1f} {row['bytes'] / us / 1e3:10.1f} |"
         if "nccl" in cols:
-            line += "".join(f" {row['nccl']['us'] / row[c]['us']:12.2f}" for c in methods)
+            line += "".join(f" {row['nccl']['us'] / row.get(c, nan)['us']:12.2f}"
+                            for c in methods)
         lines.append(line)
-    small = [r for r in results if "e2e_us" in r[cols[0]]]
+    small = [r for r in results if any("e2e_us" in r.get(c, nan) for c in cols)]
     if small:
         lines.append("")
-        lines.append("end to end from Python, one exchange waited for (median µs):")
-        lines.append(f"{'size':>9} |" + "".join(f" {c:>9}" for c in cols))
+        lines.append("end to end from Python, one exchange waited for, median µs (of which "
+                     "the call that queues it):")
+        lines.append(f"{'size':>9} |" + "".join(f" {c:>15}" for c in cols))
         for row in small:
-            lines.append(f"{fmt_size(row['bytes']):>9} |" +
-                         "".join(f" {row[c].get('e2e_us', float('nan')):9.1f}" for c in cols))
+            lines.append(f"{fmt_size(row['bytes']):>9} |" + "".join(
+                f" {row.get(c, nan).get('e2e_us', nan['us']):7.1f}"
+                f" ({row.get(c, nan).get('queue_us', nan['us']):5.1f})" for c in cols))
     auto = [f"{fmt_size(r['bytes'])}:{r['auto']['algo']}" for r in results if "auto" in r]
     if auto:
         lines.append("")

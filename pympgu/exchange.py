@@ -45,7 +45,7 @@ from . import _host, shm
 
 ALIGN_BYTES = 256
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-METHODS = ("auto", "oneshot", "twoshot", "push", "ce", "copy")
+METHODS = ("auto", "ll", "oneshot", "twoshot", "push", "ce", "copy")
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -70,7 +70,7 @@ class Exchanger:
     """Averages a fixed list of parameter arrays across every worker of a run.
 
     ``layout`` is a list of (name, shape, dtype); ``method`` is 'auto', one of the PeerGroup
-    algorithms ('oneshot', 'twoshot', 'push', 'ce') or 'copy' (the seed's peer-copy method)
+    algorithms ('ll', 'oneshot', 'twoshot', 'push', 'ce') or 'copy' (the seed's peer-copy method)
     and only matters on GPUs. ``wire_dtype`` is None (the layout's dtype), or 'bfloat16' /
     'float16' for float32 layouts (see the module docstring). ``max_blocks`` caps the GPU averaging kernel's grid (every rank must give the
     same; None: twice the SM count), leaving SMs free for compute that overlaps it.
@@ -402,15 +402,23 @@ class _CudaBackend:
         self.group = cuda.PeerGroup(ctx.rank, ctx.nranks, ex.nbytes, device=ctx.device,
                                     timeout=timeout, staging=staging, shadow=ex.shadow)
         try:
+            wire_bytes = ex.total * ITEMSIZE[ex.wire_dtype or ex.dtype]
+            if ex.method == "ll" and wire_bytes > cuda.LL_MAX_BYTES:
+                raise ValueError(f"method 'll' averages at most {cuda.LL_MAX_BYTES} bytes; this "
+                                 f"layout sends {wire_bytes}: use 'auto'")
             facts = {"device": ctx.device, "sm_count": self.group.sm_count, "pid": os.getpid(),
                      "exchange_blocks": ex.max_blocks, "method": ex.method,
-                     "ce_chunk_bytes": cuda.ce_chunk_bytes(), "shadow": ex.shadow}
+                     "ce_chunk_bytes": cuda.ce_chunk_bytes(), "shadow": ex.shadow,
+                     "auto_bytes": self.group.auto_bytes}
             all_facts, blobs, max_blocks = ctx.register(ex.layout, facts, self.group.handle)
             for key, what in (("exchange_blocks", "cap the exchange kernel alike (max_blocks)"),
                               ("method", "use the same method"),
                               # Peers copy into each other's shadow: all have one, or none.
                               ("shadow", "give the Exchanger a shadow alike"),
-                              ("ce_chunk_bytes", "use the same PYMPGU_CE_CHUNK_BYTES")):
+                              ("ce_chunk_bytes", "use the same PYMPGU_CE_CHUNK_BYTES"),
+                              # 'auto' must pick the same algorithm on every rank.
+                              ("auto_bytes", "use the same PYMPGU_LL_MAX_BYTES, "
+                                             "PYMPGU_ONESHOT_MAX_BYTES and PYMPGU_PUSH_MIN_BYTES")):
                 values = [f.get(key) for f in all_facts]
                 if len(set(values)) != 1:
                     # Ranks that queue different barriers (other grids, algorithms or

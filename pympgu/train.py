@@ -566,6 +566,7 @@ def plot(history, path):
 
 
 def build_parser():
+    from .exchange import METHODS
     p = argparse.ArgumentParser(prog="python -m pympgu.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_argument_group("where to run")
@@ -576,9 +577,9 @@ def build_parser():
     where.add_argument("--backend", choices=["auto", "c", "jax"], default="auto",
                        help="PyTensor backend: 'jax' (the default on GPUs) or 'c' (PyTensor's C "
                             "backend, the default on CPUs); 'jax' on CPUs uses CPU JAX")
-    where.add_argument("--method", choices=["auto", "oneshot", "twoshot", "push", "ce", "copy"],
-                       default="auto",
-                       help="GPU averaging algorithm: the kernels 'oneshot', 'twoshot' and "
+    where.add_argument("--method", choices=list(METHODS), default="auto",
+                       help="GPU averaging algorithm: the kernels 'll' (buffers up to 256 KiB), "
+                            "'oneshot', 'twoshot' and "
                             "'push' (two-shot by stores), 'ce' (two-shot, pushing by DMA), or "
                             "'copy', the seed's peer-copy method (default: auto, by buffer "
                             "size; for GPU workers from 16 MiB, the step is cut so that the "

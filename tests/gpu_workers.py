@@ -103,6 +103,32 @@ def exchange_cases(rank, conn, nranks, ngpus, cases, max_blocks, capacity):
         group.close()
 
 
+def ll_rounds(rank, conn, nranks, ngpus, plan):
+    """Rounds of the 'll' algorithm with no host barrier between them, so that a rank may
+    start a round while its peers still read the last: [(bytes, guard intact)] per round."""
+    from pympgu import cuda
+    capacity = max(n * np.dtype(np.float32 if d == "float32" else np.uint16).itemsize
+                   for _, n, d in plan)
+    group = cuda.PeerGroup(rank, nranks, capacity + GUARD, device=rank % ngpus, timeout=60)
+    try:
+        conn.send(group.handle)
+        group.connect(conn.recv())
+        out = []
+        for seed, n, dtype in plan:
+            # Only this rank reads its own buffer ('ll' sends from it into the peers'
+            # mailboxes), so it may rewrite it while peers are a round behind.
+            x = case_inputs(seed, rank, nranks, n, dtype)
+            whole = group.data("uint8", x.nbytes + GUARD)
+            whole.fill_bytes(0xA5)
+            group.data("uint8", x.nbytes).copy_from_host(x.view(np.uint8))
+            assert group.allreduce(n, dtype, algo="ll") == "ll"
+            raw = whole.copy_to_host()
+            out.append((raw[:x.nbytes].tobytes(), bool(np.all(raw[x.nbytes:] == 0xA5))))
+        return out
+    finally:
+        group.close()
+
+
 def nccl_average(rank, conn, nranks, seed, n, init_file):
     """NCCL all_reduce(AVG) of this rank's integer-valued input, beside pympgu's result."""
     import torch

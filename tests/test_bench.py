@@ -123,3 +123,21 @@ def test_clocks_averages_nvml_samples_and_counts_the_capped_ones(monkeypatch):
     with Clocks(None) as c:  # a CPU worker
         pass
     assert (c.mhz, c.capped) == (None, None)
+
+
+def test_exchange_bench_table_leaves_out_what_a_method_does_not_take():
+    """'ll' takes buffers up to its mailboxes' size: beyond them its cells read nan, the
+    other columns and the host times stay."""
+    from pympgu.bench import table
+    rows = [{"bytes": 4096, "ll": {"us": 5.0, "e2e_us": 14.0, "queue_us": 5.0},
+             "oneshot": {"us": 8.0, "e2e_us": 16.0, "queue_us": 4.5},
+             "nccl": {"us": 80.0, "e2e_us": 70.0, "queue_us": 24.0}},
+            {"bytes": 1 << 30, "oneshot": {"us": 3200.0}, "nccl": {"us": 3300.0}}]
+    lines = table(rows, ["ll", "oneshot"]).splitlines()
+    small = next(x for x in lines if x.strip().startswith("4 KiB"))
+    assert "16.00" in small and "10.00" in small  # each method's speedup over NCCL
+    big = next(x for x in lines if x.strip().startswith("1 GiB"))
+    assert big.split("|")[1].split() == ["nan", "nan"] and "3200.0" in big
+    e2e = lines[lines.index(next(x for x in lines if x.startswith("end to end"))) + 2]
+    assert e2e.split("|")[1].split() == ["14.0", "(", "5.0)", "16.0", "(", "4.5)", "70.0", "(",
+                                         "24.0)"]

@@ -11,12 +11,13 @@ import pytest
 
 import pympgu
 from conftest import visible_gpus
-from gpu_workers import case_inputs, exchange_cases, nccl_average, run_children
+from gpu_workers import case_inputs, exchange_cases, ll_rounds, nccl_average, run_children
 from reference import mean64, model_average, same_bits, to_f32
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
 DTYPES = ["float32", "float16", "bfloat16"]
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 # PYMPGU_TEST_MAX_N trims the sizes, for runs under compute-sanitizer.
 SIZES = [n for n in [1, 7, 8, 9, 1000, 4097, 65537, (1 << 20) + 3, (8 << 20) + 5]
          if n <= int(os.environ.get("PYMPGU_TEST_MAX_N", 1 << 40))]
@@ -50,11 +51,48 @@ def test_peer_group_all_methods(nranks, max_blocks, monkeypatch):
     cases = [(seed + i, n, dtype, method, False)
              for i, (n, dtype, method) in enumerate(
                  (n, d, m) for n in sizes for d in DTYPES
-                 for m in ("oneshot", "twoshot", "push", "ce", "copy"))]
+                 for m in ("ll", "oneshot", "twoshot", "push", "ce", "copy")
+                 if m != "ll" or n * ITEMSIZE[d] <= pympgu.cuda.LL_MAX_BYTES)]
     capacity = max(n for n in sizes) * 4
     results = run_children(exchange_cases, nranks,
                            (nranks, visible_gpus(), cases, max_blocks, capacity))
     check_results(results, cases, nranks)
+
+
+@pytest.mark.parametrize("nranks", [2, 3, 8])
+def test_ll_rounds_back_to_back(nranks):
+    """'ll' keeps one round's mailboxes clear of the next's with no barrier between rounds,
+    over sizes that change the grid from round to round (a line may change blocks), up to
+    the largest it takes, in every dtype: every round exact on every rank."""
+    rng = np.random.default_rng()
+    seed = int(rng.integers(1 << 31))
+    top = pympgu.cuda.LL_MAX_BYTES
+    plan = []
+    for i in range(40):
+        dtype = DTYPES[i % 3]
+        most = top // ITEMSIZE[dtype]
+        n = [1, most, int(rng.integers(1, 600)), int(rng.integers(1, most + 1))][i % 4]
+        plan.append((seed + i, n, dtype))
+    results = run_children(ll_rounds, nranks, (nranks, visible_gpus(), plan))
+    check_results(results, [(s, n, d, "ll", False) for s, n, d in plan], nranks)
+
+
+def test_ll_on_one_rank_and_its_limit():
+    top = pympgu.cuda.LL_MAX_BYTES
+    group = pympgu.cuda.PeerGroup(0, 1, 2 * top, device=0)
+    try:
+        group.connect([group.handle])
+        x = np.random.default_rng().standard_normal(top // 4).astype(np.float32)
+        group.data("float32", x.size).copy_from_host(x)
+        assert group.allreduce(x.size, "float32", algo="ll") == "ll"
+        assert np.array_equal(group.data("float32", x.size).copy_to_host(), x)
+        auto = pympgu.cuda.ll_max_bytes(1) // 4
+        assert group.allreduce(auto, "float32") == "ll"
+        assert group.allreduce(auto + 1, "float32") != "ll"
+        with pytest.raises(ValueError, match="at most"):
+            group.allreduce(x.size + 1, "float32", algo="ll")
+    finally:
+        group.close()
 
 
 @pytest.mark.multi_gpu(2)
