@@ -409,7 +409,9 @@ class _CudaBackend:
             facts = {"device": ctx.device, "sm_count": self.group.sm_count, "pid": os.getpid(),
                      "exchange_blocks": ex.max_blocks, "method": ex.method,
                      "ce_chunk_bytes": cuda.ce_chunk_bytes(), "shadow": ex.shadow,
-                     "auto_bytes": self.group.auto_bytes}
+                     # As text: the facts cross the coordinator as JSON, which makes a
+                     # tuple a list, and the check below compares them in a set.
+                     "auto_bytes": " ".join(map(str, self.group.auto_bytes))}
             all_facts, blobs, max_blocks = ctx.register(ex.layout, facts, self.group.handle)
             for key, what in (("exchange_blocks", "cap the exchange kernel alike (max_blocks)"),
                               ("method", "use the same method"),
