@@ -27,8 +27,8 @@ extern "C" {
 enum pmg_dtype { PMG_FLOAT32 = 0, PMG_FLOAT16 = 1, PMG_BFLOAT16 = 2 };
 
 /* The all-reduce algorithms. pmg_allreduce_average runs ONESHOT, TWOSHOT, PUSH and LL;
- * PMG_ALGO_CE names
- * pmg_ce_allreduce_average where one code must say which (the XLA operation's attribute).
+ * PMG_ALGO_CE names pmg_ce_allreduce_average where one code must say which (the XLA
+ * operation's attribute).
  * PMG_ALGO_GATHER exists only in the XLA start/done pair (csrc/xla_ffi.cc): every rank's
  * arrays reach every other rank's shadow by DMA beside XLA's work, and pmg_mean_list
  * averages. */

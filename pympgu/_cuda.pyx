@@ -792,6 +792,20 @@ def ipc_open_handle(bytes handle):
 LL_MAX_BYTES = PMG_LL_MAX_BYTES
 
 
+def _env_bytes(name, default):
+    """The byte count in environment variable name, or default when it is unset or empty."""
+    text = os.environ.get(name)
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{name} must be a whole number of bytes, 0 or more; got {text!r}")
+    return value
+
+
 def ll_max_bytes(int nranks):
     """Largest buffer the 'auto' algorithm averages with 'll' (one crossing of the link, no
     barrier; csrc/pympgu.h); above it, one-shot or two-shot.
@@ -802,10 +816,7 @@ def ll_max_bytes(int nranks):
     bytes, so with more ranks the crossover will come sooner; they are not measured yet and
     use the same.
     """
-    env = os.environ.get("PYMPGU_LL_MAX_BYTES")
-    if env:
-        return min(int(env), LL_MAX_BYTES)
-    return LL_MAX_BYTES
+    return min(_env_bytes("PYMPGU_LL_MAX_BYTES", LL_MAX_BYTES), LL_MAX_BYTES)
 
 
 def oneshot_max_bytes(int nranks):
@@ -815,10 +826,7 @@ def oneshot_max_bytes(int nranks):
     one-shot won at 64 KiB and two-shot at 256 KiB, hence 128 KiB; more ranks are not
     measured yet and use the same.
     """
-    env = os.environ.get("PYMPGU_ONESHOT_MAX_BYTES")
-    if env:
-        return int(env)
-    return 128 * 1024
+    return _env_bytes("PYMPGU_ONESHOT_MAX_BYTES", 128 * 1024)
 
 
 def push_min_bytes(int nranks):
@@ -829,20 +837,14 @@ def push_min_bytes(int nranks):
     'push' beat 'twoshot' at 16 MiB, the smallest size it was timed at, and above; below
     16 MiB the staging memory is not known to buy anything. More ranks are not measured yet.
     """
-    env = os.environ.get("PYMPGU_PUSH_MIN_BYTES")
-    if env:
-        return int(env)
-    return 16 * 1024 * 1024
+    return _env_bytes("PYMPGU_PUSH_MIN_BYTES", 16 * 1024 * 1024)
 
 
 def ce_chunk_bytes():
     """Bytes per pipelined chunk of a rank's slice in the 'ce' algorithm
     (PYMPGU_CE_CHUNK_BYTES overrides; every rank must use the same). Chunks of 4 to 16 MiB
     were slower on 2 H200s, 32 to 128 MiB about equal (docs/BENCHMARKS.md)."""
-    env = os.environ.get("PYMPGU_CE_CHUNK_BYTES")
-    if env:
-        return int(env)
-    return 32 * 1024 * 1024
+    return _env_bytes("PYMPGU_CE_CHUNK_BYTES", 32 * 1024 * 1024)
 
 
 ALGORITHMS = ("ll", "oneshot", "twoshot", "push", "ce")
@@ -886,7 +888,8 @@ cdef class PeerGroup:
     """This process's replica in a group of nranks processes that average a buffer together.
 
     It allocates one registered block on the current (or given) device: a signal area that
-    peers write barrier flags into, then ``nbytes`` of data, then (``staging``) the area the
+    peers write barrier flags into, the mailboxes they store into for the algorithm 'll'
+    (2 * nranks * 512 KiB), then ``nbytes`` of data, then (``staging``) the area the
     peers store into for the algorithms 'push' and 'ce', (nranks - 1) / nranks of ``nbytes``.
     staging=None allocates it when 'auto' would use it, for buffers of at least
     ``push_min_bytes(nranks)``. ``shadow`` adds nranks - 1 copies of ``nbytes`` that the

@@ -105,7 +105,7 @@ def rank_main(rank, nranks, device, sizes, methods, conn, init_file, use_nccl, b
             row = {"bytes": nbytes}
             for name, method, cap in columns(methods, blocks):
                 if method == "ll" and nbytes > cuda.LL_MAX_BYTES:
-                    continue  # beyond its mailboxes: the table shows '-'
+                    continue  # beyond its mailboxes: the table shows nan
                 if method == "copy":
                     def run(n=n):
                         group.copy_average(n, "float32", synchronize=False)

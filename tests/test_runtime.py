@@ -187,6 +187,12 @@ def test_algorithm_thresholds_and_their_overrides(monkeypatch):
         assert fn(2) == default, var  # the documented defaults (docs/TRAINING.md)
         monkeypatch.setenv(var, "12345")
         assert fn(2) == 12345, var
+    for bad in ("-1", "64k"):  # a clear error naming the variable, not Cython's OverflowError
+        monkeypatch.setenv("PYMPGU_PUSH_MIN_BYTES", bad)
+        with pytest.raises(ValueError, match="PYMPGU_PUSH_MIN_BYTES must be a whole number"):
+            cuda.push_min_bytes(2)
+    monkeypatch.setenv("PYMPGU_LL_MAX_BYTES", "0")  # turns 'll' off
+    assert cuda.ll_max_bytes(2) == 0
     # 'll' cannot take more than its mailboxes hold, whatever the environment says.
     monkeypatch.setenv("PYMPGU_LL_MAX_BYTES", str(cuda.LL_MAX_BYTES + 1))
     assert cuda.ll_max_bytes(2) == cuda.LL_MAX_BYTES
