@@ -925,7 +925,6 @@ cdef class PeerGroup:
     cdef object marks  # the pair's timeline events (PYMPGU_XLA_TIMELINE=1), or None
     # 'auto''s thresholds, read from the environment once: a lookup there costs about a
     # microsecond, a fifth of what queueing a small exchange takes (docs/BENCHMARKS.md).
-    cdef readonly tuple auto_bytes  # (ll_max_bytes, oneshot_max_bytes, push_min_bytes)
     cdef size_t ll_max, oneshot_max, push_min
 
     def __init__(self, int rank, int nranks, size_t nbytes, device=None, double timeout=60.0,
@@ -946,7 +945,6 @@ cdef class PeerGroup:
         self.ll_max = ll_max_bytes(nranks)
         self.oneshot_max = oneshot_max_bytes(nranks)
         self.push_min = push_min_bytes(nranks)
-        self.auto_bytes = (self.ll_max, self.oneshot_max, self.push_min)
         if staging is None:
             staging = nranks > 1 and nbytes >= self.push_min
         self.stage_bytes = pmg_stage_bytes(nranks, nbytes) if staging else 0
@@ -972,6 +970,12 @@ cdef class PeerGroup:
         with nogil:
             check(pmg_memset_async(base, 0, self.data_offset, NULL))
             check(pmg_device_synchronize())
+
+    @property
+    def auto_bytes(self):
+        """'auto''s thresholds as this group read them: (ll_max_bytes, oneshot_max_bytes,
+        push_min_bytes)."""
+        return (self.ll_max, self.oneshot_max, self.push_min)
 
     @property
     def handle(self):

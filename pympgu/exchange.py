@@ -402,10 +402,10 @@ class _CudaBackend:
         self.group = cuda.PeerGroup(ctx.rank, ctx.nranks, ex.nbytes, device=ctx.device,
                                     timeout=timeout, staging=staging, shadow=ex.shadow)
         try:
-            wire_bytes = ex.total * ITEMSIZE[ex.wire_dtype or ex.dtype]
-            if ex.method == "ll" and wire_bytes > cuda.LL_MAX_BYTES:
-                raise ValueError(f"method 'll' averages at most {cuda.LL_MAX_BYTES} bytes; this "
-                                 f"layout sends {wire_bytes}: use 'auto'")
+            if ex.method in cuda.ALGORITHMS:
+                # Refuse, before any exchange, a layout the method cannot take ('ll' beyond
+                # its mailboxes): the largest exchange is the exact one, in ex.dtype.
+                self.group.algorithm(ex.nbytes, ex.method)
             facts = {"device": ctx.device, "sm_count": self.group.sm_count, "pid": os.getpid(),
                      "exchange_blocks": ex.max_blocks, "method": ex.method,
                      "ce_chunk_bytes": cuda.ce_chunk_bytes(), "shadow": ex.shadow,

@@ -76,6 +76,17 @@ def _child(target, rank, conn, args):
         raise SystemExit(1)
 
 
+def _poisoned_case(group, x, average):
+    """Poison the group's buffer, write input x over its part, average(), and return the
+    result's bytes and whether the GUARD bytes past it are intact."""
+    whole = group.data("uint8", x.nbytes + GUARD)
+    whole.fill_bytes(0xA5)
+    group.data("uint8", x.nbytes).copy_from_host(x.view(np.uint8))
+    average()
+    raw = whole.copy_to_host()
+    return raw[:x.nbytes].tobytes(), bool(np.all(raw[x.nbytes:] == 0xA5))
+
+
 def exchange_cases(rank, conn, nranks, ngpus, cases, max_blocks, capacity):
     """Average every case through a PeerGroup; returns [(bytes, guard intact)] per case."""
     from pympgu import cuda
@@ -86,17 +97,14 @@ def exchange_cases(rank, conn, nranks, ngpus, cases, max_blocks, capacity):
         group.connect(conn.recv(), max_blocks=max_blocks)
         out = []
         for seed, n, dtype, method, integers in cases:
-            x = case_inputs(seed, rank, nranks, n, dtype, integers)
-            whole = group.data("uint8", x.nbytes + GUARD)
-            whole.fill_bytes(0xA5)  # poison, then write the input over its part
-            group.data("uint8", x.nbytes).copy_from_host(x.view(np.uint8))
-            group.barrier()  # nobody starts before every rank has written its input
-            if method == "copy":
-                group.copy_average(n, dtype)
-            else:
-                assert group.allreduce(n, dtype, algo=method) == method
-            raw = whole.copy_to_host()
-            out.append((raw[:x.nbytes].tobytes(), bool(np.all(raw[x.nbytes:] == 0xA5))))
+            def average():
+                group.barrier()  # nobody starts before every rank has written its input
+                if method == "copy":
+                    group.copy_average(n, dtype)
+                else:
+                    assert group.allreduce(n, dtype, algo=method) == method
+            out.append(_poisoned_case(group, case_inputs(seed, rank, nranks, n, dtype, integers),
+                                      average))
             group.barrier()  # nobody rewrites its input while a peer still reads it
         return out
     finally:
@@ -107,8 +115,7 @@ def ll_rounds(rank, conn, nranks, ngpus, plan):
     """Rounds of the 'll' algorithm with no host barrier between them, so that a rank may
     start a round while its peers still read the last: [(bytes, guard intact)] per round."""
     from pympgu import cuda
-    capacity = max(n * np.dtype(np.float32 if d == "float32" else np.uint16).itemsize
-                   for _, n, d in plan)
+    capacity = max(n * (4 if d == "float32" else 2) for _, n, d in plan)
     group = cuda.PeerGroup(rank, nranks, capacity + GUARD, device=rank % ngpus, timeout=60)
     try:
         conn.send(group.handle)
@@ -117,13 +124,9 @@ def ll_rounds(rank, conn, nranks, ngpus, plan):
         for seed, n, dtype in plan:
             # Only this rank reads its own buffer ('ll' sends from it into the peers'
             # mailboxes), so it may rewrite it while peers are a round behind.
-            x = case_inputs(seed, rank, nranks, n, dtype)
-            whole = group.data("uint8", x.nbytes + GUARD)
-            whole.fill_bytes(0xA5)
-            group.data("uint8", x.nbytes).copy_from_host(x.view(np.uint8))
-            assert group.allreduce(n, dtype, algo="ll") == "ll"
-            raw = whole.copy_to_host()
-            out.append((raw[:x.nbytes].tobytes(), bool(np.all(raw[x.nbytes:] == 0xA5))))
+            def average():
+                assert group.allreduce(n, dtype, algo="ll") == "ll"
+            out.append(_poisoned_case(group, case_inputs(seed, rank, nranks, n, dtype), average))
         return out
     finally:
         group.close()
