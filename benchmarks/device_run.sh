@@ -28,6 +28,12 @@ for step in $steps; do
     # When each point of the XLA exchange happens (CUDA events), with the barrier before the
     # copies on either stream. TIMELINE="--gpus 0 1 --hidden 4096 4096" by default.
     timeline) timeout 300 python3 benchmarks/probe_timeline.py ${TIMELINE:---gpus 0 1} 2>&1 | grep -v -i warn | tail -40 ;;
+    resident) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_exchange.py -k "${RESIDENT_K:-resident}" 2>&1 | tail -15 ;;
+    # The host's pieces of one small exchange, launched and resident (QUEUE="--blocks 1 8").
+    queue) timeout 150 python3 benchmarks/probe_queue.py ${QUEUE:-} 2>&1 | grep -v -i warn | tail -16 ;;
+    # What NVLink carries per traffic pattern, one process driving both GPUs (LINK="1024").
+    link) nvcc -O3 -std=c++17 -arch=sm_90 -DPMG_WITH_CUDA -Icsrc benchmarks/link_probe.cu csrc/host_average.cpp -o /tmp/link_probe \
+            && timeout 240 /tmp/link_probe ${LINK:-1024} ;;
     nccl) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_exchange.py -k nccl 2>&1 | tail -3 ;;
     sanitize)
       for tool in memcheck racecheck; do

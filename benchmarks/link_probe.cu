@@ -153,6 +153,25 @@ int main(int argc, char **argv) {
           CK(cudaSetDevice(0));
           write_kernel<<<2 * sms, 512, 0, st[0]>>>(static_cast<uint4 *>(stage[1]), nvec);
         }), bytes);
+    // Copy engines and SM stores at once, each on its part of the bytes: whether the link
+    // carries more than either alone, which a two-shot pushing by both would need to pass
+    // DMA's 394 GB/s (issue #2's 1.2x NCCL at 1 GiB).
+    for (int pct : {25, 50, 75}) {
+      for (int blocks : {sms / 2, 2 * sms}) {
+        const size_t dma = bytes / 100 * pct / 16 * 16;
+        char name[64];
+        std::snprintf(name, sizeof name, "CE %d%% + SM writes @%d, both ways", pct, blocks);
+        row(name, time_ms([&] {
+              for (int d = 0; d < 2; ++d) {
+                CK(cudaSetDevice(d));
+                CK(cudaMemcpyPeerAsync(stage[1 - d], 1 - d, data[d], d, dma, copy[d]));
+                write_kernel<<<blocks, 512, 0, st[d]>>>(
+                    reinterpret_cast<uint4 *>(static_cast<char *>(stage[1 - d]) + dma),
+                    (bytes - dma) / 16);
+              }
+            }), bytes);
+      }
+    }
     // The averaging kernels: link bytes per direction are the buffer's bytes.
     for (int algo : {PMG_ALGO_ONESHOT, PMG_ALGO_TWOSHOT, PMG_ALGO_PUSH}) {
       for (int blocks : {32, sms, 2 * sms}) {

@@ -8,6 +8,10 @@ times, with a group of one rank (so no peer is waited for: the kernel runs alone
 median host µs of each piece: the Python call that queues the exchange (argument checks,
 the algorithm's choice, making the device current, the launch), the choice alone, making
 the device current from Python, waiting for an idle stream, and the call waited for.
+
+Then the same exchange through the resident kernel (PeerGroup.resident: no launch, the host
+rings a doorbell and polls for the end), and, with torch, what that kernel costs work beside
+it while it idles: a bf16 matrix product timed with CUDA events with and without it.
 """
 import argparse
 import statistics
@@ -30,6 +34,8 @@ def main():
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", type=int, default=0, help="GPU index (default 0)")
     p.add_argument("--calls", type=int, default=2000, help="calls per median (default 2000)")
+    p.add_argument("--blocks", type=int, nargs="+", default=None,
+                   help="resident kernels' block counts to time (default: RESIDENT_BLOCKS)")
     a = p.parse_args()
 
     from pympgu import cuda
@@ -56,8 +62,46 @@ def main():
         print(f"host µs, median of {a.calls} calls, GPU {a.device}, one rank:")
         for name, fn, after in rows:
             print(f"  {name:36s} {median_us(fn, a.calls, after):7.2f}")
+        blocks = a.blocks or [cuda.RESIDENT_BLOCKS]
+        for b in blocks:
+            with group.resident(b) as fast:
+                for _ in range(50):
+                    fast.allreduce(n)
+                us = median_us(lambda: fast.allreduce(n), a.calls)
+            print(f"  {f'resident @{b}, allreduce(4 KiB)':36s} {us:7.2f}")
+        matmul_beside(group, a.device, blocks)
     finally:
         group.close()
+
+
+def matmul_beside(group, device, blocks):
+    """ms of an 8192^3 bf16 matrix product, median of 20, alone and beside an idle resident
+    kernel of each block count."""
+    try:
+        import torch
+    except ImportError:
+        print("  (no torch: the resident kernel's cost to other work is not measured)")
+        return
+    torch.cuda.set_device(device)
+    x = torch.randn(8192, 8192, device=f"cuda:{device}", dtype=torch.bfloat16)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def median_ms():
+        samples = []
+        for _ in range(20):
+            start.record()
+            x @ x
+            end.record()
+            end.synchronize()  # not torch.cuda.synchronize(): that waits for the kernel too
+            samples.append(start.elapsed_time(end))
+        return statistics.median(samples)
+    median_ms()  # warm-up: cuBLAS's workspace and the output's memory come from here
+    print("ms of an 8192^3 bf16 matmul, median of 20:")
+    print(f"  {'alone':36s} {median_ms():7.3f}")
+    for b in blocks:
+        with group.resident(b):
+            ms = median_ms()
+        print(f"  {f'beside an idle resident kernel @{b}':36s} {ms:7.3f}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,10 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <chrono>
+#include <cstring>
+#include <type_traits>
+
 #include "pympgu.h"
 
 static_assert(sizeof(pmg_signal) == PMG_MAX_BLOCKS * PMG_MAX_RANKS * 4 + PMG_MAX_BLOCKS * 4 + 16,
@@ -350,14 +354,17 @@ __device__ __forceinline__ uint2 ll_load(const uint4 *line, uint32_t seq, uint64
   }
 }
 
-// Chunk c (8 bytes) of a replica of n elements; past n it reads and writes nothing.
+// Chunk c (8 bytes) of a replica of n elements; past n it reads and writes nothing. Loads
+// bypass L1 (ld.global.cg): a resident kernel (below) reads the same buffer again after
+// other kernels rewrote it, and an SM's L1 is not kept coherent with their stores.
 template <typename T>
 __device__ __forceinline__ uint2 load_chunk(const T *x, size_t c, size_t n) {
   constexpr int E = 8 / sizeof(T);
-  if ((c + 1) * E <= n) return reinterpret_cast<const uint2 *>(x)[c];
+  if ((c + 1) * E <= n) return __ldcg(reinterpret_cast<const uint2 *>(x) + c);
+  using Bits = std::conditional_t<sizeof(T) == 4, unsigned int, unsigned short>;
   uint2 v = make_uint2(0, 0);
-  T *e = reinterpret_cast<T *>(&v);
-  for (int i = 0; i < E && c * E + i < n; ++i) e[i] = x[c * E + i];
+  Bits *e = reinterpret_cast<Bits *>(&v);
+  for (int i = 0; i < E && c * E + i < n; ++i) e[i] = __ldcg(reinterpret_cast<const Bits *>(x) + c * E + i);
   return v;
 }
 
@@ -372,17 +379,14 @@ __device__ __forceinline__ void store_chunk(T *x, size_t c, size_t n, uint2 v) {
   for (int i = 0; i < E && c * E + i < n; ++i) x[c * E + i] = e[i];
 }
 
+// One LL call with sequence number seq over chunks first, first + stride, ... of this
+// rank's n elements: the launched kernel's body and the resident kernel's.
 template <typename T, int R>
-__global__ void __launch_bounds__(kThreads)
-    ll_kernel(pmg_peers p, int rank, size_t n, uint64_t timeout_ns) {
+__device__ __forceinline__ void ll_exchange(const pmg_peers &p, int rank, size_t n, uint32_t seq,
+                                            uint64_t timeout_ns, size_t first, size_t stride) {
   constexpr int E = 8 / sizeof(T);
-  pmg_signal *self = p.signal[rank];
-  // Every block reads the number before any block can move it on (below).
-  const uint32_t seq = *reinterpret_cast<volatile uint32_t *>(&self->ll_seq) + 1;
   const int slot = seq & 1;
   const size_t chunks = (n + E - 1) / E;
-  const size_t first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const size_t stride = size_t(gridDim.x) * blockDim.x;
   T *own = static_cast<T *>(p.data[rank]);
   for (size_t c = first; c < chunks; c += stride) {
     const uint2 v = load_chunk(own, c, n);
@@ -408,14 +412,104 @@ __global__ void __launch_bounds__(kThreads)
     for (int i = 0; i < E; ++i) e[i] = Elem<T>::store(__fdiv_rn(acc[i], float(R)));
     store_chunk(own, c, n, out);
   }
+}
+
+// Called by thread 0 of every block when the block is done with a call: true in the last
+// block to get here, which may then move the call's state on (every other block has read
+// it), after which the count starts again from zero for the next call.
+__device__ __forceinline__ bool last_block_out(pmg_signal *self) {
+  __threadfence();
+  if (atomicAdd(&self->ll_arrived, 1u) != gridDim.x - 1) return false;
+  self->ll_arrived = 0;
+  return true;
+}
+
+template <typename T, int R>
+__global__ void __launch_bounds__(kThreads)
+    ll_kernel(pmg_peers p, int rank, size_t n, uint64_t timeout_ns) {
+  pmg_signal *self = p.signal[rank];
+  // Every block reads the number before any block can move it on (below).
+  const uint32_t seq = *reinterpret_cast<volatile uint32_t *>(&self->ll_seq) + 1;
+  ll_exchange<T, R>(p, rank, n, seq, timeout_ns, size_t(blockIdx.x) * blockDim.x + threadIdx.x,
+                    size_t(gridDim.x) * blockDim.x);
   // The block that finishes last moves the number on: by then every block has read it, and
   // the next call, queued behind this kernel, reads the new one.
   __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(&self->ll_arrived, 1u) == gridDim.x - 1) {
-      self->ll_arrived = 0;
-      self->ll_seq = seq;
+  if (threadIdx.x == 0 && last_block_out(self)) self->ll_seq = seq;
+}
+
+// The resident kernel: LL calls without a launch each. Thread 0 of every block polls the
+// doorbell in page-locked host memory (one PCIe read at a time) for command `count`; the
+// block runs it, and the last block out writes the count into the doorbell's done line,
+// where the host polls. The host rings command k + 1 only after command k is done, so every
+// block has finished reading a call's mailboxes before any block of this rank sends the
+// next: the launched kernels' ordering, which the slots' argument above needs. The sequence
+// numbers go on from the signal block's, which no launched LL call moves while this runs,
+// and are written back when it stops, so that launched calls may follow.
+// The doorbell's command word, read in one 8-byte load: the command's count (32 bits), its
+// dtype (4 bits: a pmg_dtype, or kRingStop) and its element count (28 bits; LL's limit
+// needs 18).
+constexpr int kRingStop = 15;
+constexpr uint64_t kRingMaxN = (uint64_t(1) << 28) - 1;
+__host__ __device__ constexpr uint64_t ring_word(uint32_t count, uint64_t n, int dtype) {
+  return (uint64_t(count) << 32) | (uint64_t(dtype & 15) << 28) | (n & kRingMaxN);
+}
+__host__ __device__ constexpr uint32_t ring_count(uint64_t w) { return uint32_t(w >> 32); }
+__host__ __device__ constexpr int ring_dtype(uint64_t w) { return int((w >> 28) & 15); }
+__host__ __device__ constexpr size_t ring_n(uint64_t w) { return size_t(w & kRingMaxN); }
+
+__device__ __forceinline__ uint64_t ld_acquire_sys64(const uint64_t *p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys64(uint64_t *p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+template <int R>
+__global__ void __launch_bounds__(kThreads)
+    resident_kernel(pmg_peers p, int rank, uint64_t timeout_ns, pmg_doorbell *bell) {
+  __shared__ uint64_t command;
+  pmg_signal *self = p.signal[rank];
+  const uint32_t seq0 = *reinterpret_cast<volatile uint32_t *>(&self->ll_seq);
+  const size_t first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const size_t stride = size_t(gridDim.x) * blockDim.x;
+  for (uint32_t count = 1;; ++count) {
+    if (threadIdx.x == 0) {
+      uint64_t w;
+      do {
+        w = ld_acquire_sys64(&bell->ring);
+      } while (ring_count(w) != count);
+      command = w;
+    }
+    __syncthreads();
+    const uint64_t w = command;
+    __syncthreads();  // thread 0 overwrites `command` only after every thread has read it
+    const int dtype = ring_dtype(w);
+    if (dtype == kRingStop) {
+      if (threadIdx.x == 0 && last_block_out(self)) {
+        self->ll_seq = seq0 + count - 1;
+        __threadfence_system();
+        st_release_sys64(&bell->done, count);
+      }
+      return;
+    }
+    const size_t n = ring_n(w);
+    const uint32_t seq = seq0 + count;
+    if (dtype == PMG_FLOAT32)
+      ll_exchange<float, R>(p, rank, n, seq, timeout_ns, first, stride);
+    else if (dtype == PMG_FLOAT16)
+      ll_exchange<__half, R>(p, rank, n, seq, timeout_ns, first, stride);
+    else
+      ll_exchange<__nv_bfloat16, R>(p, rank, n, seq, timeout_ns, first, stride);
+    // Every thread's stores are ordered before thread 0's fence by the barrier, and the
+    // last block's release to the host covers every block's (the fence before each count).
+    __syncthreads();
+    if (threadIdx.x == 0 && last_block_out(self)) {
+      __threadfence_system();
+      st_release_sys64(&bell->done, count);
     }
   }
 }
@@ -830,6 +924,96 @@ int pmg_allreduce_average(const pmg_peers *peers, size_t stage_offset, int rank,
     default: return PMG_ERR_UNSUPPORTED_DTYPE;
   }
   return launched();
+}
+
+int pmg_doorbell_alloc(pmg_doorbell **bell) {
+  if (!bell) return PMG_ERR_INVALID_ARGUMENT;
+  // Mapped: the kernel reads and writes it in place, over PCIe, with no copy queued.
+  cudaError_t err = cudaHostAlloc(reinterpret_cast<void **>(bell), sizeof(pmg_doorbell),
+                                  cudaHostAllocMapped);
+  if (err != cudaSuccess) return err;
+  memset(*bell, 0, sizeof(pmg_doorbell));
+  return 0;
+}
+
+int pmg_doorbell_free(pmg_doorbell *bell) { return bell ? cudaFreeHost(bell) : 0; }
+
+int pmg_resident_start(const pmg_peers *peers, int rank, int nranks, int blocks,
+                       uint64_t timeout_ns, pmg_doorbell *bell, cudaStream_t stream) {
+  if (int err = check_ranks(rank, nranks)) return err;
+  if (int err = check_peers(peers, nranks)) return err;
+  if (!bell || blocks < 1 || blocks > PMG_MAX_BLOCKS) return PMG_ERR_INVALID_ARGUMENT;
+  pmg_doorbell *mapped = nullptr;
+  if (cudaError_t err = cudaHostGetDevicePointer(reinterpret_cast<void **>(&mapped), bell, 0))
+    return err;
+  bell->ring = 0;  // count 0: the kernel waits for command 1
+  bell->done = 0;
+  const pmg_peers &p = *peers;
+  switch (nranks) {
+    case 1: resident_kernel<1><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped); break;
+    case 2: resident_kernel<2><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped); break;
+    case 3: resident_kernel<3><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped); break;
+    case 4: resident_kernel<4><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped); break;
+    case 5: resident_kernel<5><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped); break;
+    case 6: resident_kernel<6><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped); break;
+    case 7: resident_kernel<7><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped); break;
+    case 8: resident_kernel<8><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped); break;
+  }
+  return launched();
+}
+
+int pmg_resident_ring(pmg_doorbell *bell, uint32_t count, size_t n, int dtype) {
+  if (!bell) return PMG_ERR_INVALID_ARGUMENT;
+  const size_t esize = pmg_dtype_size(dtype);
+  if (!esize) return PMG_ERR_UNSUPPORTED_DTYPE;
+  if (n * esize > PMG_LL_MAX_BYTES) return PMG_ERR_INVALID_ARGUMENT;
+  // One 8-byte store, which the kernel reads whole: it never sees half a command.
+  __atomic_store_n(&bell->ring, ring_word(count, n, dtype), __ATOMIC_RELEASE);
+  return 0;
+}
+
+namespace {
+inline void spin_pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Polls the done line for count. Every 1024 polls (tens of microseconds) it asks whether
+// the kernel still runs: a kernel that trapped (a peer never came, after timeout_ns) or
+// ended leaves nothing to wait for, and its status says why. Past timeout_ns, and a margin
+// for the kernel's own trap to land first, it gives up.
+int wait_done(pmg_doorbell *bell, uint32_t count, uint64_t timeout_ns, cudaStream_t stream) {
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::nanoseconds(timeout_ns) + std::chrono::seconds(5);
+  for (uint64_t polls = 1;; ++polls) {
+    if (uint32_t(__atomic_load_n(&bell->done, __ATOMIC_ACQUIRE)) == count) return 0;
+    if (polls % 1024 == 0) {
+      const cudaError_t state = cudaStreamQuery(stream);
+      if (state != cudaErrorNotReady) {
+        if (uint32_t(__atomic_load_n(&bell->done, __ATOMIC_ACQUIRE)) == count) return 0;
+        return state != cudaSuccess ? int(state) : PMG_ERR_NOT_RUNNING;
+      }
+      if (std::chrono::steady_clock::now() > deadline) return PMG_ERR_TIMEOUT;
+    }
+    spin_pause();
+  }
+}
+}  // namespace
+
+int pmg_resident_wait(pmg_doorbell *bell, uint32_t count, uint64_t timeout_ns,
+                      cudaStream_t stream) {
+  if (!bell) return PMG_ERR_INVALID_ARGUMENT;
+  return wait_done(bell, count, timeout_ns, stream);
+}
+
+int pmg_resident_stop(pmg_doorbell *bell, uint32_t count, cudaStream_t stream) {
+  if (!bell) return PMG_ERR_INVALID_ARGUMENT;
+  __atomic_store_n(&bell->ring, ring_word(count, 0, kRingStop), __ATOMIC_RELEASE);
+  // The kernel's end, or its error: a stream query would race the last block's exit.
+  return cudaStreamSynchronize(stream);
 }
 
 int pmg_device_barrier(const pmg_peers *peers, int rank, int nranks, uint64_t timeout_ns,

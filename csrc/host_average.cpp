@@ -118,6 +118,8 @@ const char *pmg_status_name(int status) {
     case PMG_ERR_BAD_RANK_COUNT: return "pmgErrorBadRankCount";
     case PMG_ERR_MISALIGNED: return "pmgErrorMisaligned";
     case PMG_ERR_NO_CUDA: return "pmgErrorNoCuda";
+    case PMG_ERR_TIMEOUT: return "pmgErrorTimeout";
+    case PMG_ERR_NOT_RUNNING: return "pmgErrorNotRunning";
     default: return nullptr;
   }
 }
@@ -130,6 +132,8 @@ const char *pmg_status_string(int status) {
     case PMG_ERR_BAD_RANK_COUNT: return "rank count must be 1 to 8 and rank within it";
     case PMG_ERR_MISALIGNED: return "buffer not aligned to 16 bytes";
     case PMG_ERR_NO_CUDA: return "pympgu was built without CUDA";
+    case PMG_ERR_TIMEOUT: return "timed out waiting for the GPU";
+    case PMG_ERR_NOT_RUNNING: return "the resident exchange kernel is not running";
     default: return nullptr;
   }
 }

@@ -57,7 +57,9 @@ enum pmg_status {
   PMG_ERR_UNSUPPORTED_DTYPE = 10002,
   PMG_ERR_BAD_RANK_COUNT = 10003,
   PMG_ERR_MISALIGNED = 10004,
-  PMG_ERR_NO_CUDA = 10005
+  PMG_ERR_NO_CUDA = 10005,
+  PMG_ERR_TIMEOUT = 10006,
+  PMG_ERR_NOT_RUNNING = 10007
 };
 
 /* Peer-visible control block at the start of every registered (IPC-shared) allocation.
@@ -235,6 +237,42 @@ int pmg_mean_list(const pmg_mean *list, int count, const float *shadow, size_t s
 int pmg_push_peers(const pmg_peers *peers, size_t shadow_offset, size_t slot_bytes, int rank,
                    int nranks, const void *const *src, const size_t *at, const size_t *nbytes,
                    int count, cudaStream_t stream);
+/* ---- the resident exchange ----
+ * A launched exchange costs a launch and a wait on its stream: about 12 us from Python on
+ * an H200 host even when the kernel waits for nobody (docs/BENCHMARKS.md, session 14).
+ * pmg_resident_start instead leaves a kernel of `blocks` blocks running on the device that
+ * polls a doorbell in page-locked host memory; each command rung there makes it average the
+ * group's data as PMG_ALGO_LL does (same mailboxes, same bits), and it writes the command's
+ * count into the doorbell when done, where the host polls. While it runs, no other LL call
+ * may run on the group, and anything that waits for the whole device (cudaDeviceSynchronize,
+ * cudaFree) waits for it: only pmg_resident_stop ends it. Every block must fit on the
+ * device at once beside other work (blocks <= SM count; each takes 512 threads of an SM,
+ * not the whole SM). */
+typedef struct pmg_doorbell {
+  uint64_t ring;    /* host to GPU: the last command; the GPU never writes it */
+  uint64_t pad0[7]; /* each line has one writer: the host's stores never evict the GPU's */
+  uint64_t done;    /* GPU to host: the count of the last command done */
+  uint64_t pad1[7];
+} pmg_doorbell;
+/* Page-locked, mapped into every device's address space, zeroed. */
+int pmg_doorbell_alloc(pmg_doorbell **bell);
+int pmg_doorbell_free(pmg_doorbell *bell);
+/* Every rank of the group starts its own; timeout_ns bounds each wait for a peer's values,
+ * past which the kernel traps, as the barriers do. */
+int pmg_resident_start(const pmg_peers *peers, int rank, int nranks, int blocks,
+                       uint64_t timeout_ns, pmg_doorbell *bell, cudaStream_t stream);
+/* Command number `count` (1, 2, ... after the start; each only after the last is done):
+ * average the first n elements of dtype (at most PMG_LL_MAX_BYTES). Every rank rings the
+ * same commands. The data must be written (its kernels finished) before the ring. */
+int pmg_resident_ring(pmg_doorbell *bell, uint32_t count, size_t n, int dtype);
+/* Wait on the host until command `count` is done: 0, or the kernel's own error if it ended
+ * (a trap: a peer never sent), PMG_ERR_NOT_RUNNING if it ended cleanly, or PMG_ERR_TIMEOUT
+ * some seconds past timeout_ns. `stream` is the kernel's. */
+int pmg_resident_wait(pmg_doorbell *bell, uint32_t count, uint64_t timeout_ns,
+                      cudaStream_t stream);
+/* Ring the stop as command `count`, and wait for the kernel to end: its status. It leaves
+ * the signal block's LL sequence number where launched LL calls continue from. */
+int pmg_resident_stop(pmg_doorbell *bell, uint32_t count, cudaStream_t stream);
 /* A GPU-side barrier alone (one block), for methods that move data with copies. */
 int pmg_device_barrier(const pmg_peers *peers, int rank, int nranks, uint64_t timeout_ns,
                        cudaStream_t stream);

@@ -1,5 +1,5 @@
 # Declarations of pympgu's CUDA C API (csrc/pympgu.h built with PMG_WITH_CUDA).
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 
 cdef extern from "cuda_runtime_api.h" nogil:
     ctypedef void *cudaStream_t
@@ -26,6 +26,10 @@ cdef extern from "pympgu.h" nogil:
     ctypedef struct pmg_peers:
         void *data[PMG_MAX_RANKS]
         pmg_signal *signal[PMG_MAX_RANKS]
+
+    ctypedef struct pmg_doorbell:
+        uint64_t ring
+        uint64_t done
 
     ctypedef struct pmg_tensor:
         const void *inputs[PMG_MAX_RANKS]
@@ -104,6 +108,14 @@ cdef extern from "pympgu.h" nogil:
                                  int nranks, size_t n, int dtype, size_t chunk_bytes,
                                  int max_blocks, uint64_t timeout_ns, cudaStream_t stream,
                                  cudaStream_t copy_stream, cudaEvent_t event)
+    int pmg_doorbell_alloc(pmg_doorbell **bell)
+    int pmg_doorbell_free(pmg_doorbell *bell)
+    int pmg_resident_start(const pmg_peers *peers, int rank, int nranks, int blocks,
+                           uint64_t timeout_ns, pmg_doorbell *bell, cudaStream_t stream)
+    int pmg_resident_ring(pmg_doorbell *bell, uint32_t count, size_t n, int dtype)
+    int pmg_resident_wait(pmg_doorbell *bell, uint32_t count, uint64_t timeout_ns,
+                          cudaStream_t stream)
+    int pmg_resident_stop(pmg_doorbell *bell, uint32_t count, cudaStream_t stream)
     int pmg_device_barrier(const pmg_peers *peers, int rank, int nranks, uint64_t timeout_ns,
                            cudaStream_t stream)
     int pmg_gather_peers(const pmg_peers *peers, int rank, int nranks, void *shadow, size_t n,

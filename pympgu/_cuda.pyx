@@ -17,6 +17,7 @@ from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset
 
+import atexit
 import os
 
 import numpy as np
@@ -113,9 +114,45 @@ def device_sm_count(int device):
 
 
 def synchronize():
-    """Wait for all work on the current device."""
+    """Wait for all work on the current device (not while a resident exchange runs there:
+    that work never ends until it is closed)."""
+    _refuse_device_wait(get_device(), "cuda.synchronize()")
     with nogil:
         check(pmg_device_synchronize())
+
+
+# Devices on which a resident exchange kernel runs (PeerGroup.resident), and how many.
+# Whatever waits for the whole device would wait for such a kernel forever, so pympgu's own
+# host copies wait for their stream only, cuda.synchronize() refuses, and memory freed
+# meanwhile (cudaFree waits for the device) is freed when the last one there ends.
+_resident_on = {}
+_deferred_frees = []  # (pointer, device)
+# The running Residents themselves: held until closed, and closed at exit if the program
+# did not, before the interpreter's teardown frees memory (which would wait for them).
+_running = set()
+
+
+@atexit.register
+def _stop_residents():
+    for resident in list(_running):
+        try:
+            resident.close()
+        except CudaError:
+            pass
+
+
+def _refuse_device_wait(int device, what):
+    if _resident_on.get(device):
+        raise RuntimeError(f"{what} would wait forever for the resident exchange running on "
+                           f"GPU {device}: close it (Resident.close) first")
+
+
+cdef _free_device(void *ptr, int device):
+    running = _resident_on  # None late in the interpreter's teardown: _stop_residents ran
+    if running and running.get(device):
+        _deferred_frees.append((<uintptr_t>ptr, device))
+    else:
+        pmg_free(ptr)
 
 
 def pointer_device(uintptr_t ptr):
@@ -353,16 +390,17 @@ cdef class DeviceArray:
         self.order_before(0)
         with nogil:
             check(pmg_memset_async(p, value, n, NULL))
-            check(pmg_device_synchronize())
+            check(pmg_stream_synchronize(NULL))
 
     def __repr__(self):
         return f"DeviceArray(shape={self.shape}, dtype={self.dtype}, device={self.device})"
 
 
 def _memcpy(uintptr_t dst, uintptr_t src, size_t nbytes):
+    # The legacy stream, waited for alone: callers order it after the data's own stream.
     with nogil:
         check(pmg_memcpy_async(<void *>dst, <const void *>src, nbytes, NULL))
-        check(pmg_device_synchronize())
+        check(pmg_stream_synchronize(NULL))
 
 
 cdef class DeviceBuffer:
@@ -422,7 +460,7 @@ cdef class DeviceBuffer:
     def close(self):
         """Free the memory now; calling it again does nothing."""
         if self._ptr != NULL:
-            pmg_free(self._ptr)
+            _free_device(self._ptr, self.device)
             self._ptr = NULL
 
     def __enter__(self):
@@ -433,7 +471,7 @@ cdef class DeviceBuffer:
 
     def __dealloc__(self):
         if self._ptr != NULL:
-            pmg_free(self._ptr)
+            _free_device(self._ptr, self.device)
 
 
 # ---------------------------------------------------------------- foreign arrays
@@ -884,6 +922,9 @@ def xla_handler(name="pympgu_average"):
     return PyCapsule_New(handler, NULL, NULL)
 
 
+cdef class Resident  # below: a PeerGroup knows its running one
+
+
 cdef class PeerGroup:
     """This process's replica in a group of nranks processes that average a buffer together.
 
@@ -926,6 +967,7 @@ cdef class PeerGroup:
     # 'auto''s thresholds, read from the environment once: a lookup there costs about a
     # microsecond, a fifth of what queueing a small exchange takes (docs/BENCHMARKS.md).
     cdef size_t ll_max, oneshot_max, push_min
+    cdef Resident _resident  # while one runs: nothing else may exchange
 
     def __init__(self, int rank, int nranks, size_t nbytes, device=None, double timeout=60.0,
                  staging=None, bint shadow=False):
@@ -956,6 +998,7 @@ cdef class PeerGroup:
             end = self.shadow_offset + (nranks - 1) * _align(nbytes, _ALIGN)
         self.block = DeviceBuffer(self.data_offset + end)
         self.stream = Stream()
+        self._resident = None
         if self.stage_bytes:
             self.copy_stream = Stream()
             self.order = Event(timing=False)
@@ -967,9 +1010,10 @@ cdef class PeerGroup:
         cdef void *base = <void *><uintptr_t>self.block.ptr
         # Zero the flags, counters and mailboxes before the handle leaves this process: a
         # peer may signal into them as soon as it has mapped them.
+        cdef cudaStream_t s = self.stream.handle
         with nogil:
-            check(pmg_memset_async(base, 0, self.data_offset, NULL))
-            check(pmg_device_synchronize())
+            check(pmg_memset_async(base, 0, self.data_offset, s))
+            check(pmg_stream_synchronize(s))
 
     @property
     def auto_bytes(self):
@@ -1040,10 +1084,31 @@ cdef class PeerGroup:
         self.connected = True
 
     cdef _require(self, size_t n, int code):
-        if not self.connected:
-            raise RuntimeError("PeerGroup is not connected: call connect(handles) first")
+        self._require_idle()
         if n * pmg_dtype_size(code) > self.nbytes:
             raise ValueError(f"{n} elements do not fit the group's {self.nbytes}-byte buffer")
+
+    cdef _require_idle(self):
+        if not self.connected:
+            raise RuntimeError("PeerGroup is not connected: call connect(handles) first")
+        if self._resident is not None:
+            raise RuntimeError(f"rank {self.rank}: the group's resident exchange is running; "
+                               f"average through it, or close it first")
+
+    def resident(self, blocks=None):
+        """Start this rank's resident exchange (a :class:`Resident`; every rank starts its
+        own): a kernel left running that averages the group's buffer by 'll' each time
+        ``Resident.allreduce`` rings it, with no launch, for up to LL_MAX_BYTES. ``blocks``
+        (default RESIDENT_BLOCKS, at most the SM count) of 512 threads stay on the GPU until
+        it is closed; meanwhile the group's other methods refuse, and so does
+        ``cuda.synchronize()``: anything that waits for the whole device (torch.cuda.
+        synchronize, cudaFree) would wait for it forever."""
+        self._require_idle()
+        cdef int b = RESIDENT_BLOCKS if blocks is None else blocks
+        if not 1 <= b <= min(self.sm_count, PMG_MAX_BLOCKS):
+            raise ValueError(f"blocks must be 1 to the GPU's {self.sm_count} SMs (every block "
+                             f"must fit on the device at once), got {b}")
+        return Resident(self, b)
 
     def algorithm(self, size_t nbytes, algo="auto"):
         """The algorithm ('ll', 'oneshot', 'twoshot', 'push' or 'ce') that allreduce would
@@ -1106,8 +1171,7 @@ cdef class PeerGroup:
         rather than touch freed memory. shadow: the operations also get the shadow of the
         gather algorithm: the shared one (see the class), or else a private one ((nranks - 1)
         * nbytes, allocated once, here)."""
-        if not self.connected:
-            raise RuntimeError("PeerGroup is not connected: call connect(handles) first")
+        self._require_idle()
         if self._xla_id and (not shadow or self.shadow_offset or self.shadow is not None
                              or self.nranks == 1):
             return self._xla_id
@@ -1186,8 +1250,7 @@ cdef class PeerGroup:
 
     def barrier(self, bint synchronize=True):
         """A GPU-side barrier of the whole group, queued on the group's stream."""
-        if not self.connected:
-            raise RuntimeError("PeerGroup is not connected: call connect(handles) first")
+        self._require_idle()
         set_device(self.device)
         self._launched(pmg_device_barrier(&self.peers, self.rank, self.nranks, self.timeout_ns,
                                           self.stream.handle), synchronize)
@@ -1231,10 +1294,16 @@ cdef class PeerGroup:
 
     def close(self):
         """Unmap every peer and free this rank's memory; calling it again does nothing."""
+        errors = []
+        if self._resident is not None:
+            try:
+                self._resident.close()
+            except CudaError as e:  # free the rest all the same
+                errors.append(e)
         if self._xla_id:
             pmg_xla_unregister(self._xla_id)
             self._xla_id = 0
-        errors = self._unmap()
+        errors += self._unmap()
         if self.shadow is not None:
             self.shadow.close()
             self.shadow = None
@@ -1255,3 +1324,129 @@ cdef class PeerGroup:
 
     def __exit__(self, *exc):
         self.close()
+
+
+# Blocks of a resident exchange by default: enough for 256 KiB in a few rounds of 512
+# threads each (docs/BENCHMARKS.md, session 15).
+RESIDENT_BLOCKS = 8
+
+
+cdef class Resident:
+    """A rank's resident exchange, from :meth:`PeerGroup.resident`: a kernel that stays on
+    the GPU and averages the group's buffer each time :meth:`allreduce` rings it.
+
+    A launched exchange pays a kernel launch and a wait on its stream, about 12 us from
+    Python on an H200 host even with no peer to wait for; here the host writes a command into
+    page-locked memory that the kernel polls, and polls the line where the kernel reports
+    it done. The averaging is the 'll' algorithm's, in the same mailboxes, with the same
+    bits. Every rank starts its own and rings the same commands in the same order. A context
+    manager; ``close()`` stops the kernel (closing the group stops it too).
+    """
+    cdef PeerGroup group
+    cdef pmg_doorbell *bell
+    cdef readonly Stream stream
+    cdef readonly int blocks
+    cdef readonly int device
+    cdef uint32_t count
+    cdef readonly bint running
+
+    def __cinit__(self):
+        self.bell = NULL
+        self.running = False
+
+    def __init__(self, PeerGroup group, int blocks):
+        self.group = group
+        self.blocks = blocks
+        self.device = group.device
+        set_device(self.device)
+        check(pmg_doorbell_alloc(&self.bell))
+        self.stream = Stream()
+        # The kernel must not start before the group's queued work (a launched exchange
+        # still in flight would share its mailboxes); waiting once here is cheap.
+        group.synchronize()
+        check(pmg_resident_start(&group.peers, group.rank, group.nranks, blocks,
+                                 group.timeout_ns, self.bell, self.stream.handle))
+        self.running = True
+        self.count = 0
+        group._resident = self
+        _resident_on[self.device] = _resident_on.get(self.device, 0) + 1
+        _running.add(self)
+
+    def allreduce(self, size_t n, dtype="float32"):
+        """Average the first n elements of every rank's data buffer, in place, and wait for
+        it. Every rank calls it with the same n and dtype. The data must be in place: work
+        that wrote it on a stream must be finished (synchronize that stream) first."""
+        cdef int code = dtype_code(dtype)
+        if not self.running:
+            raise RuntimeError("this resident exchange is closed")
+        cdef size_t nbytes = n * pmg_dtype_size(code)
+        if nbytes > self.group.nbytes:
+            raise ValueError(f"{n} elements do not fit the group's {self.group.nbytes}-byte "
+                             f"buffer")
+        if nbytes > LL_MAX_BYTES:
+            raise ValueError(f"the resident exchange averages at most {LL_MAX_BYTES} bytes "
+                             f"('ll'), got {nbytes}")
+        self.count += 1
+        cdef uint32_t count = self.count
+        cdef uint64_t timeout_ns = self.group.timeout_ns
+        cdef cudaStream_t s = self.stream.handle
+        cdef int status
+        check(pmg_resident_ring(self.bell, count, n, code))
+        with nogil:
+            status = pmg_resident_wait(self.bell, count, timeout_ns, s)
+        if status != 0:
+            self._ended()
+            _raise(status, f"rank {self.group.rank} of {self.group.nranks}, resident exchange "
+                           f"{count} (if a peer died or stopped ringing, the kernel traps after "
+                           f"{timeout_ns / 1e9:g} s)")
+
+    cdef _ended(self):
+        """The kernel is gone (or given up on): forget it, free what it held."""
+        self.running = False
+        _running.discard(self)
+        if self.group is not None and self.group._resident is self:
+            self.group._resident = None
+        left = _resident_on.get(self.device, 0) - 1
+        if left > 0:
+            _resident_on[self.device] = left
+        else:
+            _resident_on.pop(self.device, None)
+            keep = []
+            for ptr, device in _deferred_frees:
+                if device == self.device:
+                    pmg_free(<void *><uintptr_t>ptr)
+                else:
+                    keep.append((ptr, device))
+            _deferred_frees[:] = keep
+
+    def close(self):
+        """Stop the kernel and wait for it to end; calling it again does nothing."""
+        cdef int status = 0
+        cdef uint32_t count
+        cdef cudaStream_t s
+        if self.running:
+            self.count += 1
+            count = self.count
+            s = self.stream.handle
+            with nogil:
+                status = pmg_resident_stop(self.bell, count, s)
+            self._ended()
+        if self.bell != NULL:
+            pmg_doorbell_free(self.bell)
+            self.bell = NULL
+        if self.stream is not None:
+            self.stream.close()
+        if status != 0:
+            _raise(status, f"rank {self.group.rank} of {self.group.nranks}, resident exchange")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __dealloc__(self):
+        # A kernel still running holds the doorbell: leave both to the process's end rather
+        # than free memory the GPU polls.
+        if self.bell != NULL and not self.running:
+            pmg_doorbell_free(self.bell)

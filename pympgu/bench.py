@@ -9,7 +9,9 @@ time per exchange comes from CUDA events around back-to-back exchanges (median o
 repeats), so it includes the GPU barrier but not Python. "e2e" is the host's wall time of one
 exchange called from Python and waited for, which is what a training step pays. GB/s is
 buffer bytes over device time. NCCL is all_reduce(op=AVG) through torch.distributed, run when
-torch is importable and every rank has its own GPU.
+torch is importable and every rank has its own GPU. 'resident' (PeerGroup.resident: a kernel
+left running, rung from the host) queues nothing on a stream, so its first time is the host's,
+per call of back-to-back calls; it takes the sizes 'll' takes.
 """
 import argparse
 import json
@@ -19,7 +21,7 @@ import sys
 import time
 import traceback
 
-METHODS = ("auto", "ll", "oneshot", "twoshot", "push", "ce", "copy")
+METHODS = ("auto", "ll", "resident", "oneshot", "twoshot", "push", "ce", "copy")
 DEFAULT_SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20,
                  256 << 20, 1 << 30]
 
@@ -79,6 +81,23 @@ def _time_host(run, sync, iters):
     return {"e2e_us": statistics.median(e2e), "queue_us": statistics.median(queued)}
 
 
+def _time_resident(group, n, blocks, iters=200):
+    """The resident exchange, which waits on the host in every call: µs per call over iters
+    calls back to back ("us", median of 5 runs), and per call alone ("e2e_us")."""
+    with group.resident(blocks) as fast:
+        for _ in range(20):
+            fast.allreduce(n)
+        runs = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fast.allreduce(n)
+            runs.append((time.perf_counter() - t0) * 1e6 / iters)
+        out = {"us": statistics.median(runs)}
+        out.update(_time_host(lambda: fast.allreduce(n), lambda: None, iters))
+    return out
+
+
 def columns(methods, blocks):
     """(column name, method, block cap) for every timed combination."""
     return [(m if b is None else f"{m}@{b}", m, b) for b in blocks for m in methods
@@ -104,8 +123,12 @@ def rank_main(rank, nranks, device, sizes, methods, conn, init_file, use_nccl, b
             group.data("float32", n).copy_from_host(x)  # random data: never time zeros
             row = {"bytes": nbytes}
             for name, method, cap in columns(methods, blocks):
-                if method == "ll" and nbytes > cuda.LL_MAX_BYTES:
+                if method in ("ll", "resident") and nbytes > cuda.LL_MAX_BYTES:
                     continue  # beyond its mailboxes: the table shows nan
+                if method == "resident":
+                    if cap is None or cap <= group.sm_count:
+                        row[name] = _time_resident(group, n, cap)
+                    continue
                 if method == "copy":
                     def run(n=n):
                         group.copy_average(n, "float32", synchronize=False)
@@ -271,7 +294,8 @@ def main(argv=None):
     parser.add_argument("--blocks", nargs="+", type=int, default=None, metavar="B",
                         help="also time the kernels with their grid capped at B blocks (column "
                              "'twoshot@B'): what an exchange that leaves SMs to overlapping "
-                             "compute costs (default: the full grid only)")
+                             "compute costs; 'resident@B' runs B blocks (default: the full "
+                             "grid only, and RESIDENT_BLOCKS for 'resident')")
     parser.add_argument("--no-nccl", action="store_true", help="skip the NCCL baseline")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args(argv)

@@ -132,6 +132,75 @@ def ll_rounds(rank, conn, nranks, ngpus, plan):
         group.close()
 
 
+def resident_rounds(rank, conn, nranks, ngpus, plan, blocks):
+    """Every round of plan but the last two through the resident exchange, with no host
+    barrier between rounds (as ll_rounds); then, once it has stopped, a launched 'll' round
+    (the sequence numbers go on where the kernel left them) and a 'oneshot' round (the
+    group works as before). Returns the rounds' [(bytes, guard intact)], what the group
+    refused while the kernel ran, and the frees deferred during and after it."""
+    from pympgu import _cuda, cuda
+    capacity = max(n * (4 if d == "float32" else 2) for _, n, d in plan)
+    group = cuda.PeerGroup(rank, nranks, capacity + GUARD, device=rank % ngpus, timeout=60)
+    try:
+        conn.send(group.handle)
+        group.connect(conn.recv())
+        out, refused = [], []
+        with group.resident(blocks) as fast:
+            for what, call in [("allreduce", lambda: group.allreduce(8)),
+                               ("barrier", group.barrier), ("resident", group.resident),
+                               ("synchronize", cuda.synchronize)]:
+                try:
+                    call()
+                except RuntimeError:
+                    refused.append(what)
+            cuda.DeviceBuffer(1 << 20).close()  # cudaFree would wait for the kernel forever
+            deferred = len(_cuda._deferred_frees)
+            for seed, n, dtype in plan[:-2]:
+                out.append(_poisoned_case(group, case_inputs(seed, rank, nranks, n, dtype),
+                                          lambda: fast.allreduce(n, dtype)))
+        deferred_after = len(_cuda._deferred_frees)
+        seed, n, dtype = plan[-2]
+        out.append(_poisoned_case(group, case_inputs(seed, rank, nranks, n, dtype),
+                                  lambda: group.allreduce(n, dtype, algo="ll")))
+        seed, n, dtype = plan[-1]
+
+        def oneshot():
+            group.barrier()  # every rank has written its input
+            group.allreduce(n, dtype, algo="oneshot")
+        out.append(_poisoned_case(group, case_inputs(seed, rank, nranks, n, dtype), oneshot))
+        group.barrier()  # no rank closes while a peer still reads its buffer
+        return out, refused, deferred, deferred_after
+    finally:
+        group.close()
+
+
+def resident_silent_peer(rank, conn, ngpus, timeout):
+    """Rank 0 rings its resident exchange; rank 1 never does. Rank 0 returns the error it
+    got and the seconds it took, or None if the exchange came back."""
+    import time
+
+    from pympgu import CudaError, cuda
+    group = cuda.PeerGroup(rank, 2, 4096 + GUARD, device=rank % ngpus, timeout=timeout)
+    conn.send(group.handle)
+    group.connect(conn.recv())
+    if rank == 1:  # keeps its buffer mapped-in until rank 0 has given up on it
+        time.sleep(timeout + 3)
+        group.close()
+        return None
+    fast = group.resident(1)
+    t0 = time.monotonic()
+    try:
+        fast.allreduce(16)
+        return None
+    except CudaError as e:
+        return e.name, str(e), time.monotonic() - t0
+    finally:
+        try:  # the trap left the context unusable: teardown fails too, and that is expected
+            group.close()
+        except CudaError:
+            pass
+
+
 def nccl_average(rank, conn, nranks, seed, n, init_file):
     """NCCL all_reduce(AVG) of this rank's integer-valued input, beside pympgu's result."""
     import torch

@@ -11,7 +11,8 @@ import pytest
 
 import pympgu
 from conftest import visible_gpus
-from gpu_workers import case_inputs, exchange_cases, ll_rounds, nccl_average, run_children
+from gpu_workers import (case_inputs, exchange_cases, ll_rounds, nccl_average, resident_rounds,
+                         resident_silent_peer, run_children)
 from reference import mean64, model_average, same_bits, to_f32
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
@@ -91,6 +92,66 @@ def test_ll_on_one_rank_and_its_limit():
         assert group.allreduce(auto + 1, "float32") != "ll"
         with pytest.raises(ValueError, match="at most"):
             group.allreduce(x.size + 1, "float32", algo="ll")
+    finally:
+        group.close()
+
+
+@pytest.mark.parametrize("nranks,blocks", [(2, None), (3, 2), (8, 1)])
+def test_resident_exchange(nranks, blocks):
+    """The resident kernel, over rounds that change size and dtype with no barrier between
+    them: every round exact on every rank, as 'll' launched; the group refuses its other
+    work meanwhile, memory freed meanwhile waits for the kernel's end; launched exchanges
+    work after it."""
+    rng = np.random.default_rng()
+    seed = int(rng.integers(1 << 31))
+    top = pympgu.cuda.LL_MAX_BYTES
+    plan = []
+    for i in range(24):
+        dtype = DTYPES[i % 3]
+        most = top // ITEMSIZE[dtype]
+        n = [1, most, int(rng.integers(1, 600)), int(rng.integers(1, most + 1))][i % 4]
+        plan.append((seed + i, n, dtype))
+    results = run_children(resident_rounds, nranks, (nranks, visible_gpus(), plan, blocks))
+    methods = ["resident"] * (len(plan) - 2) + ["ll", "oneshot"]
+    check_results([r[0] for r in results],
+                  [(s, n, d, m, False) for (s, n, d), m in zip(plan, methods)], nranks)
+    for rank, (_, refused, deferred, deferred_after) in enumerate(results):
+        assert refused == ["allreduce", "barrier", "resident", "synchronize"], rank
+        assert (deferred, deferred_after) == (1, 0), rank
+
+
+def test_resident_peer_that_never_rings():
+    """A rank whose peer never rings gets CUDA's error within the group's timeout, with
+    the rank and the reason in the message, instead of hanging."""
+    results = run_children(resident_silent_peer, 2, (visible_gpus(), 2.0))
+    name, message, seconds = results[0]
+    assert name == "cudaErrorLaunchFailure", message
+    assert "rank 0 of 2, resident exchange 1" in message and "traps after 2 s" in message
+    assert 1.5 < seconds < 30, seconds
+
+
+def test_resident_on_one_rank_and_its_limits():
+    top = pympgu.cuda.LL_MAX_BYTES
+    group = pympgu.cuda.PeerGroup(0, 1, 2 * top, device=0)
+    try:
+        group.connect([group.handle])
+        with pytest.raises(ValueError, match="SMs"):
+            group.resident(blocks=group.sm_count + 1)
+        x = np.random.default_rng().standard_normal(top // 4).astype(np.float32)
+        group.data("float32", x.size).copy_from_host(x)
+        with group.resident(blocks=1) as fast:
+            for _ in range(1000):
+                fast.allreduce(x.size)
+                fast.allreduce(7, "bfloat16")
+            with pytest.raises(ValueError, match="at most"):
+                fast.allreduce(x.size + 1)
+            assert np.array_equal(group.data("float32", x.size).copy_to_host(), x)
+        assert not fast.running
+        with pytest.raises(RuntimeError, match="closed"):
+            fast.allreduce(1)
+        fast.close()  # again: nothing
+        assert group.allreduce(x.size, "float32", algo="ll") == "ll"
+        pympgu.cuda.synchronize()  # allowed again
     finally:
         group.close()
 
