@@ -438,10 +438,13 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0 && last_block_out(self)) self->ll_seq = seq;
 }
 
-// The resident kernel: LL calls without a launch each. Thread 0 of every block polls the
-// doorbell in page-locked host memory (one PCIe read at a time) for command `count`; the
-// block runs it, and the last block out writes the count into the doorbell's done line,
-// where the host polls. The host rings command k + 1 only after command k is done, so every
+// The resident kernel: LL calls without a launch each. Thread 0 of block 0 polls the
+// doorbell in page-locked host memory (one PCIe read at a time) for command `count` and
+// relays it into the signal block, where thread 0 of every other block polls in L2: with
+// every block polling the host over PCIe, and with acquire loads, the kernel took 31 us a
+// call at 8 blocks and 182 at 32, and slowed a matrix product beside it 2.7x and 5.5x
+// (docs/BENCHMARKS.md, session 15). Each block runs the command, and the last block out
+// writes the count into the doorbell's done line, where the host polls. The host rings command k + 1 only after command k is done, so every
 // block has finished reading a call's mailboxes before any block of this rank sends the
 // next: the launched kernels' ordering, which the slots' argument above needs. The sequence
 // numbers go on from the signal block's, which no launched LL call moves while this runs,
@@ -458,9 +461,9 @@ __host__ __device__ constexpr uint32_t ring_count(uint64_t w) { return uint32_t(
 __host__ __device__ constexpr int ring_dtype(uint64_t w) { return int((w >> 28) & 15); }
 __host__ __device__ constexpr size_t ring_n(uint64_t w) { return size_t(w & kRingMaxN); }
 
-__device__ __forceinline__ uint64_t ld_acquire_sys64(const uint64_t *p) {
+__device__ __forceinline__ uint64_t ld_volatile64(const uint64_t *p) {
   uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
 
@@ -479,9 +482,15 @@ __global__ void __launch_bounds__(kThreads)
   for (uint32_t count = 1;; ++count) {
     if (threadIdx.x == 0) {
       uint64_t w;
-      do {
-        w = ld_acquire_sys64(&bell->ring);
-      } while (ring_count(w) != count);
+      if (blockIdx.x == 0) {
+        while (ring_count(w = ld_volatile64(&bell->ring)) != count) {
+        }
+        __threadfence_system();  // one fence a command, not one a poll
+        *reinterpret_cast<volatile uint64_t *>(&self->resident_command) = w;
+      } else {
+        while (ring_count(w = ld_volatile64(&self->resident_command)) != count) {
+        }
+      }
       command = w;
     }
     __syncthreads();
@@ -949,6 +958,9 @@ int pmg_resident_start(const pmg_peers *peers, int rank, int nranks, int blocks,
   bell->ring = 0;  // count 0: the kernel waits for command 1
   bell->done = 0;
   const pmg_peers &p = *peers;
+  // The relayed command of a kernel that ran before may hold this one's first count.
+  if (cudaError_t err = cudaMemsetAsync(&p.signal[rank]->resident_command, 0, sizeof(uint64_t), stream))
+    return err;
   switch (nranks) {
     case 1: resident_kernel<1><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped); break;
     case 2: resident_kernel<2><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped); break;

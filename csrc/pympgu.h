@@ -66,12 +66,13 @@ enum pmg_status {
  * flags[b][r]: the last barrier value that rank r announced to this rank's block b.
  * counter[b]: this rank's own count of barriers crossed by block b (never written by peers).
  * ll_seq: the sequence number of this rank's last LL call, ll_arrived: its blocks that have
- * finished the current one (both this rank's own). The LL mailboxes follow the block,
+ * finished the current one, resident_command: see pmg_resident_start (all this rank's own). The LL mailboxes follow the block,
  * pmg_ll_bytes(nranks) of them, before the data. */
 typedef struct pmg_signal {
   uint32_t flags[PMG_MAX_BLOCKS][PMG_MAX_RANKS];
   uint32_t counter[PMG_MAX_BLOCKS];
-  uint32_t ll_seq, ll_arrived, pad[2];
+  uint32_t ll_seq, ll_arrived;
+  uint64_t resident_command; /* the resident kernel's block 0 relays the host's command here */
 } pmg_signal;
 
 /* The R replicas as this process sees them: data[r] and signal[r] are local pointers for
