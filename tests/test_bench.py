@@ -141,3 +141,13 @@ def test_exchange_bench_table_leaves_out_what_a_method_does_not_take():
     e2e = lines[lines.index(next(x for x in lines if x.startswith("end to end"))) + 2]
     assert e2e.split("|")[1].split() == ["14.0", "(", "5.0)", "16.0", "(", "4.5)", "70.0", "(",
                                          "24.0)"]
+
+
+def test_exchange_bench_columns_cap_kernels_and_size_the_resident_kernel():
+    """--blocks B adds a capped column for every method but the copy method, which runs no
+    grid of its own; for 'resident', B is its kernel's block count."""
+    from pympgu.bench import METHODS, columns
+    assert "resident" in METHODS
+    got = columns(["ll", "resident", "copy"], [None, 4])
+    assert got == [("ll", "ll", None), ("resident", "resident", None), ("copy", "copy", None),
+                   ("ll@4", "ll", 4), ("resident@4", "resident", 4)]
