@@ -438,17 +438,6 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0 && last_block_out(self)) self->ll_seq = seq;
 }
 
-// The resident kernel: LL calls without a launch each. Thread 0 of block 0 polls the
-// doorbell in page-locked host memory (one PCIe read at a time) for command `count` and
-// relays it into the signal block, where thread 0 of every other block polls in L2: with
-// every block polling the host over PCIe, and with acquire loads, the kernel took 31 us a
-// call at 8 blocks and 182 at 32, and slowed a matrix product beside it 2.7x and 5.5x
-// (docs/BENCHMARKS.md, session 15). Each block runs the command, and the last block out
-// writes the count into the doorbell's done line, where the host polls. The host rings command k + 1 only after command k is done, so every
-// block has finished reading a call's mailboxes before any block of this rank sends the
-// next: the launched kernels' ordering, which the slots' argument above needs. The sequence
-// numbers go on from the signal block's, which no launched LL call moves while this runs,
-// and are written back when it stops, so that launched calls may follow.
 // The doorbell's command word, read in one 8-byte load: the command's count (32 bits), its
 // dtype (4 bits: a pmg_dtype, or kRingStop) and its element count (28 bits; LL's limit
 // needs 18).
@@ -471,6 +460,18 @@ __device__ __forceinline__ void st_release_sys64(uint64_t *p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+// The resident kernel: LL calls without a launch each. Thread 0 of block 0 polls the
+// doorbell in page-locked host memory (one PCIe read at a time) for command `count` and
+// relays it into the signal block, where thread 0 of every other block polls in L2: with
+// every block polling the host over PCIe, and with acquire loads, the kernel took 31 us a
+// call at 8 blocks and 182 at 32, and slowed a matrix product beside it 2.7x and 5.5x
+// (docs/BENCHMARKS.md, session 15). Each block runs the command, and the last block out
+// writes the count into the doorbell's done line, where the host polls. The host rings
+// command k + 1 only after command k is done, so every block has finished reading a call's
+// mailboxes before any block of this rank sends the next: the launched kernels' ordering,
+// which the slots' argument above needs. The sequence numbers go on from the signal
+// block's, which no launched LL call moves while this runs, and are written back when it
+// stops, so that launched calls may follow.
 template <int R>
 __global__ void __launch_bounds__(kThreads)
     resident_kernel(pmg_peers p, int rank, uint64_t timeout_ns, pmg_doorbell *bell) {

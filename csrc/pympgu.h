@@ -66,8 +66,8 @@ enum pmg_status {
  * flags[b][r]: the last barrier value that rank r announced to this rank's block b.
  * counter[b]: this rank's own count of barriers crossed by block b (never written by peers).
  * ll_seq: the sequence number of this rank's last LL call, ll_arrived: its blocks that have
- * finished the current one, resident_command: see pmg_resident_start (all this rank's own). The LL mailboxes follow the block,
- * pmg_ll_bytes(nranks) of them, before the data. */
+ * finished the current one, resident_command: see pmg_resident_start (all this rank's own).
+ * The LL mailboxes follow the block, pmg_ll_bytes(nranks) of them, before the data. */
 typedef struct pmg_signal {
   uint32_t flags[PMG_MAX_BLOCKS][PMG_MAX_RANKS];
   uint32_t counter[PMG_MAX_BLOCKS];
