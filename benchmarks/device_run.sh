@@ -37,8 +37,8 @@ for step in $steps; do
     nccl) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_exchange.py -k nccl 2>&1 | tail -3 ;;
     sanitize)
       for tool in memcheck racecheck; do
-        PYMPGU_TEST_MAX_N=70000 timeout 200 compute-sanitizer --tool $tool --target-processes all \
-          python3 -m pytest -q -p no:cacheprovider tests/test_gpu_exchange.py -k "all_methods and 2-None or wire_kernels" 2>&1 | tail -3
+        PYMPGU_TEST_MAX_N=70000 timeout ${SANITIZE_S:-200} compute-sanitizer --tool $tool --target-processes all \
+          python3 -m pytest -q -p no:cacheprovider tests/test_gpu_exchange.py -k "${SANITIZE_K:-all_methods and 2-None or wire_kernels}" 2>&1 | tail -3
       done ;;
     train)
       d=${DATA:-.data/fashion}
