@@ -334,25 +334,17 @@ __device__ __forceinline__ void ll_store(uint4 *line, uint2 v, uint32_t seq) {
                : "memory");
 }
 
-// One read of a line of this rank's own mailbox, {d0, seq, d1, seq} if it has landed.
-__device__ __forceinline__ uint4 ll_peek(const uint4 *line) {
-  uint4 v;
-  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(line)
-               : "memory");
-  return v;
-}
-
-// The values of a line, given a first read of it: when that read did not show seq in both
-// halves, spins on the line until it does; traps after timeout_ns (the sender never came),
-// as block_barrier does.
-__device__ __forceinline__ uint2 ll_take(uint4 v, const uint4 *line, uint32_t seq,
-                                         uint64_t timeout_ns) {
+// Spins on a line of this rank's own mailbox until both halves carry seq; traps after
+// timeout_ns (the sender never came), as block_barrier does.
+__device__ __forceinline__ uint2 ll_load(const uint4 *line, uint32_t seq, uint64_t timeout_ns) {
+  uint32_t d0, s0, d1, s1;
   uint64_t start = 0;
   while (true) {
-    if (v.y == seq && v.w == seq) return make_uint2(v.x, v.z);
-    v = ll_peek(line);
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(d0), "=r"(s0), "=r"(d1), "=r"(s1)
+                 : "l"(line)
+                 : "memory");
+    if (s0 == seq && s1 == seq) return make_uint2(d0, d1);
     const uint64_t now = globaltimer();
     if (start == 0) {
       start = now;
@@ -387,66 +379,38 @@ __device__ __forceinline__ void store_chunk(T *x, size_t c, size_t n, uint2 v) {
   for (int i = 0; i < E && c * E + i < n; ++i) x[c * E + i] = e[i];
 }
 
-// Chunks a thread reads before it uses any: with a small grid (the resident kernel's, or a
-// capped one) a thread has many, and their loads' latencies then overlap instead of adding
-// up. Fewer with more ranks, whose lines take registers each.
-template <int R>
-constexpr int kLLUnroll = R <= 2 ? 4 : (R <= 4 ? 2 : 1);
-
 // One LL call with sequence number seq over chunks first, first + stride, ... of this
 // rank's n elements: the launched kernel's body and the resident kernel's.
 template <typename T, int R>
 __device__ __forceinline__ void ll_exchange(const pmg_peers &p, int rank, size_t n, uint32_t seq,
                                             uint64_t timeout_ns, size_t first, size_t stride) {
   constexpr int E = 8 / sizeof(T);
-  constexpr int U = kLLUnroll<R>;
   const int slot = seq & 1;
   const size_t chunks = (n + E - 1) / E;
   T *own = static_cast<T *>(p.data[rank]);
-  for (size_t c0 = first; c0 < chunks; c0 += U * stride) {
-    uint2 v[U];
+  for (size_t c = first; c < chunks; c += stride) {
+    const uint2 v = load_chunk(own, c, n);
 #pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (c0 + u * stride < chunks) v[u] = load_chunk(own, c0 + u * stride, n);
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (c0 + u * stride >= chunks) break;
-#pragma unroll
-      for (int j = 1; j < R; ++j) {
-        const int to = (rank + j) % R;  // rotated, so that ranks do not all store to rank 0 first
-        ll_store(ll_line(p, to, R, slot, rank, c0 + u * stride), v[u], seq);
-      }
+    for (int j = 1; j < R; ++j) {
+      const int to = (rank + j) % R;  // rotated, so that ranks do not all store to rank 0 first
+      ll_store(ll_line(p, to, R, slot, rank, c), v, seq);
     }
   }
-  for (size_t c0 = first; c0 < chunks; c0 += U * stride) {
-    uint4 line[U][R];  // first reads; [u][rank] unused
+  for (size_t c = first; c < chunks; c += stride) {
+    float acc[E];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (c0 + u * stride >= chunks) break;
+    for (int r = 0; r < R; ++r) {
+      const uint2 v = r == rank ? load_chunk(own, c, n)
+                                : ll_load(ll_line(p, rank, R, slot, r, c), seq, timeout_ns);
+      const T *e = reinterpret_cast<const T *>(&v);
 #pragma unroll
-      for (int r = 0; r < R; ++r)
-        if (r != rank) line[u][r] = ll_peek(ll_line(p, rank, R, slot, r, c0 + u * stride));
+      for (int i = 0; i < E; ++i) acc[i] = r == 0 ? Elem<T>::load(e[i]) : acc[i] + Elem<T>::load(e[i]);
     }
+    uint2 out;
+    T *e = reinterpret_cast<T *>(&out);
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const size_t c = c0 + u * stride;
-      if (c >= chunks) break;
-      float acc[E];
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const uint2 v = r == rank ? load_chunk(own, c, n)
-                                  : ll_take(line[u][r], ll_line(p, rank, R, slot, r, c), seq,
-                                            timeout_ns);
-        const T *e = reinterpret_cast<const T *>(&v);
-#pragma unroll
-        for (int i = 0; i < E; ++i) acc[i] = r == 0 ? Elem<T>::load(e[i]) : acc[i] + Elem<T>::load(e[i]);
-      }
-      uint2 out;
-      T *e = reinterpret_cast<T *>(&out);
-#pragma unroll
-      for (int i = 0; i < E; ++i) e[i] = Elem<T>::store(__fdiv_rn(acc[i], float(R)));
-      store_chunk(own, c, n, out);
-    }
+    for (int i = 0; i < E; ++i) e[i] = Elem<T>::store(__fdiv_rn(acc[i], float(R)));
+    store_chunk(own, c, n, out);
   }
 }
 
