@@ -36,6 +36,8 @@ def main():
     p.add_argument("--calls", type=int, default=2000, help="calls per median (default 2000)")
     p.add_argument("--blocks", type=int, nargs="+", default=None,
                    help="resident kernels' block counts to time (default: RESIDENT_BLOCKS)")
+    p.add_argument("--nap", type=int, nargs="+", default=[0],
+                   help="the idle resident kernel's pauses between polls, ns (default 0)")
     a = p.parse_args()
 
     from pympgu import cuda
@@ -63,20 +65,21 @@ def main():
         for name, fn, after in rows:
             print(f"  {name:36s} {median_us(fn, a.calls, after):7.2f}")
         blocks = a.blocks or [cuda.RESIDENT_BLOCKS]
-        for b in blocks:
-            with group.resident(b) as fast:
+        kernels = [(b, nap) for b in blocks for nap in a.nap]
+        for b, nap in kernels:
+            with group.resident(b, nap) as fast:
                 for _ in range(50):
                     fast.allreduce(n)
                 us = median_us(lambda: fast.allreduce(n), a.calls)
-            print(f"  {f'resident @{b}, allreduce(4 KiB)':36s} {us:7.2f}")
-        matmul_beside(group, a.device, blocks)
+            print(f"  {f'resident @{b} nap {nap}, allreduce(4 KiB)':36s} {us:7.2f}")
+        matmul_beside(group, a.device, kernels)
     finally:
         group.close()
 
 
-def matmul_beside(group, device, blocks):
+def matmul_beside(group, device, kernels):
     """ms of an 8192^3 bf16 matrix product, median of 20, alone and beside an idle resident
-    kernel of each block count."""
+    kernel of each (blocks, nap_ns)."""
     try:
         import torch
     except ImportError:
@@ -98,10 +101,11 @@ def matmul_beside(group, device, blocks):
     median_ms()  # warm-up: cuBLAS's workspace and the output's memory come from here
     print("ms of an 8192^3 bf16 matmul, median of 20:")
     print(f"  {'alone':36s} {median_ms():7.3f}")
-    for b in blocks:
-        with group.resident(b):
+    for b, nap in kernels:
+        with group.resident(b, nap):
             ms = median_ms()
-        print(f"  {f'beside an idle resident kernel @{b}':36s} {ms:7.3f}")
+        print(f"  {f'beside an idle resident kernel @{b} nap {nap}':36s} {ms:7.3f}")
+    print(f"  {'alone, again (the clock may have dropped)':36s} {median_ms():7.3f}")
 
 
 if __name__ == "__main__":
