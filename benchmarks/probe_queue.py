@@ -36,8 +36,6 @@ def main():
     p.add_argument("--calls", type=int, default=2000, help="calls per median (default 2000)")
     p.add_argument("--blocks", type=int, nargs="+", default=None,
                    help="resident kernels' block counts to time (default: RESIDENT_BLOCKS)")
-    p.add_argument("--nap", type=int, nargs="+", default=[0],
-                   help="the idle resident kernel's pauses between polls, ns (default 0)")
     a = p.parse_args()
 
     from pympgu import cuda
@@ -65,21 +63,20 @@ def main():
         for name, fn, after in rows:
             print(f"  {name:36s} {median_us(fn, a.calls, after):7.2f}")
         blocks = a.blocks or [cuda.RESIDENT_BLOCKS]
-        kernels = [(b, nap) for b in blocks for nap in a.nap]
-        for b, nap in kernels:
-            with group.resident(b, nap) as fast:
+        for b in blocks:
+            with group.resident(b) as fast:
                 for _ in range(50):
                     fast.allreduce(n)
                 us = median_us(lambda: fast.allreduce(n), a.calls)
-            print(f"  {f'resident @{b} nap {nap}, allreduce(4 KiB)':36s} {us:7.2f}")
-        matmul_beside(group, a.device, kernels)
+            print(f"  {f'resident @{b}, allreduce(4 KiB)':36s} {us:7.2f}")
+        matmul_beside(group, a.device, blocks)
     finally:
         group.close()
 
 
-def matmul_beside(group, device, kernels):
-    """ms of an 8192^3 bf16 matrix product, median of 20, alone and beside an idle resident
-    kernel of each (blocks, nap_ns)."""
+def matmul_beside(group, device, blocks):
+    """ms of an 8192^3 bf16 matrix product, median of 20, beside an idle resident kernel of
+    each block count, and alone."""
     try:
         import torch
     except ImportError:
@@ -103,12 +100,12 @@ def matmul_beside(group, device, kernels):
     # timed between two of the product alone, and compared with their mean.
     print("ms of an 8192^3 bf16 matmul, median of 20, beside an idle resident kernel, and "
           "alone just before and after:")
-    for b, nap in kernels:
+    for b in blocks:
         before = median_ms()
-        with group.resident(b, nap):
+        with group.resident(b):
             ms = median_ms()
         after = median_ms()
-        print(f"  {f'@{b} nap {nap}':14s} {ms:7.3f}  alone {before:.3f} / {after:.3f}"
+        print(f"  {f'@{b}':6s} {ms:7.3f}  alone {before:.3f} / {after:.3f}"
               f"  ({ms / ((before + after) / 2) - 1:+.1%})")
 
 

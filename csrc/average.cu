@@ -474,8 +474,7 @@ __device__ __forceinline__ void st_release_sys64(uint64_t *p, uint64_t v) {
 // stops, so that launched calls may follow.
 template <int R>
 __global__ void __launch_bounds__(kThreads)
-    resident_kernel(pmg_peers p, int rank, uint64_t timeout_ns, pmg_doorbell *bell,
-                    unsigned nap_ns) {
+    resident_kernel(pmg_peers p, int rank, uint64_t timeout_ns, pmg_doorbell *bell) {
   __shared__ uint64_t command;
   pmg_signal *self = p.signal[rank];
   const uint32_t seq0 = *reinterpret_cast<volatile uint32_t *>(&self->ll_seq);
@@ -486,13 +485,11 @@ __global__ void __launch_bounds__(kThreads)
       uint64_t w;
       if (blockIdx.x == 0) {
         while (ring_count(w = ld_volatile64(&bell->ring)) != count) {
-          if (nap_ns) __nanosleep(nap_ns);
         }
         __threadfence_system();  // one fence a command, not one a poll
         *reinterpret_cast<volatile uint64_t *>(&self->resident_command) = w;
       } else {
         while (ring_count(w = ld_volatile64(&self->resident_command)) != count) {
-          if (nap_ns) __nanosleep(nap_ns);
         }
       }
       command = w;
@@ -952,8 +949,7 @@ int pmg_doorbell_alloc(pmg_doorbell **bell) {
 int pmg_doorbell_free(pmg_doorbell *bell) { return bell ? cudaFreeHost(bell) : 0; }
 
 int pmg_resident_start(const pmg_peers *peers, int rank, int nranks, int blocks,
-                       uint64_t timeout_ns, unsigned nap_ns, pmg_doorbell *bell,
-                       cudaStream_t stream) {
+                       uint64_t timeout_ns, pmg_doorbell *bell, cudaStream_t stream) {
   if (int err = check_ranks(rank, nranks)) return err;
   if (int err = check_peers(peers, nranks)) return err;
   if (!bell || blocks < 1 || blocks > PMG_MAX_BLOCKS) return PMG_ERR_INVALID_ARGUMENT;
@@ -967,14 +963,14 @@ int pmg_resident_start(const pmg_peers *peers, int rank, int nranks, int blocks,
   if (cudaError_t err = cudaMemsetAsync(&p.signal[rank]->resident_command, 0, sizeof(uint64_t), stream))
     return err;
   switch (nranks) {
-    case 1: resident_kernel<1><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped, nap_ns); break;
-    case 2: resident_kernel<2><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped, nap_ns); break;
-    case 3: resident_kernel<3><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped, nap_ns); break;
-    case 4: resident_kernel<4><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped, nap_ns); break;
-    case 5: resident_kernel<5><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped, nap_ns); break;
-    case 6: resident_kernel<6><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped, nap_ns); break;
-    case 7: resident_kernel<7><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped, nap_ns); break;
-    case 8: resident_kernel<8><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped, nap_ns); break;
+    case 1: resident_kernel<1><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped); break;
+    case 2: resident_kernel<2><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped); break;
+    case 3: resident_kernel<3><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped); break;
+    case 4: resident_kernel<4><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped); break;
+    case 5: resident_kernel<5><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped); break;
+    case 6: resident_kernel<6><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped); break;
+    case 7: resident_kernel<7><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped); break;
+    case 8: resident_kernel<8><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped); break;
   }
   return launched();
 }

@@ -259,11 +259,9 @@ typedef struct pmg_doorbell {
 int pmg_doorbell_alloc(pmg_doorbell **bell);
 int pmg_doorbell_free(pmg_doorbell *bell);
 /* Every rank of the group starts its own; timeout_ns bounds each wait for a peer's values,
- * past which the kernel traps, as the barriers do. nap_ns (0: none) is a pause between
- * polls of an idle kernel: up to about twice that more latency, less traffic beside it. */
+ * past which the kernel traps, as the barriers do. */
 int pmg_resident_start(const pmg_peers *peers, int rank, int nranks, int blocks,
-                       uint64_t timeout_ns, unsigned nap_ns, pmg_doorbell *bell,
-                       cudaStream_t stream);
+                       uint64_t timeout_ns, pmg_doorbell *bell, cudaStream_t stream);
 /* Command number `count` (1, 2, ... after the start; each only after the last is done):
  * average the first n elements of dtype (at most PMG_LL_MAX_BYTES). Every rank rings the
  * same commands. The data must be written (its kernels finished) before the ring. */

@@ -111,8 +111,7 @@ cdef extern from "pympgu.h" nogil:
     int pmg_doorbell_alloc(pmg_doorbell **bell)
     int pmg_doorbell_free(pmg_doorbell *bell)
     int pmg_resident_start(const pmg_peers *peers, int rank, int nranks, int blocks,
-                           uint64_t timeout_ns, unsigned nap_ns, pmg_doorbell *bell,
-                           cudaStream_t stream)
+                           uint64_t timeout_ns, pmg_doorbell *bell, cudaStream_t stream)
     int pmg_resident_ring(pmg_doorbell *bell, uint32_t count, size_t n, int dtype)
     int pmg_resident_wait(pmg_doorbell *bell, uint32_t count, uint64_t timeout_ns,
                           cudaStream_t stream)

@@ -1095,21 +1095,20 @@ cdef class PeerGroup:
             raise RuntimeError(f"rank {self.rank}: the group's resident exchange is running; "
                                f"average through it, or close it first")
 
-    def resident(self, blocks=None, unsigned nap_ns=0):
+    def resident(self, blocks=None):
         """Start this rank's resident exchange (a :class:`Resident`; every rank starts its
         own): a kernel left running that averages the group's buffer by 'll' each time
         ``Resident.allreduce`` rings it, with no launch, for up to LL_MAX_BYTES. ``blocks``
         (default RESIDENT_BLOCKS, at most the SM count) of 512 threads stay on the GPU until
         it is closed; meanwhile the group's other methods refuse, and so does
         ``cuda.synchronize()``: anything that waits for the whole device (torch.cuda.
-        synchronize, cudaFree) would wait for it forever. ``nap_ns`` pauses the idle kernel
-        between polls (0: it polls without pause)."""
+        synchronize, cudaFree) would wait for it forever."""
         self._require_idle()
         cdef int b = RESIDENT_BLOCKS if blocks is None else blocks
         if not 1 <= b <= min(self.sm_count, PMG_MAX_BLOCKS):
             raise ValueError(f"blocks must be 1 to the GPU's {self.sm_count} SMs (every block "
                              f"must fit on the device at once), got {b}")
-        return Resident(self, b, nap_ns)
+        return Resident(self, b)
 
     def algorithm(self, size_t nbytes, algo="auto"):
         """The algorithm ('ll', 'oneshot', 'twoshot', 'push' or 'ce') that allreduce would
@@ -1357,7 +1356,7 @@ cdef class Resident:
         self.bell = NULL
         self.running = False
 
-    def __init__(self, PeerGroup group, int blocks, unsigned nap_ns=0):
+    def __init__(self, PeerGroup group, int blocks):
         self.group = group
         self.blocks = blocks
         self.device = group.device
@@ -1368,7 +1367,7 @@ cdef class Resident:
         # still in flight would share its mailboxes); waiting once here is cheap.
         group.synchronize()
         check(pmg_resident_start(&group.peers, group.rank, group.nranks, blocks,
-                                 group.timeout_ns, nap_ns, self.bell, self.stream.handle))
+                                 group.timeout_ns, self.bell, self.stream.handle))
         self.running = True
         self.count = 0
         group._resident = self
