@@ -1328,7 +1328,7 @@ cdef class PeerGroup:
 
 # Blocks of a resident exchange by default: on 2 H200s, 8 averaged up to 64 KiB in under
 # 10 us end to end (16 did 256 KiB in 10.5 against 14.3), and every block keeps work beside
-# it off an SM: a matrix product ran 8% slower beside 1 block, 19-22% beside 8
+# it off an SM: a matrix product ran 6-8% slower beside 1 block, 18-22% beside 8
 # (docs/BENCHMARKS.md, session 15).
 RESIDENT_BLOCKS = 8
 
