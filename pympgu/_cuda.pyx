@@ -137,7 +137,7 @@ def _stop_residents():
     for resident in list(_running):
         try:
             resident.close()
-        except CudaError:
+        except (CudaError, RuntimeError):  # a dead kernel, or another thread in a call
             pass
 
 
@@ -1351,10 +1351,14 @@ cdef class Resident:
     cdef readonly int device
     cdef uint32_t count
     cdef readonly bint running
+    # A call waits with the GIL released: another thread's ring or stop meanwhile would
+    # overwrite the command the kernel is waiting for, and both would hang.
+    cdef bint busy
 
     def __cinit__(self):
         self.bell = NULL
         self.running = False
+        self.busy = False
 
     def __init__(self, PeerGroup group, int blocks):
         self.group = group
@@ -1381,6 +1385,19 @@ cdef class Resident:
         cdef int code = dtype_code(dtype)
         if not self.running:
             raise RuntimeError("this resident exchange is closed")
+        self._enter()
+        try:
+            self._average(n, code)
+        finally:
+            self.busy = False
+
+    cdef _enter(self):
+        if self.busy:
+            raise RuntimeError("this resident exchange is in a call already (from another "
+                               "thread): one call at a time")
+        self.busy = True
+
+    cdef _average(self, size_t n, int code):
         cdef size_t nbytes = n * pmg_dtype_size(code)
         if nbytes > self.group.nbytes:
             raise ValueError(f"{n} elements do not fit the group's {self.group.nbytes}-byte "
@@ -1427,6 +1444,7 @@ cdef class Resident:
         cdef uint32_t count
         cdef cudaStream_t s
         if self.running:
+            self._enter()  # the flag stays: a closed one takes no more calls
             self.count += 1
             count = self.count
             s = self.stream.handle

@@ -175,8 +175,10 @@ def resident_rounds(rank, conn, nranks, ngpus, plan, blocks):
 
 
 def resident_silent_peer(rank, conn, ngpus, timeout):
-    """Rank 0 rings its resident exchange; rank 1 never does. Rank 0 returns the error it
-    got and the seconds it took, or None if the exchange came back."""
+    """Rank 0 rings its resident exchange from a thread; rank 1 never does. Meanwhile rank
+    0's main thread tries another call and a close. Rank 0 returns the waiting call's error
+    and the seconds it took (None if it came back), and what the main thread was refused."""
+    import threading
     import time
 
     from pympgu import CudaError, cuda
@@ -188,17 +190,30 @@ def resident_silent_peer(rank, conn, ngpus, timeout):
         group.close()
         return None
     fast = group.resident(1)
-    t0 = time.monotonic()
-    try:
-        fast.allreduce(16)
-        return None
-    except CudaError as e:
-        return e.name, str(e), time.monotonic() - t0
-    finally:
-        try:  # the trap left the context unusable: teardown fails too, and that is expected
-            group.close()
-        except CudaError:
-            pass
+    outcome = {}
+
+    def call():
+        t0 = time.monotonic()
+        try:
+            fast.allreduce(16)
+            outcome["error"] = None
+        except CudaError as e:
+            outcome["error"] = (e.name, str(e), time.monotonic() - t0)
+    waiter = threading.Thread(target=call)
+    waiter.start()
+    time.sleep(0.3)  # the waiter is in its call by now, and stays: nobody rings rank 1
+    refused = []
+    for what, attempt in [("allreduce", lambda: fast.allreduce(16)), ("close", fast.close)]:
+        try:
+            attempt()
+        except RuntimeError:
+            refused.append(what)
+    waiter.join(timeout + 30)
+    try:  # the trap left the context unusable: teardown fails too, and that is expected
+        group.close()
+    except CudaError:
+        pass
+    return outcome.get("error", "no outcome"), refused
 
 
 def nccl_average(rank, conn, nranks, seed, n, init_file):

@@ -122,12 +122,14 @@ def test_resident_exchange(nranks, blocks):
 
 def test_resident_peer_that_never_rings():
     """A rank whose peer never rings gets CUDA's error within the group's timeout, with
-    the rank and the reason in the message, instead of hanging."""
+    the rank and the reason in the message, instead of hanging; while that call waits,
+    another thread's call and close are refused rather than overwrite its command."""
     results = run_children(resident_silent_peer, 2, (visible_gpus(), 2.0))
-    name, message, seconds = results[0]
+    (name, message, seconds), refused = results[0]
     assert name == "cudaErrorLaunchFailure", message
     assert "rank 0 of 2, resident exchange 1" in message and "traps after 2 s" in message
     assert 1.5 < seconds < 30, seconds
+    assert refused == ["allreduce", "close"]
 
 
 def test_resident_on_one_rank_and_its_limits():
