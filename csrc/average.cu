@@ -483,13 +483,16 @@ __global__ void __launch_bounds__(kThreads)
   for (uint32_t count = 1;; ++count) {
     if (threadIdx.x == 0) {
       uint64_t w;
+      // A stop counts whatever its number: a host that gave up waiting for a command the
+      // kernel never saw rings the stop past it, and must not wait for it forever.
       if (blockIdx.x == 0) {
-        while (ring_count(w = ld_volatile64(&bell->ring)) != count) {
+        while (ring_count(w = ld_volatile64(&bell->ring)) != count && ring_dtype(w) != kRingStop) {
         }
         __threadfence_system();  // one fence a command, not one a poll
         *reinterpret_cast<volatile uint64_t *>(&self->resident_command) = w;
       } else {
-        while (ring_count(w = ld_volatile64(&self->resident_command)) != count) {
+        while (ring_count(w = ld_volatile64(&self->resident_command)) != count &&
+               ring_dtype(w) != kRingStop) {
         }
       }
       command = w;

@@ -268,11 +268,13 @@ int pmg_resident_start(const pmg_peers *peers, int rank, int nranks, int blocks,
 int pmg_resident_ring(pmg_doorbell *bell, uint32_t count, size_t n, int dtype);
 /* Wait on the host until command `count` is done: 0, or the kernel's own error if it ended
  * (a trap: a peer never sent), PMG_ERR_NOT_RUNNING if it ended cleanly, or PMG_ERR_TIMEOUT
- * some seconds past timeout_ns. `stream` is the kernel's. */
+ * some seconds past timeout_ns, when the kernel may still run (stop it). `stream` is the
+ * kernel's. */
 int pmg_resident_wait(pmg_doorbell *bell, uint32_t count, uint64_t timeout_ns,
                       cudaStream_t stream);
-/* Ring the stop as command `count`, and wait for the kernel to end: its status. It leaves
- * the signal block's LL sequence number where launched LL calls continue from. */
+/* Ring the stop as command `count` (the kernel takes a stop whatever its number, as after a
+ * timed-out wait), and wait for the kernel to end: its status. It leaves the signal block's
+ * LL sequence number where launched LL calls continue from. */
 int pmg_resident_stop(pmg_doorbell *bell, uint32_t count, cudaStream_t stream);
 /* A GPU-side barrier alone (one block), for methods that move data with copies. */
 int pmg_device_barrier(const pmg_peers *peers, int rank, int nranks, uint64_t timeout_ns,

@@ -18,6 +18,7 @@ cdef extern from "pympgu.h" nogil:
         PMG_ALGO_LL
         PMG_LL_MAX_BYTES
         PMG_ERR_INVALID_ARGUMENT
+        PMG_ERR_TIMEOUT
         PMG_MARKS
 
     ctypedef struct pmg_signal:

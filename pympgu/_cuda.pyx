@@ -1414,7 +1414,8 @@ cdef class Resident:
         with nogil:
             status = pmg_resident_wait(self.bell, count, timeout_ns, s)
         if status != 0:
-            self._ended()
+            if status != PMG_ERR_TIMEOUT:  # the kernel ended; after a timeout it may run on
+                self._ended()
             _raise(status, f"rank {self.group.rank} of {self.group.nranks}, resident exchange "
                            f"{count} (if a peer died or stopped ringing, the kernel traps after "
                            f"{timeout_ns / 1e9:g} s)")
