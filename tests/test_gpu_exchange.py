@@ -60,20 +60,26 @@ def test_peer_group_all_methods(nranks, max_blocks, monkeypatch):
     check_results(results, cases, nranks)
 
 
+def ll_plan(rounds):
+    """[(seed, n, dtype)] for rounds of 'll': every dtype in turn, sizes from one element to
+    the most its mailboxes take, so that the grid changes from round to round."""
+    rng = np.random.default_rng()
+    seed = int(rng.integers(1 << 31))
+    plan = []
+    for i in range(rounds):
+        dtype = DTYPES[i % 3]
+        most = pympgu.cuda.LL_MAX_BYTES // ITEMSIZE[dtype]
+        n = [1, most, int(rng.integers(1, 600)), int(rng.integers(1, most + 1))][i % 4]
+        plan.append((seed + i, n, dtype))
+    return plan
+
+
 @pytest.mark.parametrize("nranks", [2, 3, 8])
 def test_ll_rounds_back_to_back(nranks):
     """'ll' keeps one round's mailboxes clear of the next's with no barrier between rounds,
     over sizes that change the grid from round to round (a line may change blocks), up to
     the largest it takes, in every dtype: every round exact on every rank."""
-    rng = np.random.default_rng()
-    seed = int(rng.integers(1 << 31))
-    top = pympgu.cuda.LL_MAX_BYTES
-    plan = []
-    for i in range(40):
-        dtype = DTYPES[i % 3]
-        most = top // ITEMSIZE[dtype]
-        n = [1, most, int(rng.integers(1, 600)), int(rng.integers(1, most + 1))][i % 4]
-        plan.append((seed + i, n, dtype))
+    plan = ll_plan(40)
     results = run_children(ll_rounds, nranks, (nranks, visible_gpus(), plan))
     check_results(results, [(s, n, d, "ll", False) for s, n, d in plan], nranks)
 
@@ -102,15 +108,7 @@ def test_resident_exchange(nranks, blocks):
     them: every round exact on every rank, as 'll' launched; the group refuses its other
     work meanwhile, memory freed meanwhile waits for the kernel's end; launched exchanges
     work after it."""
-    rng = np.random.default_rng()
-    seed = int(rng.integers(1 << 31))
-    top = pympgu.cuda.LL_MAX_BYTES
-    plan = []
-    for i in range(24):
-        dtype = DTYPES[i % 3]
-        most = top // ITEMSIZE[dtype]
-        n = [1, most, int(rng.integers(1, 600)), int(rng.integers(1, most + 1))][i % 4]
-        plan.append((seed + i, n, dtype))
+    plan = ll_plan(24)
     results = run_children(resident_rounds, nranks, (nranks, visible_gpus(), plan, blocks))
     methods = ["resident"] * (len(plan) - 2) + ["ll", "oneshot"]
     check_results([r[0] for r in results],
