@@ -6,9 +6,9 @@
 //
 // One process drives GPUs 0 and 1 with peer access enabled, so that one host clock times
 // both GPUs. For the kernels a P2P mapping moves the same bytes as an IPC one (twoshot and
-// push time the same here as in python -m pympgu.bench); 'ce', which queues many copies
-// per call, was 3-10% faster here than across processes. It includes average.cu so that the
-// production kernels are timed as they are built.
+// push time the same here as in python -m pympgu.bench, and so does 'ce' since a PeerGroup's
+// data starts on a page: benchmarks/probe_dma.py times the copies across processes). It
+// includes average.cu so that the production kernels are timed as they are built.
 #include "../csrc/average.cu"
 
 #include <algorithm>
@@ -131,6 +131,21 @@ int main(int argc, char **argv) {
             CK(cudaMemcpyPeerAsync(stage[d], d, data[1 - d], 1 - d, bytes, st[d]));
           }
         }), bytes);
+    // The same bytes as many copies on one stream, as 'ce' queues them: pushed (source here,
+    // destination there) by cudaMemcpyAsync, whole and in 32 MiB pieces.
+    for (size_t piece : {bytes, size_t(32) << 20}) {
+      char name[64];
+      std::snprintf(name, sizeof name, "CE push both ways, %zu MiB copies", piece >> 20);
+      row(name, time_ms([&] {
+            for (int d = 0; d < 2; ++d) {
+              CK(cudaSetDevice(d));
+              for (size_t at = 0; at < bytes; at += piece)
+                CK(cudaMemcpyAsync(static_cast<char *>(stage[1 - d]) + at,
+                                   static_cast<char *>(data[d]) + at, std::min(piece, bytes - at),
+                                   cudaMemcpyDefault, copy[d]));
+            }
+          }), bytes);
+    }
     for (int blocks : {sms, 2 * sms}) {
       char name[64];
       std::snprintf(name, sizeof name, "SM remote writes both ways @%d", blocks);
@@ -187,7 +202,7 @@ int main(int argc, char **argv) {
             }), bytes);
       }
     }
-    for (size_t chunk_mib : {4, 8, 16, 32, 64, 128}) {
+    for (size_t chunk_mib : {8, 32, 128}) {
       char name[64];
       std::snprintf(name, sizeof name, "ce, %zu MiB chunks", chunk_mib);
       row(name, time_ms([&] {

@@ -565,34 +565,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The copy-engine two-shot's second half, for one chunk of this rank's slice: average the
-// chunk from d.inputs (this rank's replica and the staged copies of the peers', in rank
-// order) and store the mean at element `offset` of every replica, the peers' by NVLink
-// stores. The copy engines meanwhile push the next chunk.
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    scatter_average_kernel(pmg_tensor d, pmg_peers p, size_t offset, int rank, int nranks) {
-  constexpr int P = kPerVec<T>;
-  const size_t tid = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const size_t nthreads = size_t(gridDim.x) * blockDim.x;
-  const float denom = float(nranks);
-  const size_t nvec = d.n / P;  // every pointer is 16-byte aligned (see staged_slice)
-  for (size_t v = tid; v < nvec; v += nthreads) {
-    float acc[P];
-    acc_first<T>(acc, __ldcg(static_cast<const uint4 *>(d.inputs[0]) + v));
-    for (int r = 1; r < nranks; ++r) acc_add<T>(acc, __ldcg(static_cast<const uint4 *>(d.inputs[r]) + v));
-    const uint4 out = finish<T>(acc, denom);
-    for (int j = 1; j <= nranks; ++j)
-      __stcg(reinterpret_cast<uint4 *>(static_cast<T *>(p.data[(rank + j) % nranks]) + offset) + v, out);
-  }
-  for (size_t i = nvec * P + tid; i < d.n; i += nthreads) {
-    float a = Elem<T>::load(static_cast<const T *>(d.inputs[0])[i]);
-    for (int r = 1; r < nranks; ++r) a += Elem<T>::load(static_cast<const T *>(d.inputs[r])[i]);
-    const T out = Elem<T>::store(__fdiv_rn(a, denom));
-    for (int r = 0; r < nranks; ++r) static_cast<T *>(p.data[r])[offset + i] = out;
-  }
-}
-
 // The low-precision wire (see pmg_host_delta). Four fp32 elements per thread and step: two
 // 16-byte loads in, one 8-byte store out; __fsub_rn/__fadd_rn keep the host's rounding.
 template <typename T>
@@ -826,6 +798,19 @@ size_t clipped(size_t begin, size_t len, size_t end) { return begin >= end ? 0 :
 
 extern "C" {
 
+// One average_tensor launch of d's dtype on at most max_blocks blocks.
+static int launch_average(const pmg_tensor &d, int nranks, int dtype, int max_blocks,
+                          cudaStream_t stream) {
+  const unsigned blocks = grid_for(d.n / 4 + 1, kThreads, max_blocks);
+  switch (dtype) {
+    case PMG_FLOAT32: single_average_kernel<float><<<blocks, kThreads, 0, stream>>>(d, nranks); break;
+    case PMG_FLOAT16: single_average_kernel<__half><<<blocks, kThreads, 0, stream>>>(d, nranks); break;
+    case PMG_BFLOAT16: single_average_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(d, nranks); break;
+    default: return PMG_ERR_UNSUPPORTED_DTYPE;
+  }
+  return launched();
+}
+
 int pmg_average(const void *const *inputs, int nranks, void *out, size_t n, int dtype,
                 cudaStream_t stream) {
   if (nranks < 1 || nranks > PMG_MAX_RANKS) return PMG_ERR_BAD_RANK_COUNT;
@@ -838,14 +823,7 @@ int pmg_average(const void *const *inputs, int nranks, void *out, size_t n, int 
   d.out = out;
   d.n = n;
   if (n == 0) return 0;
-  unsigned blocks = grid_for(n / 4 + 1, kThreads, kPlainMaxBlocks);
-  switch (dtype) {
-    case PMG_FLOAT32: single_average_kernel<float><<<blocks, kThreads, 0, stream>>>(d, nranks); break;
-    case PMG_FLOAT16: single_average_kernel<__half><<<blocks, kThreads, 0, stream>>>(d, nranks); break;
-    case PMG_BFLOAT16: single_average_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(d, nranks); break;
-    default: return PMG_ERR_UNSUPPORTED_DTYPE;
-  }
-  return launched();
+  return launch_average(d, nranks, dtype, kPlainMaxBlocks, stream);
 }
 
 int pmg_multi_average(const pmg_tensor *table, int ntensors, int nranks, uint64_t max_n,
@@ -1141,42 +1119,64 @@ int pmg_ce_allreduce_average(const pmg_peers *peers, size_t stage_offset, int ra
   const size_t lo = size_t(rank) * slice;
   const size_t hi = min(n, lo + slice);
   cudaError_t err;
-  // The pushes wait for the caller's work on the buffer (pack), then run on their own
-  // stream so that chunk c + 1 crosses the link while chunk c is averaged and written back.
-  if ((err = cudaEventRecord(event, stream)) || (err = cudaStreamWaitEvent(copy_stream, event, 0)))
-    return err;
-  for (size_t c = 0; c < nchunks; ++c) {
-    const size_t at = c * chunk;
+  // Chunk c of every peer's slice of our replica, into that peer's staging slot for us.
+  auto push = [&](size_t at) -> cudaError_t {
     for (int j = 1; j < nranks; ++j) {
       const int dst = (rank + j) % nranks;  // rotated, so that ranks do not all hit rank 0
       const size_t len = clipped(dst * slice + at, chunk, min(n, (dst + 1) * slice));
-      if (len && (err = cudaMemcpyAsync(stage(dst, rank, at), data(rank, dst * slice + at),
-                                        len * esize, cudaMemcpyDefault, copy_stream)))
+      if (len) {
+        if (cudaError_t e = cudaMemcpyAsync(stage(dst, rank, at), data(rank, dst * slice + at),
+                                            len * esize, cudaMemcpyDefault, copy_stream))
+          return e;
+      }
+    }
+    return cudaSuccess;
+  };
+  // Chunk c of our slice, averaged, from our replica into every peer's.
+  auto write_back = [&](size_t at) -> cudaError_t {
+    const size_t len = clipped(lo + at, chunk, hi);
+    for (int j = 1; j < nranks && len; ++j) {
+      const int dst = (rank + j) % nranks;
+      if (cudaError_t e = cudaMemcpyAsync(data(dst, lo + at), data(rank, lo + at), len * esize,
+                                          cudaMemcpyDefault, copy_stream))
+        return e;
+    }
+    return cudaSuccess;
+  };
+  // Every byte crosses the link by DMA, the pushes and the write-backs alike: the copy
+  // engines carry more than SM stores, alone or beside them (docs/BENCHMARKS.md, session
+  // 15). On copy_stream: push 0, push 1, write-back 0, push 2, write-back 1, ...: push c + 1
+  // crosses while chunk c's barrier and average run, so the copy engines never wait for the
+  // SMs. On stream, chunk c's barrier waits for our push c (and write-back c - 1) and
+  // returns once every rank's has landed. The one event is recorded and waited for in turn;
+  // a wait takes the record made last before it.
+  if ((err = cudaEventRecord(event, stream)) || (err = cudaStreamWaitEvent(copy_stream, event, 0)))
+    return err;
+  for (size_t c = 0; c <= nchunks; ++c) {
+    if (c < nchunks && (err = push(c * chunk))) return err;
+    if (c > 0) {
+      // Chunk c - 1's average is done (the event's last record), so it may go out; peers
+      // overwrite our replica's chunk c - 1 of their slices only after their barrier c - 1,
+      // so after our push c - 1 has read it.
+      if ((err = cudaStreamWaitEvent(copy_stream, event, 0)) || (err = write_back((c - 1) * chunk)))
         return err;
     }
-    // Every rank's push of chunk c has landed (a copy completes before the next work on its
-    // stream starts, and the barrier's release store follows it).
-    barrier_kernel<<<1, 32, 0, copy_stream>>>(*peers, rank, nranks, timeout_ns);
-    if ((err = cudaGetLastError()) || (err = cudaEventRecord(event, copy_stream)) ||
-        (err = cudaStreamWaitEvent(stream, event, 0)))
+    if ((err = cudaEventRecord(event, copy_stream)) || (err = cudaStreamWaitEvent(stream, event, 0)))
       return err;
-    const size_t len = clipped(lo + at, chunk, hi);
-    if (!len) continue;
-    pmg_tensor d = {};
-    for (int r = 0; r < nranks; ++r) d.inputs[r] = r == rank ? data(rank, lo + at) : stage(rank, r, at);
-    d.n = len;
-    const unsigned blocks = grid_for(len / per_vec + 1, kThreads, max_blocks);
-    switch (dtype) {
-      case PMG_FLOAT32: scatter_average_kernel<float><<<blocks, kThreads, 0, stream>>>(d, *peers, lo + at, rank, nranks); break;
-      case PMG_FLOAT16: scatter_average_kernel<__half><<<blocks, kThreads, 0, stream>>>(d, *peers, lo + at, rank, nranks); break;
-      default: scatter_average_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(d, *peers, lo + at, rank, nranks); break;
-    }
+    barrier_kernel<<<1, 32, 0, stream>>>(*peers, rank, nranks, timeout_ns);
     if ((err = cudaGetLastError())) return err;
+    if (c == nchunks) break;  // that barrier: every write-back has landed
+    pmg_tensor d = {};
+    const size_t at = c * chunk;
+    d.n = clipped(lo + at, chunk, hi);
+    if (d.n) {
+      for (int r = 0; r < nranks; ++r) d.inputs[r] = r == rank ? data(rank, lo + at) : stage(rank, r, at);
+      d.out = data(rank, lo + at);
+      if (int status = launch_average(d, nranks, dtype, max_blocks, stream)) return status;
+    }
+    if ((err = cudaEventRecord(event, stream))) return err;
   }
-  // Every peer's stores into our replica have landed, and every peer has read its staging
-  // area, so the next exchange may push into it.
-  barrier_kernel<<<1, 32, 0, stream>>>(*peers, rank, nranks, timeout_ns);
-  return launched();
+  return 0;
 }
 
 }  // extern "C"

@@ -209,11 +209,12 @@ int pmg_allreduce_average(const pmg_peers *peers, size_t stage_offset, int rank,
  * rounded up to 16 bytes. */
 size_t pmg_stage_bytes(int nranks, size_t nbytes);
 /* Two-shot with the copy engines, for large buffers: on NVLink, DMA carries more bytes than
- * SM loads (docs/BENCHMARKS.md). Each rank's slice is cut into chunks of chunk_bytes; per
- * chunk, every rank copies the other ranks' slices of its replica into their staging slots
- * by DMA (on copy_stream), then, after a GPU barrier, a kernel on stream averages its own
- * slice from its replica and its staging area (rank order, as every kernel here) and stores
- * the mean into every replica, so chunk c + 1 crosses the link while chunk c is averaged.
+ * SM loads or stores (docs/BENCHMARKS.md). Each rank's slice is cut into chunks of
+ * chunk_bytes; per chunk, every rank copies the other ranks' slices of its replica into their
+ * staging slots by DMA (on copy_stream); after a GPU barrier a kernel on stream averages its
+ * own slice from its replica and its staging area (rank order, as every kernel here) into
+ * its replica, and the copy engines then copy that mean into every peer's replica. Chunk
+ * c + 1's push crosses the link while chunk c is averaged, so no byte crosses by SM.
  * Each rank's staging area starts stage_offset bytes after its data (the same offset on
  * every rank) and holds pmg_stage_bytes(nranks, n * element size) bytes. event is a scratch
  * event on the streams' device; max_blocks caps the averaging kernel's grid. Every rank

@@ -30,9 +30,15 @@ DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "uint8": 1}
 _TYPESTR = {"float32": "<f4", "float16": "<f2", "uint8": "|u1"}
 _FROM_TYPESTR = {"<f4": "float32", "<f2": "float16", "|u1": "uint8", "<u1": "uint8"}
-# Registered allocations put the peer-visible signal block first; the data that follows
-# starts at this alignment so that every replica takes 16-byte vector loads (and more).
-_ALIGN = 256
+# Registered allocations put the peer-visible signal block first. The data, the staging
+# area and the shadow that follow each start on a 2 MiB page (cudaMalloc's large pages), and
+# the block is whole pages. With the data only 256-byte aligned (18688 bytes past a page) in
+# a block of no whole number of pages, 'ce' took 3,873 us at 1 GiB against 2,928 so, the
+# copy method 4,293 against 3,698; the wide MLP's --sync-every 1 step, whose arrays are
+# copied into the shadow by DMA, went from 0.79 ms (sessions 12 and 14) to 0.71-0.72. Copies
+# by DMA both ways from that offset ran at 307 GB/s in an allocation of no whole number of
+# pages and at 390 in one of whole pages (docs/BENCHMARKS.md, session 16).
+_PAGE = 2 << 20
 
 
 cdef int check(int status) except -1 nogil:
@@ -880,8 +886,9 @@ def push_min_bytes(int nranks):
 
 def ce_chunk_bytes():
     """Bytes per pipelined chunk of a rank's slice in the 'ce' algorithm
-    (PYMPGU_CE_CHUNK_BYTES overrides; every rank must use the same). Chunks of 4 to 16 MiB
-    were slower on 2 H200s, 32 to 128 MiB about equal (docs/BENCHMARKS.md)."""
+    (PYMPGU_CE_CHUNK_BYTES overrides; every rank must use the same). On 2 H200s at 1 GiB,
+    8 MiB chunks took a third longer (a chunk's barrier and average then outlast the next
+    chunk's copies), 32 and 128 MiB within 1% (docs/BENCHMARKS.md, session 16)."""
     return _env_bytes("PYMPGU_CE_CHUNK_BYTES", 32 * 1024 * 1024)
 
 
@@ -983,20 +990,20 @@ cdef class PeerGroup:
         self.nbytes = nbytes
         self.timeout_ns = <uint64_t>(timeout * 1e9)
         # The signal block, then the LL mailboxes (csrc/pympgu.h), then the data.
-        self.data_offset = _align(sizeof(pmg_signal) + pmg_ll_bytes(nranks), _ALIGN)
+        self.data_offset = _align(sizeof(pmg_signal) + pmg_ll_bytes(nranks), _PAGE)
         self.ll_max = ll_max_bytes(nranks)
         self.oneshot_max = oneshot_max_bytes(nranks)
         self.push_min = push_min_bytes(nranks)
         if staging is None:
             staging = nranks > 1 and nbytes >= self.push_min
         self.stage_bytes = pmg_stage_bytes(nranks, nbytes) if staging else 0
-        self.stage_offset = _align(nbytes, _ALIGN)
+        self.stage_offset = _align(nbytes, _PAGE)
         cdef size_t end = self.stage_offset + self.stage_bytes
         self.shadow_offset = 0
         if shadow and nranks > 1:
-            self.shadow_offset = _align(end, _ALIGN)
-            end = self.shadow_offset + (nranks - 1) * _align(nbytes, _ALIGN)
-        self.block = DeviceBuffer(self.data_offset + end)
+            self.shadow_offset = _align(end, _PAGE)
+            end = self.shadow_offset + (nranks - 1) * _align(nbytes, _PAGE)
+        self.block = DeviceBuffer(_align(self.data_offset + end, _PAGE))
         self.stream = Stream()
         self._resident = None
         if self.stage_bytes:
@@ -1048,7 +1055,7 @@ cdef class PeerGroup:
         peers push into it), or None without one. pympgu.xla.shadow_array gives it to JAX."""
         if not self.shadow_offset:
             return None
-        n = (self.nranks - 1) * _align(self.nbytes, _ALIGN) // 4
+        n = (self.nranks - 1) * _align(self.nbytes, _PAGE) // 4
         return self.block.view("float32", (n,), self.data_offset + self.shadow_offset)
 
     def connect(self, handles, max_blocks=None):
@@ -1139,7 +1146,7 @@ cdef class PeerGroup:
         algo: 'll' (every rank stores its values, flagged, into every peer's mailbox: small
         buffers), 'oneshot' (every rank reads every replica), 'twoshot' (each rank reads a slice
         of every replica and stores its mean into all), 'push' (two-shot by stores only) and
-        'ce' (two-shot, pushing by DMA) are described in csrc/pympgu.h; 'push' and 'ce' need
+        'ce' (two-shot, every byte by DMA) are described in csrc/pympgu.h; 'push' and 'ce' need
         staging (see the class). 'auto' picks by size. Every rank must call it with the same
         n, dtype, algo and max_blocks. max_blocks (default: the group's) caps the kernel's
         grid: fewer blocks leave SMs to work that runs beside the exchange. Returns the
@@ -1265,7 +1272,7 @@ cdef class PeerGroup:
         if self.shadow_offset:
             return <void *><uintptr_t>(self.block.ptr + self.data_offset + self.shadow_offset)
         if self.shadow is None:
-            self.shadow = DeviceBuffer((self.nranks - 1) * _align(self.nbytes, _ALIGN),
+            self.shadow = DeviceBuffer((self.nranks - 1) * _align(self.nbytes, _PAGE),
                                        self.device)
         return <void *><uintptr_t>self.shadow.ptr
 

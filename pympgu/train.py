@@ -580,7 +580,7 @@ def build_parser():
     where.add_argument("--method", choices=list(METHODS), default="auto",
                        help="GPU averaging algorithm: the kernels 'll' (buffers up to 256 KiB), "
                             "'oneshot', 'twoshot' and "
-                            "'push' (two-shot by stores), 'ce' (two-shot, pushing by DMA), or "
+                            "'push' (two-shot by stores), 'ce' (two-shot, every byte by DMA), or "
                             "'copy', the seed's peer-copy method (default: auto, by buffer "
                             "size; for GPU workers from 16 MiB, the step is cut so that the "
                             "last layers' parameters cross the link by DMA while the first "

@@ -275,5 +275,10 @@ def test_staged_algorithms_need_staging(monkeypatch):
         assert group.stage_bytes == big // 2  # one slot: the peer's half
         assert group.algorithm(big) == "push"
         assert group.algorithm(big - 1) == "twoshot"
-    with cuda.PeerGroup(0, 4, 1000, staging=True) as group:
+    with cuda.PeerGroup(0, 4, 1000, staging=True, shadow=True) as group:
         assert group.stage_bytes == 3 * 256  # 3 slots of ceil(1000 / 4) rounded up to 16 B
+        # Every area on a 2 MiB page, and the block whole pages: DMA both ways was up to a
+        # quarter slower otherwise (docs/BENCHMARKS.md, session 16).
+        page = 2 << 20
+        assert group.block.nbytes % page == 0
+        assert group.data_offset % page == 0 and group.shadow_offset % page == 0
