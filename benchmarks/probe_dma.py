@@ -1,4 +1,4 @@
-"""What the copy engines carry between two processes, through CUDA IPC, against one process.
+"""What the copy engines carry between two processes through CUDA IPC, as pympgu's ranks run.
 
     PYTHONPATH=. python benchmarks/probe_dma.py [--mib 1024] [--gpus 0 1]
 
@@ -74,8 +74,9 @@ def main():
     with ctx.Manager() as m:
         handles, results = m.dict(), m.dict()
         barrier = ctx.Barrier(2, timeout=120)
-        procs = [ctx.Process(target=rank_main, args=(r, a.gpus, a.mib << 20, offsets, a.repeats, handles,
-                                                     barrier, results)) for r in range(2)]
+        procs = [ctx.Process(target=rank_main, args=(r, a.gpus, a.mib << 20, offsets,
+                                                     a.repeats, handles, barrier, results))
+                 for r in range(2)]
         for q in procs:
             q.start()
         for q in procs:
@@ -93,6 +94,7 @@ def main():
         name = f"{mode}, {'rank 0 alone' if who == 'one' else 'both ranks at once'}"
         print(f"{name:30} {a.mib:5d} {src:8d} {dst:8d} {1e3 * worst:7.3f} "
               f"{(a.mib << 20) / worst / 1e9:6.1f}")
+
 
 if __name__ == "__main__":
     main()

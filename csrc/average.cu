@@ -1119,7 +1119,8 @@ int pmg_ce_allreduce_average(const pmg_peers *peers, size_t stage_offset, int ra
   const size_t lo = size_t(rank) * slice;
   const size_t hi = min(n, lo + slice);
   cudaError_t err;
-  // Chunk c of every peer's slice of our replica, into that peer's staging slot for us.
+  // The chunk at element `at` of every peer's slice of our replica, into that peer's
+  // staging slot for us.
   auto push = [&](size_t at) -> cudaError_t {
     for (int j = 1; j < nranks; ++j) {
       const int dst = (rank + j) % nranks;  // rotated, so that ranks do not all hit rank 0
@@ -1132,7 +1133,7 @@ int pmg_ce_allreduce_average(const pmg_peers *peers, size_t stage_offset, int ra
     }
     return cudaSuccess;
   };
-  // Chunk c of our slice, averaged, from our replica into every peer's.
+  // The chunk at element `at` of our slice, averaged, from our replica into every peer's.
   auto write_back = [&](size_t at) -> cudaError_t {
     const size_t len = clipped(lo + at, chunk, hi);
     for (int j = 1; j < nranks && len; ++j) {
@@ -1144,8 +1145,8 @@ int pmg_ce_allreduce_average(const pmg_peers *peers, size_t stage_offset, int ra
     return cudaSuccess;
   };
   // Every byte crosses the link by DMA, the pushes and the write-backs alike: the copy
-  // engines carry more than SM stores, alone or beside them (docs/BENCHMARKS.md, session
-  // 15). On copy_stream: push 0, push 1, write-back 0, push 2, write-back 1, ...: push c + 1
+  // engines carry more than SM stores, alone or beside them (docs/BENCHMARKS.md, sessions
+  // 15 and 16). On copy_stream: push 0, push 1, write-back 0, push 2, write-back 1, ...: push c + 1
   // crosses while chunk c's barrier and average run, so the copy engines never wait for the
   // SMs. On stream, chunk c's barrier waits for our push c (and write-back c - 1) and
   // returns once every rank's has landed. The one event is recorded and waited for in turn;
@@ -1165,7 +1166,9 @@ int pmg_ce_allreduce_average(const pmg_peers *peers, size_t stage_offset, int ra
       return err;
     barrier_kernel<<<1, 32, 0, stream>>>(*peers, rank, nranks, timeout_ns);
     if ((err = cudaGetLastError())) return err;
-    if (c == nchunks) break;  // that barrier: every write-back has landed
+    // The last barrier: every peer's write-backs into our replica have landed, and every
+    // peer has averaged from its staging area, so the next exchange may push into it.
+    if (c == nchunks) break;
     pmg_tensor d = {};
     const size_t at = c * chunk;
     d.n = clipped(lo + at, chunk, hi);
