@@ -974,12 +974,15 @@ inline void spin_pause() {
   asm volatile("yield");
 #endif
 }
+}  // namespace
 
 // Polls the done line for count. Every 1024 polls (tens of microseconds) it asks whether
 // the kernel still runs: a kernel that trapped (a peer never came, after timeout_ns) or
 // ended leaves nothing to wait for, and its status says why. Past timeout_ns, and a margin
 // for the kernel's own trap to land first, it gives up.
-int wait_done(pmg_doorbell *bell, uint32_t count, uint64_t timeout_ns, cudaStream_t stream) {
+int pmg_resident_wait(pmg_doorbell *bell, uint32_t count, uint64_t timeout_ns,
+                      cudaStream_t stream) {
+  if (!bell) return PMG_ERR_INVALID_ARGUMENT;
   const auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::nanoseconds(timeout_ns) + std::chrono::seconds(5);
   for (uint64_t polls = 1;; ++polls) {
@@ -994,13 +997,6 @@ int wait_done(pmg_doorbell *bell, uint32_t count, uint64_t timeout_ns, cudaStrea
     }
     spin_pause();
   }
-}
-}  // namespace
-
-int pmg_resident_wait(pmg_doorbell *bell, uint32_t count, uint64_t timeout_ns,
-                      cudaStream_t stream) {
-  if (!bell) return PMG_ERR_INVALID_ARGUMENT;
-  return wait_done(bell, count, timeout_ns, stream);
 }
 
 int pmg_resident_stop(pmg_doorbell *bell, uint32_t count, cudaStream_t stream) {
@@ -1125,11 +1121,10 @@ int pmg_ce_allreduce_average(const pmg_peers *peers, size_t stage_offset, int ra
     for (int j = 1; j < nranks; ++j) {
       const int dst = (rank + j) % nranks;  // rotated, so that ranks do not all hit rank 0
       const size_t len = clipped(dst * slice + at, chunk, min(n, (dst + 1) * slice));
-      if (len) {
-        if (cudaError_t e = cudaMemcpyAsync(stage(dst, rank, at), data(rank, dst * slice + at),
-                                            len * esize, cudaMemcpyDefault, copy_stream))
-          return e;
-      }
+      if (!len) continue;
+      if (cudaError_t e = cudaMemcpyAsync(stage(dst, rank, at), data(rank, dst * slice + at),
+                                          len * esize, cudaMemcpyDefault, copy_stream))
+        return e;
     }
     return cudaSuccess;
   };
@@ -1146,9 +1141,9 @@ int pmg_ce_allreduce_average(const pmg_peers *peers, size_t stage_offset, int ra
   };
   // Every byte crosses the link by DMA, the pushes and the write-backs alike: the copy
   // engines carry more than SM stores, alone or beside them (docs/BENCHMARKS.md, sessions
-  // 15 and 16). On copy_stream: push 0, push 1, write-back 0, push 2, write-back 1, ...: push c + 1
-  // crosses while chunk c's barrier and average run, so the copy engines never wait for the
-  // SMs. On stream, chunk c's barrier waits for our push c (and write-back c - 1) and
+  // 15 and 16). On copy_stream: push 0, push 1, write-back 0, push 2, write-back 1, ...:
+  // push c + 1 crosses while chunk c's barrier and average run, so the copy engines never
+  // wait for the SMs. On stream, chunk c's barrier waits for our push c (and write-back c - 1) and
   // returns once every rank's has landed. The one event is recorded and waited for in turn;
   // a wait takes the record made last before it.
   if ((err = cudaEventRecord(event, stream)) || (err = cudaStreamWaitEvent(copy_stream, event, 0)))

@@ -32,9 +32,9 @@ _TYPESTR = {"float32": "<f4", "float16": "<f2", "uint8": "|u1"}
 _FROM_TYPESTR = {"<f4": "float32", "<f2": "float16", "|u1": "uint8", "<u1": "uint8"}
 # Registered allocations put the peer-visible signal block first. The data, the staging
 # area and the shadow that follow each start on a 2 MiB page (cudaMalloc's large pages), and
-# the block is whole pages. With the data only 256-byte aligned (18688 bytes past a page) in
-# a block of no whole number of pages, 'ce' took 3,873 us at 1 GiB against 2,928 so, the
-# copy method 4,293 against 3,698; the wide MLP's --sync-every 1 step, whose arrays are
+# the block is whole pages. Against the data only 256-byte aligned (18688 bytes past a page)
+# in a block of no whole number of pages, 'ce' went from 3,873 to 2,928 us at 1 GiB and the
+# copy method from 4,293 to 3,698; the wide MLP's --sync-every 1 step, whose arrays are
 # copied into the shadow by DMA, went from 0.79 ms (sessions 12 and 14) to 0.71-0.72. Copies
 # by DMA both ways from that offset ran at 307 GB/s in an allocation of no whole number of
 # pages and at 390 in one of whole pages (docs/BENCHMARKS.md, session 16).
