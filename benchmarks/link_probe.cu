@@ -202,9 +202,9 @@ int main(int argc, char **argv) {
             }), bytes);
       }
     }
-    for (size_t chunk_mib : {8, 32, 128}) {
+    for (size_t chunk_mib : {4, 8, 16, 32}) {
       char name[64];
-      std::snprintf(name, sizeof name, "ce, %zu MiB chunks", chunk_mib);
+      std::snprintf(name, sizeof name, "ce, last chunks %zu MiB", chunk_mib);
       row(name, time_ms([&] {
             for (int d = 0; d < 2; ++d) {
               CK(cudaSetDevice(d));

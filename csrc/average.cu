@@ -1091,6 +1091,31 @@ size_t pmg_stage_bytes(int nranks, size_t nbytes) {
   return size_t(nranks - 1) * staged_slice(nranks, nbytes, 1);
 }
 
+int pmg_ce_chunks(int nranks, size_t n, int dtype, size_t chunk_bytes, size_t *bounds,
+                  int *count) {
+  const size_t esize = pmg_dtype_size(dtype);
+  if (!esize) return PMG_ERR_UNSUPPORTED_DTYPE;
+  if (nranks < 1 || chunk_bytes < 16 || !bounds || !count) return PMG_ERR_INVALID_ARGUMENT;
+  const size_t per_vec = 16 / esize;
+  const size_t last = max(per_vec, chunk_bytes / esize / per_vec * per_vec);
+  // Sizes from the last chunk back: last, last, 2 last, 4 last, ...; the first chunk takes
+  // what is left, with any rest below `last` (a chunk that small would cost its copies and
+  // a barrier for nothing). Every size is whole vectors (the slice is), and the sizes double
+  // for each chunk back, so a slice below 2^62 chunks of `last` fits PMG_CE_MAX_CHUNKS.
+  size_t sizes[PMG_CE_MAX_CHUNKS];
+  int k = 0;
+  for (size_t left = staged_slice(nranks, n, esize), size = last; left; ++k) {
+    if (k == PMG_CE_MAX_CHUNKS) return PMG_ERR_INVALID_ARGUMENT;
+    sizes[k] = left < size + last ? left : size;
+    left -= sizes[k];
+    if (k >= 1) size *= 2;
+  }
+  bounds[0] = 0;
+  for (int c = 0; c < k; ++c) bounds[c + 1] = bounds[c] + sizes[k - 1 - c];
+  *count = k;
+  return 0;
+}
+
 int pmg_ce_allreduce_average(const pmg_peers *peers, size_t stage_offset, int rank, int nranks,
                              size_t n, int dtype, size_t chunk_bytes, int max_blocks,
                              uint64_t timeout_ns, cudaStream_t stream, cudaStream_t copy_stream,
@@ -1102,12 +1127,12 @@ int pmg_ce_allreduce_average(const pmg_peers *peers, size_t stage_offset, int ra
   if ((stage_offset & 15) || chunk_bytes < 16 || max_blocks < 1) return PMG_ERR_INVALID_ARGUMENT;
   if (nranks == 1 || n == 0) return 0;
   if (!copy_stream || !event) return PMG_ERR_INVALID_ARGUMENT;
-  const size_t per_vec = 16 / esize;
-  const size_t slice = staged_slice(nranks, n, esize);
-  const size_t chunk = min(slice, max(per_vec, chunk_bytes / esize / per_vec * per_vec));
-  // Every rank runs the same number of chunks (slices are equal but for the last), so every
+  // Every rank cuts the same chunks (the schedule depends on n, not on the rank), so every
   // rank crosses the same sequence of barriers.
-  const size_t nchunks = (slice + chunk - 1) / chunk;
+  size_t bounds[PMG_CE_MAX_CHUNKS + 1];
+  int nchunks = 0;
+  if (int err = pmg_ce_chunks(nranks, n, dtype, chunk_bytes, bounds, &nchunks)) return err;
+  const size_t slice = bounds[nchunks];
   auto data = [&](int r, size_t elem) { return static_cast<char *>(peers->data[r]) + elem * esize; };
   auto stage = [&](int dst, int src, size_t elem) {
     return data(dst, 0) + stage_offset + (staged_slot(src, dst) * slice + elem) * esize;
@@ -1115,25 +1140,25 @@ int pmg_ce_allreduce_average(const pmg_peers *peers, size_t stage_offset, int ra
   const size_t lo = size_t(rank) * slice;
   const size_t hi = min(n, lo + slice);
   cudaError_t err;
-  // The chunk at element `at` of every peer's slice of our replica, into that peer's
-  // staging slot for us.
-  auto push = [&](size_t at) -> cudaError_t {
+  // Chunk c of every peer's slice of our replica, into that peer's staging slot for us.
+  auto push = [&](int c) -> cudaError_t {
+    const size_t at = bounds[c], len = bounds[c + 1] - at;
     for (int j = 1; j < nranks; ++j) {
       const int dst = (rank + j) % nranks;  // rotated, so that ranks do not all hit rank 0
-      const size_t len = clipped(dst * slice + at, chunk, min(n, (dst + 1) * slice));
-      if (!len) continue;
+      const size_t m = clipped(dst * slice + at, len, min(n, (dst + 1) * slice));
+      if (!m) continue;
       if (cudaError_t e = cudaMemcpyAsync(stage(dst, rank, at), data(rank, dst * slice + at),
-                                          len * esize, cudaMemcpyDefault, copy_stream))
+                                          m * esize, cudaMemcpyDefault, copy_stream))
         return e;
     }
     return cudaSuccess;
   };
-  // The chunk at element `at` of our slice, averaged, from our replica into every peer's.
-  auto write_back = [&](size_t at) -> cudaError_t {
-    const size_t len = clipped(lo + at, chunk, hi);
-    for (int j = 1; j < nranks && len; ++j) {
+  // Chunk c of our slice, averaged, from our replica into every peer's.
+  auto write_back = [&](int c) -> cudaError_t {
+    const size_t at = bounds[c], m = clipped(lo + at, bounds[c + 1] - at, hi);
+    for (int j = 1; j < nranks && m; ++j) {
       const int dst = (rank + j) % nranks;
-      if (cudaError_t e = cudaMemcpyAsync(data(dst, lo + at), data(rank, lo + at), len * esize,
+      if (cudaError_t e = cudaMemcpyAsync(data(dst, lo + at), data(rank, lo + at), m * esize,
                                           cudaMemcpyDefault, copy_stream))
         return e;
     }
@@ -1143,18 +1168,22 @@ int pmg_ce_allreduce_average(const pmg_peers *peers, size_t stage_offset, int ra
   // engines carry more than SM stores, alone or beside them (docs/BENCHMARKS.md, sessions
   // 15 and 16). On copy_stream: push 0, push 1, write-back 0, push 2, write-back 1, ...:
   // push c + 1 crosses while chunk c's barrier and average run, so the copy engines never
-  // wait for the SMs. On stream, chunk c's barrier waits for our push c (and write-back c - 1) and
-  // returns once every rank's has landed. The one event is recorded and waited for in turn;
-  // a wait takes the record made last before it.
+  // wait for the SMs as long as that push outlasts them. The chunks halve towards the end
+  // (pmg_ce_chunks): an average reads and writes HBM several times faster than the link
+  // carries, so push c + 1 outlasts chunk c's average at half its size; few chunks mean few
+  // copies (each costs the copy engines a few µs), and a small last chunk leaves little
+  // average that nothing hides. On stream, chunk c's barrier waits for our push c (and
+  // write-back c - 1) and returns once every rank's has landed. The one event is recorded
+  // and waited for in turn; a wait takes the record made last before it.
   if ((err = cudaEventRecord(event, stream)) || (err = cudaStreamWaitEvent(copy_stream, event, 0)))
     return err;
-  for (size_t c = 0; c <= nchunks; ++c) {
-    if (c < nchunks && (err = push(c * chunk))) return err;
+  for (int c = 0; c <= nchunks; ++c) {
+    if (c < nchunks && (err = push(c))) return err;
     if (c > 0) {
       // Chunk c - 1's average is done (the event's last record), so it may go out; peers
       // overwrite our replica's chunk c - 1 of their slices only after their barrier c - 1,
       // so after our push c - 1 has read it.
-      if ((err = cudaStreamWaitEvent(copy_stream, event, 0)) || (err = write_back((c - 1) * chunk)))
+      if ((err = cudaStreamWaitEvent(copy_stream, event, 0)) || (err = write_back(c - 1)))
         return err;
     }
     if ((err = cudaEventRecord(event, copy_stream)) || (err = cudaStreamWaitEvent(stream, event, 0)))
@@ -1165,8 +1194,8 @@ int pmg_ce_allreduce_average(const pmg_peers *peers, size_t stage_offset, int ra
     // peer has averaged from its staging area, so the next exchange may push into it.
     if (c == nchunks) break;
     pmg_tensor d = {};
-    const size_t at = c * chunk;
-    d.n = clipped(lo + at, chunk, hi);
+    const size_t at = bounds[c];
+    d.n = clipped(lo + at, bounds[c + 1] - at, hi);
     if (d.n) {
       for (int r = 0; r < nranks; ++r) d.inputs[r] = r == rank ? data(rank, lo + at) : stage(rank, r, at);
       d.out = data(rank, lo + at);

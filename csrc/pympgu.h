@@ -208,17 +208,27 @@ int pmg_allreduce_average(const pmg_peers *peers, size_t stage_offset, int rank,
  * rank for buffers of up to nbytes: one slot per peer, each a 1/nranks slice of the buffer
  * rounded up to 16 bytes. */
 size_t pmg_stage_bytes(int nranks, size_t nbytes);
+/* The most chunks pmg_ce_chunks cuts a slice into. */
+#define PMG_CE_MAX_CHUNKS 64
+/* The chunks of a rank's slice (of n elements of dtype over nranks ranks) that
+ * pmg_ce_allreduce_average pipelines: the last two hold chunk_bytes each (rounded down to
+ * whole 16-byte vectors, at least one), each chunk before them twice the one after it, but
+ * the first, which takes what is left (up to one chunk_bytes more than its size). Writes *count chunks' bounds, in elements from the slice's start,
+ * first to last, into bounds[0..*count] (bounds[*count] is the slice's length); bounds holds
+ * PMG_CE_MAX_CHUNKS + 1 entries. Host code only. */
+int pmg_ce_chunks(int nranks, size_t n, int dtype, size_t chunk_bytes, size_t *bounds,
+                  int *count);
 /* Two-shot with the copy engines, for large buffers: on NVLink, DMA carries more bytes than
- * SM loads or stores (docs/BENCHMARKS.md). Each rank's slice is cut into chunks of
- * chunk_bytes; per chunk, every rank copies the other ranks' slices of its replica into their
- * staging slots by DMA (on copy_stream); after a GPU barrier a kernel on stream averages its
- * own slice from its replica and its staging area (rank order, as every kernel here) into
- * its replica, and the copy engines then copy that mean into every peer's replica. Chunk
- * c + 1's push crosses the link while chunk c is averaged, so no byte crosses by SM.
- * Each rank's staging area starts stage_offset bytes after its data (the same offset on
- * every rank) and holds pmg_stage_bytes(nranks, n * element size) bytes. event is a scratch
- * event on the streams' device; max_blocks caps the averaging kernel's grid. Every rank
- * calls it with the same n, dtype and chunk_bytes; the result is bit-identical to the
+ * SM loads or stores (docs/BENCHMARKS.md). Each rank's slice is cut into the chunks of
+ * pmg_ce_chunks; per chunk, every rank copies the other ranks' slices of its replica into
+ * their staging slots by DMA (on copy_stream); after a GPU barrier a kernel on stream
+ * averages its own slice from its replica and its staging area (rank order, as every kernel
+ * here) into its replica, and the copy engines then copy that mean into every peer's
+ * replica. Chunk c + 1's push crosses the link while chunk c is averaged, so no byte crosses
+ * by SM. Each rank's staging area starts stage_offset bytes after its data (the same offset
+ * on every rank) and holds pmg_stage_bytes(nranks, n * element size) bytes. event is a
+ * scratch event on the streams' device; max_blocks caps the averaging kernel's grid. Every
+ * rank calls it with the same n, dtype and chunk_bytes; the result is bit-identical to the
  * kernels'. */
 int pmg_ce_allreduce_average(const pmg_peers *peers, size_t stage_offset, int rank, int nranks,
                              size_t n, int dtype, size_t chunk_bytes, int max_blocks,

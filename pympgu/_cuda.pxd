@@ -105,6 +105,9 @@ cdef extern from "pympgu.h" nogil:
                               uint64_t timeout_ns, cudaStream_t stream)
     size_t pmg_stage_bytes(int nranks, size_t nbytes)
     size_t pmg_ll_bytes(int nranks)
+    enum: PMG_CE_MAX_CHUNKS
+    int pmg_ce_chunks(int nranks, size_t n, int dtype, size_t chunk_bytes, size_t *bounds,
+                      int *count)
     int pmg_ce_allreduce_average(const pmg_peers *peers, size_t stage_offset, int rank,
                                  int nranks, size_t n, int dtype, size_t chunk_bytes,
                                  int max_blocks, uint64_t timeout_ns, cudaStream_t stream,

@@ -885,11 +885,23 @@ def push_min_bytes(int nranks):
 
 
 def ce_chunk_bytes():
-    """Bytes per pipelined chunk of a rank's slice in the 'ce' algorithm
-    (PYMPGU_CE_CHUNK_BYTES overrides; every rank must use the same). On 2 H200s at 1 GiB,
-    8 MiB chunks took a third longer (a chunk's barrier and average then outlast the next
-    chunk's copies), 32 and 128 MiB within 1% (docs/BENCHMARKS.md, session 16)."""
-    return _env_bytes("PYMPGU_CE_CHUNK_BYTES", 32 * 1024 * 1024)
+    """Bytes of each of the last two pipelined chunks of a rank's slice in the 'ce'
+    algorithm; each chunk before them is twice the one after it (ce_chunks).
+    PYMPGU_CE_CHUNK_BYTES overrides; every rank must use the same."""
+    return _env_bytes("PYMPGU_CE_CHUNK_BYTES", 8 * 1024 * 1024)
+
+
+def ce_chunks(int nranks, size_t n, dtype, chunk_bytes=None):
+    """The bounds, in elements from the start of a rank's slice, of the chunks that the 'ce'
+    algorithm pipelines for n elements of dtype over nranks ranks: a list of chunks + 1
+    offsets, the last the slice's length. chunk_bytes defaults to ce_chunk_bytes()."""
+    cdef size_t bounds[PMG_CE_MAX_CHUNKS + 1]
+    cdef int count = 0
+    cdef size_t last = ce_chunk_bytes() if chunk_bytes is None else chunk_bytes
+    status = pmg_ce_chunks(nranks, n, dtype_code(dtype), last, bounds, &count)
+    if status:
+        _raise(status, f"ce_chunks(nranks={nranks}, n={n}, chunk_bytes={last})")
+    return [bounds[i] for i in range(count + 1)]
 
 
 ALGORITHMS = ("ll", "oneshot", "twoshot", "push", "ce")

@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from pympgu.launch import WorkerFailed, launch
@@ -197,6 +198,47 @@ def test_algorithm_thresholds_and_their_overrides(monkeypatch):
     monkeypatch.setenv("PYMPGU_LL_MAX_BYTES", str(cuda.LL_MAX_BYTES + 1))
     assert cuda.ll_max_bytes(2) == cuda.LL_MAX_BYTES
     monkeypatch.delenv("PYMPGU_CE_CHUNK_BYTES", raising=False)
-    assert cuda.ce_chunk_bytes() == 32 << 20
+    assert cuda.ce_chunk_bytes() == 8 << 20
     monkeypatch.setenv("PYMPGU_CE_CHUNK_BYTES", "65536")
     assert cuda.ce_chunk_bytes() == 65536
+    assert cuda.ce_chunks(2, 1 << 20, "float32")[-2:] == [(1 << 19) - 16384, 1 << 19]
+
+
+@pytest.mark.parametrize("dtype,itemsize", [("float32", 4), ("bfloat16", 2)])
+@pytest.mark.parametrize("nranks", [2, 3, 8])
+def test_ce_chunks_halve_towards_the_end(nranks, dtype, itemsize):
+    from pympgu import cuda
+    if cuda._cuda is None:
+        pytest.skip("built without CUDA")
+    per_vec = 16 // itemsize
+    rng = np.random.default_rng(nranks)
+    sizes = [1, 7, 4096, 1 << 28, 3 * (1 << 26) + 5] + list(rng.integers(1, 1 << 30, 20))
+    for n in sizes:
+        for chunk_bytes in (16, 100, 8 << 20):
+            bounds = cuda.ce_chunks(nranks, int(n), dtype, chunk_bytes)
+            # The chunks tile a rank's slice (whole vectors, as the kernels' slices are).
+            slice_ = -(-int(n) // (nranks * per_vec)) * per_vec
+            assert bounds[0] == 0 and bounds[-1] == slice_, (n, chunk_bytes)
+            lens = np.diff(bounds)
+            assert (lens > 0).all() and (lens % per_vec == 0).all(), (n, chunk_bytes, lens)
+            last = max(per_vec, chunk_bytes // itemsize // per_vec * per_vec)
+            # From the end: last, last, then doubling; the first chunk takes the rest, which
+            # is at least last (a smaller rest joins it) and under its size plus last.
+            want = [last, last] + [last << i for i in range(1, 64)]
+            k = len(lens)
+            assert list(lens[::-1][1:k - 1]) == want[1:k - 1], (n, chunk_bytes, lens)
+            if k == 1:
+                assert lens[0] < 2 * last
+            else:
+                assert last <= lens[0] < want[k - 1] + last, (n, chunk_bytes, lens)
+            assert k <= 64
+
+
+def test_ce_chunks_names_bad_arguments():
+    from pympgu import cuda
+    if cuda._cuda is None:
+        pytest.skip("built without CUDA")
+    with pytest.raises(cuda.CudaError, match="chunk_bytes=8"):
+        cuda.ce_chunks(2, 100, "float32", 8)
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        cuda.ce_chunks(2, 100, "int8")
