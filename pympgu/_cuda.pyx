@@ -884,11 +884,25 @@ def push_min_bytes(int nranks):
     return _env_bytes("PYMPGU_PUSH_MIN_BYTES", 16 * 1024 * 1024)
 
 
+def ce_min_bytes(int nranks):
+    """Smallest buffer the 'auto' algorithm averages with 'ce' (two-shot, every byte by DMA)
+    rather than 'push', in a PeerGroup with a staging area.
+
+    Override with PYMPGU_CE_MIN_BYTES. On 2 H200s over NVLink (docs/BENCHMARKS.md, session
+    17) 'ce' took 1% less time than 'push' at 512 MiB, 3% less at 768 MiB and 4% less at
+    1 GiB, and 4% more at 256 MiB, where its few chunks pipeline less. More ranks are not
+    measured yet and use the same.
+    """
+    return _env_bytes("PYMPGU_CE_MIN_BYTES", 512 * 1024 * 1024)
+
+
 def ce_chunk_bytes():
     """Bytes of each of the last two pipelined chunks of a rank's slice in the 'ce'
     algorithm; each chunk before them is twice the one after it (ce_chunks).
-    PYMPGU_CE_CHUNK_BYTES overrides; every rank must use the same."""
-    return _env_bytes("PYMPGU_CE_CHUNK_BYTES", 8 * 1024 * 1024)
+    PYMPGU_CE_CHUNK_BYTES overrides; every rank must use the same. On 2 H200s at 1 GiB, last
+    chunks of 16 and 32 MiB took 2,841-2,852 us, 8 MiB 2,874-2,881, 4 MiB 2,890 and 128 MiB
+    2,897; fixed 32 MiB chunks had taken 2,928 (docs/BENCHMARKS.md, session 17)."""
+    return _env_bytes("PYMPGU_CE_CHUNK_BYTES", 16 * 1024 * 1024)
 
 
 def ce_chunks(int nranks, size_t n, dtype, chunk_bytes=None):
@@ -985,7 +999,7 @@ cdef class PeerGroup:
     cdef object marks  # the pair's timeline events (PYMPGU_XLA_TIMELINE=1), or None
     # 'auto''s thresholds, read from the environment once: a lookup there costs about a
     # microsecond, a fifth of what queueing a small exchange takes (docs/BENCHMARKS.md).
-    cdef size_t ll_max, oneshot_max, push_min
+    cdef size_t ll_max, oneshot_max, push_min, ce_min
     cdef Resident _resident  # while one runs: nothing else may exchange
 
     def __init__(self, int rank, int nranks, size_t nbytes, device=None, double timeout=60.0,
@@ -1006,6 +1020,7 @@ cdef class PeerGroup:
         self.ll_max = ll_max_bytes(nranks)
         self.oneshot_max = oneshot_max_bytes(nranks)
         self.push_min = push_min_bytes(nranks)
+        self.ce_min = ce_min_bytes(nranks)
         if staging is None:
             staging = nranks > 1 and nbytes >= self.push_min
         self.stage_bytes = pmg_stage_bytes(nranks, nbytes) if staging else 0
@@ -1037,8 +1052,8 @@ cdef class PeerGroup:
     @property
     def auto_bytes(self):
         """'auto''s thresholds as this group read them: (ll_max_bytes, oneshot_max_bytes,
-        push_min_bytes)."""
-        return (self.ll_max, self.oneshot_max, self.push_min)
+        push_min_bytes, ce_min_bytes)."""
+        return (self.ll_max, self.oneshot_max, self.push_min, self.ce_min)
 
     @property
     def handle(self):
@@ -1140,6 +1155,8 @@ cdef class PeerGroup:
                 return "ll"
             if nbytes <= self.oneshot_max:
                 return "oneshot"
+            if self.stage_bytes and nbytes >= self.ce_min:
+                return "ce"
             if self.stage_bytes and nbytes >= self.push_min:
                 return "push"
             return "twoshot"

@@ -420,7 +420,8 @@ class _CudaBackend:
                               ("ce_chunk_bytes", "use the same PYMPGU_CE_CHUNK_BYTES"),
                               # 'auto' must pick the same algorithm on every rank.
                               ("auto_bytes", "use the same PYMPGU_LL_MAX_BYTES, "
-                                             "PYMPGU_ONESHOT_MAX_BYTES and PYMPGU_PUSH_MIN_BYTES")):
+                                             "PYMPGU_ONESHOT_MAX_BYTES, PYMPGU_PUSH_MIN_BYTES "
+                                             "and PYMPGU_CE_MIN_BYTES")):
                 values = [f.get(key) for f in all_facts]
                 if len(set(values)) != 1:
                     # Ranks that queue different barriers (other grids, algorithms or

@@ -271,10 +271,12 @@ def test_staged_algorithms_need_staging(monkeypatch):
             with pytest.raises(ValueError, match="staging=True"):
                 small.algorithm(1 << 20, algo)
     big = cuda.push_min_bytes(2)
+    monkeypatch.setenv("PYMPGU_CE_MIN_BYTES", str(2 * big))  # read when the group is made
     with cuda.PeerGroup(0, 2, big) as group:
         assert group.stage_bytes == big // 2  # one slot: the peer's half
         assert group.algorithm(big) == "push"
         assert group.algorithm(big - 1) == "twoshot"
+        assert group.algorithm(2 * big) == "ce" and group.algorithm(2 * big - 1) == "push"
     with cuda.PeerGroup(0, 4, 1000, staging=True, shadow=True) as group:
         assert group.stage_bytes == 3 * 256  # 3 slots of ceil(1000 / 4) rounded up to 16 B
         # Every area on a 2 MiB page, and the block whole pages: DMA both ways was up to a

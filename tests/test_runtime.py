@@ -183,7 +183,8 @@ def test_algorithm_thresholds_and_their_overrides(monkeypatch):
         pytest.skip("built without CUDA")
     for var, fn, default in (("PYMPGU_LL_MAX_BYTES", cuda.ll_max_bytes, 256 << 10),
                              ("PYMPGU_ONESHOT_MAX_BYTES", cuda.oneshot_max_bytes, 128 << 10),
-                             ("PYMPGU_PUSH_MIN_BYTES", cuda.push_min_bytes, 16 << 20)):
+                             ("PYMPGU_PUSH_MIN_BYTES", cuda.push_min_bytes, 16 << 20),
+                             ("PYMPGU_CE_MIN_BYTES", cuda.ce_min_bytes, 512 << 20)):
         monkeypatch.delenv(var, raising=False)
         assert fn(2) == default, var  # the documented defaults (docs/TRAINING.md)
         monkeypatch.setenv(var, "12345")
@@ -198,7 +199,7 @@ def test_algorithm_thresholds_and_their_overrides(monkeypatch):
     monkeypatch.setenv("PYMPGU_LL_MAX_BYTES", str(cuda.LL_MAX_BYTES + 1))
     assert cuda.ll_max_bytes(2) == cuda.LL_MAX_BYTES
     monkeypatch.delenv("PYMPGU_CE_CHUNK_BYTES", raising=False)
-    assert cuda.ce_chunk_bytes() == 8 << 20
+    assert cuda.ce_chunk_bytes() == 16 << 20
     monkeypatch.setenv("PYMPGU_CE_CHUNK_BYTES", "65536")
     assert cuda.ce_chunk_bytes() == 65536
     assert cuda.ce_chunks(2, 1 << 20, "float32")[-2:] == [(1 << 19) - 16384, 1 << 19]
