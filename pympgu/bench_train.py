@@ -322,7 +322,11 @@ def ddp_rank(rank, world, devices, cfg, n_in, n_out, steps, warmup, init_file, g
             out["gpu_ms"] = begin.elapsed_time(end) / GPU_TIMED_STEPS
         return out
     finally:
-        dist.destroy_process_group()
+        # After NCCL work captured in a CUDA graph, destroy_process_group hangs in
+        # ncclCommDestroy (pytorch/pytorch#115388; both ranks of the 2-GPU graph run stopped
+        # there, docs/BENCHMARKS.md, session 17): _ddp_entry ends such a rank without it.
+        if not graph:
+            dist.destroy_process_group()
 
 
 # How long a DDP run may go without a word from every rank (a run takes about 15 s).
@@ -341,6 +345,10 @@ def _ddp_entry(rank, conn, args, stall_s):
         raise SystemExit(1)
     finally:
         faulthandler.cancel_dump_traceback_later()
+    if args[-1]:  # graph: no teardown of its process group (ddp_rank); os._exit skips the
+        # interpreter's, which may reach the same NCCL call, and the parent reaps the process.
+        conn.close()
+        os._exit(0)
 
 
 def run_ddp(devices, cfg, n_in, n_out, steps, warmup, graph=False, timeout=DDP_TIMEOUT_S):
