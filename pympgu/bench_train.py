@@ -14,8 +14,9 @@ For each model (the seed's MLP 784-500-10 at batch 5000, plain SGD; the wide MLP
   bfloat16 wire;
 - PyTorch DistributedDataParallel on the same architecture, batch and optimiser (when
   torch is importable and every rank has its own GPU), with TF32 matmuls as JAX uses: eager
-  ('DDP', as most scripts run it; it also reports the GPU time of its step alone) and, with
-  --ddp-graph, with each step captured in a CUDA graph ('DDP-graph');
+  ('DDP', as most scripts run it; it also reports the GPU time of its step alone) and with
+  each step captured in a CUDA graph ('DDP-graph', its fastest form here; --no-ddp-graph
+  skips it);
 - a plain JAX step (jax.grad of the same loss, jitted) against the PyTensor-compiled call,
   on one GPU: the per-step cost of PyTensor's wrapper.
 
@@ -55,7 +56,8 @@ VARIANTS = {  # name: (sync_every, overlap, exchange dtype, exchange inside the 
 }
 # The PyTorch baselines: DDP as most scripts run it (eager), and with each step captured in
 # a CUDA graph (one launch a step), its fastest form for a small model whose host is slower
-# than its GPU (--ddp-graph: on 2 H200s its 2-GPU run hung, docs/BENCHMARKS.md, session 9).
+# than its GPU: eager DDP's host takes all of each step to issue it, so its scaling measures
+# the host (0.78 to 1.00 on the same machine, docs/BENCHMARKS.md, sessions 12 and 17).
 # name: captured in a graph.
 DDP_SYSTEMS = {"DDP": False, "DDP-graph": True}
 # Eager DDP steps queued behind a held GPU to time them on the GPU alone: few enough that
@@ -528,10 +530,10 @@ def main(argv=None):
     parser.add_argument("--method", choices=METHODS, default="auto",
                         help="as pympgu.train's flag: the GPU averaging algorithm (default: auto)")
     parser.add_argument("--no-ddp", action="store_true", help="skip PyTorch DDP")
-    parser.add_argument("--ddp-graph", action="store_true",
-                        help="also time DDP with each step captured in a CUDA graph (it hung "
-                             f"on 2 GPUs here, and is then reported as failed after "
-                             f"{DDP_TIMEOUT_S} s, with each rank's stacks)")
+    parser.add_argument("--no-ddp-graph", action="store_true",
+                        help="skip DDP with each step captured in a CUDA graph (a rank that "
+                             f"stalls is reported as failed after {DDP_TIMEOUT_S} s, with its "
+                             "stacks)")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
     from . import cuda
@@ -563,7 +565,7 @@ def main(argv=None):
           f"{args.warmup} warm-up", flush=True)
     if len(gpus) == 1:
         print("  one GPU: only the 1-GPU rows (give two or more GPUs for scaling)", flush=True)
-    ddp = (("DDP", "DDP-graph") if args.ddp_graph else ("DDP",)) if use_ddp else ()
+    ddp = (("DDP",) if args.no_ddp_graph else ("DDP", "DDP-graph")) if use_ddp else ()
     rows = measure(gpus, args.models, args.variants, args.steps, args.warmup, args.data_dir,
                    ddp, exchange_blocks=args.exchange_blocks, method=args.method)
     print(table(rows))
