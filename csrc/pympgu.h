@@ -213,8 +213,9 @@ size_t pmg_stage_bytes(int nranks, size_t nbytes);
 /* The chunks of a rank's slice (of n elements of dtype over nranks ranks) that
  * pmg_ce_allreduce_average pipelines: the last two hold chunk_bytes each (rounded down to
  * whole 16-byte vectors, at least one), each chunk before them twice the one after it, but
- * the first, which takes what is left (up to one chunk_bytes more than its size). Writes *count chunks' bounds, in elements from the slice's start,
- * first to last, into bounds[0..*count] (bounds[*count] is the slice's length); bounds holds
+ * the first, which takes what is left (up to one chunk_bytes more than its size). Writes
+ * *count chunks' bounds, in elements from the slice's start, first to last, into
+ * bounds[0..*count] (bounds[*count] is the slice's length); bounds holds
  * PMG_CE_MAX_CHUNKS + 1 entries. Host code only. */
 int pmg_ce_chunks(int nranks, size_t n, int dtype, size_t chunk_bytes, size_t *bounds,
                   int *count);
