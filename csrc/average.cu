@@ -751,19 +751,28 @@ void launch_allreduce(const pmg_peers &p, size_t stage_offset, int rank, size_t 
   }
 }
 
+// Calls f(std::integral_constant<int, R>()) with R = nranks (1 to PMG_MAX_RANKS): the
+// kernels take the rank count as a template parameter, so that their loops over ranks unroll.
+template <typename F>
+void with_ranks(int nranks, F &&f) {
+  switch (nranks) {
+    case 1: f(std::integral_constant<int, 1>()); break;
+    case 2: f(std::integral_constant<int, 2>()); break;
+    case 3: f(std::integral_constant<int, 3>()); break;
+    case 4: f(std::integral_constant<int, 4>()); break;
+    case 5: f(std::integral_constant<int, 5>()); break;
+    case 6: f(std::integral_constant<int, 6>()); break;
+    case 7: f(std::integral_constant<int, 7>()); break;
+    case 8: f(std::integral_constant<int, 8>()); break;
+  }
+}
+
 template <typename T>
 void dispatch_ranks(const pmg_peers &p, size_t so, int rank, int nranks, size_t n, int algo,
                     int max_blocks, uint64_t timeout_ns, cudaStream_t stream) {
-  switch (nranks) {
-    case 1: launch_allreduce<T, 1>(p, so, rank, n, algo, max_blocks, timeout_ns, stream); break;
-    case 2: launch_allreduce<T, 2>(p, so, rank, n, algo, max_blocks, timeout_ns, stream); break;
-    case 3: launch_allreduce<T, 3>(p, so, rank, n, algo, max_blocks, timeout_ns, stream); break;
-    case 4: launch_allreduce<T, 4>(p, so, rank, n, algo, max_blocks, timeout_ns, stream); break;
-    case 5: launch_allreduce<T, 5>(p, so, rank, n, algo, max_blocks, timeout_ns, stream); break;
-    case 6: launch_allreduce<T, 6>(p, so, rank, n, algo, max_blocks, timeout_ns, stream); break;
-    case 7: launch_allreduce<T, 7>(p, so, rank, n, algo, max_blocks, timeout_ns, stream); break;
-    case 8: launch_allreduce<T, 8>(p, so, rank, n, algo, max_blocks, timeout_ns, stream); break;
-  }
+  with_ranks(nranks, [&](auto r) {
+    launch_allreduce<T, decltype(r)::value>(p, so, rank, n, algo, max_blocks, timeout_ns, stream);
+  });
 }
 
 int launched() { return cudaGetLastError(); }
@@ -943,16 +952,9 @@ int pmg_resident_start(const pmg_peers *peers, int rank, int nranks, int blocks,
   // The relayed command of a kernel that ran before may hold this one's first count.
   if (cudaError_t err = cudaMemsetAsync(&p.signal[rank]->resident_command, 0, sizeof(uint64_t), stream))
     return err;
-  switch (nranks) {
-    case 1: resident_kernel<1><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped); break;
-    case 2: resident_kernel<2><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped); break;
-    case 3: resident_kernel<3><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped); break;
-    case 4: resident_kernel<4><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped); break;
-    case 5: resident_kernel<5><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped); break;
-    case 6: resident_kernel<6><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped); break;
-    case 7: resident_kernel<7><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped); break;
-    case 8: resident_kernel<8><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped); break;
-  }
+  with_ranks(nranks, [&](auto r) {
+    resident_kernel<decltype(r)::value><<<blocks, kThreads, 0, stream>>>(p, rank, timeout_ns, mapped);
+  });
   return launched();
 }
 

@@ -1119,6 +1119,9 @@ cdef class PeerGroup:
 
     cdef _require(self, size_t n, int code):
         self._require_idle()
+        self._require_fit(n, code)
+
+    cdef _require_fit(self, size_t n, int code):
         if n * pmg_dtype_size(code) > self.nbytes:
             raise ValueError(f"{n} elements do not fit the group's {self.nbytes}-byte buffer")
 
@@ -1435,9 +1438,7 @@ cdef class Resident:
 
     cdef _average(self, size_t n, int code):
         cdef size_t nbytes = n * pmg_dtype_size(code)
-        if nbytes > self.group.nbytes:
-            raise ValueError(f"{n} elements do not fit the group's {self.group.nbytes}-byte "
-                             f"buffer")
+        self.group._require_fit(n, code)
         if nbytes > LL_MAX_BYTES:
             raise ValueError(f"the resident exchange averages at most {LL_MAX_BYTES} bytes "
                              f"('ll'), got {nbytes}")
