@@ -486,20 +486,26 @@ ffi::Error average_done(cudaStream_t stream, ffi::RemainingArgs args, ffi::Remai
 }
 
 // Records DONE and AVERAGED where XLA's stream reaches it: from there XLA's own update
-// reads the shadow.
+// reads the shadow. Its "part" is a done's: after a start in two parts, the first part's
+// wait lets XLA read that part's arrays as soon as they have landed (DONE marks it), and the
+// last part's waits for everything (AVERAGED marks it).
 constexpr const char *kWait = "pympgu_average_wait";
 
 ffi::Error average_wait(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                        int64_t group) {
+                        int64_t group, int32_t part) {
   pmg_group g;
   if (auto e = lookup_group(kWait, group, &g); e.failure()) return e;
+  if (part < kDoneWhole || part > kDoneLast)
+    return ffi::Error::InvalidArgument("pympgu_average_wait: part must be 0, 1 or 2");
   auto token = args.get<ffi::AnyBuffer>(0);
   if (token.has_error()) return token.error();
   OnGroupDevice on(kWait, g, token->untyped_data());
   if (on.error().failure()) return on.error();
   int status;
-  if ((status = mark(g, {PMG_MARK_DONE}, stream)) || (status = after_side(g, stream)) ||
-      (status = mark(g, {PMG_MARK_AVERAGED}, stream)))
+  if ((part != kDoneLast && (status = mark(g, {PMG_MARK_DONE}, stream))) ||
+      (status = part == kDoneFirst ? pmg_stream_wait_event(stream, g.side_first)
+                                   : after_side(g, stream)) ||
+      (part != kDoneFirst && (status = mark(g, {PMG_MARK_AVERAGED}, stream))))
     return failed(kWait, "wait for the side stream", status);
   return ffi::Error::Success();
 }
@@ -529,7 +535,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(pmg_xla_average_done, average_done,
                                   .Attr<int64_t>("total")
                                   .Attr<int32_t>("part"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pmg_xla_average_wait, average_wait,
-                              PMG_BIND.Attr<int64_t>("group"));
+                              PMG_BIND.Attr<int64_t>("group").Attr<int32_t>("part"));
 
 extern "C" void *pmg_xla_handler(const char *name) {
   const std::string n = name ? name : "";

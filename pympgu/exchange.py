@@ -238,6 +238,19 @@ class Exchanger:
         return xla.average_results(fn, which, group, *args, algo=self.method,
                                    max_blocks=self.max_blocks)
 
+    def xla_average_gradients(self, fn, updated, which, *args, shadow=None, local=()):
+        """``pympgu.xla.average_gradients`` over this exchanger's group: ``fn``'s results at
+        ``updated`` computed from every rank's mean gradient, or, where that does not apply,
+        its results at ``which`` (the layout's first entries, in its order) averaged.
+        ``shadow`` is ``xla_shadow(correction=False)``'s array, or None."""
+        import jax
+
+        from . import xla
+        shapes = jax.eval_shape(lambda *a: list(fn(*a)), *args)
+        group = self._xla_group([shapes[i] for i in which])
+        return xla.average_gradients(fn, updated, which, group, *args, shadow=shadow,
+                                     local=local, algo=self.method, max_blocks=self.max_blocks)
+
     def xla_average_during(self, arrays, fn, *args):
         """``xla_average(arrays)`` taken while ``fn(*args)`` computes; returns both
         (``pympgu.xla.average_during``)."""
@@ -253,15 +266,17 @@ class Exchanger:
                                   algo=self.method, max_blocks=self.max_blocks, shadow=shadow,
                                   ready=ready)
 
-    def xla_shadow(self):
-        """The shared shadow as a JAX array, for ``xla_correct_during``'s ``shadow``, or
-        None where it cannot serve: no shared shadow (``shadow=True``), a number of ranks
-        that is not a power of two (pympgu.xla.shadow_array), a method other than 'auto',
-        or other arrays than float32. PYMPGU_FUSED_CORRECTION=0 also says None, which
-        leaves the correction to pympgu's own pass (to compare the two)."""
+    def xla_shadow(self, correction=True):
+        """The shared shadow as a JAX array, for ``xla_correct_during``'s ``shadow`` (or
+        with ``correction=False``, ``xla_average_gradients``'), or None where it cannot
+        serve: no shared shadow (``shadow=True``), a number of ranks that is not a power of
+        two (pympgu.xla.shadow_array), a method other than 'auto', or other arrays than
+        float32. For the correction, PYMPGU_FUSED_CORRECTION=0 also says None, which leaves
+        it to pympgu's own pass (to compare the two)."""
         from . import xla
-        if (os.environ.get("PYMPGU_FUSED_CORRECTION", "1") == "0" or self.method != "auto"
-                or self.xla_unavailable() or any(d != "float32" for _, _, d in self.layout)):
+        if ((correction and os.environ.get("PYMPGU_FUSED_CORRECTION", "1") == "0")
+                or self.method != "auto" or self.xla_unavailable()
+                or any(d != "float32" for _, _, d in self.layout)):
             return None
         return xla.shadow_array(self.backend.group)
 

@@ -17,7 +17,8 @@ behind): a result sent early but with no work left to hide behind gains nothing.
 without matrix products is not cut.
 
 ``Tail`` cuts a program another way, before the elementwise update at its end, so that
-pympgu.xla.correct_during can fuse the overlapped step's correction into that update.
+pympgu.xla.correct_during can fuse the overlapped step's correction into that update, and
+pympgu.xla.average_gradients can feed that update the ranks' mean gradients.
 """
 import math
 
@@ -145,6 +146,11 @@ ELEMENTWISE = frozenset("""
     expand_dims ge gt integer_pow le log log1p logistic lt max min mul ne neg not or pow
     reshape rsqrt select_n sign sqrt square squeeze sub tanh
 """.split())
+# Primitives whose result is affine in any of their operands (Tail.nonlinear; mul, div and
+# select_n are affine in some operands only).
+AFFINE = frozenset("""
+    add sub neg copy copy_p reshape squeeze expand_dims broadcast_in_dim
+""".split())
 
 
 class Tail:
@@ -189,6 +195,82 @@ class Tail:
         made = {v for e in self.before for v in e.outvars}
         self.crossing = list(dict.fromkeys(
             v for e in self.tail for v in e.invars if _is_var(v) and v in made))
+
+    def nonlinear(self):
+        """The first tail equation at which the tail's results stop being affine in the
+        crossing values (a product of two of them, a function such as sqrt of one), or None.
+
+        An update affine in its gradients commutes with their mean: when every rank starts
+        from the same state, the update of the ranks' mean gradient is the mean of the ranks'
+        updates (pympgu.xla.average_gradients)."""
+        depends = set(self.crossing)
+        for e in self.tail:
+            hit = [_is_var(v) and v in depends for v in e.invars]
+            if not any(hit):
+                continue
+            name = e.primitive.name
+            if not (name in AFFINE
+                    or (name == "convert_element_type"
+                        and np.issubdtype(e.params["new_dtype"], np.floating))
+                    or (name == "mul" and sum(hit) == 1)
+                    or (name == "div" and hit == [True, False])
+                    or (name == "select_n" and not hit[0])):
+                return e
+            depends.update(e.outvars)
+        return None
+
+    def reads(self, positions):
+        """Whether the tail reads any of the program's inputs at ``positions``."""
+        inputs = {self.jaxpr.invars[i] for i in positions}
+        return any(_is_var(v) and v in inputs for e in self.tail for v in e.invars)
+
+    def made(self):
+        """The program's results that the tail computes."""
+        made = {v for e in self.tail for v in e.outvars}
+        return [i for i, v in enumerate(self.jaxpr.outvars) if _is_var(v) and v in made]
+
+    def rest(self):
+        """The program's results that the tail does not compute."""
+        made = set(self.made())
+        return [i for i in range(len(self.jaxpr.outvars)) if i not in made]
+
+    def evaluate_before(self, args):
+        """The work before the tail, on the flat ``args``: the crossing values, then the
+        results at ``rest()``."""
+        env = dict(zip(self.jaxpr.constvars, self.consts))
+        env.update(zip(self.jaxpr.invars, args))
+        _evaluate(self.before, env)
+        outvars = self.jaxpr.outvars
+        return [env[v] for v in self.crossing] + [_read(env, outvars[i]) for i in self.rest()]
+
+    def evaluate_tail(self, args, crossing, parts):
+        """The tail, on the flat ``args`` and values of ``crossing``, in parts. ``parts``
+        lists groups of positions in ``crossing`` and a function for each, called before
+        the equations that need that group (and none after it) with the values of the group
+        and the results of the equations before, and returning values for the group; the
+        tail's equations that need no crossing value go with the first group. Returns the
+        tail's results (None for the others)."""
+        env = dict(zip(self.jaxpr.constvars, self.consts))
+        env.update(zip(self.jaxpr.invars, args))
+        order = {}
+        for g, (group, _) in enumerate(parts):
+            for i in group:
+                order[self.crossing[i]] = g
+        # The last group each equation needs, through the tail's own values too.
+        need = dict(order)
+        split = [[] for _ in parts]
+        for e in self.tail:
+            g = max((need[v] for v in e.invars if _is_var(v) and v in need), default=0)
+            need.update((v, g) for v in e.outvars)
+            split[g].append(e)
+        earlier = []
+        for (group, take), eqns in zip(parts, split):
+            values = take([crossing[i] for i in group], list(earlier))
+            env.update(zip((self.crossing[i] for i in group), values))
+            _evaluate(eqns, env)
+            earlier += [env[v] for e in eqns for v in e.outvars]
+        made = set(self.made())
+        return [_read(env, v) if k in made else None for k, v in enumerate(self.jaxpr.outvars)]
 
     def run(self, args, hold):
         """Evaluate the program on the flat ``args`` (tracers, inside jit): the work before

@@ -20,10 +20,12 @@ class JaxStep:
     """Call ``fn`` (a PyTensor function compiled with mode='JAX') through its JAX program.
 
     ``state`` lists shared variables that ``fn`` updates. ``exchange``, if given, is called
-    as ``exchange(compute, which, *args)``: ``compute(*args)`` returns the program's outputs
-    (a list), ``which`` the positions of ``state``'s new values among them, in ``state``'s
-    order, and ``exchange`` returns the outputs with some of those replaced by what they
-    become (the average; ``Exchanger.xla_average_results``). ``during``,
+    as ``exchange(compute, which, *args, local=...)``: ``compute(*args)`` returns the
+    program's outputs (a list), ``which`` the positions of ``state``'s new values among
+    them, in ``state``'s order, ``local`` the positions in ``args`` of ``fn``'s explicit
+    inputs (a rank's minibatch), and ``exchange`` returns the outputs with some of those
+    replaced by what they become (the average; ``Exchanger.xla_average_results``, or
+    ``xla_average_gradients``, which reads ``inputs`` as ``during`` does). ``during``,
     if given, is called as ``during(old, compute, *args)`` with the values ``state`` starts
     the step with; ``compute(*args)`` returns ``(new, outs)``, the new values of ``state``
     and all of the program's outputs, and ``during`` returns ``(values, outs)``, where
@@ -31,7 +33,7 @@ class JaxStep:
     becomes new + (average of old - old)). ``inputs`` are arrays that ``during`` reads
     (``Exchanger.xla_shadow``'s): the jitted program takes them after ``fn``'s arguments
     at every call, since closed over they would be copied into it as constants, and hands
-    them to ``during`` as its keyword ``inputs`` (when there are any). Calling returns
+    them to ``during`` or ``exchange`` as the keyword ``inputs`` (when there are any). Calling returns
     ``fn``'s outputs: the value itself when there is one, else a list.
     """
 
@@ -76,7 +78,9 @@ class JaxStep:
                     outs[out] = value
                 return outs
             if exchange is not None:
-                return list(exchange(lambda *a: list(program(*a)), state_outs, *args))
+                given = {"inputs": list(more)} if more else {}
+                return list(exchange(lambda *a: list(program(*a)), state_outs, *args,
+                                     local=self.explicit, **given))
             return list(program(*args))
 
         self.jitted = jax.jit(run)

@@ -129,22 +129,25 @@ class Replica:
         k, n = len(self.model.params), len(self.model.state)
         return {"state": (0, n), "params": (0, k), "momentum": (k, n)}[name]
 
-    def step(self, idx, ex=None, part="state", overlap=False):
+    def step(self, idx, ex=None, part="state", overlap=False, gradients=False):
         """One training step on the minibatch idx; returns its cost.
 
         With JAX the compiled program is called directly (pympgu.jaxstep), so that given
         ex the step also averages ``part`` of the state (Replica.part) with every rank
         inside the same jitted call (Exchanger.xla_average_results; see Sync for when the
-        parameters alone are enough). With overlap it averages the values it starts from
-        while it computes, and corrects its result by that average (--overlap).
+        parameters alone are enough). With ``gradients`` (every rank starts the step from
+        the same state) its update takes the ranks' mean gradients instead, where the
+        update allows (Exchanger.xla_average_gradients). With overlap it averages the
+        values it starts from while it computes, and corrects its result by that average
+        (--overlap).
         """
         if self.jax is None:
             return self.train_fn(idx)
-        return self.jax_step(ex, part, overlap)(idx)
+        return self.jax_step(ex, part, overlap, gradients)(idx)
 
-    def jax_step(self, ex=None, part="state", overlap=False):
+    def jax_step(self, ex=None, part="state", overlap=False, gradients=False):
         """The JaxStep that step() calls for these arguments, built once."""
-        key = (ex is not None, part, overlap)
+        key = (ex is not None, part, overlap, gradients)
         fn = self._steps.get(key)
         if fn is None:
             from .jaxstep import JaxStep
@@ -171,8 +174,18 @@ class Replica:
                         old[lo:hi], ordered, *args, shadow=inputs[0] if inputs else None,
                         ready=old[:lo] + old[hi:])
                     return new[:lo] + fixed + new[hi:], outs
+            elif ex is not None and gradients:
+                shadow = ex.xla_shadow(correction=False)
+                inputs = [] if shadow is None else [shadow]
+
+                def exchange(compute, which, *args, local=(), inputs=()):
+                    # The whole state's update from the mean gradients; where the update
+                    # does not allow it, `part` averaged after the step.
+                    return ex.xla_average_gradients(
+                        compute, which, which[lo:hi], *args,
+                        shadow=inputs[0] if inputs else None, local=local)
             elif ex is not None:
-                def exchange(compute, which, *args):
+                def exchange(compute, which, *args, local=()):
                     return ex.xla_average_results(compute, which[lo:hi], *args)
             fn = self._steps[key] = JaxStep(self.train_fn, self.model.state, exchange, during,
                                             inputs)
@@ -354,6 +367,13 @@ class Sync:
     mean(p) + mean(v'). With every > 1 the argument fails and the momentum is averaged too:
     keeping it local there (local SGD's model averaging) cost 0.74 points of test error on
     Fashion-MNIST (docs/BENCHMARKS.md, session 8).
+
+    Fused with every=1 and not overlapped, every rank starts each step from the same state,
+    so the step takes the ``gradients`` road where it can (Exchanger.xla_average_gradients):
+    the update of every rank reads the ranks' mean gradient, as DDP's does, and the whole
+    state, momentum too, stays identical on every rank. For an update affine in its
+    gradients (SGD with momentum) that is the same trajectory again, up to rounding; the
+    parameters' own average after the update remains where it does not apply.
     """
 
     def __init__(self, rep, ex, every=1, overlap=False, fuse=True):
@@ -363,6 +383,7 @@ class Sync:
         self.fused = (fuse and ex is not None and rep.jax is not None
                       and ex.xla_unavailable() is None)
         self.params_only = self.fused and every == 1  # but the epoch's last exchange
+        self.gradients = self.params_only and not overlap  # identical state at every step
 
     @property
     def regular(self):
@@ -391,14 +412,15 @@ class Sync:
             self.after_step(step, last)
             return cost
         if last:  # the whole state, plain: replicas end identical
-            return self.rep.step(idx, self.ex)
+            return self.rep.step(idx, self.ex, gradients=self.gradients)
         if self.overlap:
             part = self.spanning(step)
             if part is None:
                 return self.rep.step(idx)
             return self.rep.step(idx, self.ex, part, overlap=True)
         if not (step + 1) % self.every:
-            return self.rep.step(idx, self.ex, "params" if self.params_only else "state")
+            return self.rep.step(idx, self.ex, "params" if self.params_only else "state",
+                                 gradients=self.gradients)
         return self.rep.step(idx)
 
     def after_step(self, step, last=False):

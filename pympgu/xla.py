@@ -302,25 +302,29 @@ def _corrected_in_update(arrays, group, fn, args, attrs, token, shadow):
 
     outs, landed = cut.run(leaves, hold)
     new, extra = jax.tree_util.tree_unflatten(out_tree[0], outs)
-    # As pmg_mean_list sums (csrc/average.cu): rank order, then one division, by a power
-    # of two, which XLA's arithmetic rounds as the kernel's does (shadow_array).
-    rank, nranks = group.rank, group.nranks
     slot = _slot_elems(group, int(attrs["total"]))
-    corrected = []
-    for f, a, at in zip(_fresh(new, arrays), arrays, attrs["offsets"]):
-        size = math.prod(a.shape)
-        terms = []
-        for r in range(nranks):
-            if r == rank:
-                terms.append(a)
-            else:
-                begin = (r if r < rank else r - 1) * slot + int(at)
-                terms.append(lax.slice(landed, (begin,), (begin + size,)).reshape(a.shape))
-        total = terms[0]
-        for t in terms[1:]:
-            total = total + t
-        corrected.append(f + (total / np.float32(nranks) - a))
-    return corrected, extra
+    return [f + (_rank_mean(a, landed, at, slot, group) - a)
+            for f, a, at in zip(_fresh(new, arrays), arrays, attrs["offsets"])], extra
+
+
+def _rank_mean(own, landed, at, slot, group):
+    """The mean of ``own`` over every rank, in XLA's arithmetic: the peers' values are read
+    from the shadow where they landed (``landed``, slots of ``slot`` elements, the array at
+    element ``at`` of each). Summed as pmg_mean_list sums (csrc/average.cu), in rank order,
+    then one division, by a power of two, which XLA rounds as the kernel does
+    (shadow_array)."""
+    from jax import lax
+    rank, nranks = group.rank, group.nranks
+    size = math.prod(own.shape)
+    total = None
+    for r in range(nranks):
+        if r == rank:
+            term = own
+        else:
+            begin = (r if r < rank else r - 1) * slot + int(at)
+            term = lax.slice(landed, (begin,), (begin + size,)).reshape(own.shape)
+        total = term if total is None else total + term
+    return total / np.float32(nranks)
 
 
 def _fresh(new, arrays):
@@ -382,13 +386,13 @@ def _done(token, arrays, attrs, fresh=None, in_place=False, part=_DONE_WHOLE, of
     return list(done(token, *arrays, *(fresh or []), **keep, part=np.int32(part)))
 
 
-def _wait(token, after, attrs, k):
-    """``after[k]``, once the exchange of ``token`` has landed and every array of ``after``
-    exists."""
+def _wait(token, after, attrs, k, part=_DONE_WHOLE):
+    """``after[k]``, once the exchange of ``token`` has landed (``part``: after a start in
+    two parts, its first part, or all of it) and every array of ``after`` exists."""
     import jax
     wait = jax.ffi.ffi_call(WAIT, jax.ShapeDtypeStruct(after[k].shape, after[k].dtype),
                             has_side_effect=False, input_output_aliases={1 + k: 0})
-    return wait(token, *after, group=attrs["group"])
+    return wait(token, *after, group=attrs["group"], part=np.int32(part))
 
 
 def _gather_code():
@@ -463,3 +467,118 @@ def average_results(fn, which, group, *args, algo="auto", max_blocks=None):
         for i, mean in zip(part, means):
             outs[i] = mean
     return outs
+
+
+def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), algo="auto",
+                      max_blocks=None):
+    """``fn(*args)``, a flat list of arrays, with its results at ``updated`` (a training
+    step's new state) computed from the mean over every rank of what their update reads:
+    DDP's average of the gradients, inside the step, with no pass of its own.
+
+    ``fn``'s results at ``updated`` must come out of an elementwise update
+    (pympgu.jaxsplit.Tail) that is affine in what it reads from the work before it (its
+    gradients: SGD, with momentum, weight decay or L1 terms, is), and every rank must start
+    from the same values of every argument but those at positions ``local`` (the
+    minibatch), which the update must not read. Then every rank computes the same update
+    of the same mean, the same bits, and that update is the mean of the ranks' own updates,
+    up to rounding: what ``average_results(fn, updated)`` would give.
+
+    The gradients computed first cross the link by DMA while ``fn`` computes the rest (the
+    cut of average_results, jaxsplit.Split), straight into the peers' shared shadow
+    (``shadow``: shadow_array(group), passed into the jitted function as an argument).
+    XLA's own update then reads the peers' gradients there, summed in rank order: the update
+    of the first part's arrays runs as soon as they have landed, while the rest cross.
+
+    Where that does not apply (no ``shadow``; more ranks than ``SPLIT_MAX_RANKS``; fewer
+    bytes than ``SPLIT_MIN_BYTES``; an update that is not affine in its gradients or reads
+    a ``local`` argument; ``PYMPGU_GRADIENTS=0``), it returns ``average_results(fn, which,
+    group, *args)``: the results at ``which`` averaged after they are computed.
+    ``gradient_plan`` says which applies, and why.
+    """
+    if hasattr(group, "xla_average_gradients"):  # an Exchanger
+        return group.xla_average_gradients(fn, updated, which, *args, shadow=shadow,
+                                           local=local)
+    import jax
+    from jax import lax
+
+    from . import jaxsplit
+    flat = list(args)
+    tail, _ = gradient_plan(fn, updated, group, flat, local, shadow, algo)
+    if tail is None:
+        return average_results(fn, which, group, *flat, algo=algo, max_blocks=max_blocks)
+    n = len(tail.crossing)
+    attrs, _ = _attributes([jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+                            for v in tail.crossing], group, algo, max_blocks, overlapped=True)
+    slot = _slot_elems(group, int(attrs["total"]))
+
+    def at(part):
+        return np.asarray([attrs["offsets"][i] for i in part])
+
+    split = jaxsplit.Split(jaxsplit.trace(lambda *a: tail.evaluate_before(a), flat), range(n))
+    if split.early:
+        def start(values):
+            return _start(values, attrs, _FIRST if split.late else _WHOLE, at(split.early))
+
+        token, outs = split.run(flat, start, lambda t, v: lax.optimization_barrier((t, v)))
+        parts = [(split.early, _DONE_FIRST if split.late else _DONE_WHOLE)]
+        if split.late:  # after phase 2 by its operands, and after the first part by the token
+            token = _start([outs[i] for i in split.late], attrs, _LAST, at(split.late),
+                           after=token)
+            parts.append((split.late, _DONE_LAST))
+    else:  # nothing worth cutting: every gradient crosses once the work before is done
+        outs = tail.evaluate_before(flat)
+        token = _start(outs[:n], attrs, _WHOLE, at(range(n)))
+        parts = [(list(range(n)), _DONE_WHOLE)]
+
+    def waiting(part, kind):
+        def take(values, earlier):
+            # XLA's stream waits for the part to land once its gradients exist, and, for
+            # the last part, once the first part's update is queued, so that it runs while
+            # the last part crosses. The smallest array passes through the wait, so that
+            # XLA keeps it; the barrier puts the shadow's reads after it.
+            values = list(values)
+            k = min(range(len(values)), key=lambda i: math.prod(values[i].shape))
+            after = values + ([min(earlier, key=lambda e: math.prod(e.shape))] if earlier
+                              else [])
+            values[k] = _wait(token, after, attrs, k, part=kind)
+            values, landed = lax.optimization_barrier((values, shadow))
+            return [_rank_mean(v, landed, attrs["offsets"][i], slot, group)
+                    for v, i in zip(values, part)]
+        return part, take
+
+    made = tail.evaluate_tail(flat, outs[:n], [waiting(part, kind) for part, kind in parts])
+    rest = dict(zip(tail.rest(), outs[n:]))
+    return [rest[k] if k in rest else made[k] for k in range(len(made))]
+
+
+def gradient_plan(fn, updated, group, args, local=(), shadow=None, algo="auto"):
+    """``(tail, None)`` when ``average_gradients`` takes ``fn``'s gradients on these flat
+    ``args`` (pympgu.jaxsplit.Tail, the update it feeds), else ``(None, why not)``."""
+    from . import jaxsplit
+    if os.environ.get("PYMPGU_GRADIENTS", "1") == "0":
+        return None, "PYMPGU_GRADIENTS=0"
+    if shadow is None or algo != "auto" or not getattr(group, "shadow_offset", 0):
+        return None, "it needs method 'auto' and the group's shared shadow (shadow_array)"
+    if not 1 < group.nranks <= SPLIT_MAX_RANKS or not _fusable(group.nranks):
+        return None, (f"{group.nranks} ranks (it takes 2 to PYMPGU_SPLIT_MAX_RANKS="
+                      f"{SPLIT_MAX_RANKS}, a power of two)")
+    tail = jaxsplit.Tail(jaxsplit.trace(fn, list(args), inline=True), list(updated))
+    if not tail.crossing:
+        return None, "the results have no elementwise update"
+    outvars, made = tail.jaxpr.outvars, set(tail.made())
+    invars = set(tail.jaxpr.invars)
+    computed = [i for i in updated if i not in made and outvars[i] not in invars]
+    if computed:
+        return None, f"results {computed} are not computed by an elementwise update"
+    if any(v.aval.dtype != np.float32 for v in tail.crossing):
+        return None, "the update reads values other than float32 from before it"
+    if tail.reads(local):
+        return None, "the update reads a rank's own inputs (local=)"
+    bad = tail.nonlinear()
+    if bad is not None:
+        return None, f"the update is not affine in its gradients ({bad.primitive.name})"
+    nbytes = sum(math.prod(v.aval.shape) * 4 for v in tail.crossing)
+    if nbytes < SPLIT_MIN_BYTES:
+        return None, (f"{nbytes} bytes of gradients, under PYMPGU_SPLIT_MIN_BYTES="
+                      f"{SPLIT_MIN_BYTES}")
+    return tail, None

@@ -159,3 +159,63 @@ def test_tail_is_the_update():
         "print('tail', len(tail.tail), kinds)\n"
     )
     run_jax_on_cpu(code, "tail")
+
+
+def test_tail_in_parts_and_the_gradients_plan():
+    """The update fed its gradients in two parts (as xla.average_gradients feeds it their
+    means: here the values themselves) gives every output bit for bit, the second part's
+    function seeing the first part's results; and gradient_plan takes an MLP's SGD update
+    with L1 and L2 terms, and names why it refuses one that squares a gradient, one that
+    reads a rank's own input, too few bytes, too many ranks or no shadow."""
+    pytest.importorskip("jax")
+    code = PRELUDE + (
+        "import os; from types import SimpleNamespace; from pympgu import xla\n"
+        "m = models.MLP(ds.n_in, [32, 16], ds.n_classes)\n"
+        "f = m.compile(ds, 64, 100, 0.05, 0.9, 1e-5, 1e-4, 'JAX')[0]\n"
+        "st = JaxStep(f, m.state)\n"
+        "args = st.arguments(np.arange(64, dtype=np.int32))\n"
+        "fg = f.maker.fgraph\n"
+        "pos = {id(i.variable): k for k, i in enumerate(f.maker.inputs)}\n"
+        "out_of = {i: o for o, i in fg.update_mapping.items()}\n"
+        "which = [out_of[pos[id(s)]] for s in m.state]\n"
+        "compute = lambda *a: list(f.vm.jit_fn(*a))\n"
+        "group = SimpleNamespace(shadow_offset=4096, nranks=2, rank=0)\n"
+        "def plan(fn=compute, local=st.explicit, shadow=object(), g=group):\n"
+        "    return xla.gradient_plan(fn, which, g, args, local, shadow)\n"
+        "assert 'PYMPGU_SPLIT_MIN_BYTES' in plan()[1], plan()\n"
+        "xla.SPLIT_MIN_BYTES = 0\n"
+        "tail, why = plan()\n"
+        "assert why is None, why\n"
+        "assert len(tail.crossing) == len(m.params), tail.crossing  # one gradient each\n"
+        "assert sorted(tail.made()) == sorted(which) and tail.nonlinear() is None\n"
+        "n = len(tail.crossing)\n"
+        "split = jaxsplit.Split(jaxsplit.trace(lambda *a: tail.evaluate_before(a), args),\n"
+        "                       range(n))\n"
+        "assert split.early and split.late, (split.early, split.late)\n"
+        "seen = []\n"
+        "def take(values, earlier):\n"
+        "    seen.append((len(values), len(earlier)))\n"
+        "    return values\n"
+        "def run(*a):\n"
+        "    outs = tail.evaluate_before(list(a))\n"
+        "    made = tail.evaluate_tail(list(a), outs[:n],\n"
+        "                              [(split.early, take), (split.late, take)])\n"
+        "    rest = dict(zip(tail.rest(), outs[n:]))\n"
+        "    return [rest[k] if k in rest else made[k] for k in range(len(made))]\n"
+        "for a, b in zip(jax.jit(run)(*args), compute(*args)):\n"
+        "    assert np.array_equal(np.asarray(a), np.asarray(b))\n"
+        "assert [s[0] for s in seen] == [len(split.early), len(split.late)], seen\n"
+        "assert seen[0][1] == 0 and seen[1][1] > 0, seen\n"
+        "def squared(*a):\n"
+        "    outs = compute(*a)\n"
+        "    return [o * o if i in which else o for i, o in enumerate(outs)]\n"
+        "assert 'not affine' in plan(squared)[1], plan(squared)\n"
+        "mine = [k for k, c in st.shared if c is m.velocities[-1].container]\n"
+        "assert 'own inputs' in plan(local=st.explicit + mine)[1]  # as if a rank's own\n"
+        "assert 'shadow' in plan(shadow=None)[1]\n"
+        "assert '4 ranks' in plan(g=SimpleNamespace(shadow_offset=4096, nranks=4, rank=0))[1]\n"
+        "os.environ['PYMPGU_GRADIENTS'] = '0'\n"
+        "assert plan()[1] == 'PYMPGU_GRADIENTS=0'\n"
+        "print('parts', split.early, split.late)\n"
+    )
+    run_jax_on_cpu(code, "parts")
