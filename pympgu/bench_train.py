@@ -116,6 +116,7 @@ def pympgu_worker(ctx, cfg, steps, warmup, plain_jax):
             moved = ex.part(*rep.part(sync.regular))
             out["wire_bytes"] = moved * ITEMSIZE[ex.wire_dtype or ex.dtype]
             out["exchanges"] = ex.stats["exchanges"]
+            out["road"] = ex.xla_road
             if not ctx.is_cpu:
                 out["bare_kernel_ms"] = _bare_kernel_ms(ex, moved)
         if plain_jax:
@@ -495,6 +496,9 @@ def table(rows):
             lines.append(f"{r['model']}: {r['system']} on GPUs {r['gpus']}: the host issues a "
                          f"step in {r['host_ms']:.3f} ms of its {r['ms_per_step']:.3f} ms{gpu} "
                          f"(TF32 matmuls {'on' if r['tf32'] else 'off'})")
+        if r.get("road"):
+            lines.append(f"{r['model']}: pympgu {r['variant']} on GPUs {r['gpus']}: "
+                         f"{r['road']}")
         if "r1" in r:
             o = r["r1"]
             lines.append(f"{r['model']}: one exchange of {o['bytes'] / 1e6:.1f} MB at R = 1 takes "

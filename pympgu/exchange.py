@@ -107,6 +107,7 @@ class Exchanger:
         self.pending = None  # the kind of exchange started and not finished
         self._started = None  # its entries (lo, hi) and their count of elements
         self.stats = {"pack_s": 0.0, "average_s": 0.0, "unpack_s": 0.0, "exchanges": 0}
+        self.xla_road = None  # what xla_average_gradients last traced, in words
         backend = _HostBackend if ctx.is_cpu else _CudaBackend
         self.backend = backend(self, timeout)
 
@@ -242,14 +243,19 @@ class Exchanger:
         """``pympgu.xla.average_gradients`` over this exchanger's group: ``fn``'s results at
         ``updated`` computed from every rank's mean gradient, or, where that does not apply,
         its results at ``which`` (the layout's first entries, in its order) averaged.
-        ``shadow`` is ``xla_shadow(correction=False)``'s array, or None."""
+        ``shadow`` is ``xla_shadow(correction=False)``'s array, or None. ``xla_road``
+        then says which was traced."""
         import jax
 
         from . import xla
         shapes = jax.eval_shape(lambda *a: list(fn(*a)), *args)
         group = self._xla_group([shapes[i] for i in which])
+        plan = xla.gradient_plan(fn, updated, group, args, local, shadow, self.method)
+        self.xla_road = ("the update of the mean gradients" if plan[1] is None else
+                         f"the parameters averaged after the update: {plan[1]}")
         return xla.average_gradients(fn, updated, which, group, *args, shadow=shadow,
-                                     local=local, algo=self.method, max_blocks=self.max_blocks)
+                                     local=local, algo=self.method, max_blocks=self.max_blocks,
+                                     plan=plan)
 
     def xla_average_during(self, arrays, fn, *args):
         """``xla_average(arrays)`` taken while ``fn(*args)`` computes; returns both

@@ -470,7 +470,7 @@ def average_results(fn, which, group, *args, algo="auto", max_blocks=None):
 
 
 def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), algo="auto",
-                      max_blocks=None):
+                      max_blocks=None, plan=None):
     """``fn(*args)``, a flat list of arrays, with its results at ``updated`` (a training
     step's new state) computed from the mean over every rank of what their update reads:
     DDP's average of the gradients, inside the step, with no pass of its own.
@@ -493,7 +493,8 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
     bytes than ``SPLIT_MIN_BYTES``; an update that is not affine in its gradients or reads
     a ``local`` argument; ``PYMPGU_GRADIENTS=0``), it returns ``average_results(fn, which,
     group, *args)``: the results at ``which`` averaged after they are computed.
-    ``gradient_plan`` says which applies, and why.
+    ``gradient_plan`` says which applies, and why; ``plan``, its result for these
+    arguments, saves tracing ``fn`` again.
     """
     if hasattr(group, "xla_average_gradients"):  # an Exchanger
         return group.xla_average_gradients(fn, updated, which, *args, shadow=shadow,
@@ -503,7 +504,9 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
 
     from . import jaxsplit
     flat = list(args)
-    tail, _ = gradient_plan(fn, updated, group, flat, local, shadow, algo)
+    if plan is None:
+        plan = gradient_plan(fn, updated, group, flat, local, shadow, algo)
+    tail = plan[0]
     if tail is None:
         return average_results(fn, which, group, *flat, algo=algo, max_blocks=max_blocks)
     n = len(tail.crossing)
