@@ -8,7 +8,9 @@ The GPU machine has no profiler, so the exchange marks its own points with CUDA 
 (PYMPGU_XLA_TIMELINE=1, PeerGroup.xla_timeline). Each rank builds the training loop's
 replica and Exchanger (with its shared shadow, as pympgu.train does) and runs these steps:
 'exact' (the parameters averaged after the step; from 16 MiB the step is cut, so that the
-last layers leave while the first layer's gradient is computed); 'overlap' (the parameters
+last layers leave while the first layer's gradient is computed); 'gradients' (cut the same
+way, the gradients cross and XLA's update reads their mean; done: the first part's wait,
+averaged: the last part's); 'overlap' (the parameters
 the step starts from averaged while it computes, and the correction applied inside XLA's
 own update); 'pass' (the same, with pympgu's pass applying it); 'momentum' (as 'overlap',
 for the momentum, as the due step of --overlap --sync-every K > 1 does; the next step sends
@@ -51,13 +53,14 @@ from probe_common import parser, replica_config
 
 
 # The steps timed: name, overlapped, whether XLA's update applies the correction
-# (PYMPGU_FUSED_CORRECTION; pympgu.xla.correct_during's shadow) or pympgu's pass does, and
-# what is averaged (pympgu.train.Replica.part): the parameters (--sync-every 1), the
-# momentum (the due step of --overlap --sync-every K > 1), or the whole state (twice the
-# bytes: what that due step sent until session 12).
-STEPS = (("exact", False, "1", "params"), ("overlap", True, "1", "params"),
-         ("pass", True, "0", "params"), ("momentum", True, "1", "momentum"),
-         ("state", True, "1", "state"))
+# (PYMPGU_FUSED_CORRECTION; pympgu.xla.correct_during's shadow) or pympgu's pass does, what
+# is averaged (pympgu.train.Replica.part): the parameters (--sync-every 1), the momentum
+# (the due step of --overlap --sync-every K > 1), or the whole state (twice the bytes: what
+# that due step sent until session 12); and whether the update takes the mean gradients
+# instead ('gradients', what --sync-every 1 does since session 18; xla.average_gradients).
+STEPS = (("exact", False, "1", "params", False), ("gradients", False, "1", "params", True),
+         ("overlap", True, "1", "params", False), ("pass", True, "0", "params", False),
+         ("momentum", True, "1", "momentum", False), ("state", True, "1", "state", False))
 
 
 # Sequences of steps timed back to back as one call (--cycles), a letter a step: the part
@@ -73,7 +76,8 @@ CYCLES = ("mp..", "m.p.")
 BURSTS, BURST = 9, 30
 
 
-def worker(ctx, hidden, batch, steps, hlo_dir=None, cycles=CYCLES, only_cycles=False):
+def worker(ctx, hidden, batch, steps, hlo_dir=None, cycles=CYCLES, only_cycles=False,
+           only=None):
     from pympgu.train import Replica, _setup_backend, make_exchanger
     _setup_backend(ctx, "jax")  # before PyTensor is imported
     import jax
@@ -142,11 +146,13 @@ def worker(ctx, hidden, batch, steps, hlo_dir=None, cycles=CYCLES, only_cycles=F
         out["dma_mb"] = group.nbytes / 1e6
         ctx.barrier()  # no rank's exchange below lands in a shadow a peer still copies into
 
-        def build(overlap, fused, part):
+        def build(overlap, fused, part, gradients):
             # PYMPGU_FUSED_CORRECTION is read when a step is built (Exchanger.xla_shadow).
             os.environ["PYMPGU_FUSED_CORRECTION"] = fused
             rep._steps.clear()
-            return rep.jax_step(ex, part, overlap)
+            return rep.jax_step(ex, part, overlap, gradients)
+
+        steps_timed = [s for s in STEPS if only is None or s[0] in only]
 
         def cycle(letters):
             # A sequence of CYCLES, timed as one call, ms a step. rep.step builds the steps
@@ -177,7 +183,7 @@ def worker(ctx, hidden, batch, steps, hlo_dir=None, cycles=CYCLES, only_cycles=F
                     seen.append(group.xla_timeline())
                 out["marks " + letters] = {k: float(np.median([s[k] for s in seen]))
                                            for k in seen[0]}
-        for name, *how in () if only_cycles else STEPS:
+        for name, *how in () if only_cycles else steps_timed:
             step = build(*how)
             dump(name, step)
             for _ in range(5):
@@ -206,8 +212,8 @@ def worker(ctx, hidden, batch, steps, hlo_dir=None, cycles=CYCLES, only_cycles=F
         xla._done = lambda token, arrays, attrs, fresh=None, **kw: [
             (f if fresh is not None else a) + 0 * a
             for f, a in zip(fresh if fresh is not None else arrays, arrays)]
-        xla._wait = lambda token, after, attrs, k: after[k]
-        for name, *how in () if only_cycles else STEPS:
+        xla._wait = lambda token, after, attrs, k, **kw: after[k]
+        for name, *how in () if only_cycles else steps_timed:
             step = build(*how)
             dump(name + "_dry", step)
             out[name + "_dry_ms"] = back_to_back(step)
@@ -230,6 +236,8 @@ def main():
                         "whole state) or . (a plain step); default: %(default)s")
     p.add_argument("--only-cycles", action="store_true",
                    help="time the plain step and the cycles only, not each step's timeline")
+    p.add_argument("--only", nargs="+", choices=[s[0] for s in STEPS], metavar="STEP",
+                   help="time these steps only (default: all of %(choices)s)")
     p.add_argument("--hlo", metavar="DIR",
                    help="also write each step's compiled XLA program (rank 0's) into DIR")
     a = p.parse_args()
@@ -250,12 +258,13 @@ def main():
     for where in a.barrier:
         os.environ["PYMPGU_PUSH_BARRIER"] = where
         results = launch(worker, (a.hidden, a.batch_size, a.steps, a.hlo, a.cycles,
-                                  a.only_cycles), gpus=a.gpus)
+                                  a.only_cycles, a.only), gpus=a.gpus)
+        timed = [s for s in STEPS if a.only is None or s[0] in a.only]
         print(f"first barrier on the {where} stream; ms after the start (median of "
               f"{a.steps}):")
         print(f"{'rank':>4} {'step':>8} " + " ".join(f"{m:>12}" for m in XLA_MARKS[1:]))
         for rank, r in enumerate(results):
-            for name, *_ in () if a.only_cycles else STEPS:
+            for name, *_ in () if a.only_cycles else timed:
                 if r[name] is None:
                     print(f"{rank:>4} {name:>8} not through the start/done pair (an exchange "
                           "under PYMPGU_SPLIT_MIN_BYTES)")
@@ -269,7 +278,7 @@ def main():
                 print(f"{rank:>4} {'':>8} back to back, ms a step (with XLA passes in place of "
                       "the exchange): " + ", ".join(
                           f"{name} {r.get(name + '_ms', float('nan')):.3f} "
-                          f"({r[name + '_dry_ms']:.3f})" for name, *_ in STEPS))
+                          f"({r[name + '_dry_ms']:.3f})" for name, *_ in timed))
             print(f"{rank:>4} {'':>8} cycles back to back, ms a step (dry; the host's): " +
                   ", ".join(f"{c} {r['cycle ' + c]:.3f} ({r['dry cycle ' + c]:.3f}; "
                             f"{r['host ' + c]:.3f})" for c in a.cycles))
