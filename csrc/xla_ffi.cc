@@ -37,7 +37,10 @@
 //   array, with no pass of pympgu's. The other operands are what that update needs (its
 //   gradients): XLA runs an operation once its operands exist, so the wait then stalls
 //   XLA's stream no earlier than the update would. The one returned is one the update
-//   reads, so that XLA keeps the wait.
+//   reads, so that XLA keeps the wait. After a start in two parts, a wait may take the
+//   first part only (attribute "part", as a done's), so that XLA's update of those arrays
+//   reads the peers' values while the last part crosses (pympgu.xla.average_gradients,
+//   whose update reads the peers' gradients there).
 // Every operation that packs first orders XLA's stream after any exchange still on the side
 // stream, so nothing packs into the buffer while it is being averaged.
 //

@@ -27,9 +27,11 @@ pass, or, given the shared shadow as a JAX array (``shadow_array``), into ``fn``
 update, with no pass at all. ``average_results(fn, which, group, *args)`` averages some of
 ``fn``'s own results, each sent as soon as it is computed, while ``fn`` computes the rest:
 an exact exchange that hides behind the end of a training step, as DDP's gradient buckets
-do. A group carries one
-of these exchanges at a time: two start/done pairs on the same group must not interleave
-in one function, since both land in the same shadow.
+do. ``average_gradients(fn, updated, which, group, *args)`` goes one further for a step
+whose ranks start from the same state: the gradients cross instead, and ``fn``'s own
+elementwise update reads their mean from the shared shadow, so no pass averages anything.
+A group carries one of these exchanges at a time: two start/done pairs on the same group
+must not interleave in one function, since both land in the same shadow.
 
 Needs pympgu built with jaxlib installed (its XLA FFI headers; ``build.sh`` and
 ``pip install --no-build-isolation .`` see it) and JAX with CUDA.

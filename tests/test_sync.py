@@ -154,7 +154,9 @@ def test_single_worker_never_exchanges():
 
 
 @pytest.mark.parametrize("every,overlap,expected", [
-    (1, False, ["params"] * 5 + ["state"]),  # the epoch's last step: the whole state
+    # Every rank starts each step from the same state: the mean gradients where the update
+    # allows, else the parameters; the epoch's last step: the whole state.
+    (1, False, ["params gradients"] * 5 + ["state gradients"]),
     (2, False, ["step", "state"] * 3),  # replicas drift: momentum averaged too
     # Overlapped steps start from averaged parameters; the epoch's last is plain, so that
     # replicas end identical.
@@ -164,9 +166,10 @@ def test_single_worker_never_exchanges():
 ])
 def test_fused_steps_average_parameters_alone_only_when_exact(every, overlap, expected):
     class Rep(FakeRep):
-        def step(self, idx, ex=None, part="state", overlap=False):
+        def step(self, idx, ex=None, part="state", overlap=False, gradients=False):
             self.calls.append(("step" if ex is None else part) +
-                              (" overlapped" if overlap else ""))
+                              (" overlapped" if overlap else "") +
+                              (" gradients" if gradients else ""))
 
     class Ex(FakeEx):
         def xla_unavailable(self):
