@@ -187,7 +187,8 @@ def test_help_explains_every_flag():
 
 def test_direct_jax_step_matches_pytensor_call():
     """pympgu.jaxstep calls PyTensor's JAX program itself: the same costs and state, bit for
-    bit, and an exchange given to it sees the new state in the model's state order. An
+    bit, and an exchange given to it sees the new state in the model's state order, and
+    which arguments are the rank's own (the minibatch). An
     overlapped exchange ('during') sees the state the step starts from and the step's own
     program, and its averages correct the step's result: new + (average - old)."""
     pytest.importorskip("jax")
@@ -199,7 +200,8 @@ def test_direct_jax_step_matches_pytensor_call():
         "    m = models.MLP(ds.n_in, [32, 16], ds.n_classes)\n"
         "    return m, m.compile(ds, 64, 100, 0.05, 0.9, 1e-5, 1e-4, 'JAX')[0]\n"
         "(m1, f1), (m2, f2) = make(), make()\n"
-        "def halve(compute, which, *args):\n"
+        "def halve(compute, which, *args, local=()):\n"
+        "    assert [args[k].dtype for k in local] == [np.int32], local  # the minibatch\n"
         "    outs = compute(*args)\n"
         "    seen.append([tuple(outs[i].shape) for i in which])\n"
         "    return [x * np.float32(0.5) if i in which else x for i, x in enumerate(outs)]\n"
