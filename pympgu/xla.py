@@ -579,7 +579,10 @@ def gradient_plan(fn, updated, group, args, local=(), shadow=None, algo="auto"):
         return None, "the results have no elementwise update"
     outvars, made = tail.jaxpr.outvars, set(tail.made())
     invars = set(tail.jaxpr.invars)
-    computed = [i for i in updated if i not in made and outvars[i] not in invars]
+    # A result the update does not compute must be the same on every rank: an input
+    # passed through, or a constant.
+    computed = [i for i in updated if i not in made and jaxsplit._is_var(outvars[i])
+                and outvars[i] not in invars]
     if computed:
         return None, f"results {computed} are not computed by an elementwise update"
     if any(v.aval.dtype != np.float32 for v in tail.crossing):

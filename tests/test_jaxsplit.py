@@ -165,8 +165,9 @@ def test_tail_in_parts_and_the_gradients_plan():
     """The update fed its gradients in two parts (as xla.average_gradients feeds it their
     means: here the values themselves) gives every output bit for bit, the second part's
     function seeing the first part's results; and gradient_plan takes an MLP's SGD update
-    with L1 and L2 terms, and names why it refuses one that squares a gradient, one that
-    reads a rank's own input, too few bytes, too many ranks or no shadow."""
+    with L1 and L2 terms, and names why it refuses one that squares a gradient, a new state
+    that a matrix product makes, one that reads a rank's own input, too few bytes, too many
+    ranks or no shadow."""
     pytest.importorskip("jax")
     code = PRELUDE + (
         "import os; from types import SimpleNamespace; from pympgu import xla\n"
@@ -210,6 +211,12 @@ def test_tail_in_parts_and_the_gradients_plan():
         "    outs = compute(*a)\n"
         "    return [o * o if i in which else o for i, o in enumerate(outs)]\n"
         "assert 'not affine' in plan(squared)[1], plan(squared)\n"
+        "def product(*a):  # a new state that a matrix product makes\n"
+        "    outs = compute(*a)\n"
+        "    w = outs[which[0]]\n"
+        "    outs[which[0]] = w @ np.eye(w.shape[1], dtype=np.float32)\n"
+        "    return outs\n"
+        "assert 'not computed by an elementwise update' in plan(product)[1], plan(product)\n"
         "mine = [k for k, c in st.shared if c is m.velocities[-1].container]\n"
         "assert 'own inputs' in plan(local=st.explicit + mine)[1]  # as if a rank's own\n"
         "assert 'shadow' in plan(shadow=None)[1]\n"
