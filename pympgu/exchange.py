@@ -252,7 +252,7 @@ class Exchanger:
         group = self._xla_group([shapes[i] for i in which])
         plan = xla.gradient_plan(fn, updated, group, args, local, shadow, self.method)
         self.xla_road = ("the update of the mean gradients" if plan[1] is None else
-                         f"the parameters averaged after the update: {plan[1]}")
+                         f"the new values averaged after the update: {plan[1]}")
         return xla.average_gradients(fn, updated, which, group, *args, shadow=shadow,
                                      local=local, algo=self.method, max_blocks=self.max_blocks,
                                      plan=plan)

@@ -229,6 +229,14 @@ class Tail:
         made = {v for e in self.tail for v in e.outvars}
         return [i for i, v in enumerate(self.jaxpr.outvars) if _is_var(v) and v in made]
 
+    def computed_before(self, positions):
+        """Those of the results at ``positions`` that the work before the tail computes:
+        not the tail, and neither an input passed through nor a constant."""
+        outvars, made = self.jaxpr.outvars, set(self.made())
+        inputs = set(self.jaxpr.invars)
+        return [i for i in positions
+                if i not in made and _is_var(outvars[i]) and outvars[i] not in inputs]
+
     def rest(self):
         """The program's results that the tail does not compute."""
         made = set(self.made())

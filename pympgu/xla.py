@@ -577,12 +577,9 @@ def gradient_plan(fn, updated, group, args, local=(), shadow=None, algo="auto"):
     tail = jaxsplit.Tail(jaxsplit.trace(fn, list(args), inline=True), list(updated))
     if not tail.crossing:
         return None, "the results have no elementwise update"
-    outvars, made = tail.jaxpr.outvars, set(tail.made())
-    invars = set(tail.jaxpr.invars)
-    # A result the update does not compute must be the same on every rank: an input
+    # A new value the update does not compute must be the same on every rank: an input
     # passed through, or a constant.
-    computed = [i for i in updated if i not in made and jaxsplit._is_var(outvars[i])
-                and outvars[i] not in invars]
+    computed = tail.computed_before(updated)
     if computed:
         return None, f"results {computed} are not computed by an elementwise update"
     if any(v.aval.dtype != np.float32 for v in tail.crossing):

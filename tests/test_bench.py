@@ -74,7 +74,7 @@ def test_train_bench_table_shows_the_slowest_ranks_clock():
     line = table([row]).splitlines()[2]
     assert line.endswith("1923 (88%)"), line
     # The road an exact exchange inside XLA took, when one was asked for.
-    road = "the parameters averaged after the update: PYMPGU_GRADIENTS=0"
+    road = "the new values averaged after the update: PYMPGU_GRADIENTS=0"
     assert f"wide: pympgu overlap4 on GPUs [0, 1]: {road}" in table([dict(row, road=road)])
     assert "pympgu overlap4 on GPUs" not in table([dict(row, road=None)])
     # CPU workers, DDP rows and machines without NVML have no clock.
