@@ -27,7 +27,10 @@ bare kernel's device time for the same bytes. Minibatches are random indices int
 (the embedded MNIST test set unless --data-dir): speed does not depend on the labels. Each
 pympgu row also shows the SM clock it ran at (pympgu.clocks; the slowest rank's mean, and
 the largest share of samples the driver held down for power or heat): a step is slower on
-a GPU held below its top clock.
+a GPU held below its top clock. With ``--repeats N`` every row runs N times, in rounds, and
+shows its median run, with the spread and each round's scaling: one run in new processes
+says little where the rows differ by a few per cent, and eager DDP's, paced by its host,
+moved from 0.78 to 1.00 between runs (docs/BENCHMARKS.md).
 """
 import argparse
 import functools
@@ -417,8 +420,13 @@ def run_pympgu(devices, cfg, steps, warmup, plain_jax=False):
 
 
 def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print,
-            exchange_blocks=None, method="auto"):
-    """Every row of the benchmark, as a list of dicts; ``ddp``: the DDP_SYSTEMS to run."""
+            exchange_blocks=None, method="auto", repeats=1):
+    """Every row of the benchmark, as a list of dicts; ``ddp``: the DDP_SYSTEMS to run.
+
+    With ``repeats`` > 1 every run is made that many times, in rounds (each round runs
+    every row once, so that a drift of the machine between process starts touches every
+    row alike), and each row is its median run; ``runs_ms`` lists every run's ms per step
+    and ``run_scalings`` each round's scaling against the 1-GPU run of the same round."""
     from . import data as datamod
     ds = datamod.load(data)
     rows = []
@@ -439,29 +447,47 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
                 runs.append((system, gpus[:1], "-", base, False))
                 if multi and len(set(gpus)) == len(gpus):
                     runs.append((system, gpus, "-", base, False))
-        for system, devs, variant, cfg, plain in runs:
-            where = f"{len(devs)} CPU workers" if devs[0] is None else f"GPUs {devs}"
-            log(f"  {name}: {system} on {where}, variant {variant}", flush=True)
-            if system == "pympgu":
-                r = run_pympgu(devs, cfg, steps, warmup, plain)
-            else:
-                try:
-                    r = run_ddp(devs, cfg, ds.n_in, ds.n_classes, steps, warmup,
-                                graph=DDP_SYSTEMS[system])
-                except RuntimeError as e:  # a baseline that fails leaves the others' rows
-                    log(f"  {name}: {system} on {where} failed, no row: {e}", flush=True)
-                    continue
-            rows.append(dict(r, model=name, system=system, gpus=list(devs), variant=variant,
-                             batch=cfg["batch_size"]))
-            # Each row as it comes: a run that is cut short keeps what it measured.
-            log(f"  {name}: {system} on {where}, variant {variant}: "
-                f"{r['ms_per_step']:.3f} ms/step, {r['samples_per_s']:.0f} samples/s", flush=True)
+        done = [[] for _ in runs]  # each run's results, one per round
+        for k in range(repeats):
+            for (system, devs, variant, cfg, plain), results in zip(runs, done):
+                where = f"{len(devs)} CPU workers" if devs[0] is None else f"GPUs {devs}"
+                what = f"{name}: {system} on {where}, variant {variant}" + (
+                    f", run {k + 1} of {repeats}" if repeats > 1 else "")
+                log(f"  {what}", flush=True)
+                if system == "pympgu":
+                    # The plain JAX step's timings once: they do not depend on the round.
+                    r = run_pympgu(devs, cfg, steps, warmup, plain and k == 0)
+                else:
+                    try:
+                        r = run_ddp(devs, cfg, ds.n_in, ds.n_classes, steps, warmup,
+                                    graph=DDP_SYSTEMS[system])
+                    except RuntimeError as e:  # a baseline that fails leaves the others
+                        log(f"  {what} failed, no row: {e}", flush=True)
+                        r = None
+                results.append(r)
+                # Each run as it comes: a benchmark that is cut short keeps what it measured.
+                if r is not None:
+                    log(f"  {what}: {r['ms_per_step']:.3f} ms/step, "
+                        f"{r['samples_per_s']:.0f} samples/s", flush=True)
+        for (system, devs, variant, cfg, _), results in zip(runs, done):
+            kept = [r for r in results if r is not None]
+            if not kept:
+                continue
+            # The median run (the lower one of an even count: a run that happened), with
+            # what only the first run timed.
+            median = sorted(kept, key=lambda r: r["ms_per_step"])[(len(kept) - 1) // 2]
+            rows.append(dict(kept[0], **median, model=name, system=system, gpus=list(devs),
+                             variant=variant, batch=cfg["batch_size"],
+                             runs_ms=[r and r["ms_per_step"] for r in results],
+                             runs_samples=[r and r["samples_per_s"] for r in results]))
     for row in rows:  # scaling against the same system's 1-GPU row
         one = next((r for r in rows if r["model"] == row["model"] and
                     r["system"] == row["system"] and len(r["gpus"]) == 1), None)
         if one is None:  # its 1-GPU run failed
             continue
         row["scaling"] = row["samples_per_s"] / (len(row["gpus"]) * one["samples_per_s"])
+        row["run_scalings"] = [a / (len(row["gpus"]) * b) if a and b else None
+                               for a, b in zip(row["runs_samples"], one["runs_samples"])]
         if row is not one and row["system"] == "pympgu":
             row["added_ms_per_step"] = row["ms_per_step"] - one["ms_per_step"]
     return rows
@@ -496,6 +522,15 @@ def table(rows):
             lines.append(f"{r['model']}: {r['system']} on GPUs {r['gpus']}: the host issues a "
                          f"step in {r['host_ms']:.3f} ms of its {r['ms_per_step']:.3f} ms{gpu} "
                          f"(TF32 matmuls {'on' if r['tf32'] else 'off'})")
+        runs = [m for m in r.get("runs_ms", []) if m is not None]
+        if len(r.get("runs_ms", [])) > 1:
+            scalings = ", ".join("-" if x is None else f"{x:.2f}"
+                                 for x in r.get("run_scalings", []))
+            lines.append(f"{r['model']}: {r['system']} {r['variant']} on GPUs {r['gpus']}: "
+                         f"{len(runs)} of {len(r['runs_ms'])} runs, {min(runs):.3f} to "
+                         f"{max(runs):.3f} ms/step (the row: the median run)" +
+                         (f"; scaling run by run {scalings}" if len(r["gpus"]) > 1 and scalings
+                          else ""))
         if r.get("road"):
             lines.append(f"{r['model']}: pympgu {r['variant']} on GPUs {r['gpus']}: "
                          f"{r['road']}")
@@ -525,6 +560,11 @@ def main(argv=None):
     # 100 steps of the wide MLP (65 ms) read 0.01-0.02 ms a step slower than 300 in the same
     # run (docs/BENCHMARKS.md, session 11).
     parser.add_argument("--steps", type=int, default=300, help="timed steps (default: 300)")
+    parser.add_argument("--repeats", type=int, default=1, metavar="N",
+                        help="run every row N times, in rounds, and show each row's median "
+                             "run, with the spread and each round's scaling (default: 1). "
+                             "Runs in new processes differ by more than runs in one: eager "
+                             "DDP's, which its host paces, by the most")
     parser.add_argument("--warmup", type=int, default=20,
                         help="untimed steps first, compilation included (default: 20)")
     parser.add_argument("--data-dir", default=None, help="dataset, as for pympgu.train")
@@ -541,8 +581,8 @@ def main(argv=None):
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
     from . import cuda
-    if args.steps < 1 or args.warmup < 1:
-        parser.error("--steps and --warmup must be at least 1")
+    if args.steps < 1 or args.warmup < 1 or args.repeats < 1:
+        parser.error("--steps, --warmup and --repeats must be at least 1")
     if args.cpu is not None:
         if args.gpus is not None or not 1 <= args.cpu <= 8:
             parser.error("--cpu takes 1 to 8 workers and excludes --gpus")
@@ -566,12 +606,14 @@ def main(argv=None):
             print("pympgu.bench train: torch is not importable; no DDP rows", file=sys.stderr)
             use_ddp = False
     print(f"pympgu.bench train: {len(gpus)} ranks on {gpus} ({names}); {args.steps} steps after "
-          f"{args.warmup} warm-up", flush=True)
+          f"{args.warmup} warm-up" + (f", {args.repeats} runs of each row" if args.repeats > 1
+                                      else ""), flush=True)
     if len(gpus) == 1:
         print("  one GPU: only the 1-GPU rows (give two or more GPUs for scaling)", flush=True)
     ddp = (("DDP",) if args.no_ddp_graph else ("DDP", "DDP-graph")) if use_ddp else ()
     rows = measure(gpus, args.models, args.variants, args.steps, args.warmup, args.data_dir,
-                   ddp, exchange_blocks=args.exchange_blocks, method=args.method)
+                   ddp, exchange_blocks=args.exchange_blocks, method=args.method,
+                   repeats=args.repeats)
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:

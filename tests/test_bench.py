@@ -24,10 +24,34 @@ def test_train_bench_smoke_on_cpu_workers(tmp_path):
     assert "plain JAX step" in r.stdout and "scaling" in r.stdout
 
 
+def test_train_bench_repeats_rows_in_rounds(tmp_path):
+    """--repeats 3: every row three times, in rounds; the row is its median run, and each
+    round's scaling is against the 1-GPU run of the same round."""
+    out = tmp_path / "rows.json"
+    r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "2", "--models",
+                        "seed", "--steps", "2", "--warmup", "1", "--variants", "sync4",
+                        "--repeats", "3", "--json", str(out)],
+                       capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stderr[-3000:]
+    one, two = json.loads(out.read_text())["rows"]
+    for row in (one, two):
+        assert len(row["runs_ms"]) == 3 and row["ms_per_step"] == sorted(row["runs_ms"])[1]
+    assert [round(x, 9) for x in two["run_scalings"]] == [
+        round(a / (2 * b), 9) for a, b in zip(two["runs_samples"], one["runs_samples"])]
+    # The rounds interleave the rows: 1 GPU, 2, 1, 2, 1, 2.
+    order = [line for line in r.stderr.splitlines() + r.stdout.splitlines()
+             if "run " in line and " of 3" in line and "ms/step" not in line]
+    assert [("sync4" in line) for line in order] == [False, True] * 3, order
+    assert "3 of 3 runs" in r.stdout and "scaling run by run" in r.stdout
+
+
 def test_train_bench_rejects_bad_flags():
     r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "9"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--cpu takes 1 to 8" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "2",
+                        "--repeats", "0"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--repeats must be at least 1" in r.stderr
 
 
 def test_train_bench_table_says_whether_ddp_is_host_bound():
@@ -73,6 +97,10 @@ def test_train_bench_table_shows_the_slowest_ranks_clock():
                clock_capped=[0.5, 0.875])
     line = table([row]).splitlines()[2]
     assert line.endswith("1923 (88%)"), line
+    # Several runs: their spread, and each round's scaling.
+    runs = dict(row, runs_ms=[0.62, None, 0.619], run_scalings=[0.93, None, 0.94])
+    assert ("wide: pympgu overlap4 on GPUs [0, 1]: 2 of 3 runs, 0.619 to 0.620 ms/step (the "
+            "row: the median run); scaling run by run 0.93, -, 0.94") in table([runs])
     # The road an exact exchange inside XLA took, when one was asked for.
     road = "the new values averaged after the update: PYMPGU_GRADIENTS=0"
     assert f"wide: pympgu overlap4 on GPUs [0, 1]: {road}" in table([dict(row, road=road)])
