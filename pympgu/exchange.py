@@ -412,7 +412,7 @@ class _CudaBackend:
     """
 
     def __init__(self, ex, timeout):
-        from . import cuda
+        from . import cuda, xla
         self.cuda = cuda
         ctx = self.ctx = ex.ctx
         self.ex = ex
@@ -432,7 +432,8 @@ class _CudaBackend:
                      "ce_chunk_bytes": cuda.ce_chunk_bytes(), "shadow": ex.shadow,
                      # As text: the facts cross the coordinator as JSON, which makes a
                      # tuple a list, and the check below compares them in a set.
-                     "auto_bytes": " ".join(map(str, self.group.auto_bytes))}
+                     "auto_bytes": " ".join(map(str, self.group.auto_bytes)),
+                     "xla_roads": xla.roads()}
             all_facts, blobs, max_blocks = ctx.register(ex.layout, facts, self.group.handle)
             for key, what in (("exchange_blocks", "cap the exchange kernel alike (max_blocks)"),
                               ("method", "use the same method"),
@@ -442,7 +443,11 @@ class _CudaBackend:
                               # 'auto' must pick the same algorithm on every rank.
                               ("auto_bytes", "use the same PYMPGU_LL_MAX_BYTES, "
                                              "PYMPGU_ONESHOT_MAX_BYTES, PYMPGU_PUSH_MIN_BYTES "
-                                             "and PYMPGU_CE_MIN_BYTES")):
+                                             "and PYMPGU_CE_MIN_BYTES"),
+                              # Steps laid into XLA alike (pympgu.xla.roads).
+                              ("xla_roads", "use the same PYMPGU_SPLIT_MIN_BYTES, "
+                                            "PYMPGU_SPLIT_MAX_RANKS, PYMPGU_GRADIENTS and "
+                                            "PYMPGU_FUSED_CORRECTION")):
                 values = [f.get(key) for f in all_facts]
                 if len(set(values)) != 1:
                     # Ranks that queue different barriers (other grids, algorithms or

@@ -57,6 +57,16 @@ SPLIT_MIN_BYTES = int(os.environ.get("PYMPGU_SPLIT_MIN_BYTES", 16 << 20))
 SPLIT_MAX_RANKS = int(os.environ.get("PYMPGU_SPLIT_MAX_RANKS", 2))
 
 
+def roads():
+    """The settings that choose how a training step's exchange is laid into its XLA program,
+    as text: every rank must have the same (the Exchanger checks it when it connects). A
+    rank that cut its step where a peer did not, or sent gradients where a peer sent
+    parameters, would read the peer's shadow by its own layout."""
+    return " ".join([str(SPLIT_MIN_BYTES), str(SPLIT_MAX_RANKS),
+                     os.environ.get("PYMPGU_GRADIENTS", "1"),
+                     os.environ.get("PYMPGU_FUSED_CORRECTION", "1")])
+
+
 @functools.lru_cache(maxsize=None)
 def available():
     """(True, None), or (False, why the operation cannot be used here). Asked once per

@@ -243,3 +243,22 @@ def test_ce_chunks_names_bad_arguments():
         cuda.ce_chunks(2, 100, "float32", 8)
     with pytest.raises(ValueError, match="unsupported dtype"):
         cuda.ce_chunks(2, 100, "int8")
+
+
+def test_xla_roads_name_every_setting_that_lays_out_the_step():
+    """What every rank's Exchanger compares when it connects (pympgu.xla.roads): each of
+    the settings changes it. The split thresholds are read when pympgu.xla is imported,
+    hence fresh interpreters."""
+    def roads(**env):
+        r = subprocess.run([sys.executable, "-c", "from pympgu import xla; print(xla.roads())"],
+                           capture_output=True, text=True, timeout=60,
+                           env={**{k: v for k, v in os.environ.items()
+                                   if not k.startswith("PYMPGU_")}, **env})
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip()
+
+    plain = roads()
+    assert plain == f"{16 << 20} 2 1 1", plain
+    changed = [roads(PYMPGU_SPLIT_MIN_BYTES="0"), roads(PYMPGU_SPLIT_MAX_RANKS="8"),
+               roads(PYMPGU_GRADIENTS="0"), roads(PYMPGU_FUSED_CORRECTION="0")]
+    assert len({plain, *changed}) == 5, changed
