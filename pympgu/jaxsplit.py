@@ -195,6 +195,8 @@ class Tail:
         made = {v for e in self.before for v in e.outvars}
         self.crossing = list(dict.fromkeys(
             v for e in self.tail for v in e.invars if _is_var(v) and v in made))
+        made = {v for e in self.tail for v in e.outvars}
+        self._made = [i for i, v in enumerate(jaxpr.outvars) if _is_var(v) and v in made]
 
     def nonlinear(self):
         """The first tail equation at which the tail's results stop being affine in the
@@ -226,8 +228,7 @@ class Tail:
 
     def made(self):
         """The program's results that the tail computes."""
-        made = {v for e in self.tail for v in e.outvars}
-        return [i for i, v in enumerate(self.jaxpr.outvars) if _is_var(v) and v in made]
+        return list(self._made)
 
     def computed_before(self, positions):
         """Those of the results at ``positions`` that the work before the tail computes:

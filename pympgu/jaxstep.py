@@ -33,8 +33,8 @@ class JaxStep:
     becomes new + (average of old - old)). ``inputs`` are arrays that ``during`` reads
     (``Exchanger.xla_shadow``'s): the jitted program takes them after ``fn``'s arguments
     at every call, since closed over they would be copied into it as constants, and hands
-    them to ``during`` or ``exchange`` as the keyword ``inputs`` (when there are any). Calling returns
-    ``fn``'s outputs: the value itself when there is one, else a list.
+    them to ``during`` or ``exchange`` as the keyword ``inputs`` (when there are any).
+    Calling returns ``fn``'s outputs: the value itself when there is one, else a list.
     """
 
     def __init__(self, fn, state, exchange=None, during=None, inputs=()):

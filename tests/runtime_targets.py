@@ -12,6 +12,19 @@ LAYOUT = [("w1", [31, 17], "float32"), ("b1", [17], "float32"), ("w2", [17, 5], 
           ("b2", [5], "float32")]
 
 
+def check_bits(got, wanted, layout, where):
+    """Raise, naming ``where`` and the first wrong elements, unless every array of ``got``
+    equals its model in ``wanted`` bit for bit."""
+    for t, (a, want) in enumerate(zip(got, wanted)):
+        a = np.asarray(a)
+        if not np.array_equal(a, want):
+            wrong = np.flatnonzero(a.ravel() != want.ravel())
+            raise AssertionError(
+                f"{where} tensor {layout[t][0]} is wrong at {wrong.size} of {want.size} "
+                f"elements, from {wrong[0]}: got {a.ravel()[wrong[:3]]}, want "
+                f"{want.ravel()[wrong[:3]]}")
+
+
 def rank_params(rank, round_, layout=LAYOUT):
     rng = np.random.default_rng([rank, round_])
     return [rng.standard_normal(shape).astype(dtype) for _, shape, dtype in layout]
@@ -335,14 +348,8 @@ def xla_rounds(ctx, rounds, method="auto", big=1 << 23, shadow=False):
                 mean = model_average([ms[t].ravel() for ms in models], "float32")
                 for ms in models:
                     ms[t] = mean.reshape(ms[t].shape)
-            for t, (got, want) in enumerate(zip(xs, models[ctx.rank])):
-                got = np.asarray(got)
-                if not np.array_equal(got, want):
-                    wrong = np.flatnonzero(got.ravel() != want.ravel())
-                    raise AssertionError(
-                        f"rank {ctx.rank} round {k} ({path} path) tensor {layout[t][0]} is "
-                        f"wrong at {wrong.size} of {want.size} elements, from {wrong[0]}: got "
-                        f"{got.ravel()[wrong[:3]]}, want {want.ravel()[wrong[:3]]}")
+            check_bits(xs, models[ctx.rank], layout,
+                       f"rank {ctx.rank} round {k} ({path} path)")
         # The last round, odd (the Python path), made the replicas identical again.
         digest = hashlib.sha256(b"".join(np.asarray(a).tobytes() for a in xs[:2])).hexdigest()
         # The marks of the last exchange through the start/done pair (round 8), if kept.
@@ -381,6 +388,10 @@ def gradient_rounds(ctx, rounds, big=1 << 23):
     models = [list(start) for _ in range(ctx.nranks)]  # every rank's state
     mu = np.float32(0.5)
 
+    def mean_params():  # every rank's model of the parameters, averaged as the kernels do
+        return [model_average([m[i].ravel() for m in models], "float32").reshape(s)
+                for i, s in enumerate(shapes)]
+
     def data(rank, k):  # quarters of small integers: every sum of them is exact
         rng = np.random.default_rng([rank, k, 7])
         return [(rng.integers(-64, 64, (4, *s)) * 0.25).astype(np.float32) for s in shapes]
@@ -407,9 +418,9 @@ def gradient_rounds(ctx, rounds, big=1 << 23):
         for k in range(rounds):
             if k % 2:
                 xs = plain(xs)
+                means = mean_params()
                 for m in models:
-                    m[:3] = [model_average([n[i].ravel() for n in models], "float32").reshape(
-                        s) for i, s in enumerate(shapes)]
+                    m[:3] = means
                 continue
             xs = stepped(xs + [jax.device_put(a, dev) for a in data(ctx.rank, k)], shadow)
             sums = [[x.sum(axis=0, dtype=np.float32) for x in data(r, k)]
@@ -421,18 +432,11 @@ def gradient_rounds(ctx, rounds, big=1 << 23):
                 m[3:] = [mu * v - gi for v, gi in zip(m[3:], g)]
                 m[:3] = [p + v for p, v in zip(m[:3], m[3:])]
             if why is not None:  # the parameters averaged after the update
-                means = [model_average([m[i].ravel() for m in models], "float32").reshape(s)
-                         for i, s in enumerate(shapes)]
+                means = mean_params()
                 for m in models:
                     m[:3] = means
-            for t, (got, want) in enumerate(zip(xs, models[ctx.rank])):
-                got = np.asarray(got)
-                if not np.array_equal(got, want):
-                    wrong = np.flatnonzero(got.ravel() != want.ravel())
-                    raise AssertionError(
-                        f"rank {ctx.rank} round {k} ({why or 'gradients'}) {layout[t][0]} "
-                        f"is wrong at {wrong.size} of {want.size} elements, from {wrong[0]}: "
-                        f"got {got.ravel()[wrong[:3]]}, want {want.ravel()[wrong[:3]]}")
+            check_bits(xs, models[ctx.rank], layout,
+                       f"rank {ctx.rank} round {k} ({why or 'gradients'})")
         # The parameters: every rank's are the same either way.
         digest = hashlib.sha256(b"".join(np.asarray(a).tobytes() for a in xs[:3])).hexdigest()
     finally:
