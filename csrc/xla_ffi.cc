@@ -21,12 +21,11 @@
 // copies, and a barrier (every copy has landed). The copies go one of two ways:
 //   - push, when the group's shadow lies in the shared block: each array goes from XLA's
 //     memory straight into every peer's shadow (pmg_push_peers). Nothing is packed. A start
-//     may then come in parts (attribute "phase"), so that the arrays computed first cross
-//     the link while XLA computes the rest (pympgu.xla.average_results): a first, any
-//     middle ones, a last. Each part after the first takes the one before's token as its
-//     first operand: XLA would drop an operation whose token nothing uses. Its done comes
-//     in two parts: the arrays of every part but the last are averaged as soon as they have
-//     landed, while the last part crosses the link;
+//     may then come in two parts (attribute "phase"), so that the arrays computed first
+//     cross the link while XLA computes the rest (pympgu.xla.average_results). The second
+//     part takes the first's token as its first operand: XLA would drop an operation whose
+//     token nothing uses. Its done comes in two parts too: the first part's arrays are
+//     averaged as soon as they have landed, while the last part crosses the link;
 //   - pull, with a private shadow: the start packs the arrays into the group's buffer on
 //     XLA's stream, and each rank copies the peers' buffers into its shadow.
 // Other algorithms pack, run the all-reduce kernel on the side stream, and unpack in the done.
@@ -54,7 +53,7 @@
 //   offsets     element offset of each array in the group's buffer (every rank the same);
 //   total       elements averaged from the buffer's start: at least the last array's end, and
 //               what an Exchanger's own path averages, so the two paths can take turns;
-//   phase       (start only) kFirst, kMiddle, kLast or kWhole (below);
+//   phase       (start only) kFirst, kLast or both (below);
 //   part        (done only) the whole exchange, or the first or last part's arrays (below).
 //
 // The registry is built without XLA too; only the handler needs jaxlib's headers.
@@ -322,12 +321,9 @@ ffi::Error average(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingR
 
 // The phases of a start (its attribute "phase"): the barrier before it (every rank is done
 // reading its shadow), the barrier after it (every rank's arrays have reached every shadow),
-// both, or neither (a middle part, between a first and a last). A start in parts lets the
-// arrays that are ready first cross the link while XLA computes the rest
-// (pympgu.xla.average_results); middle parts let a large gradient computed in row blocks
-// cross block by block (pympgu.xla.average_gradients). Every part but the last belongs to
-// the exchange's first part, as a done or wait sees it.
-constexpr int32_t kMiddle = 0, kFirst = 1, kLast = 2, kWhole = kFirst | kLast;
+// or both. A start in two parts lets the arrays that are ready first cross the link while
+// XLA computes the rest (pympgu.xla.average_results).
+constexpr int32_t kFirst = 1, kLast = 2, kWhole = kFirst | kLast;
 
 // Before the last part's copies: a barrier proves that every rank's first part has landed,
 // and side_first tells XLA's stream, whose done operation then averages those arrays while
@@ -352,12 +348,12 @@ ffi::Error average_start(cudaStream_t stream, ffi::RemainingArgs args, ffi::Rema
   // Peers push into a shadow in the shared block; without one, each rank pulls the peers'
   // packed buffers, which needs every array packed at once.
   const bool push = algo == PMG_ALGO_GATHER && g.shadow_offset && g.nranks > 1;
-  if (phase < kMiddle || phase > kWhole || (phase != kWhole && !push))
+  if (phase < 1 || phase > kWhole || (phase != kWhole && !push))
     return ffi::Error::InvalidArgument(
-        "pympgu_average_start: phase must be 0, 1, 2 or 3, and a start in parts needs the "
-        "gather algorithm and a group with a shared shadow");
-  // A middle or last part's first operand is the part before's token: it only orders them.
-  const size_t skip = phase == kLast || phase == kMiddle ? 1 : 0;
+        "pympgu_average_start: phase must be 1, 2 or 3, and a start in parts needs the gather "
+        "algorithm and a group with a shared shadow");
+  // The last part's first operand is the first part's token: it only orders the two.
+  const size_t skip = phase == kLast ? 1 : 0;
   if (args.size() <= skip) return ffi::Error::Success();
   std::vector<Array> in;
   std::vector<size_t> at;
@@ -398,7 +394,7 @@ ffi::Error average_start(cudaStream_t stream, ffi::RemainingArgs args, ffi::Rema
         (status = pmg_push_peers(&g.peers, g.shadow_offset, gather_elems(g, total) * sizeof(float),
                                  g.rank, g.nranks, src.data(), at.data(), nbytes.data(),
                                  int(in.size()), g.side)) ||
-        (phase != kLast && (status = mark(g, {PMG_MARK_FIRST_SENT}, g.side))) ||
+        (first && (status = mark(g, {PMG_MARK_FIRST_SENT}, g.side))) ||
         (last && (status = mark(g, {PMG_MARK_LAST_SENT}, g.side))) ||
         (last && (status = pmg_device_barrier(&g.peers, g.rank, g.nranks, g.timeout_ns, g.side))))
       return failed(kStart, "push", status);

@@ -18,9 +18,7 @@ without matrix products is not cut.
 
 ``Tail`` cuts a program another way, before the elementwise update at its end, so that
 pympgu.xla.correct_during can fuse the overlapped step's correction into that update, and
-pympgu.xla.average_gradients can feed that update the ranks' mean gradients. ``Pieces``
-computes a large gradient in row blocks, and Split's stages send each block as soon as it
-is computed.
+pympgu.xla.average_gradients can feed that update the ranks' mean gradients.
 """
 import math
 
@@ -59,17 +57,10 @@ class Split:
     """A traced program, cut for the results at positions ``which`` (see the module).
 
     ``early`` and ``late`` partition ``which``, in its order; ``late`` may be empty, and
-    ``early`` is empty when nothing is worth cutting. ``flops`` is the work of the early
-    results and of the rest.
-
-    ``cuts`` names results after which the early set may be cut again (the row blocks of
-    one gradient but its last, Pieces): ``stages`` then lists the early results in groups,
-    each computed after the one before has started to cross, so that the first block of a
-    large gradient crosses while XLA computes the next. Without cuts, ``stages`` is
-    ``[early]``.
+    ``early`` is empty when nothing is worth cutting. ``flops`` is the work of each phase.
     """
 
-    def __init__(self, closed, which, cuts=()):
+    def __init__(self, closed, which):
         jaxpr, consts = _unwrap(closed)
         self.jaxpr, self.consts, self.which = jaxpr, consts, list(which)
         eqns = jaxpr.eqns
@@ -94,63 +85,42 @@ class Split:
         # Grow the early set one result at a time, each time by the result that adds the
         # least work to phase 1 (the most bytes among equals); keep the best prefix.
         best, best_score, union, left = set(), 0, set(), list(self.which)
-        grown, kept = [], 0  # the results each step adds; the steps of the best set
         while left:
             i = min(left, key=lambda j: (sum(cost[k] for k in cones[j] - union),
                                          -_nbytes(outvars[j])))
             union |= cones[i]
             riders = {j for j in self.which if cones[j] <= union}  # ready at no extra work
-            grown.append(riders - set().union(*grown))
             left = [j for j in left if j not in riders]
             score = sum(_nbytes(outvars[j]) for j in riders) * (
                 total - sum(cost[k] for k in union))
             if score > best_score:
-                best, best_score, kept = riders, score, len(grown)
+                best, best_score = riders, score
         if jaxpr.effects:  # an ordered side effect must keep its place: do not cut
-            best, kept = set(), 0
+            best = set()
         self.early = [i for i in self.which if i in best]
         self.late = [i for i in self.which if i not in best]
-        # The early set in stages: a stage ends after a step that made a cut's result.
-        stages, current = [], set()
-        for k, added in enumerate(grown[:kept]):
-            current |= added
-            if added & set(cuts) and k < kept - 1:
-                stages.append(current)
-                current = set()
-        self.stages = [[i for i in self.which if i in st] for st in stages + [current]
-                       if st]
-        # Each stage's phase: the work its results need that no stage before did, then the
-        # rest (phase 2). Every phase after the first reads what it needs from before it
-        # through hold(), with the last start's token.
-        self.phases, done = [], set()
-        for stage in self.stages:
-            need = set().union(*(cones[i] for i in stage)) - done
-            self.phases.append([e for k, e in enumerate(eqns) if k in need])
-            done |= need
-        self.phases.append([e for k, e in enumerate(eqns) if k not in done])
-        self.flops = (sum(cost[k] for k in done), total - sum(cost[k] for k in done))
-        self.held = []
-        for phase in self.phases:
-            made = {v for e in phase for v in e.outvars}
-            self.held.append(list(dict.fromkeys(
-                v for e in phase for v in e.invars if _is_var(v) and v not in made)))
+        first = set().union(*(cones[i] for i in self.early)) if self.early else set()
+        self.phase1 = [e for k, e in enumerate(eqns) if k in first]
+        self.phase2 = [e for k, e in enumerate(eqns) if k not in first]
+        self.flops = (sum(cost[k] for k in first), total - sum(cost[k] for k in first))
+        made = {v for e in self.phase2 for v in e.outvars}
+        # What phase 2 reads from before it: held back with the token.
+        self.crossing = list(dict.fromkeys(
+            v for e in self.phase2 for v in e.invars if _is_var(v) and v not in made))
 
     def run(self, args, start, hold):
-        """Evaluate the program on the flat ``args`` (tracers, inside jit): each stage's
-        phase, then ``start(its early values, stage number, token of the stage before or
-        None)`` (it returns a token) and ``hold(token, values)`` on what the next phase reads
-        (it returns both, held: lax.optimization_barrier); then phase 2. Returns the last
-        token (None when nothing was early) and every output."""
+        """Evaluate the program on the flat ``args`` (tracers, inside jit): phase 1, then
+        ``start(early values)`` (it returns a token), ``hold(token, values)`` on what phase 2
+        reads (it returns both, held: lax.optimization_barrier), then phase 2. Returns the
+        token and every output."""
         env = dict(zip(self.jaxpr.constvars, self.consts))
         env.update(zip(self.jaxpr.invars, args))
-        outvars, token = self.jaxpr.outvars, None
-        for k, phase in enumerate(self.phases):
-            if k:
-                token, held = hold(token, [env[v] for v in self.held[k]])
-                env.update(zip(self.held[k], held))
-            _evaluate(phase, env)
-            if k < len(self.stages):
-                token = start([_read(env, outvars[i]) for i in self.stages[k]], k, token)
+        _evaluate(self.phase1, env)
+        outvars = self.jaxpr.outvars
+        token = start([_read(env, outvars[i]) for i in self.early])
+        token, held = hold(token, [env[v] for v in self.crossing])
+        env.update(zip(self.crossing, held))
+        _evaluate(self.phase2, env)
         return token, [_read(env, v) for v in outvars]
 
 
@@ -325,109 +295,6 @@ class Tail:
         return [_read(env, v) for v in self.jaxpr.outvars], other
 
 
-class Pieces:
-    """The work before a Tail's update, with each gradient that one matrix product makes
-    computed in row blocks of at least ``piece_bytes`` (pympgu.xla.average_gradients).
-
-    The wide MLP's largest gradient, 64 MiB, is one product; its copy to the peer takes
-    0.19 ms on NVLink, longer than everything XLA computes after it, so the update waited
-    for it (docs/BENCHMARKS.md, session 18). In blocks, the first block crosses while XLA
-    computes the next (Split's stages). Rows of a row-major array are contiguous, so the
-    blocks land in the shadow where the whole would; and every rank computes the same
-    blocks, so the ranks still get the same bits.
-
-    ``of`` lists the pieces: (position in ``tail.crossing``, first row, end row), the end
-    None for a value not cut. ``cuts`` are the pieces that are not the last of their value.
-    """
-
-    def __init__(self, tail, piece_bytes):
-        self.tail = tail
-        producer = {v: e for e in tail.before for v in e.outvars}
-        self.of, self.cuts, self._rows = [], [], {}
-        for i, v in enumerate(tail.crossing):
-            bounds = _row_bounds(producer.get(v), v, piece_bytes)
-            if bounds is None:
-                self.of.append((i, 0, None))
-                continue
-            self._rows[id(producer[v])] = (i, bounds)
-            for b0, b1 in zip(bounds[:-1], bounds[1:]):
-                self.of.append((i, b0, b1))
-                if b1 < bounds[-1]:
-                    self.cuts.append(len(self.of) - 1)
-        # A cut value that the work before also reads, or returns, is put back together.
-        self._read = {v for e in tail.before for v in e.invars if _is_var(v)}
-        self._read.update(v for v in tail.jaxpr.outvars if _is_var(v))
-
-    def evaluate(self, args):
-        """The work before the tail on the flat ``args``: every piece, then the results at
-        ``tail.rest()``."""
-        from jax import lax
-        tail = self.tail
-        env = dict(zip(tail.jaxpr.constvars, tail.consts))
-        env.update(zip(tail.jaxpr.invars, args))
-        blocks = {}
-        for eqn in tail.before:
-            cut = self._rows.get(id(eqn))
-            if cut is None:
-                _evaluate([eqn], env)
-                continue
-            i, bounds = cut
-            lhs, rhs = (_read(env, v) for v in eqn.invars)
-            axis = _first_free(eqn)
-            blocks[i] = [_bind(eqn, [lax.slice_in_dim(lhs, b0, b1, axis=axis), rhs])[0]
-                         for b0, b1 in zip(bounds[:-1], bounds[1:])]
-            if eqn.outvars[0] in self._read:
-                env[eqn.outvars[0]] = lax.concatenate(blocks[i], 0)
-        pieces, seen = [], {}
-        for i, _, _ in self.of:
-            k = seen[i] = seen.get(i, -1) + 1
-            pieces.append(blocks[i][k] if i in blocks else env[tail.crossing[i]])
-        outvars = tail.jaxpr.outvars
-        return pieces + [_read(env, outvars[i]) for i in tail.rest()]
-
-    def offsets(self, offsets):
-        """Each piece's element offset, given each crossing value's (``offsets``)."""
-        return [offsets[i] + b0 * math.prod(self.tail.crossing[i].aval.shape[1:])
-                for i, b0, _ in self.of]
-
-    def whole(self, values, positions):
-        """The crossing values at ``positions`` from their pieces (``values``, in the order
-        of ``of`` restricted to those positions), each block put back together: XLA fuses
-        the concatenation into the update that reads it."""
-        from jax import lax
-        wanted, by_value = set(positions), {}
-        for (i, _, _), v in zip((p for p in self.of if p[0] in wanted), values):
-            by_value.setdefault(i, []).append(v)
-        return [by_value[i][0] if len(by_value[i]) == 1 else lax.concatenate(by_value[i], 0)
-                for i in positions]
-
-
-def _first_free(eqn):
-    """The dimension of a matrix product's first operand that gives its result's rows."""
-    (contract, _), _ = eqn.params["dimension_numbers"]
-    return next(d for d in range(len(eqn.invars[0].aval.shape)) if d not in contract)
-
-
-def _row_bounds(eqn, var, piece_bytes):
-    """Row bounds that cut ``var``, the result of ``eqn``, into blocks of at least
-    ``piece_bytes``, each starting on 16 bytes (the shadow's alignment); None when it is
-    not cut: not a matrix product without batch dimensions whose rows come from its first
-    operand, or too small."""
-    if piece_bytes <= 0 or eqn is None or eqn.primitive.name != "dot_general":
-        return None
-    (contract, _), (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]
-    lhs_shape = eqn.invars[0].aval.shape
-    if (lhs_batch or rhs_batch or len(contract) >= len(lhs_shape) or not var.aval.shape
-            or var.aval.dtype != np.float32):
-        return None
-    n, row = var.aval.shape[0], math.prod(var.aval.shape[1:])
-    step = 4 // math.gcd(row, 4)  # rows per 16 bytes of float32
-    count = min(n // step, _nbytes(var) // piece_bytes)
-    if count < 2:
-        return None
-    return sorted({0, n, *(round(n * j / count / step) * step for j in range(1, count))})
-
-
 def _read(env, v):
     return env[v] if _is_var(v) else v.val
 
@@ -435,21 +302,18 @@ def _read(env, v):
 def _evaluate(eqns, env):
     """Bind each equation in turn, as jax.core.eval_jaxpr does for a whole program."""
     for eqn in eqns:
-        env.update(zip(eqn.outvars, _bind(eqn, [_read(env, v) for v in eqn.invars])))
-
-
-def _bind(eqn, values):
-    """``eqn``'s primitive bound to ``values`` (its operands, or others of their kind), as
-    a list of results."""
-    import contextlib
-    params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns = ()
-    if isinstance(params, tuple):  # JAX before 0.7 returned (subfuns, params)
-        subfuns, params = params
-    manager = getattr(getattr(eqn, "ctx", None), "manager", None)
-    with manager if manager is not None else contextlib.nullcontext():
-        out = eqn.primitive.bind(*subfuns, *values, **params)
-    return out if eqn.primitive.multiple_results else [out]
+        params = eqn.primitive.get_bind_params(eqn.params)
+        subfuns = ()
+        if isinstance(params, tuple):  # JAX before 0.7 returned (subfuns, params)
+            subfuns, params = params
+        manager = getattr(getattr(eqn, "ctx", None), "manager", None)
+        if manager is not None:
+            with manager:
+                out = eqn.primitive.bind(*subfuns, *(_read(env, v) for v in eqn.invars), **params)
+        else:
+            out = eqn.primitive.bind(*subfuns, *(_read(env, v) for v in eqn.invars), **params)
+        outs = out if eqn.primitive.multiple_results else [out]
+        env.update(zip(eqn.outvars, outs))
 
 
 def trace(fn, args, inline=False):

@@ -55,19 +55,14 @@ SPLIT_MIN_BYTES = int(os.environ.get("PYMPGU_SPLIT_MIN_BYTES", 16 << 20))
 # same at R = 2, where it was measured, and R / 2 times more above. PYMPGU_SPLIT_MAX_RANKS
 # overrides it.
 SPLIT_MAX_RANKS = int(os.environ.get("PYMPGU_SPLIT_MAX_RANKS", 2))
-# average_gradients computes a gradient that one matrix product makes in row blocks of at
-# least this many bytes, each sent as soon as it is computed (jaxsplit.Pieces; 0: whole).
-# PYMPGU_PIECE_BYTES overrides it.
-PIECE_BYTES = int(os.environ.get("PYMPGU_PIECE_BYTES", 32 << 20))
 
 
 def roads():
     """The settings that choose how a training step's exchange is laid into its XLA program,
     as text: every rank must have the same (the Exchanger checks it when it connects). A
     rank that cut its step where a peer did not, or sent gradients where a peer sent
-    parameters, would read the peer's shadow by its own layout, or before the peer's
-    part had landed."""
-    return " ".join([str(SPLIT_MIN_BYTES), str(SPLIT_MAX_RANKS), str(PIECE_BYTES),
+    parameters, would read the peer's shadow by its own layout."""
+    return " ".join([str(SPLIT_MIN_BYTES), str(SPLIT_MAX_RANKS),
                      os.environ.get("PYMPGU_GRADIENTS", "1"),
                      os.environ.get("PYMPGU_FUSED_CORRECTION", "1")])
 
@@ -360,35 +355,24 @@ def _slot_elems(group, total):
     return min((total + 63) // 64 * 64, group.nbytes // 4)
 
 
-# The phases of a start (csrc/xla_ffi.cc): with the barrier before, after, both, or neither
-# (a part between the first and the last).
-_MIDDLE, _FIRST, _LAST, _WHOLE = 0, 1, 2, 3
+# The phases of a start (csrc/xla_ffi.cc): with the barrier before, after, or both.
+_FIRST, _LAST, _WHOLE = 1, 2, 3
 # The parts of a done: the whole exchange, or the first or last part's arrays of a start in
 # two parts (csrc/xla_ffi.cc).
 _DONE_WHOLE, _DONE_FIRST, _DONE_LAST = 0, 1, 2
 
 
 def _start(arrays, attrs, phase, offsets=None, after=None):
-    """Queue the exchange of ``arrays`` (the start's part ``phase``); returns its token. A
-    middle or last part takes the part before's token (``after``) as its first operand: XLA
-    drops an operation whose token nothing uses, even through an optimization barrier."""
+    """Queue the exchange of ``arrays`` (the start's part ``phase``); returns its token. The
+    last part takes the first part's token (``after``) as its first operand: XLA drops an
+    operation whose token nothing uses, even through an optimization barrier."""
     import jax
     start = jax.ffi.ffi_call(START, jax.ShapeDtypeStruct((), np.uint32), has_side_effect=False)
     if offsets is not None:
         attrs = dict(attrs, offsets=offsets)
-    if phase in (_MIDDLE, _LAST):
+    if phase == _LAST:
         arrays = [after, *arrays]
     return start(*arrays, **attrs, phase=np.int32(phase))
-
-
-def _staged(split, attrs, at):
-    """The ``start`` for ``split.run``: stage k of the early results is the first part, a
-    middle one, or, when nothing is late, the last (or the whole exchange)."""
-    def start(values, k, after):
-        final = k == len(split.stages) - 1 and not split.late
-        phase = (_WHOLE if final else _FIRST) if k == 0 else (_LAST if final else _MIDDLE)
-        return _start(values, attrs, phase, at(split.stages[k]), after=after)
-    return start
 
 
 def _done(token, arrays, attrs, fresh=None, in_place=False, part=_DONE_WHOLE, offsets=None):
@@ -475,8 +459,10 @@ def average_results(fn, which, group, *args, algo="auto", max_blocks=None):
     def at(part):
         return np.asarray([offsets[i] for i in part])
 
-    token, outs = split.run(flat, _staged(split, attrs, at),
-                            lambda t, v: lax.optimization_barrier((t, v)))
+    def start(early):
+        return _start(early, attrs, _FIRST if split.late else _WHOLE, at(split.early))
+
+    token, outs = split.run(flat, start, lambda t, v: lax.optimization_barrier((t, v)))
     parts = [(split.early, _DONE_WHOLE)]
     if split.late:  # after phase 2 by its operands, and after the first part by the token
         token = _start([outs[i] for i in split.late], attrs, _LAST, at(split.late), after=token)
@@ -511,9 +497,7 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
 
     The gradients computed first cross the link by DMA while ``fn`` computes the rest (the
     cut of average_results, jaxsplit.Split), straight into the peers' shared shadow
-    (``shadow``: shadow_array(group), passed into the jitted function as an argument); a
-    gradient that one matrix product makes is computed in row blocks of ``PIECE_BYTES``,
-    each sent as soon as it exists (jaxsplit.Pieces).
+    (``shadow``: shadow_array(group), passed into the jitted function as an argument).
     XLA's own update then reads the peers' gradients there, summed in rank order: the update
     of the first part's arrays runs as soon as they have landed, while the rest cross.
 
@@ -541,62 +525,51 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
     attrs, _ = _attributes([jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
                             for v in tail.crossing], group, algo, max_blocks, overlapped=True)
     slot = _slot_elems(group, int(attrs["total"]))
-    # The gradients that one matrix product makes, in row blocks sent one by one (Pieces):
-    # m pieces, each at its element offset in the shadow.
-    pieces = jaxsplit.Pieces(tail, PIECE_BYTES)
-    m, piece_at = len(pieces.of), pieces.offsets(attrs["offsets"])
 
     def at(part):
-        return np.asarray([piece_at[i] for i in part])
+        return np.asarray([attrs["offsets"][i] for i in part])
 
-    split = jaxsplit.Split(jaxsplit.trace(lambda *a: pieces.evaluate(a), flat), range(m),
-                           cuts=pieces.cuts)
+    split = jaxsplit.Split(jaxsplit.trace(lambda *a: tail.evaluate_before(a), flat), range(n))
     if split.early:
-        token, outs = split.run(flat, _staged(split, attrs, at),
-                                lambda t, v: lax.optimization_barrier((t, v)))
+        def start(values):
+            return _start(values, attrs, _FIRST if split.late else _WHOLE, at(split.early))
+
+        token, outs = split.run(flat, start, lambda t, v: lax.optimization_barrier((t, v)))
+        parts = [(split.early, _DONE_FIRST if split.late else _DONE_WHOLE)]
         if split.late:  # after phase 2 by its operands, and after the first part by the token
             token = _start([outs[i] for i in split.late], attrs, _LAST, at(split.late),
                            after=token)
+            parts.append((split.late, _DONE_LAST))
     else:  # nothing worth cutting: every gradient crosses once the work before is done
-        outs = pieces.evaluate(flat)
-        token = _start(outs[:m], attrs, _WHOLE, at(range(m)))
-    # The update of a gradient waits for its last piece: the first part's wait for the
-    # gradients whose pieces were all early, the last part's for the others.
-    late = {pieces.of[k][0] for k in split.late} if split.early else set()
-    parts = [(g, kind) for g, kind in (
-        ([i for i in range(n) if i not in late], _DONE_FIRST if late else _DONE_WHOLE),
-        (sorted(late), _DONE_LAST)) if g]
+        outs = tail.evaluate_before(flat)
+        token = _start(outs[:n], attrs, _WHOLE, at(range(n)))
+        parts = [(list(range(n)), _DONE_WHOLE)]
 
     # fn's other results (a step's cost), computed before the first wait: XLA would
     # otherwise put them last, where the stream has nothing else to do, when it could run
     # them while it waits for the first part to land (the wide MLP's L2 term reads every
     # weight: 0.02 ms).
-    others = [o for o in outs[m:] if hasattr(o, "shape")]
-    if os.environ.get("PYMPGU_OTHERS_FIRST", "1") == "0":  # EXPERIMENT: XLA places them
-        others = []
-    crossing = [[] for _ in range(n)]  # each gradient's pieces
-    for (i, _, _), value in zip(pieces.of, outs[:m]):
-        crossing[i].append(value)
+    others = [o for o in outs[n:] if hasattr(o, "shape")]
 
     def waiting(part, kind):
         def take(values, earlier):
             # XLA's stream waits for the part to land once its gradients exist (and fn's
             # other results, for the first), and, for the last part, once the first part's
             # update is queued, so that it runs while the last part crosses. The smallest
-            # piece passes through the wait, so that XLA keeps it; the barrier puts the
+            # array passes through the wait, so that XLA keeps it; the barrier puts the
             # shadow's reads after it.
-            flat_pieces = [p for ps in values for p in ps]
-            k = min(range(len(flat_pieces)), key=lambda i: math.prod(flat_pieces[i].shape))
-            after = flat_pieces + ([min(earlier, key=lambda e: math.prod(e.shape))] if earlier
-                                   else others)
-            flat_pieces[k] = _wait(token, after, attrs, k, part=kind)
-            flat_pieces, landed = lax.optimization_barrier((flat_pieces, shadow))
+            values = list(values)
+            k = min(range(len(values)), key=lambda i: math.prod(values[i].shape))
+            after = values + ([min(earlier, key=lambda e: math.prod(e.shape))] if earlier
+                              else others)
+            values[k] = _wait(token, after, attrs, k, part=kind)
+            values, landed = lax.optimization_barrier((values, shadow))
             return [_rank_mean(v, landed, attrs["offsets"][i], slot, group)
-                    for v, i in zip(pieces.whole(flat_pieces, part), part)]
+                    for v, i in zip(values, part)]
         return part, take
 
-    made = tail.evaluate_tail(flat, crossing, [waiting(part, kind) for part, kind in parts])
-    rest = dict(zip(tail.rest(), outs[m:]))
+    made = tail.evaluate_tail(flat, outs[:n], [waiting(part, kind) for part, kind in parts])
+    rest = dict(zip(tail.rest(), outs[n:]))
     return [rest[k] if k in rest else made[k] for k in range(len(made))]
 
 
