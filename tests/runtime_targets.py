@@ -368,12 +368,13 @@ def xla_rounds(ctx, rounds, method="auto", big=1 << 23, shadow=False):
 def gradient_rounds(ctx, rounds, big=1 << 23):
     """A training step's update fed the ranks' mean gradient inside XLA
     (Exchanger.xla_average_gradients), checked bit for bit against numpy each round. The
-    state is W, b, a big vector and their momentum, the same on every rank; each rank's
-    gradients are sums of its own data (exact in any order). The big vector's gradient
-    waits for a matrix product, so that the small ones cross first and the step is cut in
-    two (jaxsplit.Split). Where the plan does not apply (PYMPGU_GRADIENTS=0, say), the
-    average of the parameters after the update is checked instead, each rank keeping its own
-    momentum. Odd rounds average the parameters after no step, through the same group."""
+    state is W, b, a big vector, a matrix and their momentum, the same on every rank; each
+    rank's gradients are sums of its own data, the matrix's a product of two of its
+    arrays (exact in any order, and in TF32). The big vector's gradient waits for a larger
+    product, so that the others cross first and the step is cut (jaxsplit.Split). Where
+    the plan does not apply (PYMPGU_GRADIENTS=0, say), the average of the parameters after
+    the update is checked instead, each rank keeping its own momentum. Odd rounds average
+    the parameters after no step, through the same group."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
     import jax.numpy as jnp
@@ -381,10 +382,11 @@ def gradient_rounds(ctx, rounds, big=1 << 23):
     from pympgu import xla
     from pympgu.exchange import Exchanger
     dev = jax.devices("gpu")[ctx.device]
-    shapes = [[64, 64], [64], [big]]
+    shapes = [[64, 64], [64], [big], [512, 2048]]
+    n = len(shapes)
     layout = ([(f"p{i}", s, "float32") for i, s in enumerate(shapes)] +
               [(f"v{i}", s, "float32") for i, s in enumerate(shapes)])
-    start = list(rank_params(0, 0, layout[:3])) + [np.zeros(s, np.float32) for s in shapes]
+    start = list(rank_params(0, 0, layout[:n])) + [np.zeros(s, np.float32) for s in shapes]
     models = [list(start) for _ in range(ctx.nranks)]  # every rank's state
     mu = np.float32(0.5)
 
@@ -394,51 +396,55 @@ def gradient_rounds(ctx, rounds, big=1 << 23):
 
     def data(rank, k):  # quarters of small integers: every sum of them is exact
         rng = np.random.default_rng([rank, k, 7])
-        return [(rng.integers(-64, 64, (4, *s)) * 0.25).astype(np.float32) for s in shapes]
+        return [(rng.integers(-64, 64, (4, *s)) * 0.25).astype(np.float32)
+                for s in [*shapes[:3], shapes[3][:1], shapes[3][1:]]]
+
+    def gradients(xs):  # numpy's: the rows summed; the matrix's, a product
+        return [x.sum(axis=0, dtype=np.float32) for x in xs[:3]] + [xs[3].T @ xs[4]]
 
     def step(*flat):
-        p, v, xs = flat[0:3], flat[3:6], list(flat[6:9])
-        work = jnp.sum((p[0] @ p[0]) @ p[0].T)
+        p, v, xs = flat[0:n], flat[n:2 * n], list(flat[2 * n:])
+        tiled = jnp.tile(p[0], (8, 8))
+        work = jnp.sum((tiled @ tiled) @ tiled.T)
         xs[2] = xs[2] + np.float32(0) * work  # the big gradient waits for the product
-        g = [jnp.sum(x, axis=0) for x in xs]
+        g = [jnp.sum(x, axis=0) for x in xs[:3]] + [xs[3].T @ xs[4]]
         new_v = [mu * vi - gi for vi, gi in zip(v, g)]
         return [pi + vi for pi, vi in zip(p, new_v)] + new_v + [work]
 
     ex = Exchanger(ctx, layout, shadow=True)
     try:
         shadow = ex.xla_shadow(correction=False)
-        which, local = list(range(6)), [6, 7, 8]
+        which, local = list(range(2 * n)), list(range(2 * n, 2 * n + 5))
         structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in start + data(0, 0)]
         why = xla.gradient_plan(step, which, ex.backend.group, structs, local, shadow)[1]
         stepped = jax.jit(lambda flat, shadow: ex.xla_average_gradients(
-            step, which, which[:3], *flat, shadow=shadow, local=local)[:6])
-        plain = jax.jit(lambda flat: ex.xla_average([a + np.float32(0) for a in flat[:3]]) +
-                        list(flat[3:]))
+            step, which, which[:n], *flat, shadow=shadow, local=local)[:2 * n])
+        plain = jax.jit(lambda flat: ex.xla_average([a + np.float32(0) for a in flat[:n]]) +
+                        list(flat[n:]))
         xs = [jax.device_put(a, dev) for a in start]
         for k in range(rounds):
             if k % 2:
                 xs = plain(xs)
                 means = mean_params()
                 for m in models:
-                    m[:3] = means
+                    m[:n] = means
                 continue
             xs = stepped(xs + [jax.device_put(a, dev) for a in data(ctx.rank, k)], shadow)
-            sums = [[x.sum(axis=0, dtype=np.float32) for x in data(r, k)]
-                    for r in range(ctx.nranks)]
+            sums = [gradients(data(r, k)) for r in range(ctx.nranks)]
             if why is None:  # every rank's update of the mean gradient
                 sums = [[model_average([g[i].ravel() for g in sums], "float32").reshape(s)
                          for i, s in enumerate(shapes)]] * ctx.nranks
             for m, g in zip(models, sums):
-                m[3:] = [mu * v - gi for v, gi in zip(m[3:], g)]
-                m[:3] = [p + v for p, v in zip(m[:3], m[3:])]
+                m[n:] = [mu * v - gi for v, gi in zip(m[n:], g)]
+                m[:n] = [p + v for p, v in zip(m[:n], m[n:])]
             if why is not None:  # the parameters averaged after the update
                 means = mean_params()
                 for m in models:
-                    m[:3] = means
+                    m[:n] = means
             check_bits(xs, models[ctx.rank], layout,
                        f"rank {ctx.rank} round {k} ({why or 'gradients'})")
         # The parameters: every rank's are the same either way.
-        digest = hashlib.sha256(b"".join(np.asarray(a).tobytes() for a in xs[:3])).hexdigest()
+        digest = hashlib.sha256(b"".join(np.asarray(a).tobytes() for a in xs[:n])).hexdigest()
     finally:
         ex.close()
     return {"digest": digest, "why_not": why}
