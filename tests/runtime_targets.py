@@ -394,7 +394,7 @@ def gradient_rounds(ctx, rounds, big=1 << 23):
         return [model_average([m[i].ravel() for m in models], "float32").reshape(s)
                 for i, s in enumerate(shapes)]
 
-    def data(rank, k):  # quarters of small integers: every sum of them is exact
+    def data(rank, k):  # quarters of small integers: their sums and products are exact
         rng = np.random.default_rng([rank, k, 7])
         return [(rng.integers(-64, 64, (4, *s)) * 0.25).astype(np.float32)
                 for s in [*shapes[:3], shapes[3][:1], shapes[3][1:]]]
