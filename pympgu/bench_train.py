@@ -7,7 +7,7 @@ For each model (the seed's MLP 784-500-10 at batch 5000, plain SGD; the wide MLP
 784-4096-4096-10 at batch 1024 with momentum 0.9) it times ``--steps`` training steps after
 ``--warmup`` and prints samples/s (all GPUs together) for:
 
-- pympgu on the first GPU alone, and on all GPUs given with --sync-every 1 and 4 (the
+- pympgu on each GPU given alone, and on all of them with --sync-every 1 and 4 (the
   exchange inside the step's jitted XLA call, as pympgu.train runs it; the '-py' variants
   queue it from Python after the step instead), --overlap (inside the step's XLA call, the
   average on a side stream while the step computes; '-py' queued from Python) and a
@@ -20,8 +20,12 @@ For each model (the seed's MLP 784-500-10 at batch 5000, plain SGD; the wide MLP
 - a plain JAX step (jax.grad of the same loss, jitted) against the PyTensor-compiled call,
   on one GPU: the per-step cost of PyTensor's wrapper.
 
-Scaling efficiency is N-GPU samples/s over N times the same system's 1-GPU samples/s. For
-pympgu it also prints what the exchange adds per step (ms/step over the 1-GPU row's: the
+Scaling efficiency is N-GPU samples/s over N times the same system's 1-GPU samples/s, on
+the first GPU given (a 1-GPU row on another GPU shows its rate against the first's). GPUs of
+one model differ by a per cent or so, and ranks that wait for one another run at the
+slowest one's pace: so for pympgu it also prints the scaling against the sum of each GPU's
+own rate alone, what the exchange costs with the GPUs' difference set aside. For pympgu it
+also prints what the exchange adds per step (ms/step over the 1-GPU row's: the
 host queues exchanges without waiting, so only the step time shows their cost), beside the
 bare kernel's device time for the same bytes. Minibatches are random indices into the dataset
 (the embedded MNIST test set unless --data-dir): speed does not depend on the labels. Each
@@ -436,6 +440,9 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
                     resume=None, out=None, sync_every=1, overlap=False,
                     exchange_dtype="float32", exchange_blocks=exchange_blocks)
         runs = [("pympgu", gpus[:1], "-", base, True)]
+        if multi and gpus[0] is not None:  # each other GPU alone
+            runs += [("pympgu", [g], "-", base, False)
+                     for g in dict.fromkeys(gpus[1:]) if g != gpus[0]]
         if multi:
             for v in variants:
                 k, overlap, wire, in_xla = VARIANTS[v]
@@ -488,9 +495,27 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
         row["scaling"] = row["samples_per_s"] / (len(row["gpus"]) * one["samples_per_s"])
         row["run_scalings"] = [a / (len(row["gpus"]) * b) if a and b else None
                                for a, b in zip(row["runs_samples"], one["runs_samples"])]
-        if row is not one and row["system"] == "pympgu":
+        if len(row["gpus"]) > 1 and row["system"] == "pympgu":
             row["added_ms_per_step"] = row["ms_per_step"] - one["ms_per_step"]
+    for row in rows:
+        alone = scaling_alone(row, rows)
+        if alone is not None:
+            row["scaling_alone"] = alone
     return rows
+
+
+def scaling_alone(row, rows):
+    """``row``'s samples/s over the sum of each of its GPUs' own 1-GPU samples/s (the same
+    model and system, among ``rows``), or None: not a row of several distinct GPUs, or a GPU
+    without its 1-GPU row."""
+    if len(row["gpus"]) < 2 or len(set(row["gpus"])) < len(row["gpus"]):
+        return None
+    alone = {r["gpus"][0]: r["samples_per_s"] for r in rows
+             if r["model"] == row["model"] and r["system"] == row["system"]
+             and len(r["gpus"]) == 1}
+    if not all(g in alone for g in row["gpus"]):
+        return None
+    return row["samples_per_s"] / sum(alone[g] for g in row["gpus"])
 
 
 def table(rows):
@@ -534,6 +559,10 @@ def table(rows):
         if r.get("road"):
             lines.append(f"{r['model']}: pympgu {r['variant']} on GPUs {r['gpus']}: "
                          f"{r['road']}")
+        if "scaling_alone" in r:
+            lines.append(f"{r['model']}: {r['system']} {r['variant']} on GPUs {r['gpus']}: "
+                         f"scaling {r['scaling_alone']:.3f} against each GPU's own rate alone"
+                         f" ({r['scaling']:.3f} against GPU {r['gpus'][0]}'s)")
         if "r1" in r:
             o = r["r1"]
             lines.append(f"{r['model']}: one exchange of {o['bytes'] / 1e6:.1f} MB at R = 1 takes "

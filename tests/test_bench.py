@@ -111,6 +111,54 @@ def test_train_bench_table_shows_the_slowest_ranks_clock():
         assert table([unknown]).splitlines()[2].endswith(" -")
 
 
+def test_train_bench_scaling_against_each_gpus_own_rate():
+    """A pair runs at its slower GPU's pace: beside the scaling against the first GPU alone,
+    the rows of distinct GPUs get one against the sum of each GPU's own rate, given every
+    GPU's 1-GPU row; none for ranks that share a GPU, a GPU without its row, or another
+    system's 1-GPU row."""
+    from pympgu.bench_train import scaling_alone, table
+
+    def row(gpus, rate, system="pympgu", variant="-"):
+        return dict(model="wide", system=system, gpus=gpus, variant=variant, batch=1024,
+                    samples_per_s=rate, ms_per_step=1024 * len(gpus) * 1e3 / rate)
+
+    zero, one = row([0], 1.76e6), row([1], 1.72e6)
+    pair = dict(row([0, 1], 3.30e6, variant="overlap4"), scaling=3.30 / 3.52)
+    assert scaling_alone(pair, [zero, one, pair]) == pytest.approx(3.30 / 3.48)
+    assert scaling_alone(pair, [zero, pair]) is None  # GPU 1 alone was not timed
+    assert scaling_alone(pair, [zero, row([1], 1.7e6, system="DDP"), pair]) is None
+    assert scaling_alone(row([0, 0], 3.0e6), [zero, one]) is None  # one GPU, two ranks
+    assert scaling_alone(zero, [zero, one]) is None
+    text = table([zero, one, dict(pair, scaling_alone=3.30 / 3.48)])
+    assert ("wide: pympgu overlap4 on GPUs [0, 1]: scaling 0.948 against each GPU's own "
+            "rate alone (0.938 against GPU 0's)") in text
+    assert "own rate" not in table([zero, one, pair])
+
+
+def test_train_bench_times_each_gpu_alone(monkeypatch):
+    """measure() on GPUs 0 and 1 (their runs faked: no GPU here) times each GPU alone, every
+    round, and gives the pair's row both scalings; the 1-GPU row of GPU 1 shows its rate
+    against GPU 0's and adds no exchange time."""
+    from pympgu import bench_train
+    seen = []
+
+    def fake(devices, cfg, steps, warmup, plain_jax=False):
+        seen.append(list(devices))
+        ms = {(0,): 0.580, (1,): 0.590}.get(tuple(devices), 0.620)
+        return {"ms_per_step": ms, "samples_per_s": 1024 * len(devices) * 1e3 / ms}
+
+    monkeypatch.setattr(bench_train, "run_pympgu", fake)
+    rows = bench_train.measure([0, 1], ["wide"], ["overlap4"], 10, 2, None, ddp=(),
+                               log=lambda *a, **k: None, repeats=2)
+    assert seen == [[0], [1], [0, 1]] * 2, seen
+    by = {tuple(r["gpus"]): r for r in rows}
+    assert by[(1,)]["scaling"] == pytest.approx(0.580 / 0.590)
+    assert "added_ms_per_step" not in by[(1,)]
+    assert by[(0, 1)]["scaling"] == pytest.approx(0.580 / 0.620)
+    assert by[(0, 1)]["scaling_alone"] == pytest.approx(2 / 0.620 / (1 / 0.580 + 1 / 0.590))
+    assert by[(0, 1)]["added_ms_per_step"] == pytest.approx(0.040)
+
+
 def test_clocks_averages_nvml_samples_and_counts_the_capped_ones(monkeypatch):
     import ctypes
     import time
