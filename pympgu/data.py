@@ -130,7 +130,7 @@ def load(spec=None):
     the seed's pickle; any other path: a directory of IDX files.
     """
     if spec in (None, "embedded"):
-        return load_idx_dir(EMBEDDED_DIR, "mnist-t10k (embedded)")
+        return load_idx_dir(EMBEDDED_DIR, "embedded MNIST")
     if spec == "fashion":
         if not os.path.isdir(FASHION_DIR):
             raise DataError(f"{FASHION_DIR}: no such directory (apt-get install "
