@@ -23,9 +23,9 @@ For each model (the seed's MLP 784-500-10 at batch 5000, plain SGD; the wide MLP
 Scaling efficiency is N-GPU samples/s over N times the same system's 1-GPU samples/s, on
 the first GPU given (a 1-GPU row on another GPU shows its rate against the first's). GPUs of
 one model differ by a per cent or so, and ranks that wait for one another run at the
-slowest one's pace: so for pympgu it also prints the scaling against the sum of each GPU's
-own rate alone, what the exchange costs with the GPUs' difference set aside. For pympgu it
-also prints what the exchange adds per step (ms/step over the 1-GPU row's: the
+slowest one's pace. So for pympgu it also prints the scaling against the sum of each GPU's
+own rate alone, what the exchange costs with the GPUs' difference set aside, and what the
+exchange adds per step (ms/step over the 1-GPU row's: the
 host queues exchanges without waiting, so only the step time shows their cost), beside the
 bare kernel's device time for the same bytes. Minibatches are random indices into the dataset
 (the embedded MNIST test set unless --data-dir): speed does not depend on the labels. Each
