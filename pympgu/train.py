@@ -727,11 +727,22 @@ def resolve(args, parser):
     return cfg, devices, note
 
 
+class UsageError(ValueError):
+    """Flags that the dataset cannot honour (main reports it as the parser reports a flag)."""
+
+
 def run(cfg, devices, port=None, quiet=False):
     """Launch the workers, report as they go, and return rank 0's history."""
     from . import data
     from .launch import launch
     ds = data.load(cfg["data"])  # fail here, with the file's name, before any worker starts
+    # Every worker takes whole, disjoint batches each epoch (data.shard_batches): refuse a
+    # batch no epoch can fill here, rather than in every worker after they start.
+    ntrain, workers = len(ds.train[1]), len(devices)
+    if cfg["batch_size"] * workers > ntrain:
+        raise UsageError(f"--batch-size {cfg['batch_size']} with {workers} workers needs "
+                         f"{cfg['batch_size'] * workers} training examples a step, and {ds.name} "
+                         f"has {ntrain}: give at most {ntrain // workers}")
     if cfg["out"]:
         os.makedirs(cfg["out"], exist_ok=True)
         with open(os.path.join(cfg["out"], "config.json"), "w") as f:
@@ -778,6 +789,10 @@ def main(argv=None):
     from .launch import WorkerFailed
     try:
         run(cfg, devices, port=args.port, quiet=args.quiet)
+    except UsageError as e:
+        preset = (f" (the batch of --preset {args.preset}, which --batch-size overrides)"
+                  if args.preset and args.batch_size is None else "")
+        parser.error(f"{e}{preset}")
     except DataError as e:
         print(f"pympgu: {e}", file=sys.stderr)
         return 2

@@ -175,6 +175,20 @@ def test_cli_rejects_bad_flags(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_cli_refuses_a_batch_the_dataset_cannot_fill(capsys):
+    """A batch larger than the training set allows, for the workers given, is a flag
+    error before any worker starts, naming the flag and the largest batch that fits."""
+    with pytest.raises(SystemExit) as info:
+        train.main(["--cpu", "2", "--batch-size", "5000", "--epochs", "1"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--batch-size 5000 with 2 workers" in err and "give at most 4000" in err, err
+    assert "Traceback" not in err
+    with pytest.raises(SystemExit):  # the seed's batch of 5000 is the preset's
+        train.main(["--cpu", "2", "--preset", "dual_mlp", "--epochs", "1"])
+    assert "the batch of --preset dual_mlp" in capsys.readouterr().err
+
+
 def test_help_explains_every_flag():
     r = subprocess.run([sys.executable, "-m", "pympgu.train", "--help"], capture_output=True,
                        text=True, timeout=60)
