@@ -612,6 +612,11 @@ def main(argv=None):
     from . import cuda
     if args.steps < 1 or args.warmup < 1 or args.repeats < 1:
         parser.error("--steps, --warmup and --repeats must be at least 1")
+    from . import data as datamod
+    try:  # a bad --data-dir is the flag's error, before any worker starts
+        datamod.load(args.data_dir)
+    except datamod.DataError as e:
+        parser.error(f"--data-dir: {e}")
     if args.cpu is not None:
         if args.gpus is not None or not 1 <= args.cpu <= 8:
             parser.error("--cpu takes 1 to 8 workers and excludes --gpus")

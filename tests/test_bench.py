@@ -54,6 +54,14 @@ def test_train_bench_rejects_bad_flags():
     assert r.returncode == 2 and "--repeats must be at least 1" in r.stderr
 
 
+def test_train_bench_names_a_bad_data_dir(capsys):
+    from pympgu import bench_train
+    with pytest.raises(SystemExit) as info:
+        bench_train.main(["--cpu", "2", "--data-dir", "/no/such/dir"])
+    assert info.value.code == 2
+    assert "--data-dir: /no/such/dir: no such directory" in capsys.readouterr().err
+
+
 def test_train_bench_table_says_whether_ddp_is_host_bound():
     from pympgu.bench_train import table
     row = dict(model="wide", system="DDP", gpus=[0], variant="-", batch=1024,
