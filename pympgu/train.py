@@ -728,7 +728,8 @@ def resolve(args, parser):
 
 
 class UsageError(ValueError):
-    """Flags that the dataset cannot honour (main reports it as the parser reports a flag)."""
+    """A flag that cannot be honoured (a batch the dataset cannot fill, an --out that cannot
+    be written): main reports it as the parser reports a bad flag."""
 
 
 def run(cfg, devices, port=None, quiet=False):
@@ -744,9 +745,12 @@ def run(cfg, devices, port=None, quiet=False):
                          f"{cfg['batch_size'] * workers} training examples a step, and {ds.name} "
                          f"has {ntrain}: give at most {ntrain // workers}")
     if cfg["out"]:
-        os.makedirs(cfg["out"], exist_ok=True)
-        with open(os.path.join(cfg["out"], "config.json"), "w") as f:
-            json.dump(cfg, f, indent=1)
+        try:  # before any worker starts: an --out that cannot be written loses no training
+            os.makedirs(cfg["out"], exist_ok=True)
+            with open(os.path.join(cfg["out"], "config.json"), "w") as f:
+                json.dump(cfg, f, indent=1)
+        except OSError as e:
+            raise UsageError(f"--out {cfg['out']}: {e.strerror or e}") from e
     where = (f"{len(devices)} CPU workers" if devices[0] is None
              else f"GPUs {devices}")
     print(f"pympgu: {ds} | MLP {'-'.join(map(str, [ds.n_in, *cfg['hidden'], ds.n_classes]))} | "

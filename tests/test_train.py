@@ -189,6 +189,15 @@ def test_cli_refuses_a_batch_the_dataset_cannot_fill(capsys):
     assert "the batch of --preset dual_mlp" in capsys.readouterr().err
 
 
+def test_cli_names_an_out_dir_it_cannot_write(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(SystemExit) as info:
+        train.main(["--cpu", "2", "--epochs", "1", "--out", str(blocker / "run")])
+    assert info.value.code == 2
+    assert f"--out {blocker / 'run'}: " in capsys.readouterr().err
+
+
 def test_help_explains_every_flag():
     r = subprocess.run([sys.executable, "-m", "pympgu.train", "--help"], capture_output=True,
                        text=True, timeout=60)
