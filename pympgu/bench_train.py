@@ -612,11 +612,6 @@ def main(argv=None):
     from . import cuda
     if args.steps < 1 or args.warmup < 1 or args.repeats < 1:
         parser.error("--steps, --warmup and --repeats must be at least 1")
-    from . import data as datamod
-    try:  # a bad --data-dir is the flag's error, before any worker starts
-        datamod.load(args.data_dir)
-    except datamod.DataError as e:
-        parser.error(f"--data-dir: {e}")
     if args.cpu is not None:
         if args.gpus is not None or not 1 <= args.cpu <= 8:
             parser.error("--cpu takes 1 to 8 workers and excludes --gpus")
@@ -645,9 +640,13 @@ def main(argv=None):
     if len(gpus) == 1:
         print("  one GPU: only the 1-GPU rows (give two or more GPUs for scaling)", flush=True)
     ddp = (("DDP",) if args.no_ddp_graph else ("DDP", "DDP-graph")) if use_ddp else ()
-    rows = measure(gpus, args.models, args.variants, args.steps, args.warmup, args.data_dir,
-                   ddp, exchange_blocks=args.exchange_blocks, method=args.method,
-                   repeats=args.repeats)
+    from .data import DataError
+    try:  # measure loads the dataset before any worker starts: a bad --data-dir is the flag's
+        rows = measure(gpus, args.models, args.variants, args.steps, args.warmup,
+                       args.data_dir, ddp, exchange_blocks=args.exchange_blocks,
+                       method=args.method, repeats=args.repeats)
+    except DataError as e:
+        parser.error(f"--data-dir: {e}")
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:

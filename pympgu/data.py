@@ -148,6 +148,12 @@ def load(spec=None):
     return load_idx_dir(spec)
 
 
+def batches_per_epoch(n_train, batch_size, nranks):
+    """How many whole batches an epoch of n_train examples gives, a multiple of nranks so
+    that every rank gets as many (0: the batch is too large for the workers)."""
+    return n_train // batch_size // nranks * nranks
+
+
 def shard_batches(n_train, batch_size, nranks, rank, seed, epoch):
     """This rank's minibatch index arrays for one epoch.
 
@@ -156,7 +162,7 @@ def shard_batches(n_train, batch_size, nranks, rank, seed, epoch):
     workers, generalised. Ranks get disjoint batches and the same number of them.
     """
     perm = np.random.default_rng([seed, epoch]).permutation(n_train).astype(np.int32)
-    nbatches = n_train // batch_size // nranks * nranks
+    nbatches = batches_per_epoch(n_train, batch_size, nranks)
     if nbatches == 0:
         raise ValueError(f"batch size {batch_size} x {nranks} workers exceeds the "
                          f"{n_train} training examples")

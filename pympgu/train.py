@@ -740,7 +740,7 @@ def run(cfg, devices, port=None, quiet=False):
     # Every worker takes whole, disjoint batches each epoch (data.shard_batches): refuse a
     # batch no epoch can fill here, rather than in every worker after they start.
     ntrain, workers = len(ds.train[1]), len(devices)
-    if cfg["batch_size"] * workers > ntrain:
+    if not data.batches_per_epoch(ntrain, cfg["batch_size"], workers):
         raise UsageError(f"--batch-size {cfg['batch_size']} with {workers} workers needs "
                          f"{cfg['batch_size'] * workers} training examples a step, and {ds.name} "
                          f"has {ntrain}: give at most {ntrain // workers}")

@@ -412,6 +412,25 @@ def _gather_code():
     return ALGORITHM_CODES["gather"]
 
 
+def _send_in_parts(split, flat, attrs, at):
+    """Evaluate ``split`` (a jaxsplit.Split with early results) on ``flat`` with its early
+    results' start between its phases and its late results' start after them; ``at(part)``
+    gives a part's offsets. Returns the last token, every output, and the parts with the
+    kind of done or wait that each takes: the early one's when it has landed, the late
+    one's when everything has."""
+    from jax import lax
+
+    def start(values):
+        return _start(values, attrs, _FIRST if split.late else _WHOLE, at(split.early))
+
+    token, outs = split.run(flat, start, lambda t, v: lax.optimization_barrier((t, v)))
+    parts = [(split.early, _DONE_FIRST if split.late else _DONE_WHOLE)]
+    if split.late:  # after phase 2 by its operands, and after the first part by the token
+        token = _start([outs[i] for i in split.late], attrs, _LAST, at(split.late), after=token)
+        parts.append((split.late, _DONE_LAST))
+    return token, outs, parts
+
+
 def average_results(fn, which, group, *args, algo="auto", max_blocks=None):
     """``fn(*args)``, a flat list of arrays, with the arrays at positions ``which`` replaced by
     their means over every rank; each mean starts as soon as its array is computed.
@@ -459,15 +478,8 @@ def average_results(fn, which, group, *args, algo="auto", max_blocks=None):
     def at(part):
         return np.asarray([offsets[i] for i in part])
 
-    def start(early):
-        return _start(early, attrs, _FIRST if split.late else _WHOLE, at(split.early))
-
-    token, outs = split.run(flat, start, lambda t, v: lax.optimization_barrier((t, v)))
-    parts = [(split.early, _DONE_WHOLE)]
-    if split.late:  # after phase 2 by its operands, and after the first part by the token
-        token = _start([outs[i] for i in split.late], attrs, _LAST, at(split.late), after=token)
-        # The first part is averaged while the last crosses the link.
-        parts = [(split.early, _DONE_FIRST), (split.late, _DONE_LAST)]
+    # The first part is averaged while the last crosses the link.
+    token, outs, parts = _send_in_parts(split, flat, attrs, at)
     token, outs = lax.optimization_barrier((token, outs))
     for part, kind in parts:
         means = _done(token, [outs[i] for i in part], attrs, in_place=True, part=kind,
@@ -535,15 +547,7 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
     # the weights' pass and put after the last wait (docs/BENCHMARKS.md, session 19).
     split = jaxsplit.Split(jaxsplit.trace(lambda *a: tail.evaluate_before(a), flat), range(n))
     if split.early:
-        def start(values):
-            return _start(values, attrs, _FIRST if split.late else _WHOLE, at(split.early))
-
-        token, outs = split.run(flat, start, lambda t, v: lax.optimization_barrier((t, v)))
-        parts = [(split.early, _DONE_FIRST if split.late else _DONE_WHOLE)]
-        if split.late:  # after phase 2 by its operands, and after the first part by the token
-            token = _start([outs[i] for i in split.late], attrs, _LAST, at(split.late),
-                           after=token)
-            parts.append((split.late, _DONE_LAST))
+        token, outs, parts = _send_in_parts(split, flat, attrs, at)
     else:  # nothing worth cutting: every gradient crosses once the work before is done
         outs = tail.evaluate_before(flat)
         token = _start(outs[:n], attrs, _WHOLE, at(range(n)))
