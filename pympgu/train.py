@@ -511,7 +511,11 @@ def worker(ctx, cfg):
             loss = float(np.mean([float(c) for c in costs]))
             record = {"epoch": epoch + 1, "loss": loss, "time_s": epoch_s,
                       "samples_per_s": ctx.nranks * len(batches) * cfg["batch_size"] / epoch_s,
-                      "exchange_share": None if sync.fused else sync.seconds / epoch_s}
+                      "exchange_share": None if sync.fused else sync.seconds / epoch_s,
+                      # Which road the step's exchange took inside XLA, in words (None when
+                      # no step traced xla_average_gradients), so that a run says whether
+                      # the gradients or the parameters crossed, and why.
+                      "road": None if ex is None else ex.xla_road}
             if ctx.rank == 0:
                 record["valid_error"], record["test_error"] = rep.errors()
                 history.append(record)
@@ -536,6 +540,7 @@ class Reporter:
         self.metrics = open(os.path.join(out, "metrics.jsonl"), "a") if out else None
         self.epochs, self.stream, self.quiet = epochs, stream, quiet
         self.tty = stream.isatty()
+        self.road = None  # the exchange's road last printed
 
     def __call__(self, rank, data):
         kind = data.pop("kind", None)
@@ -554,6 +559,9 @@ class Reporter:
             print(f"epoch {data['epoch']:3d}  loss {data['loss']:.4f}  "
                   f"valid {100 * data['valid_error']:6.2f}%  test {100 * data['test_error']:6.2f}%  "
                   f"{data['samples_per_s']:9.0f} samples/s  exchange {share}", flush=True)
+            if data.get("road") and data["road"] != self.road:  # once, and if it changes
+                self.road = data["road"]
+                print(f"          exchange: {self.road}", flush=True)
             if self.metrics:
                 self.metrics.write(json.dumps(data) + "\n")
                 self.metrics.flush()

@@ -198,6 +198,24 @@ def test_cli_names_an_out_dir_it_cannot_write(tmp_path, capsys):
     assert f"--out {blocker / 'run'}: " in capsys.readouterr().err
 
 
+def test_epoch_lines_name_the_exchange_road_once(tmp_path, capsys):
+    """The road of the step's exchange (Exchanger.xla_road) is printed after the first
+    epoch that reports it, again only when it changes, and kept in metrics.jsonl."""
+    import io
+    rep = train.Reporter(str(tmp_path), epochs=3, stream=io.StringIO())
+    epoch = dict(kind="epoch", loss=0.5, valid_error=0.1, test_error=0.1,
+                 samples_per_s=1000.0, exchange_share=None)
+    for k, road in enumerate(["the update of the mean gradients"] * 2 + ["averaged after"]):
+        rep(0, dict(epoch, epoch=k + 1, road=road))
+    rep.close()
+    out = capsys.readouterr().out.splitlines()
+    assert [line.strip() for line in out if "exchange:" in line] == [
+        "exchange: the update of the mean gradients", "exchange: averaged after"]
+    assert out[1].strip().startswith("exchange:") and out[-1].strip().startswith("exchange:")
+    lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    assert [x["road"] for x in lines][0] == "the update of the mean gradients"
+
+
 def test_help_explains_every_flag():
     r = subprocess.run([sys.executable, "-m", "pympgu.train", "--help"], capture_output=True,
                        text=True, timeout=60)
