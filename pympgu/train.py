@@ -737,7 +737,11 @@ def resolve(args, parser):
 
 class UsageError(ValueError):
     """A flag that cannot be honoured (a batch the dataset cannot fill, an --out that cannot
-    be written): main reports it as the parser reports a bad flag."""
+    be written): main reports it as the parser reports a bad flag. ``flag`` names it."""
+
+    def __init__(self, flag, message):
+        super().__init__(message)
+        self.flag = flag
 
 
 def run(cfg, devices, port=None, quiet=False):
@@ -749,7 +753,7 @@ def run(cfg, devices, port=None, quiet=False):
     # batch no epoch can fill here, rather than in every worker after they start.
     ntrain, workers = len(ds.train[1]), len(devices)
     if not data.batches_per_epoch(ntrain, cfg["batch_size"], workers):
-        raise UsageError(f"--batch-size {cfg['batch_size']} with {workers} workers needs "
+        raise UsageError("--batch-size", f"--batch-size {cfg['batch_size']} with {workers} workers needs "
                          f"{cfg['batch_size'] * workers} training examples a step, and {ds.name} "
                          f"has {ntrain}: give at most {ntrain // workers}")
     if cfg["out"]:
@@ -758,7 +762,7 @@ def run(cfg, devices, port=None, quiet=False):
             with open(os.path.join(cfg["out"], "config.json"), "w") as f:
                 json.dump(cfg, f, indent=1)
         except OSError as e:
-            raise UsageError(f"--out {cfg['out']}: {e.strerror or e}") from e
+            raise UsageError("--out", f"--out {cfg['out']}: {e.strerror or e}") from e
     where = (f"{len(devices)} CPU workers" if devices[0] is None
              else f"GPUs {devices}")
     print(f"pympgu: {ds} | MLP {'-'.join(map(str, [ds.n_in, *cfg['hidden'], ds.n_classes]))} | "
@@ -803,7 +807,8 @@ def main(argv=None):
         run(cfg, devices, port=args.port, quiet=args.quiet)
     except UsageError as e:
         preset = (f" (the batch of --preset {args.preset}, which --batch-size overrides)"
-                  if args.preset and args.batch_size is None else "")
+                  if e.flag == "--batch-size" and args.preset and args.batch_size is None
+                  else "")
         parser.error(f"{e}{preset}")
     except DataError as e:
         print(f"pympgu: {e}", file=sys.stderr)

@@ -197,6 +197,10 @@ def test_cli_names_an_out_dir_it_cannot_write(tmp_path, capsys):
         train.main(["--cpu", "2", "--epochs", "1", "--out", str(blocker / "run")])
     assert info.value.code == 2
     assert f"--out {blocker / 'run'}: " in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a preset's batch, which fits one worker, is not blamed
+        train.main(["--cpu", "1", "--preset", "dual_mlp", "--out", str(blocker / "run")])
+    err = capsys.readouterr().err
+    assert f"--out {blocker / 'run'}: " in err and "the batch of --preset" not in err, err
 
 
 def test_epoch_lines_name_the_exchange_road_once(tmp_path, capsys):
