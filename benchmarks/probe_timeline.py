@@ -64,13 +64,16 @@ STEPS = (("exact", False, "1", "params", False), ("gradients", False, "1", "para
 
 
 # Sequences of steps timed back to back as one call (--cycles), a letter a step: the part
-# it averages while it computes (m: momentum, p: parameters, s: the whole state), or '.' for
-# a plain step (not '-', which argparse would take for a flag). 'mp..' is --overlap
+# it averages while it computes (m: momentum, p: parameters, s: the whole state; a, b: the
+# first layer's momentum or parameters alone), or '.' for a plain step (not '-', which
+# argparse would take for a flag). The first layer's letters send fewer bytes in as many
+# exchanges: what the cycle pays per byte, against what it pays per exchange. 'mp..' is --overlap
 # --sync-every 4 (pympgu.train.Sync); 'm.p.' has its two exchanges a step apart. Others
 # isolate what the cycle pays over its steps timed alone: '....' and 'pppp' go through
 # Replica.step as the cycle does; 'p.' and 'm.' change between an overlapped step and a
 # plain one, each way, once per exchange.
-PARTS = {"m": "momentum", "p": "params", "s": "state", ".": None}
+PARTS = {"m": "momentum", "p": "params", "s": "state", "a": "first momentum",
+         "b": "first params", ".": None}
 CYCLES = ("mp..", "m.p.")
 # Each cycle's marks: the median of BURSTS bursts of BURST cycles queued back to back.
 BURSTS, BURST = 9, 30
@@ -88,6 +91,12 @@ def worker(ctx, hidden, batch, steps, hlo_dir=None, cycles=CYCLES, only_cycles=F
     from pympgu.clocks import Clocks
     cfg = replica_config(hidden, batch)
     rep = Replica(ctx, cfg)
+    whole = rep.part
+    # A layer: its weight and bias. The Exchanger's layout starts with the parameters, whose
+    # first layer has the shapes of the momentum's.
+    k = len(rep.model.params)
+    layers = {"first momentum": (k, k + 2), "first params": (0, 2)}
+    rep.part = lambda name: layers[name] if name in layers else whole(name)
     ex = make_exchanger(ctx, rep, cfg)
     try:
         group = ex.backend.group
@@ -202,11 +211,30 @@ def worker(ctx, hidden, batch, steps, hlo_dir=None, cycles=CYCLES, only_cycles=F
                 continue
             out[name] = {k: float(np.median([s[k] for s in seen])) for k in seen[0]}
             out[name + "_ms"] = back_to_back(step)
+        # The cycles again with each start sending its smallest array alone: every operation,
+        # barrier and wait of the exchange, but almost no bytes (the averages are wrong).
+        from pympgu import xla
+        real_start = xla._start
+
+        def hollow(arrays, attrs, phase, offsets=None, after=None):
+            at = attrs["offsets"] if offsets is None else offsets
+            k = min(range(len(arrays)), key=lambda i: arrays[i].size)
+            return real_start([arrays[k]], dict(attrs, offsets=np.asarray([at[k]], np.int64)),
+                              phase, after=after)
+
+        xla._start = hollow
+        for letters in cycles:
+            out["hollow cycle " + letters] = back_to_back(cycle(letters)) / len(letters)
+        # And without XLA's wait for the exchange's end: what that wait costs the stream.
+        real_wait = xla._wait
+        xla._wait = lambda token, after, attrs, k, **kw: after[k]
+        for letters in cycles:
+            out["unwaited cycle " + letters] = back_to_back(cycle(letters)) / len(letters)
+        xla._start, xla._wait = real_start, real_wait
         # The same programs with the exchange's operations replaced by a pass of XLA's own
         # over the same arrays (no link, no side stream, no kernel of pympgu's; the results
         # are not averaged): what the program's shape alone costs, its optimization barriers
         # and the arrays kept alive until the done.
-        from pympgu import xla
         xla._start = lambda arrays, attrs, phase, offsets=None, after=None: (
             jnp.zeros((), jnp.uint32) if after is None else after + 1)
         xla._done = lambda token, arrays, attrs, fresh=None, **kw: [
@@ -233,7 +261,8 @@ def main():
     p.add_argument("--cycles", nargs="+", default=list(CYCLES), metavar="LETTERS",
                    help="sequences of steps to time back to back, a letter a step: m, p or s "
                         "(an overlapped step averaging the momentum, the parameters or the "
-                        "whole state) or . (a plain step); default: %(default)s")
+                        "whole state), a or b (the first layer's momentum or parameters), "
+                        "or . (a plain step); default: %(default)s")
     p.add_argument("--only-cycles", action="store_true",
                    help="time the plain step and the cycles only, not each step's timeline")
     p.add_argument("--only", nargs="+", choices=[s[0] for s in STEPS], metavar="STEP",
@@ -279,8 +308,10 @@ def main():
                       "the exchange): " + ", ".join(
                           f"{name} {r.get(name + '_ms', float('nan')):.3f} "
                           f"({r[name + '_dry_ms']:.3f})" for name, *_ in timed))
-            print(f"{rank:>4} {'':>8} cycles back to back, ms a step (dry; the host's): " +
-                  ", ".join(f"{c} {r['cycle ' + c]:.3f} ({r['dry cycle ' + c]:.3f}; "
+            print(f"{rank:>4} {'':>8} cycles back to back, ms a step (hollow; hollow unwaited; "
+                  "dry; the host's): " +
+                  ", ".join(f"{c} {r['cycle ' + c]:.3f} ({r['hollow cycle ' + c]:.3f}; "
+                            f"{r['unwaited cycle ' + c]:.3f}; {r['dry cycle ' + c]:.3f}; "
                             f"{r['host ' + c]:.3f})" for c in a.cycles))
             print(f"{rank:>4} {'':>8} mean SM clock, MHz (share of samples held down for "
                   f"power or heat): plain {_clock(r['plain_clock'])}, " +
