@@ -35,7 +35,13 @@ the whole buffer from the peers (no barrier, no kernel of pympgu's), and those c
 what the link's traffic alone costs XLA's compute. Last, each step back to back, and again
 with the exchange's operations replaced by a pass of XLA's own over the same arrays (not
 averaged): what the program's shape costs without the link; and sequences of steps
-(--cycles; by default --overlap --sync-every 4's four, 'mp..'), both ways. It runs once per
+(--cycles; by default --overlap --sync-every 4's four, 'mp..'), both ways, and twice more
+between: 'hollow' (every operation of the exchange, its barriers and XLA's wait, but each
+start sends its smallest array alone) and 'unwaited' (hollow, without XLA's wait; it timed
+as the dry program to the microsecond, as if XLA dropped the start that nothing waits
+for). A cycle timed right after 'mp..' ran about 0.01 ms a step slower than the same cycle
+timed first (docs/BENCHMARKS.md, session 21): compare cycles timed in the same order. It
+runs once per
 --barrier value (PYMPGU_PUSH_BARRIER: the first barrier on the side stream, or on
 XLA's). The distance from start to side_begin is what the copies wait before they can run.
 
@@ -67,11 +73,11 @@ STEPS = (("exact", False, "1", "params", False), ("gradients", False, "1", "para
 # it averages while it computes (m: momentum, p: parameters, s: the whole state; a, b: the
 # first layer's momentum or parameters alone), or '.' for a plain step (not '-', which
 # argparse would take for a flag). The first layer's letters send fewer bytes in as many
-# exchanges: what the cycle pays per byte, against what it pays per exchange. 'mp..' is --overlap
-# --sync-every 4 (pympgu.train.Sync); 'm.p.' has its two exchanges a step apart. Others
-# isolate what the cycle pays over its steps timed alone: '....' and 'pppp' go through
-# Replica.step as the cycle does; 'p.' and 'm.' change between an overlapped step and a
-# plain one, each way, once per exchange.
+# exchanges: what the cycle pays per byte, against what it pays per exchange. 'mp..' is
+# --overlap --sync-every 4 (pympgu.train.Sync); 'm.p.' has its two exchanges a step apart.
+# Others isolate what the cycle pays over its steps timed alone: '....' and 'pppp' go
+# through Replica.step as the cycle does; 'p.' and 'm.' change between an overlapped step
+# and a plain one, each way, once per exchange.
 PARTS = {"m": "momentum", "p": "params", "s": "state", "a": "first momentum",
          "b": "first params", ".": None}
 CYCLES = ("mp..", "m.p.")
