@@ -41,9 +41,9 @@ start sends its smallest array alone) and 'unwaited' (hollow, without XLA's wait
 as the dry program to the microsecond, as if XLA dropped the start that nothing waits
 for). A cycle timed right after 'mp..' ran about 0.01 ms a step slower than the same cycle
 timed first (docs/BENCHMARKS.md, session 21): compare cycles timed in the same order. It
-runs once per
---barrier value (PYMPGU_PUSH_BARRIER: the first barrier on the side stream, or on
-XLA's). The distance from start to side_begin is what the copies wait before they can run.
+runs once per --barrier value (PYMPGU_PUSH_BARRIER: the first barrier on the side stream,
+or on XLA's). The distance from start to side_begin is what the copies wait before they
+can run.
 
 For each cycle with an exchange it also prints the marks of its last exchange, the median
 over bursts of cycles queued back to back (not yet run on a GPU). Beside the cycles it
@@ -231,7 +231,9 @@ def worker(ctx, hidden, batch, steps, hlo_dir=None, cycles=CYCLES, only_cycles=F
         xla._start = hollow
         for letters in cycles:
             out["hollow cycle " + letters] = back_to_back(cycle(letters)) / len(letters)
-        # And without XLA's wait for the exchange's end: what that wait costs the stream.
+        # And without XLA's wait for the exchange's end. On H200s this timed as the dry
+        # program to the microsecond (session 21): XLA seems to drop the start as well, whose
+        # token nothing then waits for, so it does not time the wait alone.
         real_wait = xla._wait
         xla._wait = lambda token, after, attrs, k, **kw: after[k]
         for letters in cycles:
