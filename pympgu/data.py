@@ -137,7 +137,11 @@ def load(spec=None):
                             "dataset-fashion-mnist, or give --data-dir)")
         return load_idx_dir(FASHION_DIR, "fashion-mnist")
     if spec == "digits":
-        from sklearn.datasets import load_digits
+        try:
+            from sklearn.datasets import load_digits
+        except ImportError:
+            raise DataError("the 'digits' dataset is scikit-learn's: pip install "
+                            "scikit-learn") from None
         d = load_digits()
         x = (d.data / 16.0).astype(np.float32)
         y = d.target.astype(np.int32)

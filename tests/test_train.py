@@ -149,6 +149,14 @@ def test_data_errors_name_the_file(tmp_path):
         data.load(str(tmp_path / "mnist.pkl.gz"))
 
 
+def test_digits_without_scikit_learn_says_what_to_install(monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # its import then fails
+    with pytest.raises(data.DataError, match="'digits' dataset is scikit-learn's: pip install "
+                                             "scikit-learn"):
+        data.load("digits")
+
+
 def test_seed_pickle_format(tmp_path):
     import pickle
     rng = np.random.default_rng(0)
