@@ -753,7 +753,8 @@ def run(cfg, devices, port=None, quiet=False):
     # batch no epoch can fill here, rather than in every worker after they start.
     ntrain, workers = len(ds.train[1]), len(devices)
     if not data.batches_per_epoch(ntrain, cfg["batch_size"], workers):
-        raise UsageError("--batch-size", f"--batch-size {cfg['batch_size']} with {workers} workers needs "
+        raise UsageError("--batch-size",
+                         f"--batch-size {cfg['batch_size']} with {workers} workers needs "
                          f"{cfg['batch_size'] * workers} training examples a step, and {ds.name} "
                          f"has {ntrain}: give at most {ntrain // workers}")
     if cfg["out"]:

@@ -412,21 +412,28 @@ def _gather_code():
     return ALGORITHM_CODES["gather"]
 
 
-def _send_in_parts(split, flat, attrs, at):
+def _part_offsets(offsets, part):
+    """The buffer offsets of a part's arrays: ``offsets[i]`` for each output i of the part."""
+    return np.asarray([offsets[i] for i in part])
+
+
+def _send_in_parts(split, flat, attrs, offsets):
     """Evaluate ``split`` (a jaxsplit.Split with early results) on ``flat`` with its early
-    results' start between its phases and its late results' start after them; ``at(part)``
-    gives a part's offsets. Returns the last token, every output, and the parts with the
-    kind of done or wait that each takes: the early one's when it has landed, the late
-    one's when everything has."""
+    results' start between its phases and its late results' start after them; ``offsets[i]``
+    is output i's offset in the buffer. Returns the last token, every output, and the parts
+    with the kind of done or wait that each takes: the early one's when it has landed, the
+    late one's when everything has."""
     from jax import lax
 
     def start(values):
-        return _start(values, attrs, _FIRST if split.late else _WHOLE, at(split.early))
+        return _start(values, attrs, _FIRST if split.late else _WHOLE,
+                      _part_offsets(offsets, split.early))
 
     token, outs = split.run(flat, start, lambda t, v: lax.optimization_barrier((t, v)))
     parts = [(split.early, _DONE_FIRST if split.late else _DONE_WHOLE)]
     if split.late:  # after phase 2 by its operands, and after the first part by the token
-        token = _start([outs[i] for i in split.late], attrs, _LAST, at(split.late), after=token)
+        token = _start([outs[i] for i in split.late], attrs, _LAST,
+                       _part_offsets(offsets, split.late), after=token)
         parts.append((split.late, _DONE_LAST))
     return token, outs, parts
 
@@ -474,16 +481,12 @@ def average_results(fn, which, group, *args, algo="auto", max_blocks=None):
     attrs, _ = _attributes([jax.ShapeDtypeStruct(s.shape, s.dtype) for s in shapes], group,
                            algo, max_blocks, overlapped=True)
     offsets = dict(zip(which, attrs["offsets"]))
-
-    def at(part):
-        return np.asarray([offsets[i] for i in part])
-
     # The first part is averaged while the last crosses the link.
-    token, outs, parts = _send_in_parts(split, flat, attrs, at)
+    token, outs, parts = _send_in_parts(split, flat, attrs, offsets)
     token, outs = lax.optimization_barrier((token, outs))
     for part, kind in parts:
         means = _done(token, [outs[i] for i in part], attrs, in_place=True, part=kind,
-                      offsets=at(part))
+                      offsets=_part_offsets(offsets, part))
         if kind == _DONE_FIRST:
             # Puts the last part's done after this one on XLA's stream, where the two would
             # otherwise go in any order.
@@ -538,19 +541,16 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
                             for v in tail.crossing], group, algo, max_blocks, overlapped=True)
     slot = _slot_elems(group, int(attrs["total"]))
 
-    def at(part):
-        return np.asarray([attrs["offsets"][i] for i in part])
-
     # Each gradient crosses whole. Computed in row blocks, so that a large one's first block
     # crosses while XLA computes the next, the wide MLP's step took 0.76 ms against 0.67:
     # the update then reads the blocks' concatenation, which XLA's emitter for it split from
     # the weights' pass and put after the last wait (docs/BENCHMARKS.md, session 19).
     split = jaxsplit.Split(jaxsplit.trace(lambda *a: tail.evaluate_before(a), flat), range(n))
     if split.early:
-        token, outs, parts = _send_in_parts(split, flat, attrs, at)
+        token, outs, parts = _send_in_parts(split, flat, attrs, attrs["offsets"])
     else:  # nothing worth cutting: every gradient crosses once the work before is done
         outs = tail.evaluate_before(flat)
-        token = _start(outs[:n], attrs, _WHOLE, at(range(n)))
+        token = _start(outs[:n], attrs, _WHOLE, attrs["offsets"])
         parts = [(list(range(n)), _DONE_WHOLE)]
 
     # fn's other results (a step's cost), computed before the first wait: XLA would
