@@ -34,6 +34,9 @@ for step in $steps; do
     # What NVLink carries per traffic pattern, one process driving both GPUs (LINK="1024").
     link) nvcc -O3 -std=c++17 -arch=sm_90 -DPMG_WITH_CUDA -Icsrc benchmarks/link_probe.cu csrc/host_average.cpp -o /tmp/link_probe \
             && timeout 240 /tmp/link_probe ${LINK:-1024} ;;
+    # What a stream memory operation's wait holds on the host, and barriers timed three ways.
+    streamwait) nvcc -O3 -std=c++17 -arch=sm_90 -DPMG_WITH_CUDA -Icsrc benchmarks/probe_stream_wait.cu csrc/host_average.cpp \
+                  -o /tmp/probe_stream_wait && timeout 120 /tmp/probe_stream_wait ;;
     # DMA copies between two processes through IPC (DMA="--offsets 0:0 18688:18688").
     dma) timeout 150 python3 benchmarks/probe_dma.py ${DMA:-} 2>&1 | tail -30 ;;
     nccl) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_exchange.py -k nccl 2>&1 | tail -3 ;;
