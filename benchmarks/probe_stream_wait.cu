@@ -7,15 +7,16 @@
 //        csrc/host_average.cpp -o /tmp/probe_stream_wait
 //   /tmp/probe_stream_wait [release_ms]     (default 1500)
 //
-// Last, barriers back to back between the two GPUs: by such operations, with the flags in
-// GPU memory or in host memory, and by pympgu's barrier kernel.
-//
 // GPU 0's stream waits for a flag, in GPU 0's memory (written by GPU 1 over P2P, as a peer's
 // barrier does) or in page-locked host memory (written by the host). A thread releases it
 // after release_ms: through a kernel already running on GPU 1 that polls host memory, or
 // by a plain store, so that the release needs no CUDA call on the host. Meanwhile the main
 // thread times one call after another; a call that took about release_ms was held until
-// the release.
+// the release. (On driver 580 the first launch of a kernel not loaded yet was: lazy
+// loading waits for the pending wait; CUDA_MODULE_LOADING=EAGER shows the difference.)
+//
+// Last, barriers back to back between the two GPUs: by such operations, with the flags in
+// GPU memory or in host memory, and by pympgu's barrier kernel.
 #include <cuda.h>
 
 #include "../csrc/average.cu"  // pmg_device_barrier as it is built
@@ -178,6 +179,7 @@ void probe(bool on_device, int release_ms) {
   CK(cudaEventDestroy(ev));
   for (cudaStream_t x : {s, other, reader}) CK(cudaStreamDestroy(x));
 }
+
 // Barriers back to back between the two GPUs, each GPU on its own stream: by stream memory
 // operations (each writes i into the other's flag, then waits for its own to reach i; the
 // branch's pmg_stream_barrier), with the flags in each waiter's GPU memory or in host
