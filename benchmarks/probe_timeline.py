@@ -30,9 +30,10 @@ per rank, the median of each point in ms after the (first) start:
   averaged     the average (and the correction) is written: all of it; 'overlap': XLA's
                stream passed the wait
 
-and the plain step alone, back to back, for scale; then the plain step beside DMA copies of
-the whole buffer from the peers (no barrier, no kernel of pympgu's), and those copies alone:
-what the link's traffic alone costs XLA's compute. Last, each step back to back, and again
+and the plain step alone, back to back, for scale; then the plain step beside DMA copies
+from the peers (no barrier, no kernel of pympgu's; --dma: the whole buffer before every
+step by default, or so many MB before one step in so many), and those copies alone: what
+the link's traffic alone costs XLA's compute, per byte or per copy. Last, each step back to back, and again
 with the exchange's operations replaced by a pass of XLA's own over the same arrays (not
 averaged): what the program's shape costs without the link; and sequences of steps
 (--cycles; by default --overlap --sync-every 4's four, 'mp..'), both ways, and twice more
@@ -86,7 +87,7 @@ BURSTS, BURST = 9, 30
 
 
 def worker(ctx, hidden, batch, steps, hlo_dir=None, cycles=CYCLES, only_cycles=False,
-           only=None):
+           only=None, dma=((None, 1),)):
     from pympgu.train import Replica, _setup_backend, make_exchanger
     _setup_backend(ctx, "jax")  # before PyTensor is imported
     import jax
@@ -143,23 +144,30 @@ def worker(ctx, hidden, batch, steps, hlo_dir=None, cycles=CYCLES, only_cycles=F
         dump("plain", plain)
         out = {"plain_ms": back_to_back(plain)}
         out["plain_clock"] = issued["mhz"], issued["capped"]
-        # The same steps while every rank's copy engines pull the peers' whole buffers into
-        # its shadow, with no barrier and no kernel of pympgu's on the GPU: what DMA traffic
-        # alone costs XLA's compute. Then the copies alone.
-        n = group.nbytes // 4
+        # The same steps while every rank's copy engines pull from the peers into its shadow
+        # (--dma: so many MB, or their whole buffers, before one step in every so many), with
+        # no barrier and no kernel of pympgu's on the GPU: what DMA traffic alone costs XLA's
+        # compute, and whether it is paid per byte or per copy. Then the copies alone.
+        out["dma"] = []
+        for mb, every in dma:
+            n = group.nbytes // 4 if mb is None else min(group.nbytes // 4, int(mb * 1e6) // 4)
+            queued = [0]
 
-        def pull():
-            group.gather(n, synchronize=False)
+            def pull():
+                if queued[0] % every == 0:
+                    group.gather(n, synchronize=False)
+                queued[0] += 1
 
-        out["dma_plain_ms"] = back_to_back(plain, pull)
-        ctx.barrier()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            pull()
-        group.stream.synchronize()
-        out["dma_ms"] = 1e3 * (time.perf_counter() - t0) / steps
-        out["dma_mb"] = group.nbytes / 1e6
-        ctx.barrier()  # no rank's exchange below lands in a shadow a peer still copies into
+            beside = back_to_back(plain, pull)
+            ctx.barrier()
+            pulls = max(1, steps // every)
+            t0 = time.perf_counter()
+            for _ in range(pulls):
+                group.gather(n, synchronize=False)
+            group.stream.synchronize()
+            out["dma"].append((4 * n / 1e6, every, beside,
+                               1e3 * (time.perf_counter() - t0) / pulls))
+            ctx.barrier()  # no rank's exchange below lands in a shadow a peer copies into
 
         def build(overlap, fused, part, gradients):
             # PYMPGU_FUSED_CORRECTION is read when a step is built (Exchanger.xla_shadow).
@@ -277,7 +285,21 @@ def main():
                    help="time these steps only (default: all of %(choices)s)")
     p.add_argument("--hlo", metavar="DIR",
                    help="also write each step's compiled XLA program (rank 0's) into DIR")
+    p.add_argument("--dma", nargs="+", default=["all"], metavar="MB[:EVERY]",
+                   help="time the plain step beside DMA pulls from the peers of MB megabytes "
+                        "('all': their whole buffers) before one step in EVERY (default 1); "
+                        "several to compare sizes, e.g. 1:2 13:2 80:2 (default: all)")
     a = p.parse_args()
+    dma = []
+    for spec in a.dma:
+        mb, _, every = spec.partition(":")
+        try:
+            dma.append((None if mb == "all" else float(mb), int(every or 1)))
+            if (dma[-1][0] is not None and dma[-1][0] <= 0) or dma[-1][1] < 1:
+                raise ValueError
+        except ValueError:
+            p.error(f"--dma: {spec!r} is not MB[:EVERY] (MB a positive number or 'all', "
+                    "EVERY a positive whole number)")
     bad = [c for c in a.cycles if not c or set(c) - set(PARTS)]
     if bad:
         p.error(f"--cycles: {bad[0]!r} is not a sequence of the letters {''.join(PARTS)}")
@@ -295,7 +317,7 @@ def main():
     for where in a.barrier:
         os.environ["PYMPGU_PUSH_BARRIER"] = where
         results = launch(worker, (a.hidden, a.batch_size, a.steps, a.hlo, a.cycles,
-                                  a.only_cycles, a.only), gpus=a.gpus)
+                                  a.only_cycles, a.only, dma), gpus=a.gpus)
         timed = [s for s in STEPS if a.only is None or s[0] in a.only]
         print(f"first barrier on the {where} stream; ms after the start (median of "
               f"{a.steps}):")
@@ -308,9 +330,11 @@ def main():
                     continue
                 print(f"{rank:>4} {name:>8} " +
                       " ".join(f"{r[name][m]:>12.3f}" for m in XLA_MARKS[1:]))
-            print(f"{rank:>4} {'plain':>8} {r['plain_ms']:>11.3f} ms a step, back to back; "
-                  f"{r['dma_plain_ms']:.3f} beside a {r['dma_mb']:.1f} MB DMA pull from the "
-                  f"peers, which alone takes {r['dma_ms']:.3f}")
+            print(f"{rank:>4} {'plain':>8} {r['plain_ms']:>11.3f} ms a step, back to back")
+            for mb, every, beside, alone in r["dma"]:
+                print(f"{rank:>4} {'':>8} {beside:.3f} beside a {mb:.1f} MB DMA pull from the "
+                      f"peers before one step in {every} ({(beside - r['plain_ms']) * every:+.3f}"
+                      f" ms a pull), which alone takes {alone:.3f}")
             if not a.only_cycles:
                 print(f"{rank:>4} {'':>8} back to back, ms a step (with XLA passes in place of "
                       "the exchange): " + ", ".join(
