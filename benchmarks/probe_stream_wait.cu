@@ -8,12 +8,15 @@
 //   /tmp/probe_stream_wait [release_ms]     (default 1500)
 //
 // GPU 0's stream waits for a flag, in GPU 0's memory (written by GPU 1 over P2P, as a peer's
-// barrier does) or in page-locked host memory (written by the host). A thread releases it
-// after release_ms: through a kernel already running on GPU 1 that polls host memory, or
-// by a plain store, so that the release needs no CUDA call on the host. Meanwhile the main
-// thread times one call after another; a call that took about release_ms was held until
-// the release. (On driver 580 the first launch of a kernel not loaded yet was: lazy
-// loading waits for the pending wait; CUDA_MODULE_LOADING=EAGER shows the difference.)
+// barrier does) or in page-locked host memory (written by the host); or, third, a kernel
+// spins on it (as a barrier kernel waiting for a late peer does, or a resident exchange).
+// A thread releases it after release_ms: through a kernel already running on GPU 1 that
+// polls host memory, or by a plain store, so that the release needs no CUDA call on the
+// host. Meanwhile the main thread times one call after another; a call that took about
+// release_ms was held until the release. (On driver 580 the first launch of a kernel not
+// loaded yet was, behind a wait in GPU memory: lazy loading waited for the pending wait;
+// CUDA_MODULE_LOADING=EAGER shows the difference. Each case's first launch is now of a
+// kernel of its own; that, and the spinning case, came after session 22's runs.)
 //
 // Last, barriers back to back between the two GPUs: by such operations, with the flags in
 // GPU memory or in host memory, and by pympgu's barrier kernel.
@@ -61,14 +64,28 @@ __global__ void releaser(const volatile unsigned *trigger, volatile unsigned *fl
 }
 
 __global__ void nothing() {}
+// A kernel of its own for each case's first launch, which CUDA loads lazily by default.
+template <int K>
+__global__ void first() {}
+
+// On GPU 0, in the third case: a kernel that spins (as a barrier kernel waiting for a late
+// peer does, or a resident exchange) until the host says so.
+__global__ void spin(const volatile unsigned *trigger) {
+  while (*trigger == 0) {
+  }
+}
 
 double ms_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
-void probe(bool on_device, int release_ms) {
-  std::printf("\nthe flag in %s\n", on_device ? "GPU 0's memory, written by GPU 1 over P2P"
-                                             : "page-locked host memory, written by the host");
+// what: 'd' the stream waits for a flag in GPU 0's memory, 'h' in host memory, 'k' a kernel
+// spins on the stream in place of the wait.
+void probe(char what, void (*first_launch)(), int release_ms) {
+  const bool on_device = what == 'd', spinning = what == 'k';
+  std::printf("\n%s\n", on_device  ? "the flag in GPU 0's memory, written by GPU 1 over P2P"
+                        : spinning ? "a kernel spinning on the stream in place of the wait"
+                                   : "the flag in page-locked host memory, written by the host");
   CK(cudaSetDevice(0));
   unsigned *flag, *own, *trigger_host, *trigger_dev = nullptr, *peer;
   void *src, *dst, *host_buf;
@@ -103,16 +120,21 @@ void probe(bool on_device, int release_ms) {
   if (on_device) releaser<<<1, 1, 0, s1>>>(trigger_dev, flag);
   CK(cudaGetLastError());
   CK(cudaSetDevice(0));
+  nothing<<<1, 1, 0, s>>>();  // loaded now: only first_launch is loaded behind the wait
   CK(cudaDeviceSynchronize());
 
-  CU(wait_value(s, reinterpret_cast<CUdeviceptr>(flag), 1, CU_STREAM_WAIT_VALUE_GEQ), "wait");
+  if (spinning)
+    spin<<<1, 1, 0, s>>>(trigger_dev);
+  else
+    CU(wait_value(s, reinterpret_cast<CUdeviceptr>(flag), 1, CU_STREAM_WAIT_VALUE_GEQ), "wait");
+  CK(cudaGetLastError());
   std::atomic<bool> released{false};
   const auto t_release = std::chrono::steady_clock::now();
   std::thread releasing([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(release_ms));
     released = true;
     // A plain store either way: the release needs the CUDA driver for nothing.
-    if (on_device)
+    if (on_device || spinning)
       *reinterpret_cast<volatile unsigned *>(trigger_host) = 1;
     else
       *reinterpret_cast<volatile unsigned *>(flag_host) = 1;
@@ -141,8 +163,8 @@ void probe(bool on_device, int release_ms) {
   timed("cudaStreamWaitEvent: another stream waits for it", [&] {
     CK(cudaStreamWaitEvent(other, ev, 0));
   });
-  timed("an empty kernel on the other stream, after its event wait", [&] {
-    nothing<<<1, 1, 0, other>>>();
+  timed("the first launch of a kernel, on the other stream, after its event wait", [&] {
+    first_launch<<<1, 1, 0, other>>>();
   });
   timed("an empty kernel on the stream", [&] { nothing<<<1, 1, 0, s>>>(); });
   timed("cudaEventQuery", [&] { (void)cudaEventQuery(ev); });
@@ -270,10 +292,11 @@ int main(int argc, char **argv) {
   CK(cudaDeviceEnablePeerAccess(0, 0));
   find("cuStreamWriteValue32", &write_value);
   find("cuStreamWaitValue32", &wait_value);
-  std::printf("host calls while GPU 0's stream waits at cuStreamWaitValue32, released after "
-              "%d ms\n", release_ms);
-  probe(true, release_ms);
-  probe(false, release_ms);
+  std::printf("host calls while GPU 0's stream waits (cuStreamWaitValue32, or a spinning "
+              "kernel), released after %d ms\n", release_ms);
+  probe('d', first<0>, release_ms);
+  probe('h', first<1>, release_ms);
+  probe('k', first<2>, release_ms);
   std::printf("\nbarriers between GPU 0 and GPU 1\n");
   for (int k = 0; k < 2; ++k)
     for (const char *form : {"device", "host", "kernel"}) barriers(form, 2000);
