@@ -87,14 +87,14 @@ void probe(char what, void (*first_launch)(), int release_ms) {
                         : spinning ? "a kernel spinning on the stream in place of the wait"
                                    : "the flag in page-locked host memory, written by the host");
   CK(cudaSetDevice(0));
-  unsigned *flag, *own, *trigger_host, *trigger_dev = nullptr, *peer;
+  unsigned *flag = nullptr, *own, *trigger_host, *trigger_dev = nullptr, *peer;
   void *src, *dst, *host_buf;
   const size_t copy_bytes = 1 << 20;
   unsigned *flag_host = nullptr;
   if (on_device) {
     CK(cudaMalloc(&flag, 4));
     CK(cudaMemset(flag, 0, 4));
-  } else {
+  } else if (!spinning) {
     CK(cudaHostAlloc(&flag_host, 4, cudaHostAllocMapped | cudaHostAllocPortable));
     *flag_host = 0;
     CK(cudaHostGetDevicePointer(reinterpret_cast<void **>(&flag), flag_host, 0));
@@ -192,7 +192,7 @@ void probe(char what, void (*first_launch)(), int release_ms) {
   CK(cudaSetDevice(0));
   if (on_device)
     CK(cudaFree(flag));
-  else
+  else if (flag_host)
     CK(cudaFreeHost(flag_host));
   CK(cudaFree(own));
   CK(cudaFree(src));

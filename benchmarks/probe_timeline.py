@@ -33,11 +33,11 @@ per rank, the median of each point in ms after the (first) start:
 and the plain step alone, back to back, for scale; then the plain step beside DMA copies
 from the peers (no barrier, no kernel of pympgu's; --dma: the whole buffer before every
 step by default, or so many MB before one step in so many), and those copies alone: what
-the link's traffic alone costs XLA's compute, per byte or per copy. Last, each step back to back, and again
-with the exchange's operations replaced by a pass of XLA's own over the same arrays (not
-averaged): what the program's shape costs without the link; and sequences of steps
-(--cycles; by default --overlap --sync-every 4's four, 'mp..'), both ways, and twice more
-between: 'hollow' (every operation of the exchange, its barriers and XLA's wait, but each
+the link's traffic alone costs XLA's compute, per byte or per copy. Last, each step back
+to back, and again with the exchange's operations replaced by a pass of XLA's own over the
+same arrays (not averaged): what the program's shape costs without the link; and sequences
+of steps (--cycles; by default --overlap --sync-every 4's four, 'mp..'), both ways, and
+twice more between: 'hollow' (every operation of the exchange, its barriers and XLA's wait, but each
 start sends its smallest array alone) and 'unwaited' (hollow, without XLA's wait; it timed
 as the dry program to the microsecond, as if XLA dropped the start that nothing waits
 for). A cycle timed right after 'mp..' ran about 0.01 ms a step slower than the same cycle
@@ -268,6 +268,20 @@ def worker(ctx, hidden, batch, steps, hlo_dir=None, cycles=CYCLES, only_cycles=F
         ex.close()
 
 
+def _dma_spec(spec):
+    """--dma's MB[:EVERY] as (MB, or None for the whole buffer; EVERY)."""
+    import argparse
+    mb, _, every = spec.partition(":")
+    try:
+        size, period = None if mb == "all" else float(mb), int(every or 1)
+    except ValueError:
+        size = period = 0
+    if size is not None and size <= 0 or period < 1:
+        raise argparse.ArgumentTypeError(f"{spec!r} is not MB[:EVERY] (MB a positive number "
+                                         "or 'all', EVERY a positive whole number)")
+    return size, period
+
+
 def main():
     p = parser(__doc__)
     p.add_argument("--steps", type=int, default=30)
@@ -285,21 +299,12 @@ def main():
                    help="time these steps only (default: all of %(choices)s)")
     p.add_argument("--hlo", metavar="DIR",
                    help="also write each step's compiled XLA program (rank 0's) into DIR")
-    p.add_argument("--dma", nargs="+", default=["all"], metavar="MB[:EVERY]",
+    p.add_argument("--dma", nargs="+", type=_dma_spec, default=[(None, 1)],
+                   metavar="MB[:EVERY]",
                    help="time the plain step beside DMA pulls from the peers of MB megabytes "
                         "('all': their whole buffers) before one step in EVERY (default 1); "
                         "several to compare sizes, e.g. 1:2 13:2 80:2 (default: all)")
     a = p.parse_args()
-    dma = []
-    for spec in a.dma:
-        mb, _, every = spec.partition(":")
-        try:
-            dma.append((None if mb == "all" else float(mb), int(every or 1)))
-            if (dma[-1][0] is not None and dma[-1][0] <= 0) or dma[-1][1] < 1:
-                raise ValueError
-        except ValueError:
-            p.error(f"--dma: {spec!r} is not MB[:EVERY] (MB a positive number or 'all', "
-                    "EVERY a positive whole number)")
     bad = [c for c in a.cycles if not c or set(c) - set(PARTS)]
     if bad:
         p.error(f"--cycles: {bad[0]!r} is not a sequence of the letters {''.join(PARTS)}")
@@ -317,7 +322,7 @@ def main():
     for where in a.barrier:
         os.environ["PYMPGU_PUSH_BARRIER"] = where
         results = launch(worker, (a.hidden, a.batch_size, a.steps, a.hlo, a.cycles,
-                                  a.only_cycles, a.only, dma), gpus=a.gpus)
+                                  a.only_cycles, a.only, a.dma), gpus=a.gpus)
         timed = [s for s in STEPS if a.only is None or s[0] in a.only]
         print(f"first barrier on the {where} stream; ms after the start (median of "
               f"{a.steps}):")
