@@ -32,8 +32,8 @@ per rank, the median of each point in ms after the (first) start:
 
 and the plain step alone, back to back, for scale; then the plain step beside DMA copies
 from the peers (no barrier, no kernel of pympgu's; --dma: the whole buffer before every
-step by default, or so many MB before one step in so many), and those copies alone: what
-the link's traffic alone costs XLA's compute, per byte or per copy. Last, each step back
+step by default, or so many MB, so many copies of them, before one step in so many), and
+those copies alone: what the link's traffic alone costs XLA's compute, per byte or per copy. Last, each step back
 to back, and again with the exchange's operations replaced by a pass of XLA's own over the
 same arrays (not averaged): what the program's shape costs without the link; and sequences
 of steps (--cycles; by default --overlap --sync-every 4's four, 'mp..'), both ways, and
@@ -87,7 +87,7 @@ BURSTS, BURST = 9, 30
 
 
 def worker(ctx, hidden, batch, steps, hlo_dir=None, cycles=CYCLES, only_cycles=False,
-           only=None, dma=((None, 1),)):
+           only=None, dma=((None, 1, 1),)):
     from pympgu.train import Replica, _setup_backend, make_exchanger
     _setup_backend(ctx, "jax")  # before PyTensor is imported
     import jax
@@ -145,17 +145,21 @@ def worker(ctx, hidden, batch, steps, hlo_dir=None, cycles=CYCLES, only_cycles=F
         out = {"plain_ms": back_to_back(plain)}
         out["plain_clock"] = issued["mhz"], issued["capped"]
         # The same steps while every rank's copy engines pull from the peers into its shadow
-        # (--dma: so many MB, or their whole buffers, before one step in every so many), with
-        # no barrier and no kernel of pympgu's on the GPU: what DMA traffic alone costs XLA's
-        # compute, and whether it is paid per byte or per copy. Then the copies alone.
+        # (--dma: so many MB, or their whole buffers, so many times over, before one step in
+        # every so many), with no barrier and no kernel of pympgu's on the GPU: what DMA
+        # traffic alone costs XLA's compute, and whether it is paid per byte or per copy
+        # (the same bytes in more copies; or a copy of 4 bytes, which costs the host as much
+        # as any). Then the copies alone, and the host's time to queue them.
         out["dma"] = []
-        for mb, every in dma:
-            n = group.nbytes // 4 if mb is None else min(group.nbytes // 4, int(mb * 1e6) // 4)
+        for mb, copies, every in dma:
+            n = group.nbytes // 4 if mb is None else \
+                max(1, min(group.nbytes // 4, int(mb * 1e6) // 4))
             queued = [0]
 
             def pull():
                 if queued[0] % every == 0:
-                    group.gather(n, synchronize=False)
+                    for _ in range(copies):
+                        group.gather(n, synchronize=False)
                 queued[0] += 1
 
             beside = back_to_back(plain, pull)
@@ -163,10 +167,13 @@ def worker(ctx, hidden, batch, steps, hlo_dir=None, cycles=CYCLES, only_cycles=F
             pulls = max(1, steps // every)
             t0 = time.perf_counter()
             for _ in range(pulls):
-                group.gather(n, synchronize=False)
+                for _ in range(copies):
+                    group.gather(n, synchronize=False)
+            t_queued = time.perf_counter()
             group.stream.synchronize()
-            out["dma"].append((4 * n / 1e6, every, beside,
-                               1e3 * (time.perf_counter() - t0) / pulls))
+            t_done = time.perf_counter()
+            out["dma"].append((4 * n / 1e6, copies, every, beside, 1e3 * (t_done - t0) / pulls,
+                               1e3 * (t_queued - t0) / pulls))
             ctx.barrier()  # no rank's exchange below lands in a shadow a peer copies into
 
         def build(overlap, fused, part, gradients):
@@ -269,17 +276,20 @@ def worker(ctx, hidden, batch, steps, hlo_dir=None, cycles=CYCLES, only_cycles=F
 
 
 def _dma_spec(spec):
-    """--dma's MB[:EVERY] as (MB, or None for the whole buffer; EVERY)."""
+    """--dma's MB[xCOUNT][:EVERY] as (MB, or None for the whole buffer; COUNT; EVERY)."""
     import argparse
-    mb, _, every = spec.partition(":")
+    head, _, every = spec.partition(":")
+    mb, _, count = head.partition("x")
     try:
-        size, period = None if mb == "all" else float(mb), int(every or 1)
+        size = None if mb == "all" else float(mb)
+        copies, period = int(count or 1), int(every or 1)
     except ValueError:
-        size = period = 0
-    if size is not None and size <= 0 or period < 1:
-        raise argparse.ArgumentTypeError(f"{spec!r} is not MB[:EVERY] (MB a positive number "
-                                         "or 'all', EVERY a positive whole number)")
-    return size, period
+        size, copies, period = 0, 0, 0
+    if size is not None and size <= 0 or copies < 1 or period < 1:
+        raise argparse.ArgumentTypeError(
+            f"{spec!r} is not MB[xCOUNT][:EVERY] (MB a positive number or 'all', COUNT and "
+            "EVERY positive whole numbers)")
+    return size, copies, period
 
 
 def main():
@@ -299,11 +309,12 @@ def main():
                    help="time these steps only (default: all of %(choices)s)")
     p.add_argument("--hlo", metavar="DIR",
                    help="also write each step's compiled XLA program (rank 0's) into DIR")
-    p.add_argument("--dma", nargs="+", type=_dma_spec, default=[(None, 1)],
-                   metavar="MB[:EVERY]",
+    p.add_argument("--dma", nargs="+", type=_dma_spec, default=[(None, 1, 1)],
+                   metavar="MB[xCOUNT][:EVERY]",
                    help="time the plain step beside DMA pulls from the peers of MB megabytes "
-                        "('all': their whole buffers) before one step in EVERY (default 1); "
-                        "several to compare sizes, e.g. 1:2 13:2 80:2 (default: all)")
+                        "('all': their whole buffers), COUNT copies of them (default 1), "
+                        "before one step in EVERY (default 1); several to compare, e.g. 1:2 "
+                        "13:2 1x13:2 0.000004:2 (default: all)")
     a = p.parse_args()
     bad = [c for c in a.cycles if not c or set(c) - set(PARTS)]
     if bad:
@@ -336,10 +347,12 @@ def main():
                 print(f"{rank:>4} {name:>8} " +
                       " ".join(f"{r[name][m]:>12.3f}" for m in XLA_MARKS[1:]))
             print(f"{rank:>4} {'plain':>8} {r['plain_ms']:>11.3f} ms a step, back to back")
-            for mb, every, beside, alone in r["dma"]:
-                print(f"{rank:>4} {'':>8} {beside:.3f} beside a {mb:.1f} MB DMA pull from the "
-                      f"peers before one step in {every} ({(beside - r['plain_ms']) * every:+.3f}"
-                      f" ms a pull), which alone takes {alone:.3f}")
+            for mb, copies, every, beside, alone, host in r["dma"]:
+                size = f"{mb:.1f} MB" if mb >= 0.1 else f"{mb * 1e6:.0f} B"
+                what = f"{copies} copies of {size}" if copies > 1 else f"a {size} copy"
+                print(f"{rank:>4} {'':>8} {beside:.3f} beside a DMA pull from the peers ({what}) "
+                      f"before one step in {every} ({(beside - r['plain_ms']) * every:+.3f} ms a "
+                      f"pull), which alone takes {alone:.3f} ({host:.3f} to queue)")
             if not a.only_cycles:
                 print(f"{rank:>4} {'':>8} back to back, ms a step (with XLA passes in place of "
                       "the exchange): " + ", ".join(
