@@ -3,15 +3,18 @@
 // writes the same bits and the host implementation is an exact reference.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda.h>  // the driver's types only: its functions are looked up at run time
 #include <cuda_runtime.h>
 
 #include <chrono>
+#include <cstddef>
 #include <cstring>
 #include <type_traits>
 
 #include "pympgu.h"
 
-static_assert(sizeof(pmg_signal) == PMG_MAX_BLOCKS * PMG_MAX_RANKS * 4 + PMG_MAX_BLOCKS * 4 + 16,
+static_assert(sizeof(pmg_signal) ==
+                  PMG_MAX_BLOCKS * PMG_MAX_RANKS * 4 + PMG_MAX_BLOCKS * 4 + 16 + PMG_MAX_RANKS * 4,
               "pmg_signal is shared between processes: its layout is part of the ABI");
 static_assert(sizeof(pmg_peers) == 128, "pmg_peers is a kernel parameter: keep it small");
 static_assert(sizeof(pmg_tensor) == 80, "pmg_tensor is uploaded as raw bytes from Python");
@@ -1015,6 +1018,67 @@ int pmg_device_barrier(const pmg_peers *peers, int rank, int nranks, uint64_t ti
   barrier_kernel<<<1, 32, 0, stream>>>(*peers, rank, nranks, timeout_ns);
   return launched();
 }
+
+namespace {
+using StreamValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
+struct MemOps {
+  StreamValue32 write = nullptr, wait = nullptr;
+  int status = 0;  // why they could not be found
+};
+
+// The driver's stream memory operations, found once through the runtime: pympgu links no
+// libcuda, so that it imports on machines without a driver.
+const MemOps &mem_ops() {
+  static const MemOps ops = [] {
+    MemOps m;
+    const char *names[2] = {"cuStreamWriteValue32", "cuStreamWaitValue32"};
+    StreamValue32 *found[2] = {&m.write, &m.wait};
+    for (int i = 0; i < 2; ++i) {
+      void *fn = nullptr;
+      cudaDriverEntryPointQueryResult result;
+      const cudaError_t err =
+          cudaGetDriverEntryPointByVersion(names[i], &fn, 12000, cudaEnableDefault, &result);
+      if (err != cudaSuccess || result != cudaDriverEntryPointSuccess || !fn) {
+        m.status = err != cudaSuccess ? int(err) : int(cudaErrorSymbolNotFound);
+        return m;
+      }
+      *found[i] = reinterpret_cast<StreamValue32>(fn);
+    }
+    return m;
+  }();
+  return ops;
+}
+
+CUdeviceptr stream_flag(const pmg_peers *peers, int owner, int sender) {
+  return reinterpret_cast<CUdeviceptr>(peers->signal[owner]) + offsetof(pmg_signal, stream_flags) +
+         size_t(sender) * sizeof(uint32_t);
+}
+}  // namespace
+
+int pmg_stream_barrier(const pmg_peers *peers, int rank, int nranks, uint32_t seq,
+                       cudaStream_t stream) {
+  if (int err = check_ranks(rank, nranks)) return err;
+  if (int err = check_peers(peers, nranks)) return err;
+  const MemOps &ops = mem_ops();
+  if (ops.status) return ops.status;
+  // CUresult's codes are cudaError_t's for the errors these return (invalid value, not
+  // supported, a sticky launch failure), so the runtime's message names them.
+  for (int p = 0; p < nranks; ++p) {
+    // Each with a memory fence before it: what this stream wrote before (the pushed arrays)
+    // is visible to a peer that has seen the number.
+    if (CUresult r = ops.write(stream, stream_flag(peers, p, rank), seq, CU_STREAM_WRITE_VALUE_DEFAULT))
+      return int(r);
+  }
+  for (int p = 0; p < nranks; ++p) {
+    if (p == rank) continue;
+    if (CUresult r = ops.wait(stream, stream_flag(peers, rank, p), seq, CU_STREAM_WAIT_VALUE_GEQ))
+      return int(r);
+  }
+  return 0;
+}
+
+int pmg_stream_barrier_available(void) { return mem_ops().status; }
 
 int pmg_gather_peers(const pmg_peers *peers, int rank, int nranks, void *shadow, size_t n,
                      int dtype, cudaStream_t stream) {

@@ -67,12 +67,15 @@ enum pmg_status {
  * counter[b]: this rank's own count of barriers crossed by block b (never written by peers).
  * ll_seq: the sequence number of this rank's last LL call, ll_arrived: its blocks that have
  * finished the current one, resident_command: see pmg_resident_start (all this rank's own).
+ * stream_flags[r]: for a peer r, the last stream barrier (pmg_stream_barrier) that r
+ * announced to this rank; for r == rank, the last one this rank's own stream reached.
  * The LL mailboxes follow the block, pmg_ll_bytes(nranks) of them, before the data. */
 typedef struct pmg_signal {
   uint32_t flags[PMG_MAX_BLOCKS][PMG_MAX_RANKS];
   uint32_t counter[PMG_MAX_BLOCKS];
   uint32_t ll_seq, ll_arrived;
   uint64_t resident_command; /* the resident kernel's block 0 relays the host's command here */
+  uint32_t stream_flags[PMG_MAX_RANKS];
 } pmg_signal;
 
 /* The R replicas as this process sees them: data[r] and signal[r] are local pointers for
@@ -291,6 +294,17 @@ int pmg_resident_stop(pmg_doorbell *bell, uint32_t count, cudaStream_t stream);
 /* A GPU-side barrier alone (one block), for methods that move data with copies. */
 int pmg_device_barrier(const pmg_peers *peers, int rank, int nranks, uint64_t timeout_ns,
                        cudaStream_t stream);
+/* The same barrier without a kernel: stream memory operations (the driver's
+ * cuStreamWriteValue32 and cuStreamWaitValue32) write seq into every rank's stream_flags[rank]
+ * (this rank's own too: how far its stream got) and hold stream until every peer has written
+ * seq, or later, into this rank's. The GPU's front end waits, so no SM is held (a barrier
+ * kernel spins on one, beside XLA's matrix products). seq must grow by one per call, alike
+ * on every rank. It has no timeout of its own: PeerGroup's watchdog gives it one
+ * (pmg_stream_sync). */
+int pmg_stream_barrier(const pmg_peers *peers, int rank, int nranks, uint32_t seq,
+                       cudaStream_t stream);
+/* 0 when pmg_stream_barrier can run (the driver has stream memory operations), else why not. */
+int pmg_stream_barrier_available(void);
 /* The seed's method, in two parts. pmg_gather_peers copies every peer's replica (n elements)
  * into shadow, nranks-1 slots in rank order skipping this rank, by DMA over P2P.
  * pmg_shadow_average then averages [own or shadow slot] in rank order, in place in own.
@@ -327,6 +341,15 @@ enum pmg_mark {
 /* A registered group is everything the operation needs of a PeerGroup; the operation names
  * it by the id that pmg_xla_register returns (ids are never reused, so a function traced
  * with a closed group fails with an error instead of touching freed memory). */
+/* A group's stream barriers, shared by the XLA operations (on XLA's thread) and the
+ * PeerGroup's watchdog thread: how many were queued, and late_rank + 1 once the watchdog
+ * found this rank's stream waiting longer than the group's timeout for rank late_rank (it
+ * then lets the stream go on, and every later start fails with an error naming that rank). */
+typedef struct pmg_stream_sync {
+  uint32_t queued;
+  int32_t late_rank_plus_one;
+} pmg_stream_sync;
+
 typedef struct pmg_group {
   pmg_peers peers;
   size_t stage_offset; /* from data to staging, as for pmg_allreduce_average */
@@ -351,6 +374,9 @@ typedef struct pmg_group {
    * copies, rather than on the side stream, where it may wait for an SM behind XLA's
    * kernels (PYMPGU_PUSH_BARRIER=xla; docs/BENCHMARKS.md, session 8). */
   int barrier_on_xla;
+  /* Non-NULL: the pair's barriers are stream barriers (pmg_stream_barrier), counted here;
+   * NULL: barrier kernels (PYMPGU_STREAM_BARRIER=0). */
+  pmg_stream_sync *stream_sync;
   /* Timing events that the pair records at each point of an exchange (pmg_mark), or all
    * NULL: PeerGroup.xla_timeline reads the last exchange's (PYMPGU_XLA_TIMELINE=1). */
   cudaEvent_t marks[PMG_MARKS];

@@ -58,6 +58,7 @@
 //
 // The registry is built without XLA too; only the handler needs jaxlib's headers.
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <initializer_list>
 #include <map>
@@ -325,6 +326,28 @@ ffi::Error average(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingR
 // XLA computes the rest (pympgu.xla.average_results).
 constexpr int32_t kFirst = 1, kLast = 2, kWhole = kFirst | kLast;
 
+// A barrier of the group on stream: stream memory operations where the group counts them
+// (pmg_stream_barrier: no SM held while a peer is awaited), else a one-block kernel.
+int barrier(const pmg_group &g, cudaStream_t stream) {
+  if (g.stream_sync)  // XLA runs a device's operations from one thread at a time
+    return pmg_stream_barrier(&g.peers, g.rank, g.nranks, ++g.stream_sync->queued, stream);
+  return pmg_device_barrier(&g.peers, g.rank, g.nranks, g.timeout_ns, stream);
+}
+
+// An error once the watchdog has found a stream barrier that a peer never reached: the
+// stream was let go without that peer's data, so no exchange may follow.
+ffi::Error peers_in_step(const char *op, const pmg_group &g) {
+  if (!g.stream_sync) return ffi::Error::Success();
+  const int late = __atomic_load_n(&g.stream_sync->late_rank_plus_one, __ATOMIC_ACQUIRE) - 1;
+  if (late < 0) return ffi::Error::Success();
+  char seconds[32];
+  std::snprintf(seconds, sizeof seconds, "%g", double(g.timeout_ns) / 1e9);
+  return ffi::Error::Internal(std::string(op) + ": rank " + std::to_string(g.rank) + " of " +
+                              std::to_string(g.nranks) + " waited more than " + seconds +
+                              " s at an exchange's barrier for rank " + std::to_string(late) +
+                              ", which died or stopped exchanging");
+}
+
 // Before the last part's copies: a barrier proves that every rank's first part has landed,
 // and side_first tells XLA's stream, whose done operation then averages those arrays while
 // the last part crosses the link. It runs after XLA has reached the last part (side_in), so
@@ -332,7 +355,7 @@ constexpr int32_t kFirst = 1, kLast = 2, kWhole = kFirst | kLast;
 // stream would have waited for the first part's anyway.
 int first_landed(const pmg_group &g) {
   int status;
-  if ((status = pmg_device_barrier(&g.peers, g.rank, g.nranks, g.timeout_ns, g.side)) ||
+  if ((status = barrier(g, g.side)) ||
       (status = pmg_event_record(g.side_first, g.side)))
     return status;
   return mark(g, {PMG_MARK_FIRST_LANDED}, g.side);
@@ -343,6 +366,7 @@ ffi::Error average_start(cudaStream_t stream, ffi::RemainingArgs args, ffi::Rema
                          ffi::Span<const int64_t> offsets, int64_t total, int32_t phase) {
   pmg_group g;
   if (auto e = lookup_group(kStart, group, &g); e.failure()) return e;
+  if (auto e = peers_in_step(kStart, g); e.failure()) return e;
   if (!g.side || !g.side_in || !g.side_out)
     return ffi::Error::InvalidArgument("pympgu_average_start: the group has no side stream");
   // Peers push into a shadow in the shared block; without one, each rank pulls the peers'
@@ -376,7 +400,7 @@ ffi::Error average_start(cudaStream_t stream, ffi::RemainingArgs args, ffi::Rema
   // stream it runs between XLA's kernels (g.barrier_on_xla).
   const bool barrier_on_xla = push && first && g.barrier_on_xla;
   if (barrier_on_xla &&
-      (status = pmg_device_barrier(&g.peers, g.rank, g.nranks, g.timeout_ns, stream)))
+      (status = barrier(g, stream)))
     return failed(kStart, "barrier", status);
   if ((status = pmg_event_record(g.side_in, stream)) ||
       (status = pmg_stream_wait_event(g.side, g.side_in)))
@@ -388,7 +412,7 @@ ffi::Error average_start(cudaStream_t stream, ffi::RemainingArgs args, ffi::Rema
     std::vector<size_t> nbytes;
     for (const Array &a : in) src.push_back(a.data), nbytes.push_back(a.nbytes);
     if ((first && !barrier_on_xla &&
-         (status = pmg_device_barrier(&g.peers, g.rank, g.nranks, g.timeout_ns, g.side))) ||
+         (status = barrier(g, g.side))) ||
         (first && (status = mark(g, {PMG_MARK_SIDE_BEGIN}, g.side))) ||
         (phase == kLast && (status = first_landed(g))) ||
         (status = pmg_push_peers(&g.peers, g.shadow_offset, gather_elems(g, total) * sizeof(float),
@@ -396,15 +420,15 @@ ffi::Error average_start(cudaStream_t stream, ffi::RemainingArgs args, ffi::Rema
                                  int(in.size()), g.side)) ||
         (first && (status = mark(g, {PMG_MARK_FIRST_SENT}, g.side))) ||
         (last && (status = mark(g, {PMG_MARK_LAST_SENT}, g.side))) ||
-        (last && (status = pmg_device_barrier(&g.peers, g.rank, g.nranks, g.timeout_ns, g.side))))
+        (last && (status = barrier(g, g.side))))
       return failed(kStart, "push", status);
   } else if (algo == PMG_ALGO_GATHER) {
-    if ((status = pmg_device_barrier(&g.peers, g.rank, g.nranks, g.timeout_ns, g.side)) ||
+    if ((status = barrier(g, g.side)) ||
         (status = mark(g, {PMG_MARK_SIDE_BEGIN}, g.side)) ||
         (status = pmg_gather_peers(&g.peers, g.rank, g.nranks, g.shadow, gather_elems(g, total),
                                    dtype, g.side)) ||
         (status = mark(g, {PMG_MARK_FIRST_SENT, PMG_MARK_LAST_SENT}, g.side)) ||
-        (status = pmg_device_barrier(&g.peers, g.rank, g.nranks, g.timeout_ns, g.side)))
+        (status = barrier(g, g.side)))
       return failed(kStart, "gather", status);
   } else if ((status = mark(g, {PMG_MARK_SIDE_BEGIN}, g.side)) ||
              (status = allreduce(g, algo, max_blocks, chunk_bytes, size_t(total), dtype, g.side)) ||

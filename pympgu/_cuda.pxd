@@ -22,7 +22,11 @@ cdef extern from "pympgu.h" nogil:
         PMG_MARKS
 
     ctypedef struct pmg_signal:
-        pass
+        uint32_t stream_flags[PMG_MAX_RANKS]
+
+    ctypedef struct pmg_stream_sync:
+        uint32_t queued
+        int32_t late_rank_plus_one
 
     ctypedef struct pmg_peers:
         void *data[PMG_MAX_RANKS]
@@ -54,6 +58,7 @@ cdef extern from "pympgu.h" nogil:
         void *shadow
         size_t shadow_offset
         int barrier_on_xla
+        pmg_stream_sync *stream_sync
         cudaEvent_t marks[PMG_MARKS]
 
     const char *pmg_error_name(int status)
@@ -120,6 +125,7 @@ cdef extern from "pympgu.h" nogil:
     int pmg_resident_wait(pmg_doorbell *bell, uint32_t count, uint64_t timeout_ns,
                           cudaStream_t stream)
     int pmg_resident_stop(pmg_doorbell *bell, uint32_t count, cudaStream_t stream)
+    int pmg_stream_barrier_available()
     int pmg_device_barrier(const pmg_peers *peers, int rank, int nranks, uint64_t timeout_ns,
                            cudaStream_t stream)
     int pmg_gather_peers(const pmg_peers *peers, int rank, int nranks, void *shadow, size_t n,

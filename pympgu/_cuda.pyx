@@ -943,6 +943,16 @@ def _push_barrier_on_xla():
     return value == "xla"
 
 
+def _stream_barrier():
+    """PYMPGU_STREAM_BARRIER: '1' (the default) runs the XLA pair's barriers as stream memory
+    operations, where the driver has them (csrc/pympgu.h, pmg_stream_barrier); '0' runs
+    barrier kernels, which hold an SM while they wait."""
+    value = os.environ.get("PYMPGU_STREAM_BARRIER", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"PYMPGU_STREAM_BARRIER must be '0' or '1', got {value!r}")
+    return value == "1"
+
+
 def xla_handler(name="pympgu_average"):
     """A PyCapsule of the XLA FFI handler of the operation ``name`` (one of XLA_OPERATIONS;
     for jax.ffi.register_ffi_target), or None when pympgu was built without jaxlib's
@@ -996,6 +1006,9 @@ cdef class PeerGroup:
     cdef int64_t _xla_id
     cdef Stream side  # the overlapped XLA pair's, made with the registration
     cdef Event side_in, side_out, side_first
+    cdef pmg_stream_sync sync  # the XLA pair's stream barriers (pmg_group.stream_sync)
+    cdef object watchdog  # the thread that times them out, once they are used
+    cdef object watch_stop
     cdef object marks  # the pair's timeline events (PYMPGU_XLA_TIMELINE=1), or None
     # 'auto''s thresholds, read from the environment once: a lookup there costs about a
     # microsecond, a fifth of what queueing a small exchange takes (docs/BENCHMARKS.md).
@@ -1234,6 +1247,9 @@ cdef class PeerGroup:
         g.side_in, g.side_out = self.side_in.handle, self.side_out.handle
         g.side_first = self.side_first.handle
         g.barrier_on_xla = _push_barrier_on_xla()
+        if self.nranks > 1 and _stream_barrier() and pmg_stream_barrier_available() == 0:
+            g.stream_sync = &self.sync
+            self._start_watchdog()
         if self.marks is None and os.environ.get("PYMPGU_XLA_TIMELINE") == "1":
             self.marks = [Event(timing=True) for _ in range(PMG_MARKS)]
         if self.marks is not None:
@@ -1244,6 +1260,84 @@ cdef class PeerGroup:
             g.shadow_offset = self.shadow_offset
         check(pmg_xla_register(&g, &self._xla_id))  # a new id, or the same id updated
         return self._xla_id
+
+    def _start_watchdog(self):
+        import threading
+        if self.watchdog is not None:
+            return
+        self.watch_stop = threading.Event()
+        self.watchdog = threading.Thread(target=self._watch, daemon=True,
+                                         name=f"pympgu-barrier-watchdog-{self.rank}")
+        self.watchdog.start()
+
+    def _watch(self):
+        """The stream barriers' timeout (a barrier kernel has its own): every so often, read
+        how far this rank's stream got (stream_flags[rank]) and what each peer announced.
+        When the stream has waited more than the group's timeout for a peer that made no
+        progress, mark the group, so that every later start fails with an error naming that
+        peer (xla_ffi.cc, peers_in_step), say so on stderr, and from then on let the stream
+        past every barrier it waits at (write the number it waits for in the late peers'
+        place): XLA's stream, and the host behind it, are not held for good. The exchanges
+        let go that way end without the late peer's values.
+
+        Not yet seen to work on a GPU (session 21's only run of its test was cut off by the
+        call's time limit). A risk to rule out: CUDA maps streams onto a few hardware queues
+        (CUDA_DEVICE_MAX_CONNECTIONS), and a copy on this thread's stream that shares the
+        side stream's queue would wait behind the very wait it should end. Flags in shared
+        host memory would need no stream at all."""
+        import sys
+        import time
+        cdef int n = self.nranks, rank = self.rank, p, status = 0
+        cdef uint32_t *host = NULL
+        cdef uint32_t *flags = &self.peers.signal[rank].stream_flags[0]
+        cdef uint32_t own
+        cdef cudaStream_t s
+        timeout = self.timeout_ns / 1e9
+        period = min(0.25, timeout / 8)
+        set_device(self.device)
+        stream = Stream()
+        s = stream.handle
+        check(pmg_host_alloc(<void **>&host, PMG_MAX_RANKS * sizeof(uint32_t)))
+        try:
+            since, seen = None, None
+            while not self.watch_stop.wait(period):
+                with nogil:
+                    status = pmg_memcpy_async(host, flags, n * sizeof(uint32_t), s)
+                    if status == 0:
+                        status = pmg_stream_synchronize(s)
+                if status:  # a broken context: the operations report it themselves
+                    return
+                own = host[rank]
+                late = [p for p in range(n) if p != rank and <int32_t>(own - host[p]) > 0]
+                state = (own, [host[p] for p in late])
+                if not self.sync.late_rank_plus_one:
+                    if not late or state != seen:
+                        since, seen = time.monotonic(), state
+                        continue
+                    if time.monotonic() - since <= timeout:
+                        continue
+                    # Marked before the stream goes on: the start that follows must see it.
+                    self.sync.late_rank_plus_one = late[0] + 1
+                    print(f"pympgu: rank {rank} of {n} waited more than {timeout:g} s at an "
+                          f"exchange's barrier for rank {late[0]}, which died or stopped "
+                          "exchanging; its next exchange fails", file=sys.stderr, flush=True)
+                for p in late:
+                    host[p] = own
+                    with nogil:
+                        status = pmg_memcpy_async(&flags[p], &host[p], sizeof(uint32_t), s)
+                        if status == 0:
+                            status = pmg_stream_synchronize(s)
+                    if status:
+                        return
+        finally:
+            pmg_host_free(host)
+            stream.close()
+
+    def _stop_watchdog(self):
+        if self.watchdog is not None:
+            self.watch_stop.set()
+            self.watchdog.join()
+            self.watchdog = None
 
     def xla_timeline(self):
         """Where the last exchange through the XLA start/done pair spent its time: a dict
@@ -1342,6 +1436,7 @@ cdef class PeerGroup:
         if self._xla_id:
             pmg_xla_unregister(self._xla_id)
             self._xla_id = 0
+        self._stop_watchdog()  # it reads this rank's block
         errors += self._unmap()
         if self.shadow is not None:
             self.shadow.close()

@@ -448,3 +448,31 @@ def gradient_rounds(ctx, rounds, big=1 << 23):
     finally:
         ex.close()
     return {"digest": digest, "why_not": why}
+
+
+def late_peer(ctx, timeout=2.0):
+    """Rank 1 never exchanges. Rank 0's exchange inside XLA waits at its stream barrier
+    until the group's watchdog lets it go on, after ``timeout`` seconds (the exchange ends
+    without rank 1's values), and rank 0's next exchange fails, naming rank 1. Both ranks
+    keep their groups open until rank 0 is done: rank 0 still writes into rank 1's."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax
+
+    from pympgu.exchange import Exchanger
+    ex = Exchanger(ctx, [("w", [4096], "float32")], timeout=timeout, shadow=True)
+    result = {}
+    try:
+        if ctx.rank == 0:
+            x = [jax.device_put(np.ones(4096, np.float32), jax.devices("gpu")[ctx.device])]
+            step = jax.jit(lambda xs: ex.xla_average_during(xs, lambda y: y * 2, xs[0]))
+            t0 = time.monotonic()
+            jax.block_until_ready(step(x))
+            result["held_s"] = time.monotonic() - t0
+            try:
+                jax.block_until_ready(step(x))
+            except Exception as e:  # JAX's own error type, carrying pympgu's message
+                result["error"] = str(e)
+        ctx.barrier()
+        return result
+    finally:
+        ex.close()

@@ -113,14 +113,16 @@ def test_gpu_update_of_the_mean_gradient_inside_xla(gradients, nranks, monkeypat
         assert (r["why_not"] is None) == (gradients == "1"), r["why_not"]
 
 
-@pytest.mark.parametrize("barrier", ["side", "xla"])
-def test_gpu_xla_timeline_and_barrier_stream(barrier, monkeypatch):
+@pytest.mark.parametrize("barrier,stream_barrier", [("side", "1"), ("xla", "1"), ("side", "0")])
+def test_gpu_xla_timeline_and_barrier_stream(barrier, stream_barrier, monkeypatch):
     """The cut exchange with the barrier before its copies on either stream
-    (PYMPGU_PUSH_BARRIER), checked bit for bit by xla_rounds, and the timeline of its last
+    (PYMPGU_PUSH_BARRIER), as stream memory operations or as kernels
+    (PYMPGU_STREAM_BARRIER), checked bit for bit by xla_rounds, and the timeline of its last
     cut round (PYMPGU_XLA_TIMELINE=1): every mark in the order its stream imposes."""
     needs_xla()
     from runtime_targets import xla_rounds
-    monkeypatch.setenv("PYMPGU_PUSH_BARRIER", barrier)  # the spawned workers read both
+    monkeypatch.setenv("PYMPGU_PUSH_BARRIER", barrier)  # the spawned workers read them
+    monkeypatch.setenv("PYMPGU_STREAM_BARRIER", stream_barrier)
     monkeypatch.setenv("PYMPGU_XLA_TIMELINE", "1")
     results = launch(xla_rounds, (10, "auto", 1 << 23, True), gpus=devices(2))
     assert len({r["digest"] for r in results}) == 1
@@ -136,6 +138,19 @@ def test_gpu_xla_timeline_and_barrier_stream(barrier, monkeypatch):
         assert t["side_begin"] >= -slack and t["averaged"] >= t["landed"] - slack, t
         # The barrier that tells XLA the first part has landed waits for the last start.
         assert t["first_landed"] >= t["last_start"] - slack, t
+
+
+def test_gpu_stream_barrier_times_out_on_a_late_peer(monkeypatch):
+    """The XLA pair's stream barriers (PYMPGU_STREAM_BARRIER=1, the default) hold no SM and
+    have no timeout of their own: the group's watchdog gives them the group's. A peer that
+    never comes holds the exchange for that long, not for good, and the next exchange fails
+    with an error that names it."""
+    needs_xla()
+    from runtime_targets import late_peer
+    monkeypatch.setenv("PYMPGU_STREAM_BARRIER", "1")  # the spawned workers read it
+    first, _ = launch(late_peer, (2.0,), gpus=devices(2))
+    assert 2.0 <= first["held_s"] < 20, first
+    assert "barrier for rank 1, which died or stopped exchanging" in first["error"], first
 
 
 @pytest.mark.parametrize("every", [1, 2])

@@ -325,3 +325,18 @@ def test_push_barrier_setting_is_checked(monkeypatch):
     with pytest.raises(ValueError, match="PYMPGU_PUSH_BARRIER must be 'side' or 'xla', got 'gpu'"):
         _cuda._push_barrier_on_xla()
     assert len(_cuda.XLA_MARKS) == _cuda.XLA_MARK_COUNT
+
+
+def test_stream_barrier_setting_is_checked(monkeypatch):
+    try:
+        from pympgu import _cuda
+    except ImportError:
+        pytest.skip("pympgu was built without CUDA")
+    monkeypatch.delenv("PYMPGU_STREAM_BARRIER", raising=False)
+    assert _cuda._stream_barrier() is True  # the default
+    for value, on in (("0", False), ("1", True)):
+        monkeypatch.setenv("PYMPGU_STREAM_BARRIER", value)
+        assert _cuda._stream_barrier() is on
+    monkeypatch.setenv("PYMPGU_STREAM_BARRIER", "yes")
+    with pytest.raises(ValueError, match="PYMPGU_STREAM_BARRIER must be '0' or '1', got 'yes'"):
+        _cuda._stream_barrier()
