@@ -965,6 +965,38 @@ def xla_handler(name="pympgu_average"):
     return PyCapsule_New(handler, NULL, NULL)
 
 
+class BarrierWatch:
+    """What PeerGroup's watchdog decides from each look at this rank's stream flags
+    (pmg_signal.stream_flags: how far this rank's stream got, and the last barrier each peer
+    announced), apart from how it reads them: which peers to let the stream past.
+
+    A peer is late when this rank's stream has reached a barrier the peer has not announced
+    (numbers compared cyclically, as cuStreamWaitValue32 does). While none has been found,
+    the stream is let past nothing, and a peer is found (``late``, the first such rank) once
+    the flags have stayed the same, with a peer late, for more than ``timeout`` seconds. From
+    then on every late peer is let past at once: the group has failed."""
+
+    def __init__(self, rank, timeout):
+        self.rank, self.timeout = rank, timeout
+        self.late = None
+        self._since = self._seen = None
+
+    def look(self, flags, now):
+        """The peers to let the stream past, given the flags read at time ``now`` (s)."""
+        own = flags[self.rank]
+        late = [p for p, f in enumerate(flags)
+                if p != self.rank and 0 < (own - f) % 2**32 < 2**31]
+        if self.late is None:
+            state = (own, [flags[p] for p in late])
+            if not late or state != self._seen:
+                self._since, self._seen = now, state
+                return []
+            if now - self._since <= self.timeout:
+                return []
+            self.late = late[0]
+        return late
+
+
 cdef class Resident  # below: a PeerGroup knows its running one
 
 
@@ -1290,39 +1322,30 @@ cdef class PeerGroup:
         cdef int n = self.nranks, rank = self.rank, p, status = 0
         cdef uint32_t *host = NULL
         cdef uint32_t *flags = &self.peers.signal[rank].stream_flags[0]
-        cdef uint32_t own
         cdef cudaStream_t s
-        timeout = self.timeout_ns / 1e9
-        period = min(0.25, timeout / 8)
+        watch = BarrierWatch(rank, self.timeout_ns / 1e9)
         set_device(self.device)
         stream = Stream()
         s = stream.handle
         check(pmg_host_alloc(<void **>&host, PMG_MAX_RANKS * sizeof(uint32_t)))
         try:
-            since, seen = None, None
-            while not self.watch_stop.wait(period):
+            while not self.watch_stop.wait(min(0.25, watch.timeout / 8)):
                 with nogil:
                     status = pmg_memcpy_async(host, flags, n * sizeof(uint32_t), s)
                     if status == 0:
                         status = pmg_stream_synchronize(s)
                 if status:  # a broken context: the operations report it themselves
                     return
-                own = host[rank]
-                late = [p for p in range(n) if p != rank and <int32_t>(own - host[p]) > 0]
-                state = (own, [host[p] for p in late])
-                if not self.sync.late_rank_plus_one:
-                    if not late or state != seen:
-                        since, seen = time.monotonic(), state
-                        continue
-                    if time.monotonic() - since <= timeout:
-                        continue
+                found = watch.late
+                release = watch.look([host[p] for p in range(n)], time.monotonic())
+                if found is None and watch.late is not None:
                     # Marked before the stream goes on: the start that follows must see it.
-                    self.sync.late_rank_plus_one = late[0] + 1
-                    print(f"pympgu: rank {rank} of {n} waited more than {timeout:g} s at an "
-                          f"exchange's barrier for rank {late[0]}, which died or stopped "
+                    self.sync.late_rank_plus_one = watch.late + 1
+                    print(f"pympgu: rank {rank} of {n} waited more than {watch.timeout:g} s at "
+                          f"an exchange's barrier for rank {watch.late}, which died or stopped "
                           "exchanging; its next exchange fails", file=sys.stderr, flush=True)
-                for p in late:
-                    host[p] = own
+                for p in release:
+                    host[p] = host[rank]
                     with nogil:
                         status = pmg_memcpy_async(&flags[p], &host[p], sizeof(uint32_t), s)
                         if status == 0:

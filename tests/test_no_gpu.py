@@ -327,6 +327,31 @@ def test_push_barrier_setting_is_checked(monkeypatch):
     assert len(_cuda.XLA_MARKS) == _cuda.XLA_MARK_COUNT
 
 
+def test_barrier_watch_finds_a_peer_that_stopped():
+    """PeerGroup's watchdog for stream barriers, its judgement alone: a peer behind but
+    moving is never blamed; one that stays behind past the timeout is, and from then on the
+    stream is let past every barrier it waits at."""
+    try:
+        from pympgu._cuda import BarrierWatch
+    except ImportError:
+        pytest.skip("pympgu was built without CUDA")
+    w = BarrierWatch(rank=1, timeout=2.0)
+    assert w.look([5, 5, 5], 0.0) == [] and w.look([6, 6, 6], 10.0) == []  # nobody waits
+    # Rank 1 reached barrier 7; rank 0 announced 6, rank 2 7: rank 0 is late, and moves on.
+    for t, flags in enumerate([[6, 7, 7], [6, 7, 7], [7, 8, 7], [7, 8, 7]]):
+        assert w.look(flags, 1.5 * t) == [], (t, flags)
+    assert w.late is None
+    # Rank 2 stops at 7 while rank 1 waits at 9: found once 2 s have passed unchanged.
+    assert w.look([9, 9, 7], 100.0) == [] and w.look([9, 9, 7], 102.0) == []
+    assert w.look([9, 9, 7], 102.5) == [2] and w.late == 2
+    # Failed: every late peer is let past at once, rank 0 too now.
+    assert w.look([9, 10, 9], 102.6) == [0, 2] and w.late == 2
+    # Numbers compare cyclically, as the stream's wait does.
+    w = BarrierWatch(rank=0, timeout=0.0)
+    assert w.look([1, 2**32 - 1], 0.0) == [] and w.look([1, 2**32 - 1], 1.0) == [1]
+    assert BarrierWatch(0, 0.0).look([2**32 - 1, 1], 0.0) == []  # the peer is ahead
+
+
 def test_stream_barrier_setting_is_checked(monkeypatch):
     try:
         from pympgu import _cuda
