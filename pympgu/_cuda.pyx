@@ -1041,6 +1041,8 @@ cdef class PeerGroup:
     cdef pmg_stream_sync sync  # the XLA pair's stream barriers (pmg_group.stream_sync)
     cdef object watchdog  # the thread that times them out, once they are used
     cdef object watch_stop
+    cdef Stream watch_stream  # its copies'
+    cdef uint32_t *watch_host  # page-locked: where it reads the flags
     cdef object marks  # the pair's timeline events (PYMPGU_XLA_TIMELINE=1), or None
     # 'auto''s thresholds, read from the environment once: a lookup there costs about a
     # microsecond, a fifth of what queueing a small exchange takes (docs/BENCHMARKS.md).
@@ -1294,9 +1296,18 @@ cdef class PeerGroup:
         return self._xla_id
 
     def _start_watchdog(self):
+        """Start the watchdog (_watch), with what it needs made here, on the registering
+        thread, before any stream barrier is queued: a page-locked allocation may wait for
+        the device (the CUDA guide lists it among the calls that synchronize implicitly),
+        which would include the barrier the watchdog is there to end."""
         import threading
         if self.watchdog is not None:
             return
+        set_device(self.device)
+        if self.watch_stream is None:
+            self.watch_stream = Stream()
+        if self.watch_host == NULL:
+            check(pmg_host_alloc(<void **>&self.watch_host, PMG_MAX_RANKS * sizeof(uint32_t)))
         self.watch_stop = threading.Event()
         self.watchdog = threading.Thread(target=self._watch, daemon=True,
                                          name=f"pympgu-barrier-watchdog-{self.rank}")
@@ -1310,57 +1321,81 @@ cdef class PeerGroup:
         peer (xla_ffi.cc, peers_in_step), say so on stderr, and from then on let the stream
         past every barrier it waits at (write the number it waits for in the late peers'
         place): XLA's stream, and the host behind it, are not held for good. The exchanges
-        let go that way end without the late peer's values.
+        let go that way end without the late peer's values. When the group closes, every
+        barrier still queued is let go, so that nothing on the device waits for good.
 
-        Not yet seen to work on a GPU (session 21's only run of its test was cut off by the
-        call's time limit). A risk to rule out: CUDA maps streams onto a few hardware queues
-        (CUDA_DEVICE_MAX_CONNECTIONS), and a copy on this thread's stream that shares the
-        side stream's queue would wait behind the very wait it should end. Flags in shared
-        host memory would need no stream at all."""
+        It only copies, on its own non-blocking stream: nothing here may wait for the device
+        as a whole, which would include the barrier it is there to end (_start_watchdog).
+
+        That is not enough, and this form is not fit for main (docs/BENCHMARKS.md, session
+        22): the first launch of a kernel that CUDA has not loaded yet (lazy loading, the
+        default) waits, on the host, until a pending cuStreamWaitValue32 on GPU memory is
+        released, and holds the driver while it does; so the watchdog's copies wait behind
+        it, and a peer that never comes hangs the process (test_gpu_stream_barrier_times_
+        out_on_a_late_peer hung in 4 of 4 runs; with CUDA_MODULE_LOADING=EAGER it passed in
+        9.6 s). A release that needs no CUDA call does not have that problem: the flags in
+        shared page-locked host memory, released by a plain store
+        (benchmarks/probe_stream_wait.cu: 4.8 us a barrier there, 4.0 with the flags in GPU
+        memory, 7.5 for the barrier kernel)."""
         import sys
         import time
         cdef int n = self.nranks, rank = self.rank, p, status = 0
-        cdef uint32_t *host = NULL
+        cdef uint32_t *host = self.watch_host
         cdef uint32_t *flags = &self.peers.signal[rank].stream_flags[0]
-        cdef cudaStream_t s
+        cdef cudaStream_t s = self.watch_stream.handle
         watch = BarrierWatch(rank, self.timeout_ns / 1e9)
-        set_device(self.device)
-        stream = Stream()
-        s = stream.handle
-        check(pmg_host_alloc(<void **>&host, PMG_MAX_RANKS * sizeof(uint32_t)))
-        try:
-            while not self.watch_stop.wait(min(0.25, watch.timeout / 8)):
+
+        def read():
+            cdef int err
+            with nogil:
+                err = pmg_memcpy_async(host, flags, n * sizeof(uint32_t), s)
+                if err == 0:
+                    err = pmg_stream_synchronize(s)
+            return err
+
+        def release(peers, uint32_t value):
+            cdef int err = 0, q
+            for q in peers:
+                host[q] = value
                 with nogil:
-                    status = pmg_memcpy_async(host, flags, n * sizeof(uint32_t), s)
-                    if status == 0:
-                        status = pmg_stream_synchronize(s)
-                if status:  # a broken context: the operations report it themselves
-                    return
-                found = watch.late
-                release = watch.look([host[p] for p in range(n)], time.monotonic())
-                if found is None and watch.late is not None:
-                    # Marked before the stream goes on: the start that follows must see it.
-                    self.sync.late_rank_plus_one = watch.late + 1
-                    print(f"pympgu: rank {rank} of {n} waited more than {watch.timeout:g} s at "
-                          f"an exchange's barrier for rank {watch.late}, which died or stopped "
-                          "exchanging; its next exchange fails", file=sys.stderr, flush=True)
-                for p in release:
-                    host[p] = host[rank]
-                    with nogil:
-                        status = pmg_memcpy_async(&flags[p], &host[p], sizeof(uint32_t), s)
-                        if status == 0:
-                            status = pmg_stream_synchronize(s)
-                    if status:
-                        return
-        finally:
-            pmg_host_free(host)
-            stream.close()
+                    err = pmg_memcpy_async(&flags[q], &host[q], sizeof(uint32_t), s)
+                    if err == 0:
+                        err = pmg_stream_synchronize(s)
+                if err:
+                    break
+            return err
+
+        set_device(self.device)
+        while not self.watch_stop.wait(min(0.25, watch.timeout / 8)):
+            if read():  # a broken context: the operations report it themselves
+                return
+            found = watch.late
+            late = watch.look([host[p] for p in range(n)], time.monotonic())
+            if found is None and watch.late is not None:
+                # Marked before the stream goes on: the start that follows must see it.
+                self.sync.late_rank_plus_one = watch.late + 1
+                print(f"pympgu: rank {rank} of {n} waited more than {watch.timeout:g} s at "
+                      f"an exchange's barrier for rank {watch.late}, which died or stopped "
+                      "exchanging; its next exchange fails", file=sys.stderr, flush=True)
+            if release(late, host[rank]):
+                return
+        # Closing: no barrier is queued after this, so every one a peer has not announced
+        # yet is let go.
+        if read() == 0:
+            release([p for p in range(n) if p != rank and
+                     0 < (self.sync.queued - host[p]) % 2**32 < 2**31], self.sync.queued)
 
     def _stop_watchdog(self):
         if self.watchdog is not None:
             self.watch_stop.set()
             self.watchdog.join()
             self.watchdog = None
+        if self.watch_host != NULL:  # the barriers are let go by now
+            pmg_host_free(self.watch_host)
+            self.watch_host = NULL
+        if self.watch_stream is not None:
+            self.watch_stream.close()
+            self.watch_stream = None
 
     def xla_timeline(self):
         """Where the last exchange through the XLA start/done pair spent its time: a dict
