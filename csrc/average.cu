@@ -7,14 +7,12 @@
 #include <cuda_runtime.h>
 
 #include <chrono>
-#include <cstddef>
 #include <cstring>
 #include <type_traits>
 
 #include "pympgu.h"
 
-static_assert(sizeof(pmg_signal) ==
-                  PMG_MAX_BLOCKS * PMG_MAX_RANKS * 4 + PMG_MAX_BLOCKS * 4 + 16 + PMG_MAX_RANKS * 4,
+static_assert(sizeof(pmg_signal) == PMG_MAX_BLOCKS * PMG_MAX_RANKS * 4 + PMG_MAX_BLOCKS * 4 + 16,
               "pmg_signal is shared between processes: its layout is part of the ABI");
 static_assert(sizeof(pmg_peers) == 128, "pmg_peers is a kernel parameter: keep it small");
 static_assert(sizeof(pmg_tensor) == 80, "pmg_tensor is uploaded as raw bytes from Python");
@@ -1049,30 +1047,28 @@ const MemOps &mem_ops() {
   }();
   return ops;
 }
-
-CUdeviceptr stream_flag(const pmg_peers *peers, int owner, int sender) {
-  return reinterpret_cast<CUdeviceptr>(peers->signal[owner]) + offsetof(pmg_signal, stream_flags) +
-         size_t(sender) * sizeof(uint32_t);
-}
 }  // namespace
 
-int pmg_stream_barrier(const pmg_peers *peers, int rank, int nranks, uint32_t seq,
+int pmg_stream_barrier(uint32_t *const *flags, int rank, int nranks, uint32_t seq,
                        cudaStream_t stream) {
   if (int err = check_ranks(rank, nranks)) return err;
-  if (int err = check_peers(peers, nranks)) return err;
+  if (!flags) return PMG_ERR_INVALID_ARGUMENT;
+  for (int p = 0; p < nranks; ++p)
+    if (!flags[p]) return PMG_ERR_INVALID_ARGUMENT;
   const MemOps &ops = mem_ops();
   if (ops.status) return ops.status;
+  auto at = [](const uint32_t *flag) { return reinterpret_cast<CUdeviceptr>(flag); };
   // CUresult's codes are cudaError_t's for the errors these return (invalid value, not
   // supported, a sticky launch failure), so the runtime's message names them.
   for (int p = 0; p < nranks; ++p) {
     // Each with a memory fence before it: what this stream wrote before (the pushed arrays)
     // is visible to a peer that has seen the number.
-    if (CUresult r = ops.write(stream, stream_flag(peers, p, rank), seq, CU_STREAM_WRITE_VALUE_DEFAULT))
+    if (CUresult r = ops.write(stream, at(flags[p] + rank), seq, CU_STREAM_WRITE_VALUE_DEFAULT))
       return int(r);
   }
   for (int p = 0; p < nranks; ++p) {
     if (p == rank) continue;
-    if (CUresult r = ops.wait(stream, stream_flag(peers, rank, p), seq, CU_STREAM_WAIT_VALUE_GEQ))
+    if (CUresult r = ops.wait(stream, at(flags[rank] + p), seq, CU_STREAM_WAIT_VALUE_GEQ))
       return int(r);
   }
   return 0;

@@ -67,15 +67,12 @@ enum pmg_status {
  * counter[b]: this rank's own count of barriers crossed by block b (never written by peers).
  * ll_seq: the sequence number of this rank's last LL call, ll_arrived: its blocks that have
  * finished the current one, resident_command: see pmg_resident_start (all this rank's own).
- * stream_flags[r]: for a peer r, the last stream barrier (pmg_stream_barrier) that r
- * announced to this rank; for r == rank, the last one this rank's own stream reached.
  * The LL mailboxes follow the block, pmg_ll_bytes(nranks) of them, before the data. */
 typedef struct pmg_signal {
   uint32_t flags[PMG_MAX_BLOCKS][PMG_MAX_RANKS];
   uint32_t counter[PMG_MAX_BLOCKS];
   uint32_t ll_seq, ll_arrived;
   uint64_t resident_command; /* the resident kernel's block 0 relays the host's command here */
-  uint32_t stream_flags[PMG_MAX_RANKS];
 } pmg_signal;
 
 /* The R replicas as this process sees them: data[r] and signal[r] are local pointers for
@@ -155,6 +152,10 @@ int pmg_malloc(void **ptr, size_t nbytes);
 int pmg_free(void *ptr);
 int pmg_host_alloc(void **ptr, size_t nbytes); /* page-locked, for truly async uploads */
 int pmg_host_free(void *ptr);
+/* Page-lock nbytes at ptr (page-aligned) and map them for every device; *device_ptr is where
+ * the current device sees them. pmg_host_unregister undoes it. */
+int pmg_host_register(void *ptr, size_t nbytes, void **device_ptr);
+int pmg_host_unregister(void *ptr);
 int pmg_memset_async(void *ptr, int value, size_t nbytes, cudaStream_t stream);
 int pmg_memcpy_async(void *dst, const void *src, size_t nbytes, cudaStream_t stream);
 int pmg_memcpy_peer_async(void *dst, int dst_device, const void *src, int src_device,
@@ -294,14 +295,19 @@ int pmg_resident_stop(pmg_doorbell *bell, uint32_t count, cudaStream_t stream);
 /* A GPU-side barrier alone (one block), for methods that move data with copies. */
 int pmg_device_barrier(const pmg_peers *peers, int rank, int nranks, uint64_t timeout_ns,
                        cudaStream_t stream);
-/* The same barrier without a kernel: stream memory operations (the driver's
- * cuStreamWriteValue32 and cuStreamWaitValue32) write seq into every rank's stream_flags[rank]
- * (this rank's own too: how far its stream got) and hold stream until every peer has written
- * seq, or later, into this rank's. The GPU's front end waits, so no SM is held (a barrier
- * kernel spins on one, beside XLA's matrix products). seq must grow by one per call, alike
- * on every rank. It has no timeout of its own: PeerGroup's watchdog gives it one
- * (pmg_stream_sync). */
-int pmg_stream_barrier(const pmg_peers *peers, int rank, int nranks, uint32_t seq,
+/* The same barrier without a kernel, by stream memory operations (the driver's
+ * cuStreamWriteValue32 and cuStreamWaitValue32). flags[r] is rank r's array of
+ * PMG_MAX_RANKS flags as this GPU addresses it: flags[r][p], for a peer p, is the last
+ * barrier p announced to r; flags[r][r], the last one r's own stream reached. The barrier
+ * writes seq into flags[r][rank] for every rank r, this one's included, and holds stream
+ * until every peer p has written seq, or later, into flags[rank][p]. The GPU's front end
+ * waits, so no SM is held (a barrier kernel spins on one, beside XLA's matrix products).
+ * seq must grow by one per call, alike on every rank. The flags lie in page-locked host
+ * memory that the ranks share (PeerGroup's flags segment), so that a watchdog can read and
+ * release them with plain loads and stores: a CUDA call could wait behind the barrier
+ * itself (docs/BENCHMARKS.md, session 22). The barrier has no timeout of its own; the
+ * watchdog gives it the group's (pmg_stream_sync). */
+int pmg_stream_barrier(uint32_t *const *flags, int rank, int nranks, uint32_t seq,
                        cudaStream_t stream);
 /* 0 when pmg_stream_barrier can run (the driver has stream memory operations), else why not. */
 int pmg_stream_barrier_available(void);
@@ -377,6 +383,7 @@ typedef struct pmg_group {
   /* Non-NULL: the pair's barriers are stream barriers (pmg_stream_barrier), counted here;
    * NULL: barrier kernels (PYMPGU_STREAM_BARRIER=0). */
   pmg_stream_sync *stream_sync;
+  uint32_t *stream_flags[PMG_MAX_RANKS]; /* pmg_stream_barrier's flags, with stream_sync */
   /* Timing events that the pair records at each point of an exchange (pmg_mark), or all
    * NULL: PeerGroup.xla_timeline reads the last exchange's (PYMPGU_XLA_TIMELINE=1). */
   cudaEvent_t marks[PMG_MARKS];

@@ -67,6 +67,14 @@ int pmg_malloc(void **ptr, size_t nbytes) { return cudaMalloc(ptr, nbytes); }
 int pmg_free(void *ptr) { return cudaFree(ptr); }
 int pmg_host_alloc(void **ptr, size_t nbytes) { return cudaMallocHost(ptr, nbytes); }
 int pmg_host_free(void *ptr) { return cudaFreeHost(ptr); }
+int pmg_host_register(void *ptr, size_t nbytes, void **device_ptr) {
+  // Portable: mapped for every context of this process, whichever device is current later.
+  cudaError_t err = cudaHostRegister(ptr, nbytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
+  if (err == cudaSuccess && (err = cudaHostGetDevicePointer(device_ptr, ptr, 0)) != cudaSuccess)
+    cudaHostUnregister(ptr);
+  return err;
+}
+int pmg_host_unregister(void *ptr) { return cudaHostUnregister(ptr); }
 
 int pmg_memset_async(void *ptr, int value, size_t nbytes, cudaStream_t stream) {
   return cudaMemsetAsync(ptr, value, nbytes, stream);

@@ -330,7 +330,7 @@ constexpr int32_t kFirst = 1, kLast = 2, kWhole = kFirst | kLast;
 // (pmg_stream_barrier: no SM held while a peer is awaited), else a one-block kernel.
 int barrier(const pmg_group &g, cudaStream_t stream) {
   if (g.stream_sync)  // XLA runs a device's operations from one thread at a time
-    return pmg_stream_barrier(&g.peers, g.rank, g.nranks, ++g.stream_sync->queued, stream);
+    return pmg_stream_barrier(g.stream_flags, g.rank, g.nranks, ++g.stream_sync->queued, stream);
   return pmg_device_barrier(&g.peers, g.rank, g.nranks, g.timeout_ns, stream);
 }
 

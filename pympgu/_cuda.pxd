@@ -22,7 +22,7 @@ cdef extern from "pympgu.h" nogil:
         PMG_MARKS
 
     ctypedef struct pmg_signal:
-        uint32_t stream_flags[PMG_MAX_RANKS]
+        pass
 
     ctypedef struct pmg_stream_sync:
         uint32_t queued
@@ -59,6 +59,7 @@ cdef extern from "pympgu.h" nogil:
         size_t shadow_offset
         int barrier_on_xla
         pmg_stream_sync *stream_sync
+        uint32_t *stream_flags[PMG_MAX_RANKS]
         cudaEvent_t marks[PMG_MARKS]
 
     const char *pmg_error_name(int status)
@@ -80,6 +81,8 @@ cdef extern from "pympgu.h" nogil:
     int pmg_malloc(void **ptr, size_t nbytes)
     int pmg_free(void *ptr)
     int pmg_host_alloc(void **ptr, size_t nbytes)
+    int pmg_host_register(void *ptr, size_t nbytes, void **device_ptr)
+    int pmg_host_unregister(void *ptr)
     int pmg_host_free(void *ptr)
     int pmg_memset_async(void *ptr, int value, size_t nbytes, cudaStream_t stream)
     int pmg_memcpy_async(void *dst, const void *src, size_t nbytes, cudaStream_t stream)

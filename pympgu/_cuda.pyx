@@ -966,9 +966,9 @@ def xla_handler(name="pympgu_average"):
 
 
 class BarrierWatch:
-    """What PeerGroup's watchdog decides from each look at this rank's stream flags
-    (pmg_signal.stream_flags: how far this rank's stream got, and the last barrier each peer
-    announced), apart from how it reads them: which peers to let the stream past.
+    """What PeerGroup's watchdog decides from each look at this rank's stream barrier flags
+    (HostFlags: how far this rank's stream got, and the last barrier each peer announced),
+    apart from how it reads them: which peers to let the stream past.
 
     A peer is late when this rank's stream has reached a barrier the peer has not announced
     (numbers compared cyclically, as cuStreamWaitValue32 does). While none has been found,
@@ -996,6 +996,88 @@ class BarrierWatch:
             self.late = late[0]
         return late
 
+    def behind(self, flags, queued):
+        """The peers that have not announced barrier ``queued``, the last one this rank's
+        stream has queued: those to let go when the group closes."""
+        return [p for p, f in enumerate(flags)
+                if p != self.rank and 0 < (queued - f) % 2**32 < 2**31]
+
+
+def _flags_name():
+    """A name for a PeerGroup's flags page that no other group on this machine has."""
+    import secrets
+    return f"pympgu-flags-{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def _split_handles(handles, int nranks):
+    """PeerGroup handles (``PeerGroup.handle``) as (the IPC handles, the names of the ranks'
+    flags pages, or None when no rank has one). Ranks that disagree on stream barriers would
+    wait for flags that never come: refused, naming them."""
+    ipc, names = [], []
+    for h in handles:
+        h = bytes(h)
+        if len(h) < PMG_IPC_HANDLE_BYTES:
+            raise ValueError(f"a PeerGroup handle is at least {PMG_IPC_HANDLE_BYTES} bytes, "
+                             f"got {len(h)}")
+        ipc.append(h[:PMG_IPC_HANDLE_BYTES])
+        names.append(h[PMG_IPC_HANDLE_BYTES:].decode())
+    if nranks < 2 or not any(names):
+        return ipc, None
+    if not all(names):
+        raise ValueError("every rank must set PYMPGU_STREAM_BARRIER alike (and have stream "
+                         "memory operations); stream barriers by rank: " +
+                         ", ".join(f"rank {r}: {'on' if n else 'off'}"
+                                   for r, n in enumerate(names)))
+    return ipc, names
+
+
+cdef class HostFlags:
+    """A page of stream barrier flags in POSIX shared memory (/dev/shm/<name>), page-locked
+    and mapped for the GPUs: one rank's PMG_MAX_RANKS flags (pmg_stream_barrier), which the
+    peers' GPUs write and its own GPU waits on. In host memory, not the GPU's, so that a
+    watchdog reads and releases them with plain loads and stores (``view``): a CUDA call
+    could wait behind the very barrier it should release (docs/BENCHMARKS.md, session 22).
+    The creator zeroes the page and unlinks it when closed; every rank maps it."""
+    cdef readonly str name
+    cdef readonly object view  # numpy uint32, PMG_MAX_RANKS of them
+    cdef object segment
+    cdef void *host
+    cdef void *device
+
+    def __init__(self, str name, bint create):
+        import mmap
+
+        from . import shm
+        self.segment = shm.Segment(name, mmap.PAGESIZE, create)
+        self.name = name
+        try:
+            self.view = np.frombuffer(self.segment.buffer, np.uint32, count=PMG_MAX_RANKS)
+            if create:
+                self.view[:] = 0
+            self.host = <void *><uintptr_t>self.view.ctypes.data  # the page's start
+            check(pmg_host_register(self.host, mmap.PAGESIZE, &self.device))
+        except BaseException:
+            self.host = NULL
+            self.close()
+            raise
+
+    @property
+    def device_ptr(self):
+        """Where the GPU current at creation (and, portable, every GPU) addresses the flags."""
+        return <uintptr_t>self.device
+
+    def close(self):
+        """Unregister and unmap (the creator also unlinks); calling it again does nothing."""
+        cdef int status = 0
+        if self.host != NULL:
+            status = pmg_host_unregister(self.host)
+            self.host = NULL
+        self.view = None
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
+        check(status)
+
 
 cdef class Resident  # below: a PeerGroup knows its running one
 
@@ -1012,10 +1094,12 @@ cdef class PeerGroup:
     peers copy their arrays into by DMA: the XLA operations' 'gather' algorithm then needs no
     pack (pympgu.xla.average_results, correct_during); without it, the shadow they need is
     private and allocated on first use. Every rank must pass the same nbytes, staging and
-    shadow. Share
-    ``handle`` (64 bytes) with the peers, then ``connect()`` with every rank's handle in rank
-    order; after that ``allreduce()`` averages the data buffers of all ranks in place with no
-    host round-trip. ``close()`` unmaps the peers and frees the block.
+    shadow. With PYMPGU_STREAM_BARRIER=1 (the default) and more than one rank it also makes
+    the page of flags that the XLA pair's stream barriers use (HostFlags), named
+    ``flags_name`` (by default a name of its own). Share ``handle`` (the block's 64-byte
+    IPC handle, then that page's name) with the peers, then ``connect()`` with every rank's
+    handle in rank order; after that ``allreduce()`` averages the data buffers of all ranks
+    in place with no host round-trip. ``close()`` unmaps the peers and frees the block.
     """
     cdef pmg_peers peers
     cdef readonly int rank
@@ -1041,8 +1125,10 @@ cdef class PeerGroup:
     cdef pmg_stream_sync sync  # the XLA pair's stream barriers (pmg_group.stream_sync)
     cdef object watchdog  # the thread that times them out, once they are used
     cdef object watch_stop
-    cdef Stream watch_stream  # its copies'
-    cdef uint32_t *watch_host  # page-locked: where it reads the flags
+    # The stream barriers' flags (PYMPGU_STREAM_BARRIER=1, where the driver has the
+    # operations): this rank's, and every rank's mapped here once connected (this one's too).
+    cdef HostFlags flags
+    cdef object rank_flags
     cdef object marks  # the pair's timeline events (PYMPGU_XLA_TIMELINE=1), or None
     # 'auto''s thresholds, read from the environment once: a lookup there costs about a
     # microsecond, a fifth of what queueing a small exchange takes (docs/BENCHMARKS.md).
@@ -1050,7 +1136,7 @@ cdef class PeerGroup:
     cdef Resident _resident  # while one runs: nothing else may exchange
 
     def __init__(self, int rank, int nranks, size_t nbytes, device=None, double timeout=60.0,
-                 staging=None, bint shadow=False):
+                 staging=None, bint shadow=False, flags_name=None):
         if nranks < 1 or nranks > PMG_MAX_RANKS:
             raise ValueError(f"nranks must be 1 to {PMG_MAX_RANKS}, got {nranks}")
         if rank < 0 or rank >= nranks:
@@ -1095,6 +1181,9 @@ cdef class PeerGroup:
         with nogil:
             check(pmg_memset_async(base, 0, self.data_offset, s))
             check(pmg_stream_synchronize(s))
+        self.rank_flags = []
+        if nranks > 1 and _stream_barrier() and pmg_stream_barrier_available() == 0:
+            self.flags = HostFlags(flags_name or _flags_name(), create=True)
 
     @property
     def auto_bytes(self):
@@ -1104,8 +1193,9 @@ cdef class PeerGroup:
 
     @property
     def handle(self):
-        """The 64-byte IPC handle of this rank's registered block."""
-        return ipc_get_handle(self.block)
+        """What the peers need to connect to this rank: the 64-byte IPC handle of its
+        registered block, then the name of its stream barriers' flags page, if it has one."""
+        return ipc_get_handle(self.block) + (self.flags.name.encode() if self.flags else b"")
 
     @property
     def sm_count(self):
@@ -1146,22 +1236,34 @@ cdef class PeerGroup:
             if not 1 <= max_blocks <= PMG_MAX_BLOCKS:
                 raise ValueError(f"max_blocks must be 1 to {PMG_MAX_BLOCKS}, got {max_blocks}")
             self.max_blocks = max_blocks
+        ipc, names = _split_handles(handles, self.nranks)
+        if (names is None) != (self.flags is None):  # this rank's own handle was not given
+            raise ValueError(f"rank {self.rank}: handles[{self.rank}] is not this group's "
+                             "handle (stream barrier flags "
+                             f"{'missing' if names is None else 'unexpected'})")
         set_device(self.device)
         cdef uintptr_t base
         try:
-            for r, h in enumerate(handles):
+            for r, h in enumerate(ipc):
                 if r == self.rank:
                     base = self.block.ptr
                 else:
-                    m = IpcMapping(bytes(h))
+                    m = IpcMapping(h)
                     self.mappings.append(m)
                     base = m.ptr
                 self.peers.signal[r] = <pmg_signal *>base
                 self.peers.data[r] = <void *>(base + self.data_offset)
+            for r, name in enumerate(names or ()):
+                self.rank_flags.append(self.flags if r == self.rank else
+                                       HostFlags(name, create=False))
         except CudaError as e:
             self._unmap()
             raise CudaError(e.status, e.name, e.message,
                             f"rank {self.rank} could not map rank {r}'s buffer") from None
+        except OSError as e:  # a peer's flags page: gone, or never made on this machine
+            self._unmap()
+            raise OSError(e.errno, f"rank {self.rank} could not map rank {r}'s stream barrier "
+                                   f"flags: {e.strerror}", e.filename) from None
         self.connected = True
 
     cdef _require(self, size_t n, int code):
@@ -1281,8 +1383,10 @@ cdef class PeerGroup:
         g.side_in, g.side_out = self.side_in.handle, self.side_out.handle
         g.side_first = self.side_first.handle
         g.barrier_on_xla = _push_barrier_on_xla()
-        if self.nranks > 1 and _stream_barrier() and pmg_stream_barrier_available() == 0:
+        if self.rank_flags:
             g.stream_sync = &self.sync
+            for r in range(self.nranks):
+                g.stream_flags[r] = <uint32_t *>(<HostFlags>self.rank_flags[r]).device
             self._start_watchdog()
         if self.marks is None and os.environ.get("PYMPGU_XLA_TIMELINE") == "1":
             self.marks = [Event(timing=True) for _ in range(PMG_MARKS)]
@@ -1296,18 +1400,9 @@ cdef class PeerGroup:
         return self._xla_id
 
     def _start_watchdog(self):
-        """Start the watchdog (_watch), with what it needs made here, on the registering
-        thread, before any stream barrier is queued: a page-locked allocation may wait for
-        the device (the CUDA guide lists it among the calls that synchronize implicitly),
-        which would include the barrier the watchdog is there to end."""
         import threading
         if self.watchdog is not None:
             return
-        set_device(self.device)
-        if self.watch_stream is None:
-            self.watch_stream = Stream()
-        if self.watch_host == NULL:
-            check(pmg_host_alloc(<void **>&self.watch_host, PMG_MAX_RANKS * sizeof(uint32_t)))
         self.watch_stop = threading.Event()
         self.watchdog = threading.Thread(target=self._watch, daemon=True,
                                          name=f"pympgu-barrier-watchdog-{self.rank}")
@@ -1315,7 +1410,7 @@ cdef class PeerGroup:
 
     def _watch(self):
         """The stream barriers' timeout (a barrier kernel has its own): every so often, read
-        how far this rank's stream got (stream_flags[rank]) and what each peer announced.
+        how far this rank's stream got (its flag of its own) and what each peer announced.
         When the stream has waited more than the group's timeout for a peer that made no
         progress, mark the group, so that every later start fails with an error naming that
         peer (xla_ffi.cc, peers_in_step), say so on stderr, and from then on let the stream
@@ -1324,78 +1419,37 @@ cdef class PeerGroup:
         let go that way end without the late peer's values. When the group closes, every
         barrier still queued is let go, so that nothing on the device waits for good.
 
-        It only copies, on its own non-blocking stream: nothing here may wait for the device
-        as a whole, which would include the barrier it is there to end (_start_watchdog).
-
-        That is not enough, and this form is not fit for main (docs/BENCHMARKS.md, session
-        22): the first launch of a kernel that CUDA has not loaded yet (lazy loading, the
-        default) waits, on the host, until a pending cuStreamWaitValue32 on GPU memory is
-        released, and holds the driver while it does; so the watchdog's copies wait behind
-        it, and a peer that never comes hangs the process (test_gpu_stream_barrier_times_
-        out_on_a_late_peer hung in 4 of 4 runs; with CUDA_MODULE_LOADING=EAGER it passed in
-        9.6 s). A release that needs no CUDA call does not have that problem: the flags in
-        shared page-locked host memory, released by a plain store
-        (benchmarks/probe_stream_wait.cu: 4.8 us a barrier there, 4.0 with the flags in GPU
-        memory, 7.5 for the barrier kernel)."""
+        Plain loads and stores in host memory, and no CUDA call: the first launch of a kernel
+        that CUDA loads lazily waits for a pending stream wait and holds the driver
+        meanwhile, so a copy here could wait behind the very barrier it should release
+        (docs/BENCHMARKS.md, session 22)."""
         import sys
         import time
-        cdef int n = self.nranks, rank = self.rank, p, status = 0
-        cdef uint32_t *host = self.watch_host
-        cdef uint32_t *flags = &self.peers.signal[rank].stream_flags[0]
-        cdef cudaStream_t s = self.watch_stream.handle
+        n, rank = self.nranks, self.rank
+        flags = self.flags.view
         watch = BarrierWatch(rank, self.timeout_ns / 1e9)
-
-        def read():
-            cdef int err
-            with nogil:
-                err = pmg_memcpy_async(host, flags, n * sizeof(uint32_t), s)
-                if err == 0:
-                    err = pmg_stream_synchronize(s)
-            return err
-
-        def release(peers, uint32_t value):
-            cdef int err = 0, q
-            for q in peers:
-                host[q] = value
-                with nogil:
-                    err = pmg_memcpy_async(&flags[q], &host[q], sizeof(uint32_t), s)
-                    if err == 0:
-                        err = pmg_stream_synchronize(s)
-                if err:
-                    break
-            return err
-
-        set_device(self.device)
         while not self.watch_stop.wait(min(0.25, watch.timeout / 8)):
-            if read():  # a broken context: the operations report it themselves
-                return
             found = watch.late
-            late = watch.look([host[p] for p in range(n)], time.monotonic())
+            late = watch.look([int(flags[p]) for p in range(n)], time.monotonic())
             if found is None and watch.late is not None:
                 # Marked before the stream goes on: the start that follows must see it.
                 self.sync.late_rank_plus_one = watch.late + 1
                 print(f"pympgu: rank {rank} of {n} waited more than {watch.timeout:g} s at "
                       f"an exchange's barrier for rank {watch.late}, which died or stopped "
                       "exchanging; its next exchange fails", file=sys.stderr, flush=True)
-            if release(late, host[rank]):
-                return
+            for p in late:
+                flags[p] = flags[rank]
         # Closing: no barrier is queued after this, so every one a peer has not announced
         # yet is let go.
-        if read() == 0:
-            release([p for p in range(n) if p != rank and
-                     0 < (self.sync.queued - host[p]) % 2**32 < 2**31], self.sync.queued)
+        queued = self.sync.queued
+        for p in watch.behind([int(flags[p]) for p in range(n)], queued):
+            flags[p] = queued
 
     def _stop_watchdog(self):
         if self.watchdog is not None:
             self.watch_stop.set()
             self.watchdog.join()
             self.watchdog = None
-        if self.watch_host != NULL:  # the barriers are let go by now
-            pmg_host_free(self.watch_host)
-            self.watch_host = NULL
-        if self.watch_stream is not None:
-            self.watch_stream.close()
-            self.watch_stream = None
 
     def xla_timeline(self):
         """Where the last exchange through the XLA start/done pair spent its time: a dict
@@ -1479,6 +1533,13 @@ cdef class PeerGroup:
             except CudaError as e:
                 errors.append(e)
         self.mappings = []
+        for f in self.rank_flags:
+            if f is not self.flags:
+                try:
+                    f.close()
+                except CudaError as e:
+                    errors.append(e)
+        self.rank_flags = []
         memset(&self.peers, 0, sizeof(pmg_peers))
         self.connected = False
         return errors
@@ -1494,8 +1555,20 @@ cdef class PeerGroup:
         if self._xla_id:
             pmg_xla_unregister(self._xla_id)
             self._xla_id = 0
-        self._stop_watchdog()  # it reads this rank's block
+        self._stop_watchdog()  # which lets every barrier still queued go
+        if self.side is not None and self.rank_flags:
+            # Its last barriers may still write into the peers' flags pages, unmapped next.
+            try:
+                self.side.synchronize()
+            except CudaError as e:
+                errors.append(e)
         errors += self._unmap()
+        if self.flags is not None:
+            try:
+                self.flags.close()
+            except CudaError as e:
+                errors.append(e)
+            self.flags = None
         if self.shadow is not None:
             self.shadow.close()
             self.shadow = None

@@ -420,8 +420,11 @@ class _CudaBackend:
         # The staging area of 'push' and 'ce', and of 'auto' when the buffer is large enough
         # that it would pick 'push'.
         staging = {"push": True, "ce": True, "auto": None}.get(ex.method, False)
+        # The flags page is named after the run, so that the launcher removes what a failed
+        # run left in /dev/shm (shm.unlink_run).
         self.group = cuda.PeerGroup(ctx.rank, ctx.nranks, ex.nbytes, device=ctx.device,
-                                    timeout=timeout, staging=staging, shadow=ex.shadow)
+                                    timeout=timeout, staging=staging, shadow=ex.shadow,
+                                    flags_name=shm.segment_name(ctx.token, ctx.rank) + "-flags")
         try:
             if ex.method in cuda.ALGORITHMS:
                 # Refuse, before any exchange, a layout the method cannot take ('ll' beyond

@@ -350,6 +350,9 @@ def test_barrier_watch_finds_a_peer_that_stopped():
     w = BarrierWatch(rank=0, timeout=0.0)
     assert w.look([1, 2**32 - 1], 0.0) == [] and w.look([1, 2**32 - 1], 1.0) == [1]
     assert BarrierWatch(0, 0.0).look([2**32 - 1, 1], 0.0) == []  # the peer is ahead
+    # Closing after barrier 3 was queued: rank 0 announced 2, rank 2 already 4.
+    assert BarrierWatch(1, 2.0).behind([2, 1, 4], 3) == [0]
+    assert BarrierWatch(0, 2.0).behind([0, 2**32 - 1], 1) == [1]
 
 
 def test_stream_barrier_setting_is_checked(monkeypatch):
@@ -365,3 +368,38 @@ def test_stream_barrier_setting_is_checked(monkeypatch):
     monkeypatch.setenv("PYMPGU_STREAM_BARRIER", "yes")
     with pytest.raises(ValueError, match="PYMPGU_STREAM_BARRIER must be '0' or '1', got 'yes'"):
         _cuda._stream_barrier()
+
+
+def test_peer_group_handles_are_split_and_checked():
+    """A PeerGroup's handle is its block's IPC handle, then its stream barrier flags' name:
+    either every rank has flags or none, and a short handle is refused."""
+    try:
+        from pympgu._cuda import _split_handles
+    except ImportError:
+        pytest.skip("pympgu was built without CUDA")
+    ipc = [bytes([r]) * 64 for r in range(3)]
+    assert _split_handles(ipc, 3) == (ipc, None)
+    named = [h + f"pympgu-t-{r}-flags".encode() for r, h in enumerate(ipc)]
+    assert _split_handles(named, 3) == (ipc, [f"pympgu-t-{r}-flags" for r in range(3)])
+    assert _split_handles(named[:1], 1) == (ipc[:1], None)  # one rank has no barriers
+    with pytest.raises(ValueError, match="PYMPGU_STREAM_BARRIER alike.*rank 0: on, "
+                                         "rank 1: off, rank 2: on"):
+        _split_handles([named[0], ipc[1], named[2]], 3)
+    with pytest.raises(ValueError, match="at least 64 bytes, got 63"):
+        _split_handles([ipc[0], ipc[1][:63]], 2)
+
+
+def test_host_flags_that_cannot_be_registered_leave_nothing():
+    """Without a driver the flags page cannot be page-locked: CUDA's error, and no segment
+    left in /dev/shm."""
+    try:
+        from pympgu._cuda import HostFlags, _flags_name
+    except ImportError:
+        pytest.skip("pympgu was built without CUDA")
+    import os
+    name = _flags_name()
+    assert name.startswith(f"pympgu-flags-{os.getpid()}-") and name != _flags_name()
+    with pytest.raises(pympgu.CudaError) as info:
+        HostFlags(name, create=True)
+    assert info.value.message
+    assert not os.path.exists(f"/dev/shm/{name}")
