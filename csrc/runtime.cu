@@ -69,7 +69,8 @@ int pmg_host_alloc(void **ptr, size_t nbytes) { return cudaMallocHost(ptr, nbyte
 int pmg_host_free(void *ptr) { return cudaFreeHost(ptr); }
 int pmg_host_register(void *ptr, size_t nbytes, void **device_ptr) {
   // Portable: mapped for every context of this process, whichever device is current later.
-  cudaError_t err = cudaHostRegister(ptr, nbytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
+  cudaError_t err =
+      cudaHostRegister(ptr, nbytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
   if (err == cudaSuccess && (err = cudaHostGetDevicePointer(device_ptr, ptr, 0)) != cudaSuccess)
     cudaHostUnregister(ptr);
   return err;

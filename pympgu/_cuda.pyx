@@ -1003,10 +1003,11 @@ class BarrierWatch:
                 if p != self.rank and 0 < (queued - f) % 2**32 < 2**31]
 
 
-def _flags_name():
-    """A name for a PeerGroup's flags page that no other group on this machine has."""
+def _flags_name(prefix=None):
+    """A name for a PeerGroup's flags page that no other group on this machine has: prefix
+    (by default pympgu-flags-<pid>), then random digits."""
     import secrets
-    return f"pympgu-flags-{os.getpid()}-{secrets.token_hex(6)}"
+    return f"{prefix or f'pympgu-flags-{os.getpid()}'}-{secrets.token_hex(6)}"
 
 
 def _split_handles(handles, int nranks):
@@ -1066,6 +1067,13 @@ cdef class HostFlags:
         """Where the GPU current at creation (and, portable, every GPU) addresses the flags."""
         return <uintptr_t>self.device
 
+    def __del__(self):
+        # Dropped unclosed: the creator's page must not stay in /dev/shm.
+        try:
+            self.close()
+        except Exception:
+            pass
+
     def close(self):
         """Unregister and unmap (the creator also unlinks); calling it again does nothing."""
         cdef int status = 0
@@ -1096,7 +1104,7 @@ cdef class PeerGroup:
     private and allocated on first use. Every rank must pass the same nbytes, staging and
     shadow. With PYMPGU_STREAM_BARRIER=1 (the default) and more than one rank it also makes
     the page of flags that the XLA pair's stream barriers use (HostFlags), named
-    ``flags_name`` (by default a name of its own). Share ``handle`` (the block's 64-byte
+    ``flags_prefix`` and random digits. Share ``handle`` (the block's 64-byte
     IPC handle, then that page's name) with the peers, then ``connect()`` with every rank's
     handle in rank order; after that ``allreduce()`` averages the data buffers of all ranks
     in place with no host round-trip. ``close()`` unmaps the peers and frees the block.
@@ -1136,7 +1144,7 @@ cdef class PeerGroup:
     cdef Resident _resident  # while one runs: nothing else may exchange
 
     def __init__(self, int rank, int nranks, size_t nbytes, device=None, double timeout=60.0,
-                 staging=None, bint shadow=False, flags_name=None):
+                 staging=None, bint shadow=False, flags_prefix=None):
         if nranks < 1 or nranks > PMG_MAX_RANKS:
             raise ValueError(f"nranks must be 1 to {PMG_MAX_RANKS}, got {nranks}")
         if rank < 0 or rank >= nranks:
@@ -1183,7 +1191,7 @@ cdef class PeerGroup:
             check(pmg_stream_synchronize(s))
         self.rank_flags = []
         if nranks > 1 and _stream_barrier() and pmg_stream_barrier_available() == 0:
-            self.flags = HostFlags(flags_name or _flags_name(), create=True)
+            self.flags = HostFlags(_flags_name(flags_prefix), create=True)
 
     @property
     def auto_bytes(self):

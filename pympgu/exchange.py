@@ -424,7 +424,7 @@ class _CudaBackend:
         # run left in /dev/shm (shm.unlink_run).
         self.group = cuda.PeerGroup(ctx.rank, ctx.nranks, ex.nbytes, device=ctx.device,
                                     timeout=timeout, staging=staging, shadow=ex.shadow,
-                                    flags_name=shm.segment_name(ctx.token, ctx.rank) + "-flags")
+                                    flags_prefix=shm.segment_name(ctx.token, ctx.rank) + "-flags")
         try:
             if ex.method in cuda.ALGORITHMS:
                 # Refuse, before any exchange, a layout the method cannot take ('ll' beyond

@@ -399,6 +399,7 @@ def test_host_flags_that_cannot_be_registered_leave_nothing():
     import os
     name = _flags_name()
     assert name.startswith(f"pympgu-flags-{os.getpid()}-") and name != _flags_name()
+    assert _flags_name("pympgu-tok-1-flags").startswith("pympgu-tok-1-flags-")
     with pytest.raises(pympgu.CudaError) as info:
         HostFlags(name, create=True)
     assert info.value.message
