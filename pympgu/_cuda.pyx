@@ -1206,6 +1206,11 @@ cdef class PeerGroup:
         return ipc_get_handle(self.block) + (self.flags.name.encode() if self.flags else b"")
 
     @property
+    def flags_name(self):
+        """The name of this rank's stream barrier flags page in /dev/shm, or None."""
+        return self.flags.name if self.flags is not None else None
+
+    @property
     def sm_count(self):
         return device_sm_count(self.device)
 

@@ -454,14 +454,16 @@ def late_peer(ctx, timeout=2.0):
     """Rank 1 never exchanges. Rank 0's exchange inside XLA waits at its stream barrier
     until the group's watchdog lets it go on, after ``timeout`` seconds (the exchange ends
     without rank 1's values), and rank 0's next exchange fails, naming rank 1. Both ranks
-    keep their groups open until rank 0 is done: rank 0 still writes into rank 1's."""
+    keep their groups open until rank 0 is done: rank 0 still writes into rank 1's. Each
+    rank also says whether its flags page was in /dev/shm while open, and after close."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
 
     from pympgu.exchange import Exchanger
     ex = Exchanger(ctx, [("w", [4096], "float32")], timeout=timeout, shadow=True)
-    result = {}
     try:
+        page = os.path.join("/dev/shm", ex.backend.group.flags_name)
+        result = {"page_while_open": os.path.exists(page)}
         if ctx.rank == 0:
             x = [jax.device_put(np.ones(4096, np.float32), jax.devices("gpu")[ctx.device])]
             step = jax.jit(lambda xs: ex.xla_average_during(xs, lambda y: y * 2, xs[0]))
@@ -473,6 +475,7 @@ def late_peer(ctx, timeout=2.0):
             except Exception as e:  # JAX's own error type, carrying pympgu's message
                 result["error"] = str(e)
         ctx.barrier()
-        return result
     finally:
         ex.close()
+    result["page_after_close"] = os.path.exists(page)  # its creator unlinks it
+    return result

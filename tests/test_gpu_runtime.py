@@ -148,9 +148,12 @@ def test_gpu_stream_barrier_times_out_on_a_late_peer(monkeypatch):
     needs_xla()
     from runtime_targets import late_peer
     monkeypatch.setenv("PYMPGU_STREAM_BARRIER", "1")  # the spawned workers read it
-    first, _ = launch(late_peer, (2.0,), gpus=devices(2))
+    results = launch(late_peer, (2.0,), gpus=devices(2))
+    first = results[0]
     assert 2.0 <= first["held_s"] < 20, first
     assert "barrier for rank 1, which died or stopped exchanging" in first["error"], first
+    for r in results:  # each rank's flags page lives as long as its group
+        assert r["page_while_open"] and not r["page_after_close"], r
 
 
 @pytest.mark.parametrize("every", [1, 2])
