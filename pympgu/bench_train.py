@@ -549,7 +549,8 @@ def table(rows):
                          f"(TF32 matmuls {'on' if r['tf32'] else 'off'})")
         runs = [m for m in r.get("runs_ms", []) if m is not None]
         if len(r.get("runs_ms", [])) > 1:
-            scalings = ", ".join("-" if x is None else f"{x:.2f}"
+            # Four places: 0.9496 must not read as 0.950, a target reached.
+            scalings = ", ".join("-" if x is None else f"{x:.4f}"
                                  for x in r.get("run_scalings", []))
             lines.append(f"{r['model']}: {r['system']} {r['variant']} on GPUs {r['gpus']}: "
                          f"{len(runs)} of {len(r['runs_ms'])} runs, {min(runs):.3f} to "

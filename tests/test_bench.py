@@ -106,9 +106,9 @@ def test_train_bench_table_shows_the_slowest_ranks_clock():
     line = table([row]).splitlines()[2]
     assert line.endswith("1923 (88%)"), line
     # Several runs: their spread, and each round's scaling.
-    runs = dict(row, runs_ms=[0.62, None, 0.619], run_scalings=[0.93, None, 0.94])
+    runs = dict(row, runs_ms=[0.62, None, 0.619], run_scalings=[0.9496, None, 0.94])
     assert ("wide: pympgu overlap4 on GPUs [0, 1]: 2 of 3 runs, 0.619 to 0.620 ms/step (the "
-            "row: the median run); scaling run by run 0.93, -, 0.94") in table([runs])
+            "row: the median run); scaling run by run 0.9496, -, 0.9400") in table([runs])
     # The road an exact exchange inside XLA took, when one was asked for.
     road = "the new values averaged after the update: PYMPGU_GRADIENTS=0"
     assert f"wide: pympgu overlap4 on GPUs [0, 1]: {road}" in table([dict(row, road=road)])
