@@ -13,10 +13,12 @@
 // A thread releases it after release_ms: through a kernel already running on GPU 1 that
 // polls host memory, or by a plain store, so that the release needs no CUDA call on the
 // host. Meanwhile the main thread times one call after another; a call that took about
-// release_ms was held until the release. (On driver 580 the first launch of a kernel not
-// loaded yet was, behind a wait in GPU memory: lazy loading waited for the pending wait;
-// CUDA_MODULE_LOADING=EAGER shows the difference. Each case's first launch is now of a
-// kernel of its own; that, and the spinning case, came after session 22's runs.)
+// release_ms was held until the release. On driver 580, under CUDA's default lazy module
+// loading, one call in each case was held: in session 22 the first launch of a kernel not
+// loaded yet, in session 23 (each case's first launch a kernel of its own) the first 4-byte
+// copy to the host on a fresh stream, behind a wait in GPU or host memory and behind a
+// spinning kernel alike. With CUDA_MODULE_LOADING=EAGER none was, but 20,000 launches onto
+// the waiting stream (its queue full). So a release must need no CUDA call.
 //
 // Last, barriers back to back between the two GPUs: by such operations, with the flags in
 // GPU memory or in host memory, and by pympgu's barrier kernel.

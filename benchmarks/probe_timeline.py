@@ -31,20 +31,21 @@ per rank, the median of each point in ms after the (first) start:
                stream passed the wait
 
 and the plain step alone, back to back, for scale; then the plain step beside DMA copies
-from the peers (no barrier, no kernel of pympgu's; --dma: the whole buffer before every
-step by default, or so many MB, so many copies of them, before one step in so many), and
-those copies alone: what the link's traffic alone costs XLA's compute, per byte or per copy. Last, each step back
-to back, and again with the exchange's operations replaced by a pass of XLA's own over the
-same arrays (not averaged): what the program's shape costs without the link; and sequences
-of steps (--cycles; by default --overlap --sync-every 4's four, 'mp..'), both ways, and
-twice more between: 'hollow' (every operation of the exchange, its barriers and XLA's wait, but each
-start sends its smallest array alone) and 'unwaited' (hollow, without XLA's wait; it timed
-as the dry program to the microsecond, as if XLA dropped the start that nothing waits
-for). A cycle timed right after 'mp..' ran about 0.01 ms a step slower than the same cycle
-timed first (docs/BENCHMARKS.md, session 21): compare cycles timed in the same order. It
-runs once per --barrier value (PYMPGU_PUSH_BARRIER: the first barrier on the side stream,
-or on XLA's). The distance from start to side_begin is what the copies wait before they
-can run.
+from the peers (no barrier; --dma: the whole buffer before every step by default, or so
+many MB, so many copies of them, before one step in so many; or, with no copy, a
+one-element kernel of pympgu's on the same stream), and those copies alone: what the
+link's traffic alone costs XLA's compute, per byte or per copy, or any work on a second
+stream. Last, each step back to back, and again with the exchange's operations replaced by
+a pass of XLA's own over the same arrays (not averaged): what the program's shape costs
+without the link; and sequences of steps (--cycles; by default --overlap --sync-every 4's
+four, 'mp..'), both ways, and twice more between: 'hollow' (every operation of the
+exchange, its barriers and XLA's wait, but each start sends its smallest array alone)
+and 'unwaited' (hollow, without XLA's wait; it timed as the dry program to the
+microsecond, as if XLA dropped the start that nothing waits for). A cycle timed right
+after 'mp..' ran about 0.01 ms a step slower than the same cycle timed first
+(docs/BENCHMARKS.md, session 21): compare cycles timed in the same order. It runs once per
+--barrier value (PYMPGU_PUSH_BARRIER: the first barrier on the side stream, or on XLA's).
+The distance from start to side_begin is what the copies wait before they can run.
 
 For each cycle with an exchange it also prints the marks of its last exchange, the median
 over bursts of cycles queued back to back (not yet run on a GPU). Beside the cycles it
@@ -94,7 +95,7 @@ def worker(ctx, hidden, batch, steps, hlo_dir=None, cycles=CYCLES, only_cycles=F
     import jax.numpy as jnp
     import numpy as np
 
-    from pympgu import CudaError
+    from pympgu import CudaError, cuda
     from pympgu.clocks import Clocks
     cfg = replica_config(hidden, batch)
     rep = Replica(ctx, cfg)
@@ -150,16 +151,27 @@ def worker(ctx, hidden, batch, steps, hlo_dir=None, cycles=CYCLES, only_cycles=F
         # traffic alone costs XLA's compute, and whether it is paid per byte or per copy
         # (the same bytes in more copies; or a copy of 4 bytes, which costs the host as much
         # as any). Then the copies alone, and the host's time to queue them.
+        # 'kernel' queues a one-element kernel of pympgu's on the same stream in place of the
+        # copies: whether any work on a second stream costs the step, or DMA's only.
+        one = cuda.DeviceBuffer(8, ctx.device)
+        a_one, b_one = one.view("float32", 1), one.view("float32", 1, offset=4)
         out["dma"] = []
         for mb, copies, every in dma:
-            n = group.nbytes // 4 if mb is None else \
+            n = group.nbytes // 4 if mb is None else 1 if mb == "kernel" else \
                 max(1, min(group.nbytes // 4, int(mb * 1e6) // 4))
+
+            def queue_one():
+                if mb == "kernel":
+                    cuda.average([a_one], out=b_one, stream=group.stream, synchronize=False)
+                else:
+                    group.gather(n, synchronize=False)
+
             queued = [0]
 
             def pull():
                 if queued[0] % every == 0:
                     for _ in range(copies):
-                        group.gather(n, synchronize=False)
+                        queue_one()
                 queued[0] += 1
 
             beside = back_to_back(plain, pull)
@@ -168,11 +180,12 @@ def worker(ctx, hidden, batch, steps, hlo_dir=None, cycles=CYCLES, only_cycles=F
             t0 = time.perf_counter()
             for _ in range(pulls):
                 for _ in range(copies):
-                    group.gather(n, synchronize=False)
+                    queue_one()
             t_queued = time.perf_counter()
             group.stream.synchronize()
             t_done = time.perf_counter()
-            out["dma"].append((4 * n / 1e6, copies, every, beside, 1e3 * (t_done - t0) / pulls,
+            out["dma"].append(("kernel" if mb == "kernel" else 4 * n / 1e6, copies, every,
+                               beside, 1e3 * (t_done - t0) / pulls,
                                1e3 * (t_queued - t0) / pulls))
             ctx.barrier()  # no rank's exchange below lands in a shadow a peer copies into
 
@@ -276,19 +289,20 @@ def worker(ctx, hidden, batch, steps, hlo_dir=None, cycles=CYCLES, only_cycles=F
 
 
 def _dma_spec(spec):
-    """--dma's MB[xCOUNT][:EVERY] as (MB, or None for the whole buffer; COUNT; EVERY)."""
+    """--dma's WHAT[xCOUNT][:EVERY] as (MB, None for the whole buffer, or "kernel"; COUNT;
+    EVERY)."""
     import argparse
     head, _, every = spec.partition(":")
-    mb, _, count = head.partition("x")
+    what, _, count = head.partition("x")
     try:
-        size = None if mb == "all" else float(mb)
+        size = what if what == "kernel" else None if what == "all" else float(what)
         copies, period = int(count or 1), int(every or 1)
     except ValueError:
         size, copies, period = 0, 0, 0
-    if size is not None and size <= 0 or copies < 1 or period < 1:
+    if size not in (None, "kernel") and size <= 0 or copies < 1 or period < 1:
         raise argparse.ArgumentTypeError(
-            f"{spec!r} is not MB[xCOUNT][:EVERY] (MB a positive number or 'all', COUNT and "
-            "EVERY positive whole numbers)")
+            f"{spec!r} is not WHAT[xCOUNT][:EVERY] (WHAT a positive number of MB, 'all' or "
+            "'kernel'; COUNT and EVERY positive whole numbers)")
     return size, copies, period
 
 
@@ -310,11 +324,12 @@ def main():
     p.add_argument("--hlo", metavar="DIR",
                    help="also write each step's compiled XLA program (rank 0's) into DIR")
     p.add_argument("--dma", nargs="+", type=_dma_spec, default=[(None, 1, 1)],
-                   metavar="MB[xCOUNT][:EVERY]",
-                   help="time the plain step beside DMA pulls from the peers of MB megabytes "
-                        "('all': their whole buffers), COUNT copies of them (default 1), "
-                        "before one step in EVERY (default 1); several to compare, e.g. 1:2 "
-                        "13:2 1x13:2 0.000004:2 (default: all)")
+                   metavar="WHAT[xCOUNT][:EVERY]",
+                   help="time the plain step beside DMA pulls from the peers of WHAT megabytes "
+                        "('all': their whole buffers; 'kernel': a one-element kernel on the "
+                        "pulls' stream, no copy), COUNT of them (default 1), before one step "
+                        "in EVERY (default 1); several to compare, e.g. 1:2 13:2 1x13:2 "
+                        "0.000004:2 kernel:2 (default: all)")
     a = p.parse_args()
     bad = [c for c in a.cycles if not c or set(c) - set(PARTS)]
     if bad:
@@ -348,9 +363,14 @@ def main():
                       " ".join(f"{r[name][m]:>12.3f}" for m in XLA_MARKS[1:]))
             print(f"{rank:>4} {'plain':>8} {r['plain_ms']:>11.3f} ms a step, back to back")
             for mb, copies, every, beside, alone, host in r["dma"]:
-                size = f"{mb:.1f} MB" if mb >= 0.1 else f"{mb * 1e6:.0f} B"
-                what = f"{copies} copies of {size}" if copies > 1 else f"a {size} copy"
-                print(f"{rank:>4} {'':>8} {beside:.3f} beside a DMA pull from the peers ({what}) "
+                if mb == "kernel":
+                    what = (f"{copies} one-element kernels" if copies > 1 else
+                            "a one-element kernel") + " on the pulls' stream"
+                else:
+                    size = f"{mb:.1f} MB" if mb >= 0.1 else f"{mb * 1e6:.0f} B"
+                    what = "a DMA pull from the peers (" + (
+                        f"{copies} copies of {size}" if copies > 1 else f"a {size} copy") + ")"
+                print(f"{rank:>4} {'':>8} {beside:.3f} beside {what} "
                       f"before one step in {every} ({(beside - r['plain_ms']) * every:+.3f} ms a "
                       f"pull), which alone takes {alone:.3f} ({host:.3f} to queue)")
             if not a.only_cycles:
