@@ -344,9 +344,6 @@ enum pmg_mark {
   PMG_MARK_AVERAGED = 8,
   PMG_MARKS = 9
 };
-/* A registered group is everything the operation needs of a PeerGroup; the operation names
- * it by the id that pmg_xla_register returns (ids are never reused, so a function traced
- * with a closed group fails with an error instead of touching freed memory). */
 /* A group's stream barriers, shared by the XLA operations (on XLA's thread) and the
  * PeerGroup's watchdog thread: how many were queued, and late_rank + 1 once the watchdog
  * found this rank's stream waiting longer than the group's timeout for rank late_rank (it
@@ -356,6 +353,9 @@ typedef struct pmg_stream_sync {
   int32_t late_rank_plus_one;
 } pmg_stream_sync;
 
+/* A registered group is everything the operation needs of a PeerGroup; the operation names
+ * it by the id that pmg_xla_register returns (ids are never reused, so a function traced
+ * with a closed group fails with an error instead of touching freed memory). */
 typedef struct pmg_group {
   pmg_peers peers;
   size_t stage_offset; /* from data to staging, as for pmg_allreduce_average */
