@@ -36,19 +36,8 @@
 #include "probe_check.h"
 
 namespace {
-using StreamValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+// The driver's stream memory operations, as pympgu finds them (average.cu's mem_ops).
 StreamValue32 write_value, wait_value;
-
-void find(const char *name, StreamValue32 *fn) {
-  void *p = nullptr;
-  cudaDriverEntryPointQueryResult r;
-  CK(cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &r));
-  if (r != cudaDriverEntryPointSuccess || !p) {
-    std::fprintf(stderr, "%s not found\n", name);
-    std::exit(1);
-  }
-  *fn = reinterpret_cast<StreamValue32>(p);
-}
 
 void CU(CUresult r, const char *what) {
   if (r != CUDA_SUCCESS) {
@@ -292,8 +281,13 @@ int main(int argc, char **argv) {
   CK(cudaDeviceEnablePeerAccess(1, 0));
   CK(cudaSetDevice(1));
   CK(cudaDeviceEnablePeerAccess(0, 0));
-  find("cuStreamWriteValue32", &write_value);
-  find("cuStreamWaitValue32", &wait_value);
+  if (const int err = mem_ops().status) {
+    std::fprintf(stderr, "no stream memory operations: %s\n",
+                 cudaGetErrorString(cudaError_t(err)));
+    return 1;
+  }
+  write_value = mem_ops().write;
+  wait_value = mem_ops().wait;
   std::printf("host calls while GPU 0's stream waits (cuStreamWaitValue32, or a spinning "
               "kernel), released after %d ms\n", release_ms);
   probe('d', first<0>, release_ms);

@@ -147,31 +147,31 @@ def worker(ctx, hidden, batch, steps, hlo_dir=None, cycles=CYCLES, only_cycles=F
         out["plain_clock"] = issued["mhz"], issued["capped"]
         # The same steps while every rank's copy engines pull from the peers into its shadow
         # (--dma: so many MB, or their whole buffers, so many times over, before one step in
-        # every so many), with no barrier and no kernel of pympgu's on the GPU: what DMA
-        # traffic alone costs XLA's compute, and whether it is paid per byte or per copy
-        # (the same bytes in more copies; or a copy of 4 bytes, which costs the host as much
-        # as any). Then the copies alone, and the host's time to queue them.
-        # 'kernel' queues a one-element kernel of pympgu's on the same stream in place of the
-        # copies: whether any work on a second stream costs the step, or DMA's only.
+        # every so many), with no barrier on the GPU: what DMA traffic alone costs XLA's
+        # compute, and whether it is paid per byte or per copy (the same bytes in more
+        # copies; or a copy of 4 bytes, which costs the host as much as any). 'kernel'
+        # queues a one-element kernel of pympgu's on the same stream in place of the copies:
+        # whether any work on a second stream costs the step, or DMA only. Then the pulls
+        # alone, and the host's time to queue them.
         one = cuda.DeviceBuffer(8, ctx.device)
         a_one, b_one = one.view("float32", 1), one.view("float32", 1, offset=4)
         out["dma"] = []
         for mb, copies, every in dma:
-            n = group.nbytes // 4 if mb is None else 1 if mb == "kernel" else \
+            n = group.nbytes // 4 if mb in (None, "kernel") else \
                 max(1, min(group.nbytes // 4, int(mb * 1e6) // 4))
 
-            def queue_one():
-                if mb == "kernel":
-                    cuda.average([a_one], out=b_one, stream=group.stream, synchronize=False)
-                else:
-                    group.gather(n, synchronize=False)
+            def queue_pull():
+                for _ in range(copies):
+                    if mb == "kernel":
+                        cuda.average([a_one], out=b_one, stream=group.stream, synchronize=False)
+                    else:
+                        group.gather(n, synchronize=False)
 
             queued = [0]
 
             def pull():
                 if queued[0] % every == 0:
-                    for _ in range(copies):
-                        queue_one()
+                    queue_pull()
                 queued[0] += 1
 
             beside = back_to_back(plain, pull)
@@ -179,8 +179,7 @@ def worker(ctx, hidden, batch, steps, hlo_dir=None, cycles=CYCLES, only_cycles=F
             pulls = max(1, steps // every)
             t0 = time.perf_counter()
             for _ in range(pulls):
-                for _ in range(copies):
-                    queue_one()
+                queue_pull()
             t_queued = time.perf_counter()
             group.stream.synchronize()
             t_done = time.perf_counter()
