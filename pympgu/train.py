@@ -344,8 +344,12 @@ class Sync:
     Overlapped with every = K > 1, the momentum and the parameters cross at two successive
     steps, each alone: the momentum during the due step (the K-th), the parameters during
     the next, each corrected after the step it spans. Each exchange then sends half the
-    state, as --overlap's every step does, where the whole state at once stalled the due
-    step (160 MB for the wide MLP: 0.81 ms against 0.58; docs/BENCHMARKS.md, session 11).
+    state, as --overlap's every step does. The whole state at once stalled the due step
+    while kernels moved the bytes (160 MB for the wide MLP: 0.81 ms against 0.58; session
+    11); since the copy engines move them it lands in time and runs as fast as the halves,
+    within run-to-run noise (0.610-0.612 ms a step against 0.610-0.615, session 24), so
+    the halves stay: they spread the traffic over two steps for a model whose whole state
+    would not cross within one (docs/BENCHMARKS.md).
     On CPU, Fashion-MNIST, momentum 0.9, K = 4, this trained to 16.28% test error, the
     whole state one step late to 16.17%, plain averaging to 15.96%. No correction comes
     later than the step after its start: kept K steps, a late correction made training
@@ -644,9 +648,10 @@ def build_parser():
                         "one-step-delayed correction, whatever --sync-every is (default: "
                         "off; every average is exact). With K > 1 the momentum crosses during "
                         "the due step and the parameters during the next. On 2 H200s it runs "
-                        "the wide MLP at 0.64 ms per step against 0.79 without (0.62 with "
-                        "--sync-every 4), within 0.33 points of the same test error "
-                        "(docs/BENCHMARKS.md, docs/TRAINING.md)")
+                        "the wide MLP at 0.62 ms per step against 0.68 without, and at 0.61 "
+                        "with --sync-every 4 against 0.68 without (one GPU: 0.58), within "
+                        "0.33 points of the same test error (docs/BENCHMARKS.md, "
+                        "docs/TRAINING.md)")
     m.add_argument("--exchange-dtype", choices=["float32", "bfloat16", "float16"],
                    default="float32",
                    help="dtype on the wire: bfloat16 or float16 send each sync's change in "
