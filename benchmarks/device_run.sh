@@ -36,15 +36,14 @@ for step in $steps; do
             && timeout 240 /tmp/link_probe ${LINK:-1024} ;;
     # The stream barriers: the watchdog's test alone (it hung before its release needed no
     # CUDA call), then the rest of the runtime's GPU tests (one device call); then the
-    # benchmark with PYMPGU_STREAM_BARRIER 1, 0, 1, 0 (another), each round's rows in $OUT.
+    # benchmark with PYMPGU_STREAM_BARRIER 1 and 0 alternating in four rounds (another), its
+    # rows in $OUT.
     stream)
       timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_runtime.py -k late_peer 2>&1 | tail -5
       timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_runtime.py -k "not late_peer" 2>&1 | tail -8 ;;
     streambench)
-      for k in 1 2 3 4; do sb=$(( k % 2 )); echo "--- round $k: PYMPGU_STREAM_BARRIER=$sb"
-        PYMPGU_STREAM_BARRIER=$sb timeout 140 python3 -m pympgu.bench train --gpus 0 1 --models wide --variants overlap4 --no-ddp --repeats 2 \
-          --json "$OUT/streambench$k.json" 2>&1 | grep "runs,\|scaling"
-      done ;;
+      timeout 400 python3 -m pympgu.bench train --gpus 0 1 --models wide --variants overlap4 --no-ddp --repeats 4 \
+        --env PYMPGU_STREAM_BARRIER=1,0 --json "$OUT/streambench.json" 2>&1 | grep "runs,\|scaling" ;;
     # What a stream memory operation's wait holds on the host, and barriers timed three ways.
     streamwait) nvcc -O3 -std=c++17 -arch=sm_90 -DPMG_WITH_CUDA -Icsrc benchmarks/probe_stream_wait.cu csrc/host_average.cpp \
                   -o /tmp/probe_stream_wait && timeout 120 /tmp/probe_stream_wait ;;

@@ -35,11 +35,23 @@ a GPU held below its top clock. With ``--repeats N`` every row runs N times, in 
 shows its median run, with the spread and each round's scaling: one run in new processes
 says little where the rows differ by a few per cent, and eager DDP's, paced by its host,
 moved from 0.78 to 1.00 between runs (docs/BENCHMARKS.md).
+
+``--env NAME=A,B`` compares settings of an environment variable that pympgu's workers read
+(PYMPGU_STREAM_BARRIER, say; README, "Environment variables"): every multi-GPU pympgu row
+runs once per value, its variant named with the setting, and with --repeats the settings
+alternate within each round, beside the same round's 1-GPU runs, which keep the environment
+as given. Several --env flags run every combination.
+
+    python -m pympgu.bench train --gpus 0 1 --models wide --variants overlap4 --no-ddp \
+        --repeats 4 --env PYMPGU_STREAM_BARRIER=1,0
 """
 import argparse
+import contextlib
 import functools
+import itertools
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -410,6 +422,41 @@ def run_ddp(devices, cfg, n_in, n_out, steps, warmup, graph=False, timeout=DDP_T
 
 # ---------------------------------------------------------------- driver
 
+def env_settings(specs):
+    """The combinations of ``--env`` specs (each ``NAME=V1,V2,...``), as a list of dicts in
+    the order given: [{}] for none. Raises ValueError naming a spec that is not of that
+    form."""
+    axes = []
+    for spec in specs:
+        name, eq, values = spec.partition("=")
+        if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ValueError(f"{spec!r} is not NAME=VALUE[,VALUE...]")
+        if name in (n for n, _ in axes):
+            raise ValueError(f"{name} is given twice; list its values in one flag")
+        values = values.split(",")
+        if "" in values or len(set(values)) < len(values):
+            raise ValueError(f"{spec!r}: every value must be given, once")
+        axes.append((name, values))
+    return [dict(zip((n for n, _ in axes), combo))
+            for combo in itertools.product(*(v for _, v in axes))]
+
+
+@contextlib.contextmanager
+def environment(values):
+    """os.environ with ``values`` set while the block runs (the workers it spawns inherit
+    them), and as it was afterwards."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run_pympgu(devices, cfg, steps, warmup, plain_jax=False):
     """pympgu on devices (None entries: CPU workers); rank 0's timings, every rank's clock."""
     from .launch import launch
@@ -424,8 +471,10 @@ def run_pympgu(devices, cfg, steps, warmup, plain_jax=False):
 
 
 def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print,
-            exchange_blocks=None, method="auto", repeats=1):
-    """Every row of the benchmark, as a list of dicts; ``ddp``: the DDP_SYSTEMS to run.
+            exchange_blocks=None, method="auto", repeats=1, settings=({},)):
+    """Every row of the benchmark, as a list of dicts; ``ddp``: the DDP_SYSTEMS to run;
+    ``settings``: the environments (env_settings) each multi-GPU pympgu row runs under, one
+    row each, its variant named with the setting and its ``env`` the setting.
 
     With ``repeats`` > 1 every run is made that many times, in rounds (each round runs
     every row once, so that a drift of the machine between process starts touches every
@@ -439,31 +488,34 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
         base = dict(MODELS[name], data=data, backend="jax", method=method, seed=0, epochs=1,
                     resume=None, out=None, sync_every=1, overlap=False,
                     exchange_dtype="float32", exchange_blocks=exchange_blocks)
-        runs = [("pympgu", gpus[:1], "-", base, True)]
+        runs = [("pympgu", gpus[:1], "-", base, True, {})]
         if multi and gpus[0] is not None:  # each other GPU alone
-            runs += [("pympgu", [g], "-", base, False)
+            runs += [("pympgu", [g], "-", base, False, {})
                      for g in dict.fromkeys(gpus[1:]) if g != gpus[0]]
         if multi:
             for v in variants:
                 k, overlap, wire, in_xla = VARIANTS[v]
-                runs.append(("pympgu", gpus, v, dict(base, sync_every=k, overlap=overlap,
-                                                      exchange_dtype=wire, xla_exchange=in_xla),
-                             False))
+                cfg = dict(base, sync_every=k, overlap=overlap, exchange_dtype=wire,
+                           xla_exchange=in_xla)
+                for env in settings:
+                    label = " ".join([v, *(f"{n}={x}" for n, x in env.items())])
+                    runs.append(("pympgu", gpus, label, cfg, False, env))
         if gpus[0] is not None:
             for system in ddp:
-                runs.append((system, gpus[:1], "-", base, False))
+                runs.append((system, gpus[:1], "-", base, False, {}))
                 if multi and len(set(gpus)) == len(gpus):
-                    runs.append((system, gpus, "-", base, False))
+                    runs.append((system, gpus, "-", base, False, {}))
         done = [[] for _ in runs]  # each run's results, one per round
         for k in range(repeats):
-            for (system, devs, variant, cfg, plain), results in zip(runs, done):
+            for (system, devs, variant, cfg, plain, env), results in zip(runs, done):
                 where = f"{len(devs)} CPU workers" if devs[0] is None else f"GPUs {devs}"
                 what = f"{name}: {system} on {where}, variant {variant}" + (
                     f", run {k + 1} of {repeats}" if repeats > 1 else "")
                 log(f"  {what}", flush=True)
                 if system == "pympgu":
                     # The plain JAX step's timings once: they do not depend on the round.
-                    r = run_pympgu(devs, cfg, steps, warmup, plain and k == 0)
+                    with environment(env):
+                        r = run_pympgu(devs, cfg, steps, warmup, plain and k == 0)
                 else:
                     try:
                         r = run_ddp(devs, cfg, ds.n_in, ds.n_classes, steps, warmup,
@@ -476,17 +528,20 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
                 if r is not None:
                     log(f"  {what}: {r['ms_per_step']:.3f} ms/step, "
                         f"{r['samples_per_s']:.0f} samples/s", flush=True)
-        for (system, devs, variant, cfg, _), results in zip(runs, done):
+        for (system, devs, variant, cfg, _, env), results in zip(runs, done):
             kept = [r for r in results if r is not None]
             if not kept:
                 continue
             # The median run (the lower one of an even count: a run that happened), with
             # what only the first run timed.
             median = sorted(kept, key=lambda r: r["ms_per_step"])[(len(kept) - 1) // 2]
-            rows.append(dict(kept[0], **median, model=name, system=system, gpus=list(devs),
-                             variant=variant, batch=cfg["batch_size"],
-                             runs_ms=[r and r["ms_per_step"] for r in results],
-                             runs_samples=[r and r["samples_per_s"] for r in results]))
+            row = dict(kept[0], **median, model=name, system=system, gpus=list(devs),
+                       variant=variant, batch=cfg["batch_size"],
+                       runs_ms=[r and r["ms_per_step"] for r in results],
+                       runs_samples=[r and r["samples_per_s"] for r in results])
+            if env:
+                row["env"] = dict(env)
+            rows.append(row)
     for row in rows:  # scaling against the same system's 1-GPU row
         one = next((r for r in rows if r["model"] == row["model"] and
                     r["system"] == row["system"] and len(r["gpus"]) == 1), None)
@@ -520,7 +575,9 @@ def scaling_alone(row, rows):
 
 def table(rows):
     from .clocks import describe
-    head = (f"{'model':<5} {'system':<9} {'GPUs':<10} {'variant':<10} {'batch/GPU':>9} "
+    # --env names a variant with its setting: the column widens to the longest.
+    wide = max([10, *(len(r["variant"]) for r in rows)])
+    head = (f"{'model':<5} {'system':<9} {'GPUs':<10} {'variant':<{wide}} {'batch/GPU':>9} "
             f"{'samples/s':>12} {'ms/step':>8} {'scaling':>8} {'added ms':>9} "
             f"{'kernel ms':>10} {'wire MB':>8} {'SM MHz':>12}")
     lines = [head, "-" * len(head)]
@@ -529,7 +586,7 @@ def table(rows):
             return format(r[key], fmt) if key in r else "-"
         where = ",".join("cpu" if g is None else str(g) for g in r["gpus"])
         lines.append(f"{r['model']:<5} {r['system']:<9} {where:<10} "
-                     f"{r['variant']:<10} {r['batch']:>9} {r['samples_per_s']:12.0f} "
+                     f"{r['variant']:<{wide}} {r['batch']:>9} {r['samples_per_s']:12.0f} "
                      f"{r['ms_per_step']:8.3f} {opt('scaling', '8.2f'):>8} "
                      f"{opt('added_ms_per_step', '9.3f'):>9} {opt('bare_kernel_ms', '10.3f'):>10} "
                      f"{(format(r['wire_bytes'] / 1e6, '8.1f') if 'wire_bytes' in r else '-'):>8}"
@@ -608,8 +665,17 @@ def main(argv=None):
                         help="skip DDP with each step captured in a CUDA graph (a rank that "
                              f"stalls is reported as failed after {DDP_TIMEOUT_S} s, with its "
                              "stacks)")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=A,B",
+                        help="run every multi-GPU pympgu row once per value of environment "
+                             "variable NAME (alternating within each round with --repeats); "
+                             "the 1-GPU rows keep the environment as given. Give it again for "
+                             "every combination of several variables")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
+    try:
+        settings = env_settings(args.env)
+    except ValueError as e:
+        parser.error(f"--env: {e}")
     from . import cuda
     if args.steps < 1 or args.warmup < 1 or args.repeats < 1:
         parser.error("--steps, --warmup and --repeats must be at least 1")
@@ -645,7 +711,7 @@ def main(argv=None):
     try:  # measure loads the dataset before any worker starts: a bad --data-dir is the flag's
         rows = measure(gpus, args.models, args.variants, args.steps, args.warmup,
                        args.data_dir, ddp, exchange_blocks=args.exchange_blocks,
-                       method=args.method, repeats=args.repeats)
+                       method=args.method, repeats=args.repeats, settings=settings)
     except DataError as e:
         parser.error(f"--data-dir: {e}")
     print(table(rows))

@@ -1,5 +1,6 @@
 """The training benchmark's own logic, on CPU workers (its GPU numbers come from the device)."""
 import json
+import os
 import subprocess
 import sys
 
@@ -165,6 +166,50 @@ def test_train_bench_times_each_gpu_alone(monkeypatch):
     assert by[(0, 1)]["scaling"] == pytest.approx(0.580 / 0.620)
     assert by[(0, 1)]["scaling_alone"] == pytest.approx(2 / 0.620 / (1 / 0.580 + 1 / 0.590))
     assert by[(0, 1)]["added_ms_per_step"] == pytest.approx(0.040)
+
+
+def test_train_bench_env_settings_alternate_within_each_round(monkeypatch):
+    """--env NAME=A,B: each multi-GPU row once per value, the values alternating within each
+    round beside the same round's 1-GPU runs, which keep the environment as given; each
+    worker launch sees its value, and the environment is restored afterwards."""
+    from pympgu import bench_train
+    knob = "PYMPGU_TEST_BENCH_KNOB"
+    monkeypatch.delenv(knob, raising=False)
+    seen = []
+
+    def fake(devices, cfg, steps, warmup, plain_jax=False):
+        value = os.environ.get(knob)
+        seen.append((list(devices), value))
+        ms = 0.580 if len(devices) == 1 else {"a": 0.610, "b": 0.620}[value]
+        return {"ms_per_step": ms, "samples_per_s": 1024 * len(devices) * 1e3 / ms}
+
+    monkeypatch.setattr(bench_train, "run_pympgu", fake)
+    settings = bench_train.env_settings([f"{knob}=a,b"])
+    rows = bench_train.measure([0, 0], ["wide"], ["overlap4"], 10, 2, None, ddp=(),
+                               log=lambda *a, **k: None, repeats=2, settings=settings)
+    assert seen == [([0], None), ([0, 0], "a"), ([0, 0], "b")] * 2, seen
+    assert knob not in os.environ
+    pairs = [r for r in rows if len(r["gpus"]) == 2]
+    assert [(r["variant"], r["env"], r["ms_per_step"]) for r in pairs] == [
+        (f"overlap4 {knob}=a", {knob: "a"}, 0.610), (f"overlap4 {knob}=b", {knob: "b"}, 0.620)]
+    assert "env" not in rows[0]
+    assert pairs[0]["scaling"] == pytest.approx(0.580 / 0.610)
+    # The table's variant column widens to the longest name, so its columns stay aligned.
+    lines = bench_train.table(rows).splitlines()
+    assert len({line.index("1024") for line in lines[2:5]}) == 1, lines[:5]
+
+
+def test_train_bench_env_settings_parse_and_refuse():
+    from pympgu.bench_train import env_settings, main
+    assert env_settings([]) == [{}]
+    assert env_settings(["A=1,0", "B=x,y"]) == [
+        {"A": "1", "B": "x"}, {"A": "1", "B": "y"}, {"A": "0", "B": "x"}, {"A": "0", "B": "y"}]
+    for bad in (["A"], ["1A=1"], ["A=1,"], ["A=1,1"], ["A=1", "A=2"]):
+        with pytest.raises(ValueError):
+            env_settings(bad)
+    with pytest.raises(SystemExit) as info:
+        main(["--cpu", "2", "--env", "A"])
+    assert info.value.code == 2
 
 
 def test_clocks_averages_nvml_samples_and_counts_the_capped_ones(monkeypatch):
