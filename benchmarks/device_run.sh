@@ -78,6 +78,8 @@ for step in $steps; do
     conv) timeout 200 python3 benchmarks/probe_conv.py 2>&1 | tail -8 ;;
     # BENCH="--gpus 0 1" on the 2-GPU kind; the default puts 2 ranks on one GPU.
     bench) timeout 500 python3 -m pympgu.bench ${BENCH:---gpus 0 --procs 2 --sizes 4K 64K 1M 64M} --json "$OUT/bench.json" 2>&1 | tail -25 ;;
-    pip) timeout 300 python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/pipcheck . && (cd /tmp && PYTHONPATH=/tmp/pipcheck python3 -c "import pympgu; print('pip install ok', pympgu.cuda_available())") ;;
+    # The installed package, away from the source tree: it must train on its embedded data.
+    pip) timeout 300 python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/pipcheck . && (cd /tmp && PYTHONPATH=/tmp/pipcheck:/tmp/site python3 -c "import pympgu; print('pip install ok', pympgu.cuda_available())" \
+           && PYTHONPATH=/tmp/pipcheck:/tmp/site timeout 200 python3 -m pympgu.train --gpus 0 --epochs 1 --quiet 2>&1 | grep -v -i warn | tail -3) ;;
   esac
 done
