@@ -139,9 +139,9 @@ def pympgu_worker(ctx, cfg, steps, warmup, plain_jax):
             if not ctx.is_cpu:
                 out["bare_kernel_ms"] = _bare_kernel_ms(ex, moved)
         if plain_jax:
-            out["pytensor_ms"] = _time_calls(lambda idx: rep.train_fn(idx), rep.wait, batches)
-            out["direct_ms"] = _time_calls(lambda idx: rep.step(idx), rep.wait, batches)
-            out["plain_jax_ms"] = _plain_jax_ms(rep, cfg, batches)
+            out["pytensor_ms"], out["direct_ms"], out["plain_jax_ms"] = _time_rounds(
+                [(rep.train_fn, rep.wait), (rep.step, rep.wait), _plain_jax_step(rep, cfg)],
+                batches)
             if not ctx.is_cpu and ctx.nranks == 1:
                 out["r1"] = _exchange_overhead(ctx, rep, cfg)
         return out
@@ -199,21 +199,30 @@ def _exchange_overhead(ctx, rep, cfg, calls=20):
                 "copy_back_ms": statistics.median(queued) - sum(per.values())}
 
 
-def _time_calls(call, wait, batches, repeats=3):
-    """Median ms per call over the batches, calls dispatched back to back."""
-    samples = []
-    for _ in range(repeats):
+def _time_rounds(calls, batches, rounds=5):
+    """The median ms per call of each ``(call, wait)`` in ``calls``, each called on every
+    batch back to back, then waited for. After one call each (compilation), they are timed
+    in rounds, each once a round, so that a drift of the GPU between them touches each
+    alike. Timed one after another, three times each, the direct call read 0.602 ms a step
+    while the run's own 300 steps through it took 0.584 (docs/BENCHMARKS.md, session 24)."""
+    for call, wait in calls:
+        call(batches[0])
         wait()
-        t0 = time.perf_counter()
-        for idx in batches:
-            call(idx)
-        wait()
-        samples.append(1e3 * (time.perf_counter() - t0) / len(batches))
-    return statistics.median(samples)
+    samples = [[] for _ in calls]
+    for _ in range(rounds):
+        for (call, wait), times in zip(calls, samples):
+            wait()
+            t0 = time.perf_counter()
+            for idx in batches:
+                call(idx)
+            wait()
+            times.append(1e3 * (time.perf_counter() - t0) / len(batches))
+    return [statistics.median(times) for times in samples]
 
 
-def _plain_jax_ms(rep, cfg, batches):
-    """The same step written directly in JAX (grad of the same loss, one jitted function)."""
+def _plain_jax_step(rep, cfg):
+    """The same step written directly in JAX (grad of the same loss, one jitted function),
+    as ``(call, wait)`` for _time_rounds."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -244,7 +253,7 @@ def _plain_jax_ms(rep, cfg, batches):
     def call(idx):
         state[0], state[1], _ = step(state[0], state[1], x_all, y_all, jnp.asarray(idx))
 
-    return _time_calls(call, lambda: jax.block_until_ready(state), batches)
+    return call, lambda: jax.block_until_ready(state)
 
 
 # ---------------------------------------------------------------- DDP

@@ -212,6 +212,30 @@ def test_train_bench_env_settings_parse_and_refuse():
     assert info.value.code == 2
 
 
+def test_train_bench_times_the_step_forms_in_rounds(monkeypatch):
+    """The PyTensor call, the direct call and the plain JAX step are timed in rounds, each
+    once a round after one untimed call each, and each gets the median of its rounds."""
+    from pympgu import bench_train
+    clock, log = [0.0], []
+    monkeypatch.setattr(bench_train.time, "perf_counter", lambda: clock[0])
+
+    def form(name, seconds):
+        # Each timed pass over the two batches takes the next of ``seconds``; the untimed
+        # first call takes none.
+        left = iter(seconds)
+
+        def call(idx):
+            log.append(name)
+            if idx == 1 and len(log) > 2:
+                clock[0] += next(left)
+        return call, lambda: None
+
+    got = bench_train._time_rounds([form("a", [5.0, 1.0, 2.0]), form("b", [3.0, 4.0, 9.0])],
+                                   [0, 1], rounds=3)
+    assert log == ["a", "b"] + ["a", "a", "b", "b"] * 3, log
+    assert got == [pytest.approx(1e3 * 2.0 / 2), pytest.approx(1e3 * 4.0 / 2)]
+
+
 def test_clocks_averages_nvml_samples_and_counts_the_capped_ones(monkeypatch):
     import ctypes
     import time
