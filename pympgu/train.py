@@ -390,6 +390,18 @@ class Sync:
         self.gradients = self.params_only and not overlap  # identical state at every step
 
     @property
+    def outside(self):
+        """Why a GPU worker's exchanges are queued from Python after its steps rather than
+        run inside their XLA call (half the wide MLP's speed on 2 H200s, docs/BENCHMARKS.md),
+        in words; None where they run inside, or where there is no XLA call to join (CPU
+        workers)."""
+        if self.fused or self.ex is None or self.rep.ctx.is_cpu:
+            return None
+        if self.rep.jax is None:
+            return "PyTensor's C backend has no XLA call"
+        return self.ex.xla_unavailable() or "turned off (PYMPGU_XLA_EXCHANGE=0)"
+
+    @property
     def regular(self):
         """The part of the state (Replica.part) that an exchange other than the epoch's
         last sends (the momentum and the parameters take the same bytes)."""
@@ -518,8 +530,10 @@ def worker(ctx, cfg):
                       "exchange_share": None if sync.fused else sync.seconds / epoch_s,
                       # Which road the step's exchange took inside XLA, in words (None when
                       # no step traced xla_average_gradients), so that a run says whether
-                      # the gradients or the parameters crossed, and why.
-                      "road": None if ex is None else ex.xla_road}
+                      # the gradients or the parameters crossed, and why; or why it runs
+                      # outside XLA (a build without jaxlib's headers, say).
+                      "road": (f"queued from Python after the step: {sync.outside}"
+                               if sync.outside else None if ex is None else ex.xla_road)}
             if ctx.rank == 0:
                 record["valid_error"], record["test_error"] = rep.errors()
                 history.append(record)

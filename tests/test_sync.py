@@ -183,3 +183,23 @@ def test_fused_steps_average_parameters_alone_only_when_exact(every, overlap, ex
         sync.step(None, i, last=i == 5)
     assert rep.calls == expected
     assert not Sync(rep, Ex(lambda a: a), every, fuse=False).fused  # PYMPGU_XLA_EXCHANGE=0
+
+
+def test_sync_says_why_a_gpu_workers_exchange_runs_outside_xla():
+    class Ex(FakeEx):
+        why = None
+
+        def xla_unavailable(self):
+            return self.why
+
+    rep = FakeRep(0.0, 0.0, params=1)
+    ex = Ex(lambda a: a)
+    assert Sync(rep, ex).outside is None  # CPU workers: no XLA call to join
+    rep.ctx = SimpleNamespace(is_cpu=False)
+    assert Sync(rep, ex).outside == "PyTensor's C backend has no XLA call"
+    rep.jax = object()
+    assert Sync(rep, ex).fused and Sync(rep, ex).outside is None
+    assert Sync(rep, ex, fuse=False).outside == "turned off (PYMPGU_XLA_EXCHANGE=0)"
+    ex.why = "pympgu was built without jaxlib's XLA FFI headers; install jax and rebuild"
+    assert Sync(rep, ex).outside == ex.why
+    assert Sync(rep, None).outside is None
