@@ -79,7 +79,7 @@ for step in $steps; do
     # BENCH="--gpus 0 1" on the 2-GPU kind; the default puts 2 ranks on one GPU.
     bench) timeout 500 python3 -m pympgu.bench ${BENCH:---gpus 0 --procs 2 --sizes 4K 64K 1M 64M} --json "$OUT/bench.json" 2>&1 | tail -25 ;;
     # The installed package, away from the source tree: it must train on its embedded data.
-    pip) timeout 300 python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/pipcheck . && (cd /tmp && PYTHONPATH=/tmp/pipcheck:/tmp/site python3 -c "import pympgu; print('pip install ok', pympgu.cuda_available())" \
+    pip) timeout 300 python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/pipcheck . && (cd /tmp && PYTHONPATH=/tmp/pipcheck:/tmp/site python3 -m pympgu \
            && PYTHONPATH=/tmp/pipcheck:/tmp/site timeout 200 python3 -m pympgu.train --gpus 0 --epochs 1 --quiet 2>&1 | grep -v -i warn | tail -3) ;;
   esac
 done

@@ -404,3 +404,30 @@ def test_host_flags_that_cannot_be_registered_leave_nothing():
         HostFlags(name, create=True)
     assert info.value.message
     assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def test_python_m_pympgu_reports_what_this_installation_can_do():
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "pympgu"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith(f"pympgu {pympgu.__version__} (")
+    assert f"CUDA: not usable: {pympgu.cuda_unavailable_reason()}" in r.stdout
+    assert "python -m pympgu.train --help" in r.stdout
+
+
+def test_python_m_pympgu_names_a_build_without_the_xla_operation(monkeypatch):
+    # The state an isolated `pip install .` leaves: no jaxlib at build time, so no XLA
+    # operation, and GPU training queues its exchanges from Python.
+    from pympgu import __main__ as main
+    from pympgu import cuda
+    if cuda._cuda is None:
+        pytest.skip("pympgu was built without CUDA")
+    monkeypatch.setattr(cuda._cuda, "xla_handler", lambda *a: None)
+    assert "no: pympgu was built without jaxlib's XLA FFI headers" in main._xla_state(True)
+    assert "--no-build-isolation" in main._xla_state(False)
+    monkeypatch.undo()
+    if cuda._cuda.xla_handler() is not None:
+        assert main._xla_state(False) == "built in; it needs a GPU"

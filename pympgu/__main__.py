@@ -1,0 +1,66 @@
+"""``python -m pympgu``: what this installation can do here, and the commands.
+
+It says whether CUDA works (and CUDA's reason when not), which GPUs can read each other's
+memory, and whether the exchange can run inside a training step's XLA call. Without that
+operation (pympgu built without jaxlib's headers, as an isolated ``pip install .`` builds
+it) GPU training queues its exchanges from Python, at about half the wide MLP's speed, so
+this is the first thing to look at after installing.
+"""
+import sys
+
+COMMANDS = """commands:
+  python -m pympgu.train --help         train a network on several GPUs (or CPU workers)
+  python -m pympgu.bench --help         the exchange against NCCL and the seed's copy method
+  python -m pympgu.bench train --help   training speed against PyTorch DDP"""
+
+
+def report():
+    """The lines ``python -m pympgu`` prints."""
+    import pympgu
+    from pympgu import cuda
+    lines = [f"pympgu {pympgu.__version__} ({pympgu.__file__})"]
+    ok, value = cuda.availability()
+    if ok:
+        names = ", ".join(f"{d}: {cuda.device_name(d)}" for d in range(value))
+        lines.append(f"  CUDA: {value} GPU(s) ({names}); runtime {_version(cuda.runtime_version())}"
+                     f", driver {_version(cuda.driver_version())}")
+        pairs = [(a, b) for a in range(value) for b in range(value) if a != b]
+        if pairs:
+            blocked = [f"{a}->{b}" for a, b in pairs if not cuda.can_access_peer(a, b)]
+            lines.append("  peer access: " + ("every pair" if not blocked else
+                         f"not {', '.join(blocked)} (those ranks use the copy method)"))
+    else:
+        lines.append(f"  CUDA: not usable: {value} (training runs on CPU workers)")
+    lines.append("  exchange inside the training step's XLA call: " + _xla_state(ok))
+    lines.append(COMMANDS)
+    return lines
+
+
+def _xla_state(gpu_ok):
+    """Whether the XLA operation was built in, and, with a GPU, whether JAX can run it."""
+    from pympgu import cuda, xla
+    try:
+        built = cuda.xla_handler() is not None
+    except cuda.CudaError:  # built without CUDA: availability() said why
+        return "no (no CUDA)"
+    if not built:
+        return ("no: pympgu was built without jaxlib's XLA FFI headers; install jax, then "
+                "rebuild without build isolation (./build.sh, or pip install "
+                "--no-build-isolation .)")
+    if not gpu_ok:
+        return "built in; it needs a GPU"
+    ok, why = xla.available()
+    return "yes" if ok else f"no: {why}"
+
+
+def _version(v):
+    return f"{v // 1000}.{v % 1000 // 10}" if v else "none"
+
+
+def main():
+    print("\n".join(report()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
