@@ -22,13 +22,16 @@ def report():
     ok, value = cuda.availability()
     if ok:
         names = ", ".join(f"{d}: {cuda.device_name(d)}" for d in range(value))
-        lines.append(f"  CUDA: {value} GPU(s) ({names}); runtime {_version(cuda.runtime_version())}"
-                     f", driver {_version(cuda.driver_version())}")
+        lines.append(f"  CUDA: {value} GPU(s) ({names}); runtime "
+                     f"{_version(cuda.runtime_version())}, driver "
+                     f"{_version(cuda.driver_version())}")
         pairs = [(a, b) for a in range(value) for b in range(value) if a != b]
         if pairs:
             blocked = [f"{a}->{b}" for a, b in pairs if not cuda.can_access_peer(a, b)]
-            lines.append("  peer access: " + ("every pair" if not blocked else
-                         f"not {', '.join(blocked)} (those ranks use the copy method)"))
+            lines.append("  peer access: " + (
+                "every pair" if not blocked else
+                f"not {', '.join(blocked)} (ranks on such a pair exchange by the copy method, "
+                "through the host)"))
     else:
         lines.append(f"  CUDA: not usable: {value} (training runs on CPU workers)")
     lines.append("  exchange inside the training step's XLA call: " + _xla_state(ok))
