@@ -53,6 +53,10 @@ def _setup_backend(ctx, backend):
 def _jax_device(jax, ctx):
     """JAX's device for this rank's GPU (ctx.device, a CUDA ordinal of this process)."""
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if not gpus:  # JAX installed without CUDA, most likely jax[cpu]
+        raise RuntimeError(
+            f"rank {ctx.rank}: JAX sees no GPU (its devices: {jax.devices()}); install JAX for "
+            'CUDA (pip install "jax[cuda13]"), or train on CPU workers with --cpu N')
     mine = [d for d in gpus if d.local_hardware_id == ctx.device]
     if not mine and len(gpus) == 1:
         mine = gpus  # JAX saw this GPU alone and numbered it on its own

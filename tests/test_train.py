@@ -348,3 +348,12 @@ def test_jax_device_is_the_rank_gpu(seen, device, picked):
             train._jax_device(fake_jax, ctx)
     else:
         assert train._jax_device(fake_jax, ctx).local_hardware_id == picked
+
+
+def test_jax_without_cuda_is_named_with_its_remedy():
+    cpu = type("Dev", (), {"platform": "cpu", "__repr__": lambda self: "CpuDevice(id=0)"})()
+    fake_jax = type("J", (), {"devices": staticmethod(lambda: [cpu])})
+    ctx = type("Ctx", (), {"rank": 1, "device": 0})()
+    with pytest.raises(RuntimeError, match=r"rank 1: JAX sees no GPU \(its devices: "
+                                           r"\[CpuDevice\(id=0\)\]\); install JAX for CUDA"):
+        train._jax_device(fake_jax, ctx)
