@@ -449,8 +449,9 @@ class _CudaBackend:
                                              "and PYMPGU_CE_MIN_BYTES"),
                               # Steps laid into XLA alike (pympgu.xla.roads).
                               ("xla_roads", "use the same PYMPGU_SPLIT_MIN_BYTES, "
-                                            "PYMPGU_SPLIT_MAX_RANKS, PYMPGU_GRADIENTS and "
-                                            "PYMPGU_FUSED_CORRECTION")):
+                                            "PYMPGU_SPLIT_MAX_RANKS, PYMPGU_GRADIENTS, "
+                                            "PYMPGU_FUSED_CORRECTION and "
+                                            "PYMPGU_OVERLAP_WHOLE")):
                 values = [f.get(key) for f in all_facts]
                 if len(set(values)) != 1:
                     # Ranks that queue different barriers (other grids, algorithms or

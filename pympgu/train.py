@@ -335,6 +335,16 @@ class Replica:
         return epoch, history
 
 
+def overlap_whole():
+    """PYMPGU_OVERLAP_WHOLE: '1' sends the whole state once a cycle, in the due step, where
+    --overlap with --sync-every K > 1 sends it in halves at two steps ('0', the default;
+    Sync). Every rank must set it alike (pympgu.xla.roads)."""
+    value = os.environ.get("PYMPGU_OVERLAP_WHOLE", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"PYMPGU_OVERLAP_WHOLE must be '0' or '1', got {value!r}")
+    return value == "1"
+
+
 class Sync:
     """When and how a replica meets the others: every ``every`` steps, plainly or overlapped.
 
@@ -353,7 +363,9 @@ class Sync:
     11); since the copy engines move them it lands in time and runs as fast as the halves,
     within run-to-run noise (0.610-0.612 ms a step against 0.610-0.615, session 24), so
     the halves stay: they spread the traffic over two steps for a model whose whole state
-    would not cross within one (docs/BENCHMARKS.md).
+    would not cross within one (docs/BENCHMARKS.md). PYMPGU_OVERLAP_WHOLE=1 sends the whole
+    state in the due step instead (overlap_whole), to time the two (python -m pympgu.bench
+    train --env PYMPGU_OVERLAP_WHOLE=0,1).
     On CPU, Fashion-MNIST, momentum 0.9, K = 4, this trained to 16.28% test error, the
     whole state one step late to 16.17%, plain averaging to 15.96%. No correction comes
     later than the step after its start: kept K steps, a late correction made training
@@ -390,6 +402,7 @@ class Sync:
         self.stepped = False  # a step was taken since the pending exchange started
         self.fused = (fuse and ex is not None and rep.jax is not None
                       and ex.xla_unavailable() is None)
+        self.whole = overlap_whole()
         self.params_only = self.fused and every == 1  # but the epoch's last exchange
         self.gradients = self.params_only and not overlap  # identical state at every step
 
@@ -419,8 +432,8 @@ class Sync:
         if self.every == 1:
             return "params" if self.params_only else "state"
         if not (t + 1) % self.every:
-            return "momentum"
-        if t and not t % self.every:
+            return "state" if self.whole else "momentum"
+        if t and not t % self.every and not self.whole:
             return "params"
         return None
 
@@ -705,6 +718,10 @@ def resolve(args, parser):
         value = cfg[key] if key in cfg else getattr(args, key)
         if value < 1:
             parser.error(f"--{key.replace('_', '-')} must be at least 1, got {value}")
+    try:  # read again by every worker's Sync: a bad value fails here, before any starts
+        overlap_whole()
+    except ValueError as e:
+        parser.error(str(e))
     if args.exchange_blocks is not None and not 1 <= args.exchange_blocks <= 512:
         parser.error(f"--exchange-blocks must be 1 to 512, got {args.exchange_blocks}")
     if any(h < 1 for h in cfg["hidden"]):

@@ -60,11 +60,13 @@ SPLIT_MAX_RANKS = int(os.environ.get("PYMPGU_SPLIT_MAX_RANKS", 2))
 def roads():
     """The settings that choose how a training step's exchange is laid into its XLA program,
     as text: every rank must have the same (the Exchanger checks it when it connects). A
-    rank that cut its step where a peer did not, or sent gradients where a peer sent
-    parameters, would read the peer's shadow by its own layout."""
+    rank that cut its step where a peer did not, sent gradients where a peer sent
+    parameters, or the whole state where a peer sent half of it (PYMPGU_OVERLAP_WHOLE),
+    would read the peer's shadow by its own layout."""
     return " ".join([str(SPLIT_MIN_BYTES), str(SPLIT_MAX_RANKS),
                      os.environ.get("PYMPGU_GRADIENTS", "1"),
-                     os.environ.get("PYMPGU_FUSED_CORRECTION", "1")])
+                     os.environ.get("PYMPGU_FUSED_CORRECTION", "1"),
+                     os.environ.get("PYMPGU_OVERLAP_WHOLE", "0")])
 
 
 @functools.lru_cache(maxsize=None)

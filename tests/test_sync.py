@@ -203,3 +203,28 @@ def test_sync_says_why_a_gpu_workers_exchange_runs_outside_xla():
     ex.why = "pympgu was built without jaxlib's XLA FFI headers; install jax and rebuild"
     assert Sync(rep, ex).outside == ex.why
     assert Sync(rep, None).outside is None
+
+
+def test_overlap_whole_sends_the_whole_state_in_the_due_step(monkeypatch):
+    # PYMPGU_OVERLAP_WHOLE=1, K = 4: one exchange a cycle, of the whole state, spanning the
+    # due step (started after step 2, corrected after step 3); none at the step after.
+    monkeypatch.setenv("PYMPGU_OVERLAP_WHOLE", "1")
+    rep = FakeRep(0.0, 100.0, params=1)
+    ex = FakeEx(lambda a: a * 0.5)
+    sync = Sync(rep, ex, 4, overlap=True)
+    assert [sync.spanning(t) for t in range(9)] == [None, None, None, "state", None, None,
+                                                     None, "state", None]
+    for i in range(8):
+        rep.step(1.0)
+        sync.after_step(i)
+    assert ex.entries == [(0, 2), (0, 2)]
+    # After step 2 the state is (3, 103) and is sent; step 3 moves it to (4, 104),
+    # corrected to (4 + 1.5 - 3, 104 + 51.5 - 103) = (2.5, 52.5). Three steps later
+    # (5.5, 55.5) is sent; step 7 gives (6.5, 56.5), corrected after it to
+    # (6.5 + 2.75 - 5.5, 56.5 + 27.75 - 55.5) = (3.75, 28.75).
+    assert [s[0][0] for s in ex.sent] == [3.0, 5.5]
+    sync.drain()
+    assert [v[0] for v in rep.state] == [3.75, 28.75]
+    monkeypatch.setenv("PYMPGU_OVERLAP_WHOLE", "yes")
+    with pytest.raises(ValueError, match="PYMPGU_OVERLAP_WHOLE must be '0' or '1'"):
+        Sync(rep, ex, 4, overlap=True)
