@@ -984,8 +984,7 @@ class BarrierWatch:
     def look(self, flags, now):
         """The peers to let the stream past, given the flags read at time ``now`` (s)."""
         own = flags[self.rank]
-        late = [p for p, f in enumerate(flags)
-                if p != self.rank and 0 < (own - f) % 2**32 < 2**31]
+        late = self.behind(flags, own)
         if self.late is None:
             state = (own, [flags[p] for p in late])
             if not late or state != self._seen:
@@ -997,8 +996,9 @@ class BarrierWatch:
         return late
 
     def behind(self, flags, queued):
-        """The peers that have not announced barrier ``queued``, the last one this rank's
-        stream has queued: those to let go when the group closes."""
+        """The peers that have not announced barrier ``queued``: while watching, the one this
+        rank's stream has reached; when the group closes, the last one it queued (those to
+        let go then)."""
         return [p for p, f in enumerate(flags)
                 if p != self.rank and 0 < (queued - f) % 2**32 < 2**31]
 

@@ -541,6 +541,7 @@ def worker(ctx, cfg):
             sync.drain()
             rep.wait()
             epoch_s = time.perf_counter() - t_epoch
+            outside = sync.outside
             loss = float(np.mean([float(c) for c in costs]))
             record = {"epoch": epoch + 1, "loss": loss, "time_s": epoch_s,
                       "samples_per_s": ctx.nranks * len(batches) * cfg["batch_size"] / epoch_s,
@@ -549,8 +550,8 @@ def worker(ctx, cfg):
                       # no step traced xla_average_gradients), so that a run says whether
                       # the gradients or the parameters crossed, and why; or why it runs
                       # outside XLA (a build without jaxlib's headers, say).
-                      "road": (f"queued from Python after the step: {sync.outside}"
-                               if sync.outside else None if ex is None else ex.xla_road)}
+                      "road": (f"queued from Python after the step: {outside}"
+                               if outside else None if ex is None else ex.xla_road)}
             if ctx.rank == 0:
                 record["valid_error"], record["test_error"] = rep.errors()
                 history.append(record)
