@@ -42,7 +42,7 @@ runs once per value, its variant named with the setting, and with --repeats the 
 alternate within each round, beside the same round's 1-GPU runs, which keep the environment
 as given. Several --env flags run every combination.
 
-    python -m pympgu.bench train --gpus 0 1 --models wide --variants overlap4 --no-ddp \
+    python -m pympgu.bench train --gpus 0 1 --models wide --variants overlap4 --no-ddp \\
         --repeats 4 --env PYMPGU_STREAM_BARRIER=1,0
 """
 import argparse
