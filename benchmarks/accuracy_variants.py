@@ -32,6 +32,10 @@ def main():
     p.add_argument("--gpus", type=int, nargs="+")
     p.add_argument("--cpu", type=int)
     p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                   metavar="NAME", help="the variants to train, quoted, of: " +
+                   ", ".join(f"'{v}'" for v in VARIANTS) + " (default: all; 'plain' is "
+                   "always trained, as the others' reference)")
     args = p.parse_args()
     devices = [None] * args.cpu if args.cpu else args.gpus
     if not devices:
@@ -41,7 +45,8 @@ def main():
                 batch_size=128, hidden=[256], sync_every=1, overlap=False,
                 exchange_dtype="float32", devices=devices)
     errors = {}
-    for name, over in VARIANTS.items():
+    for name in dict.fromkeys(["plain", *args.variants]):
+        over = VARIANTS[name]
         hist = train.run(dict(base, **over), devices, quiet=True)
         errors[name] = hist[-1]["test_error"]
     width = max(map(len, errors))

@@ -17,6 +17,8 @@ import os
 import sys
 import time
 
+from .xla import overlap_whole
+
 PRESETS = {
     # The 2014 seed: MLP 784-500-10, plain SGD, lr 0.13, batch 5000, L2 1e-4, 10 epochs.
     "dual_mlp": dict(hidden=[500], lr=0.13, momentum=0.0, batch_size=5000, l1=0.0, l2=1e-4,
@@ -335,16 +337,6 @@ class Replica:
         return epoch, history
 
 
-def overlap_whole():
-    """PYMPGU_OVERLAP_WHOLE: '1' sends the whole state once a cycle, in the due step, where
-    --overlap with --sync-every K > 1 sends it in halves at two steps ('0', the default;
-    Sync). Every rank must set it alike (pympgu.xla.roads)."""
-    value = os.environ.get("PYMPGU_OVERLAP_WHOLE", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"PYMPGU_OVERLAP_WHOLE must be '0' or '1', got {value!r}")
-    return value == "1"
-
-
 class Sync:
     """When and how a replica meets the others: every ``every`` steps, plainly or overlapped.
 
@@ -355,21 +347,19 @@ class Sync:
     (on GPUs, queueing, plus any wait when the host is an exchange ahead). The epoch's last
     exchange is plain, so that replicas end identical.
 
-    Overlapped with every = K > 1, the momentum and the parameters cross at two successive
-    steps, each alone: the momentum during the due step (the K-th), the parameters during
-    the next, each corrected after the step it spans. Each exchange then sends half the
-    state, as --overlap's every step does. The whole state at once stalled the due step
-    while kernels moved the bytes (160 MB for the wide MLP: 0.81 ms against 0.58; session
-    11); since the copy engines move them it lands in time and runs as fast as the halves,
-    within run-to-run noise (0.610-0.612 ms a step against 0.610-0.615, session 24), so
-    the halves stay: they spread the traffic over two steps for a model whose whole state
-    would not cross within one (docs/BENCHMARKS.md). PYMPGU_OVERLAP_WHOLE=1 sends the whole
-    state in the due step instead (overlap_whole), to time the two (python -m pympgu.bench
-    train --env PYMPGU_OVERLAP_WHOLE=0,1).
-    On CPU, Fashion-MNIST, momentum 0.9, K = 4, this trained to 16.28% test error, the
-    whole state one step late to 16.17%, plain averaging to 15.96%. No correction comes
-    later than the step after its start: kept K steps, a late correction made training
-    unstable (31% test error; 17.4% two steps late; session 11).
+    Overlapped with every = K > 1, the whole state crosses once a cycle, during the due
+    step (the K-th), and is corrected after it. While kernels moved the bytes the whole
+    state stalled that step (160 MB for the wide MLP: 0.81 ms against 0.58; session 11);
+    since the copy engines move them it lands within the step, and on 2 H200s the cycle ran
+    faster than with the state in halves in each of 8 pairs of alternating runs, by 0.0018
+    ms a step at the median (sessions 24 and 25): one exchange's operations fewer a cycle.
+    PYMPGU_OVERLAP_WHOLE=0 (overlap_whole) sends the momentum during the due step and the
+    parameters during the next, half the state each, as --overlap's every step does: it
+    spreads the traffic over two steps, for a model whose whole state takes longer than a
+    step to cross. On CPU, Fashion-MNIST, momentum 0.9, K = 4, the whole state trained to
+    16.20% test error, the halves to 16.28%, plain averaging to 15.96% (session 25). No
+    correction comes later than the step after its start: kept K steps, a late correction
+    made training unstable (31% test error; 17.4% two steps late; session 11).
 
     Exchanges of JAX workers are ``fused``: the average runs inside the step's own jitted
     call (Exchanger.xla_average_results, xla_correct_during), so no separate exchange is
@@ -678,12 +668,11 @@ def build_parser():
                         "(GPU workers: inside the step's XLA call, the peers' bytes moved by "
                         "the copy engines on a side stream), then apply the average with a "
                         "one-step-delayed correction, whatever --sync-every is (default: "
-                        "off; every average is exact). With K > 1 the momentum crosses during "
-                        "the due step and the parameters during the next. On 2 H200s it runs "
-                        "the wide MLP at 0.62 ms per step against 0.68 without, and at 0.61 "
-                        "with --sync-every 4 against 0.68 without (one GPU: 0.58), within "
-                        "0.33 points of the same test error (docs/BENCHMARKS.md, "
-                        "docs/TRAINING.md)")
+                        "off; every average is exact). With K > 1 the whole state crosses "
+                        "during the due step. On 2 H200s it runs the wide MLP at 0.62 ms "
+                        "per step against 0.68 without, and at 0.61 with --sync-every 4 "
+                        "against 0.68 without (one GPU: 0.58), within 0.33 points of the "
+                        "same test error (docs/BENCHMARKS.md, docs/TRAINING.md)")
     m.add_argument("--exchange-dtype", choices=["float32", "bfloat16", "float16"],
                    default="float32",
                    help="dtype on the wire: bfloat16 or float16 send each sync's change in "

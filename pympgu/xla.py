@@ -66,7 +66,18 @@ def roads():
     return " ".join([str(SPLIT_MIN_BYTES), str(SPLIT_MAX_RANKS),
                      os.environ.get("PYMPGU_GRADIENTS", "1"),
                      os.environ.get("PYMPGU_FUSED_CORRECTION", "1"),
-                     os.environ.get("PYMPGU_OVERLAP_WHOLE", "0")])
+                     str(int(overlap_whole()))])
+
+
+def overlap_whole():
+    """PYMPGU_OVERLAP_WHOLE: with --overlap and --sync-every K > 1, '1' (the default) sends
+    the whole state once a cycle, in the due step; '0' sends the momentum in the due step
+    and the parameters in the next, half the bytes at each (pympgu.train.Sync). Every rank
+    must set it alike (roads)."""
+    value = os.environ.get("PYMPGU_OVERLAP_WHOLE", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"PYMPGU_OVERLAP_WHOLE must be '0' or '1', got {value!r}")
+    return value == "1"
 
 
 @functools.lru_cache(maxsize=None)

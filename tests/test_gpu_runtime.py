@@ -156,15 +156,17 @@ def test_gpu_stream_barrier_times_out_on_a_late_peer(monkeypatch):
         assert r["page_while_open"] and not r["page_after_close"], r
 
 
-@pytest.mark.parametrize("every", [1, 2])
-def test_gpu_training_overlapped_inside_xla(every, monkeypatch):
+@pytest.mark.parametrize("every,whole", [(1, "1"), (2, "1"), (2, "0")])
+def test_gpu_training_overlapped_inside_xla(every, whole, monkeypatch):
     """--overlap with JAX workers: the average runs inside the step's XLA call, beside its
     compute, and learns as well as plain averaging on the same data and seed; run() checks
     that the replicas end identical. The correction is applied inside XLA's update (the
     default), or by pympgu's pass (PYMPGU_FUSED_CORRECTION=0): the same arithmetic, up to
     how XLA rounds the update it fuses it into. With --sync-every 2 the due step averages
-    the whole state, momentum too."""
+    the whole state, momentum too, or with PYMPGU_OVERLAP_WHOLE=0 the momentum alone, and
+    the step after it the parameters."""
     needs_xla()
+    monkeypatch.setenv("PYMPGU_OVERLAP_WHOLE", whole)  # the spawned workers read it
     from pympgu import train
     cfg = dict(train.DEFAULTS, **dict(JAX_TRAINING, sync_every=every), hidden=[64])
     plain = train.run(cfg, devices(2))[-1]

@@ -94,9 +94,11 @@ def test_overlap_applies_the_delayed_correction():
     assert rep.state[0][0] == 1.25 and ex.pending is None
 
 
-def test_overlap_with_k_sends_the_momentum_then_the_parameters():
-    # With K = 4 the momentum's exchange spans the due step (step 3: started after step 2,
-    # corrected after it), the parameters' the next; each is half the state.
+def test_overlap_with_k_sends_the_momentum_then_the_parameters(monkeypatch):
+    # PYMPGU_OVERLAP_WHOLE=0, K = 4: the momentum's exchange spans the due step (step 3:
+    # started after step 2, corrected after it), the parameters' the next; each is half the
+    # state.
+    monkeypatch.setenv("PYMPGU_OVERLAP_WHOLE", "0")
     rep = FakeRep(0.0, 100.0, params=1)
     ex = FakeEx(lambda a: a * 0.5)
     sync = Sync(rep, ex, 4, overlap=True)
@@ -117,11 +119,14 @@ def test_overlap_with_k_sends_the_momentum_then_the_parameters():
     assert [v[0] for v in rep.state] == [3.0, 28.75]
 
 
+@pytest.mark.parametrize("whole,parts", [("1", {"state"}), ("0", {"params", "momentum"})])
 @pytest.mark.parametrize("every", [2, 3, 4])
-def test_overlapped_exchanges_span_the_same_steps_fused_or_not(every):
+def test_overlapped_exchanges_span_the_same_steps_fused_or_not(every, whole, parts,
+                                                               monkeypatch):
     # The Python-queued path starts an exchange after the step before the one it spans;
     # the fused path runs it inside that step: the same schedule (but at the epoch's
     # first step, which no exchange started from Python can span).
+    monkeypatch.setenv("PYMPGU_OVERLAP_WHOLE", whole)
     rep = FakeRep(0.0, 0.0, params=1)
     ex = FakeEx(lambda a: a)
     sync = Sync(rep, ex, every, overlap=True)
@@ -131,9 +136,10 @@ def test_overlapped_exchanges_span_the_same_steps_fused_or_not(every):
         sent = len(ex.sent)
         sync.after_step(i)
         if len(ex.sent) > sent:
-            spans.append((i + 1, {(0, 1): "params", (1, 2): "momentum"}[ex.entries[-1]]))
+            spans.append((i + 1, {(0, 1): "params", (1, 2): "momentum",
+                                  (0, 2): "state"}[ex.entries[-1]]))
     assert spans == [(t, sync.spanning(t)) for t in range(1, 14) if sync.spanning(t)]
-    assert {p for _, p in spans} == {"params", "momentum"}
+    assert {p for _, p in spans} == parts
 
 
 def test_overlap_snapshot_survives_in_place_updates():
@@ -153,18 +159,22 @@ def test_single_worker_never_exchanges():
     assert "wait" not in rep.calls and rep.state[0][0] == 2.0
 
 
-@pytest.mark.parametrize("every,overlap,expected", [
+@pytest.mark.parametrize("every,overlap,whole,expected", [
     # Every rank starts each step from the same state: the mean gradients where the update
     # allows, else the parameters; the epoch's last step: the whole state.
-    (1, False, ["params gradients"] * 5 + ["state gradients"]),
-    (2, False, ["step", "state"] * 3),  # replicas drift: momentum averaged too
+    (1, False, "1", ["params gradients"] * 5 + ["state gradients"]),
+    (2, False, "1", ["step", "state"] * 3),  # replicas drift: momentum averaged too
     # Overlapped steps start from averaged parameters; the epoch's last is plain, so that
     # replicas end identical.
-    (1, True, ["params overlapped"] * 5 + ["state"]),
-    # With K > 1 the momentum crosses during the due step, the parameters during the next.
-    (4, True, ["step"] * 3 + ["momentum overlapped", "params overlapped", "state"]),
+    (1, True, "1", ["params overlapped"] * 5 + ["state"]),
+    # With K > 1 the whole state crosses during the due step; with PYMPGU_OVERLAP_WHOLE=0
+    # the momentum does, and the parameters during the next.
+    (4, True, "1", ["step"] * 3 + ["state overlapped", "step", "state"]),
+    (4, True, "0", ["step"] * 3 + ["momentum overlapped", "params overlapped", "state"]),
 ])
-def test_fused_steps_average_parameters_alone_only_when_exact(every, overlap, expected):
+def test_fused_steps_average_parameters_alone_only_when_exact(every, overlap, whole, expected,
+                                                             monkeypatch):
+    monkeypatch.setenv("PYMPGU_OVERLAP_WHOLE", whole)
     class Rep(FakeRep):
         def step(self, idx, ex=None, part="state", overlap=False, gradients=False):
             self.calls.append(("step" if ex is None else part) +
@@ -206,9 +216,10 @@ def test_sync_says_why_a_gpu_workers_exchange_runs_outside_xla():
 
 
 def test_overlap_whole_sends_the_whole_state_in_the_due_step(monkeypatch):
-    # PYMPGU_OVERLAP_WHOLE=1, K = 4: one exchange a cycle, of the whole state, spanning the
-    # due step (started after step 2, corrected after step 3); none at the step after.
-    monkeypatch.setenv("PYMPGU_OVERLAP_WHOLE", "1")
+    # The default (PYMPGU_OVERLAP_WHOLE unset), K = 4: one exchange a cycle, of the whole
+    # state, spanning the due step (started after step 2, corrected after step 3); none at
+    # the step after.
+    monkeypatch.delenv("PYMPGU_OVERLAP_WHOLE", raising=False)
     rep = FakeRep(0.0, 100.0, params=1)
     ex = FakeEx(lambda a: a * 0.5)
     sync = Sync(rep, ex, 4, overlap=True)

@@ -63,9 +63,9 @@ def test_fashion_two_workers_match_one(tmp_path):
 @pytest.mark.skipif(not os.path.isdir(data.FASHION_DIR), reason="dataset-fashion-mnist not installed")
 def test_fashion_exchange_variants_match_plain_averaging():
     """--overlap, a bfloat16 wire and --sync-every 4 against plain per-step averaging. With
-    --sync-every 4 --overlap the momentum and the parameters cross at successive steps,
-    each corrected one step after its start (16.28%; the whole state at once, 16.17%): at
-    the next sync point instead, this run reached 31% test error."""
+    --sync-every 4 --overlap the whole state crosses during the due step, corrected after
+    it (16.20%; the momentum and the parameters at successive steps, 16.28%; session 25):
+    corrected at the next sync point instead, this run reached 31% test error."""
     base = dict(data="fashion", epochs=2, batch_size=128, hidden=[256])
     runs = {"plain": {}, "overlap": dict(overlap=True), "bf16 wire": dict(exchange_dtype="bfloat16"),
             "sync every 4": dict(sync_every=4),
