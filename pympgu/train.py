@@ -351,8 +351,9 @@ class Sync:
     step (the K-th), and is corrected after it. While kernels moved the bytes the whole
     state stalled that step (160 MB for the wide MLP: 0.81 ms against 0.58; session 11);
     since the copy engines move them it lands within the step, and on 2 H200s the cycle ran
-    faster than with the state in halves in each of 8 pairs of alternating runs, by 0.0018
-    ms a step at the median (sessions 24 and 25): one exchange's operations fewer a cycle.
+    faster than with the state in halves in 11 of 12 pairs of alternating runs (the twelfth
+    level), by 0.0021 ms a step at the median (sessions 24 and 25): one exchange's
+    operations fewer a cycle.
     PYMPGU_OVERLAP_WHOLE=0 (overlap_whole) sends the momentum during the due step and the
     parameters during the next, half the state each, as --overlap's every step does: it
     spreads the traffic over two steps, for a model whose whole state takes longer than a
