@@ -88,7 +88,14 @@ def _split(x, y, n_valid, n_test):
 def load_idx_dir(directory, name=None, n_valid=10000):
     """train-* and t10k-* IDX files; the last n_valid training images become validation.
 
-    A directory with only the t10k files is split 8:1:1 (that is the embedded default).
+    A directory with only the t10k files is split 8:1:1 after a fixed shuffle (that is the
+    embedded default). The t10k file is not in random order (MNIST's page: its first 5,000
+    images are cleaner and easier than its last 5,000), and split in file order the
+    validation images (8,000 to 9,000) were far easier than the test images (9,000 on):
+    3.2% against 9.5% error after the default 5 epochs, so the best epoch was chosen on
+    unrepresentative data. Shuffled, the two agree (9.9% and 9.2%). The shuffle is
+    RandomState's, whose stream numpy keeps fixed across versions, so every install splits
+    alike.
     """
     name = name or os.path.basename(os.path.normpath(directory))
     if not os.path.isdir(directory):
@@ -97,8 +104,9 @@ def load_idx_dir(directory, name=None, n_valid=10000):
     test = load_idx_pair(directory, "t10k")
     if not has_train:
         n = len(test[1])
-        train, valid, test = _split(*test, n // 10, n // 10)
-        return Dataset(name + " (t10k split)", train, valid, test)
+        order = np.random.RandomState(0).permutation(n)
+        train, valid, test = _split(test[0][order], test[1][order], n // 10, n // 10)
+        return Dataset(name + " (t10k, shuffled 8:1:1)", train, valid, test)
     x, y = load_idx_pair(directory, "train")
     train, valid = (x[:-n_valid], y[:-n_valid]), (x[-n_valid:], y[-n_valid:])
     return Dataset(name, train, valid, test)

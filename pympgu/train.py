@@ -353,11 +353,10 @@ class Sync:
     since the copy engines move them it lands within the step, and on 2 H200s the cycle ran
     faster than with the state in halves in 11 of 12 pairs of alternating runs (the twelfth
     level), by 0.0021 ms a step at the median (sessions 24 and 25): one exchange's
-    operations fewer a cycle.
-    PYMPGU_OVERLAP_WHOLE=0 (overlap_whole) sends the momentum during the due step and the
-    parameters during the next, half the state each, as --overlap's every step does: it
-    spreads the traffic over two steps, for a model whose whole state takes longer than a
-    step to cross. On CPU, Fashion-MNIST, momentum 0.9, K = 4, the whole state trained to
+    operations fewer a cycle. PYMPGU_OVERLAP_WHOLE=0 (pympgu.xla.overlap_whole) sends the
+    momentum during the due step and the parameters during the next, half the state each,
+    as --overlap's every step does: it spreads the traffic over two steps, for a model
+    whose whole state takes longer than a step to cross. On CPU, Fashion-MNIST, momentum 0.9, K = 4, the whole state trained to
     16.20% test error, the halves to 16.28%, plain averaging to 15.96% (session 25). No
     correction comes later than the step after its start: kept K steps, a late correction
     made training unstable (31% test error; 17.4% two steps late; session 11).

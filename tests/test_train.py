@@ -127,6 +127,26 @@ def test_shards_are_disjoint_and_even():
     assert not np.array_equal(a[0], b[0])
 
 
+def test_embedded_split_is_a_fixed_shuffle_of_every_image():
+    # The t10k file's last images come from other writers than its first: split in file
+    # order, validation was far easier than test. The split must keep every image once,
+    # mix the file's order, and be the same on every load.
+    ds = data.load()
+    x, y = data.load_idx_pair(data.EMBEDDED_DIR, "t10k")
+    parts = [ds.train, ds.valid, ds.test]
+    assert [len(p[1]) for p in parts] == [8000, 1000, 1000]
+
+    def pairs(xs, ys):
+        return sorted((r.tobytes(), int(label)) for r, label in zip(xs, ys))
+
+    assert pairs(np.concatenate([p[0] for p in parts]),
+                 np.concatenate([p[1] for p in parts])) == pairs(x, y)
+    assert not np.array_equal(ds.test[1], y[-1000:])  # not the file's last thousand
+    again = data.load()
+    assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+               for a, b in zip(parts, [again.train, again.valid, again.test]))
+
+
 def test_data_errors_name_the_file(tmp_path):
     src = data.EMBEDDED_DIR
     shutil.copy(os.path.join(src, "t10k-labels-idx1-ubyte.gz"), tmp_path)
