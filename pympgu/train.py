@@ -826,6 +826,34 @@ def run(cfg, devices, port=None, quiet=False):
     return history
 
 
+def saved(out, before):
+    """What a run stopped early (interrupted, or a worker failed) leaves to resume from, in
+    words: the training itself is lost, but each finished epoch was checkpointed under
+    --out. ``before``: checkpoint_stamp(out) when the run started, to tell its checkpoint
+    from one an earlier run left in the same directory."""
+    if not out:
+        return "nothing was saved (--out DIR keeps a checkpoint after every epoch)"
+    path = os.path.join(out, CHECKPOINT)
+    try:
+        import numpy as np
+        with np.load(path) as f:
+            epoch = int(f["__epoch__"])
+    except (OSError, KeyError, ValueError):
+        return f"no epoch finished, so {out} holds no checkpoint"
+    if checkpoint_stamp(out) == before:
+        return f"no epoch of this run finished; {path} is an earlier run's (epoch {epoch})"
+    return f"epoch {epoch}'s checkpoint is in {path}: continue with --resume {out}"
+
+
+def checkpoint_stamp(out):
+    """When --out's checkpoint was last written (ns), or None: a worker replaces the file
+    after each epoch (Replica.save), so a new stamp means a new checkpoint."""
+    try:
+        return os.stat(os.path.join(out, CHECKPOINT)).st_mtime_ns if out else None
+    except OSError:
+        return None
+
+
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -834,6 +862,7 @@ def main(argv=None):
         print(f"pympgu: {note}", file=sys.stderr)
     from .data import DataError
     from .launch import WorkerFailed
+    before = checkpoint_stamp(cfg["out"])
     try:
         run(cfg, devices, port=args.port, quiet=args.quiet)
     except UsageError as e:
@@ -845,10 +874,12 @@ def main(argv=None):
         print(f"pympgu: {e}", file=sys.stderr)
         return 2
     except WorkerFailed as e:
-        print(f"pympgu: training failed: {e}", file=sys.stderr)
+        print(f"pympgu: training failed: {e}\npympgu: {saved(cfg['out'], before)}",
+              file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("pympgu: interrupted; every worker was stopped", file=sys.stderr)
+        print("pympgu: interrupted; every worker was stopped\n"
+              f"pympgu: {saved(cfg['out'], before)}", file=sys.stderr)
         return 130
     return 0
 

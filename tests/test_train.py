@@ -231,6 +231,37 @@ def test_cli_names_an_out_dir_it_cannot_write(tmp_path, capsys):
     assert f"--out {blocker / 'run'}: " in err and "the batch of --preset" not in err, err
 
 
+def test_cli_says_what_a_stopped_run_left_to_resume(tmp_path, monkeypatch, capsys):
+    from pympgu.launch import WorkerFailed
+    out = tmp_path / "run"
+
+    def stopped(error, epochs_done):
+        def fake_run(cfg, devices, port=None, quiet=False):
+            out.mkdir(exist_ok=True)  # run() makes --out before any worker starts
+            if epochs_done:  # what the worker writes after each epoch
+                np.savez(out / train.CHECKPOINT, __epoch__=epochs_done, __history__="[]")
+            raise error
+        return fake_run
+
+    argv = ["--cpu", "2", "--out", str(out)]
+    monkeypatch.setattr(train, "run", stopped(KeyboardInterrupt(), 2))
+    assert train.main(argv) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and f"epoch 2's checkpoint is in {out}" in err, err
+    assert f"continue with --resume {out}" in err
+    # The next run fails before its first epoch ends: the checkpoint is the earlier run's.
+    monkeypatch.setattr(train, "run", stopped(WorkerFailed(1, "exited with status 1"), 0))
+    assert train.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "rank 1" in err and "no epoch of this run finished" in err and "(epoch 2)" in err, err
+    (out / train.CHECKPOINT).unlink()
+    assert train.main(argv) == 1
+    assert f"no epoch finished, so {out} holds no checkpoint" in capsys.readouterr().err
+    monkeypatch.setattr(train, "run", stopped(KeyboardInterrupt(), 0))
+    assert train.main(["--cpu", "2"]) == 130
+    assert "nothing was saved (--out DIR" in capsys.readouterr().err
+
+
 def test_epoch_lines_name_the_exchange_road_once(tmp_path, capsys):
     """The road of the step's exchange (Exchanger.xla_road) is printed after the first
     epoch that reports it, again only when it changes, and kept in metrics.jsonl."""
