@@ -488,7 +488,8 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
     With ``repeats`` > 1 every run is made that many times, in rounds (each round runs
     every row once, so that a drift of the machine between process starts touches every
     row alike), and each row is its median run; ``runs_ms`` lists every run's ms per step
-    and ``run_scalings`` each round's scaling against the 1-GPU run of the same round."""
+    and ``run_scalings`` each round's scaling against the 1-GPU run of the same round (and
+    ``run_scalings_alone`` against each GPU's own run alone in that round)."""
     from . import data as datamod
     ds = datamod.load(data)
     rows = []
@@ -565,6 +566,7 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
         alone = scaling_alone(row, rows)
         if alone is not None:
             row["scaling_alone"] = alone
+            row["run_scalings_alone"] = run_scalings_alone(row, rows)
     return rows
 
 
@@ -572,14 +574,31 @@ def scaling_alone(row, rows):
     """``row``'s samples/s over the sum of each of its GPUs' own 1-GPU samples/s (the same
     model and system, among ``rows``), or None: not a row of several distinct GPUs, or a GPU
     without its 1-GPU row."""
+    alone = _alone(row, rows)
+    return None if alone is None else row["samples_per_s"] / sum(
+        r["samples_per_s"] for r in alone)
+
+
+def run_scalings_alone(row, rows):
+    """scaling_alone round by round (each of row's runs against its GPUs' runs alone in the
+    same round; None where one of them failed), or None where scaling_alone is."""
+    alone = _alone(row, rows)
+    if alone is None or "runs_samples" not in row:
+        return None
+    return [a / sum(rates) if a and all(rates) else None
+            for a, *rates in zip(row["runs_samples"], *(r["runs_samples"] for r in alone))]
+
+
+def _alone(row, rows):
+    """The 1-GPU rows of each of row's GPUs (the same model and system), or None."""
     if len(row["gpus"]) < 2 or len(set(row["gpus"])) < len(row["gpus"]):
         return None
-    alone = {r["gpus"][0]: r["samples_per_s"] for r in rows
+    alone = {r["gpus"][0]: r for r in rows
              if r["model"] == row["model"] and r["system"] == row["system"]
              and len(r["gpus"]) == 1}
     if not all(g in alone for g in row["gpus"]):
         return None
-    return row["samples_per_s"] / sum(alone[g] for g in row["gpus"])
+    return [alone[g] for g in row["gpus"]]
 
 
 def table(rows):
@@ -627,9 +646,12 @@ def table(rows):
             lines.append(f"{r['model']}: pympgu {r['variant']} on GPUs {r['gpus']}: "
                          f"{r['road']}")
         if "scaling_alone" in r:
+            each = r.get("run_scalings_alone") or []
+            each = ", ".join("-" if x is None else f"{x:.4f}" for x in each)
             lines.append(f"{r['model']}: {r['system']} {r['variant']} on GPUs {r['gpus']}: "
                          f"scaling {r['scaling_alone']:.3f} against each GPU's own rate alone"
-                         f" ({r['scaling']:.3f} against GPU {r['gpus'][0]}'s)")
+                         f" ({r['scaling']:.3f} against GPU {r['gpus'][0]}'s)" +
+                         (f"; run by run {each}" if len(r.get("runs_ms", [])) > 1 else ""))
         if "r1" in r:
             o = r["r1"]
             lines.append(f"{r['model']}: one exchange of {o['bytes'] / 1e6:.1f} MB at R = 1 takes "
