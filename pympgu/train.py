@@ -838,7 +838,7 @@ def saved(out, before):
         import numpy as np
         with np.load(path) as f:
             epoch = int(f["__epoch__"])
-    except (OSError, KeyError, ValueError):
+    except Exception:  # missing, or not a checkpoint: this runs on the error path, never fail
         return f"no epoch finished, so {out} holds no checkpoint"
     if checkpoint_stamp(out) == before:
         return f"no epoch of this run finished; {path} is an earlier run's (epoch {epoch})"
