@@ -839,6 +839,8 @@ def saved(out, before):
         with np.load(path) as f:
             epoch = int(f["__epoch__"])
     except Exception:  # missing, or not a checkpoint: this runs on the error path, never fail
+        if os.path.exists(path):
+            return f"{path} cannot be read as a checkpoint"
         return f"no epoch finished, so {out} holds no checkpoint"
     if checkpoint_stamp(out) == before:
         return f"no epoch of this run finished; {path} is an earlier run's (epoch {epoch})"

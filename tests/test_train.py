@@ -254,6 +254,9 @@ def test_cli_says_what_a_stopped_run_left_to_resume(tmp_path, monkeypatch, capsy
     assert train.main(argv) == 1
     err = capsys.readouterr().err
     assert "rank 1" in err and "no epoch of this run finished" in err and "(epoch 2)" in err, err
+    (out / train.CHECKPOINT).write_text("not a checkpoint")
+    assert train.main(argv) == 1
+    assert "checkpoint.npz cannot be read as a checkpoint" in capsys.readouterr().err
     (out / train.CHECKPOINT).unlink()
     assert train.main(argv) == 1
     assert f"no epoch finished, so {out} holds no checkpoint" in capsys.readouterr().err
