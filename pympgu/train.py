@@ -562,8 +562,13 @@ def worker(ctx, cfg):
 class Reporter:
     """Prints the progress bar and one line per epoch; appends metrics.jsonl."""
 
-    def __init__(self, out, epochs, stream=sys.stderr, quiet=False):
-        self.metrics = open(os.path.join(out, "metrics.jsonl"), "a") if out else None
+    def __init__(self, out, epochs, stream=sys.stderr, quiet=False, resume=False):
+        # A resumed run adds its epochs to the log; a fresh one starts it over, at its first
+        # epoch, when its worker replaces the checkpoint too: until then the directory
+        # still holds the earlier run whole.
+        self.path, self.mode = (os.path.join(out, "metrics.jsonl") if out else None,
+                                "a" if resume else "w")
+        self.metrics = None
         self.epochs, self.stream, self.quiet = epochs, stream, quiet
         self.tty = stream.isatty()
         self.road = None  # the exchange's road last printed
@@ -588,7 +593,9 @@ class Reporter:
             if data.get("road") and data["road"] != self.road:  # once, and if it changes
                 self.road = data["road"]
                 print(f"          exchange: {self.road}", flush=True)
-            if self.metrics:
+            if self.path:
+                if self.metrics is None:
+                    self.metrics = open(self.path, self.mode)
                 self.metrics.write(json.dumps(data) + "\n")
                 self.metrics.flush()
 
@@ -794,6 +801,10 @@ def run(cfg, devices, port=None, quiet=False):
                 json.dump(cfg, f, indent=1)
         except OSError as e:
             raise UsageError("--out", f"--out {cfg['out']}: {e.strerror or e}") from e
+        if not cfg["resume"] and os.path.exists(os.path.join(cfg["out"], CHECKPOINT)):
+            print(f"pympgu: --out {cfg['out']} holds an earlier run; this run replaces its "
+                  f"checkpoint and metrics.jsonl after its first epoch (--resume "
+                  f"{cfg['out']} would continue it)", file=sys.stderr, flush=True)
     where = (f"{len(devices)} CPU workers" if devices[0] is None
              else f"GPUs {devices}")
     print(f"pympgu: {ds} | MLP {'-'.join(map(str, [ds.n_in, *cfg['hidden'], ds.n_classes]))} | "
@@ -801,7 +812,7 @@ def run(cfg, devices, port=None, quiet=False):
           f"{' overlapped' if cfg['overlap'] else ''}"
           f"{'' if cfg['exchange_dtype'] == 'float32' else ', ' + cfg['exchange_dtype'] + ' wire'} | "
           f"backend {cfg['backend']}", flush=True)
-    reporter = Reporter(cfg["out"], cfg["epochs"], quiet=quiet)
+    reporter = Reporter(cfg["out"], cfg["epochs"], quiet=quiet, resume=bool(cfg["resume"]))
     t0 = time.perf_counter()
     try:
         if devices[0] is None:

@@ -40,6 +40,21 @@ def test_two_cpu_workers_learn_real_digits(tmp_path):
     assert more[:2] == hist
 
 
+def test_a_fresh_run_into_an_earlier_runs_out_starts_its_log_over(tmp_path, capsys):
+    # Appending would interleave two runs' epochs in metrics.jsonl; a resumed run appends.
+    out = str(tmp_path / "run")
+    cfg = config(epochs=1, hidden=[16], out=out)
+    train.run(cfg, [None, None], quiet=True)
+    assert "holds an earlier run" not in capsys.readouterr().err
+    train.run(cfg, [None, None], quiet=True)
+    assert f"--out {out} holds an earlier run" in capsys.readouterr().err
+    assert [json.loads(x)["epoch"] for x in open(os.path.join(out, "metrics.jsonl"))] == [1]
+    train.run(config(epochs=2, hidden=[16], out=out,
+                     resume=os.path.join(out, train.CHECKPOINT)), [None, None], quiet=True)
+    assert "holds an earlier run" not in capsys.readouterr().err
+    assert [json.loads(x)["epoch"] for x in open(os.path.join(out, "metrics.jsonl"))] == [1, 2]
+
+
 def test_cpu_runs_are_reproducible():
     a = train.run(config(epochs=1, hidden=[64]), [None, None])
     b = train.run(config(epochs=1, hidden=[64]), [None, None])
