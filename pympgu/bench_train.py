@@ -601,6 +601,12 @@ def _alone(row, rows):
     return [alone[g] for g in row["gpus"]]
 
 
+def _run_by_run(scalings):
+    """Each run's scaling, '-' for a failed run, to four places: 0.9496 must not read as
+    0.950, a target reached."""
+    return ", ".join("-" if x is None else f"{x:.4f}" for x in scalings)
+
+
 def table(rows):
     from .clocks import describe
     # --env names a variant with its setting: the column widens to the longest.
@@ -634,9 +640,7 @@ def table(rows):
                          f"(TF32 matmuls {'on' if r['tf32'] else 'off'})")
         runs = [m for m in r.get("runs_ms", []) if m is not None]
         if len(r.get("runs_ms", [])) > 1:
-            # Four places: 0.9496 must not read as 0.950, a target reached.
-            scalings = ", ".join("-" if x is None else f"{x:.4f}"
-                                 for x in r.get("run_scalings", []))
+            scalings = _run_by_run(r.get("run_scalings", []))
             lines.append(f"{r['model']}: {r['system']} {r['variant']} on GPUs {r['gpus']}: "
                          f"{len(runs)} of {len(r['runs_ms'])} runs, {min(runs):.3f} to "
                          f"{max(runs):.3f} ms/step (the row: the median run)" +
@@ -646,8 +650,7 @@ def table(rows):
             lines.append(f"{r['model']}: pympgu {r['variant']} on GPUs {r['gpus']}: "
                          f"{r['road']}")
         if "scaling_alone" in r:
-            each = r.get("run_scalings_alone") or []
-            each = ", ".join("-" if x is None else f"{x:.4f}" for x in each)
+            each = _run_by_run(r.get("run_scalings_alone") or [])
             lines.append(f"{r['model']}: {r['system']} {r['variant']} on GPUs {r['gpus']}: "
                          f"scaling {r['scaling_alone']:.3f} against each GPU's own rate alone"
                          f" ({r['scaling']:.3f} against GPU {r['gpus'][0]}'s)" +

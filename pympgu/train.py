@@ -356,10 +356,11 @@ class Sync:
     operations fewer a cycle. PYMPGU_OVERLAP_WHOLE=0 (pympgu.xla.overlap_whole) sends the
     momentum during the due step and the parameters during the next, half the state each,
     as --overlap's every step does: it spreads the traffic over two steps, for a model
-    whose whole state takes longer than a step to cross. On CPU, Fashion-MNIST, momentum 0.9, K = 4, the whole state trained to
-    16.20% test error, the halves to 16.28%, plain averaging to 15.96% (session 25). No
-    correction comes later than the step after its start: kept K steps, a late correction
-    made training unstable (31% test error; 17.4% two steps late; session 11).
+    whose whole state takes longer than a step to cross. On CPU, Fashion-MNIST, momentum
+    0.9, K = 4, the whole state trained to 16.20% test error, the halves to 16.28%, plain
+    averaging to 15.96% (session 25). No correction comes later than the step after its
+    start: kept K steps, a late correction made training unstable (31% test error; 17.4%
+    two steps late; session 11).
 
     Exchanges of JAX workers are ``fused``: the average runs inside the step's own jitted
     call (Exchanger.xla_average_results, xla_correct_during), so no separate exchange is
