@@ -491,10 +491,10 @@ def make_exchanger(ctx, rep, cfg):
     # A shared shadow lets the exchanges inside the step's XLA call start as soon as the
     # last layers are computed, and spares the overlapped one its pack ('gather'). It costs
     # nranks - 1 copies of the state on each GPU: only where one of the two will use it.
-    from .xla import SPLIT_MAX_RANKS
+    from .xla import copies_to_every_peer
     shadow = (rep.jax is not None and not ctx.is_cpu and cfg.get("xla_exchange", True)
               and cfg["method"] == "auto" and cfg["exchange_dtype"] in (None, "float32")
-              and (cfg.get("overlap") or ctx.nranks <= SPLIT_MAX_RANKS))
+              and copies_to_every_peer(ctx.nranks))
     ex = Exchanger(ctx, state_layout(rep), method=cfg["method"], wire_dtype=cfg["exchange_dtype"],
                    max_blocks=blocks, shadow=shadow)
     try:
@@ -691,8 +691,9 @@ def build_parser():
     m.add_argument("--exchange-blocks", type=int, default=None, metavar="B",
                    help="cap the GPU averaging kernel at B thread blocks (1-512). Fewer blocks "
                         "leave SMs to the training step that runs beside an overlapped "
-                        "exchange queued from Python; inside XLA the overlap takes no SM "
-                        f"(default: {OVERLAP_BLOCKS} with --overlap, else two per SM)")
+                        "exchange (inside XLA on 2 GPUs the copy engines move it and it "
+                        f"takes no SM) (default: {OVERLAP_BLOCKS} with --overlap, else two "
+                        "per SM)")
     m.add_argument("--seed", type=int, default=0, help="seed of the minibatch order (default: 0)")
     o = p.add_argument_group("output")
     o.add_argument("--out", default=None, metavar="DIR",

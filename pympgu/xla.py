@@ -50,11 +50,21 @@ _registered = False
 # which 'auto' takes the link-bound 'push' algorithm on 2 H200s); PYMPGU_SPLIT_MIN_BYTES
 # overrides it.
 SPLIT_MIN_BYTES = int(os.environ.get("PYMPGU_SPLIT_MIN_BYTES", 16 << 20))
-# ... and of at most this many ranks. The cut sends every rank's arrays to every peer,
-# (R - 1) times the bytes per rank, where the two-shot kernels send 2 (R - 1) / R times: the
-# same at R = 2, where it was measured, and R / 2 times more above. PYMPGU_SPLIT_MAX_RANKS
+# ... and of at most this many ranks (copies_to_every_peer); PYMPGU_SPLIT_MAX_RANKS
 # overrides it.
 SPLIT_MAX_RANKS = int(os.environ.get("PYMPGU_SPLIT_MAX_RANKS", 2))
+
+
+def copies_to_every_peer(nranks):
+    """Whether 'auto' takes, on ``nranks`` ranks, the exchanges that send every rank's whole
+    arrays to every peer: the cut step and the gradients (average_results,
+    average_gradients) and the overlapped step's 'gather' by the copy engines. They send
+    R - 1 times the bytes per rank, where the two-shot kernels send 2 (R - 1) / R times: the
+    same at R = 2, and R / 2 times more above. On 4 H200s the wide MLP's step took 1.69 ms
+    with the gradients crossing against 1.04 with 'push' after the update, and 1.14 ms with
+    the overlapped whole state gathered once in 4 steps against 0.79 with 'push' beside the
+    step (docs/BENCHMARKS.md, session 26). At most SPLIT_MAX_RANKS ranks."""
+    return nranks <= SPLIT_MAX_RANKS
 
 
 def roads():
@@ -134,8 +144,11 @@ def _attributes(arrays, group, algo, max_blocks, overlapped=False):
     if algo == "gather" and not (overlapped and dtype == "float32"):
         raise ValueError("algo 'gather' is for float32 arrays averaged during other work "
                          "(average_during, correct_during)")
-    if overlapped and algo == "auto" and dtype == "float32":
-        # Beside XLA's work the copy engines move the bytes and no SM is taken from it.
+    if (overlapped and algo == "auto" and dtype == "float32"
+            and copies_to_every_peer(group.nranks)):
+        # Beside XLA's work the copy engines move the bytes and no SM is taken from it. On
+        # more ranks they move R - 1 copies, and a kernel capped at the group's grid
+        # ('push', two-shot) takes less of the step than they do.
         chosen = "gather"
     else:
         chosen = "gather" if algo == "gather" else group.algorithm(nbytes, algo)
@@ -224,9 +237,10 @@ def shadow_array(group):
     without a copy. Pass it into the jitted function as an argument: closed over, JAX would
     copy it into the program as a constant. None when the group has no shared shadow, or
     when its number of ranks is not a power of two: XLA's division then rounds otherwise
-    than pympgu's kernels (by one unit in the last place, seen on 3 H200 ranks)."""
+    than pympgu's kernels (by one unit in the last place, seen on 3 H200 ranks), or when
+    'auto' does not take the gather algorithm on that many ranks (copies_to_every_peer)."""
     import jax
-    if not _fusable(group.nranks):
+    if not _fusable(group.nranks) or not copies_to_every_peer(group.nranks):
         return None
     view = group.shadow_view()
     return None if view is None else jax.dlpack.from_dlpack(view)
@@ -474,8 +488,8 @@ def average_results(fn, which, group, *args, algo="auto", max_blocks=None):
     flat = list(args)
     which = list(which)
     split = None
-    if (which and getattr(group, "shadow_offset", 0) and 1 < group.nranks <= SPLIT_MAX_RANKS
-            and algo == "auto"):
+    if (which and getattr(group, "shadow_offset", 0) and group.nranks > 1
+            and copies_to_every_peer(group.nranks) and algo == "auto"):
         closed = jaxsplit.trace(fn, flat)
         shapes = [closed.jaxpr.outvars[i].aval for i in which]
         nbytes = sum(math.prod(s.shape) * 4 for s in shapes)
@@ -600,11 +614,13 @@ def gradient_plan(fn, updated, group, args, local=(), shadow=None, algo="auto"):
     from . import jaxsplit
     if os.environ.get("PYMPGU_GRADIENTS", "1") == "0":
         return None, "PYMPGU_GRADIENTS=0"
-    if shadow is None or algo != "auto" or not getattr(group, "shadow_offset", 0):
-        return None, "it needs method 'auto' and the group's shared shadow (shadow_array)"
-    if not 1 < group.nranks <= SPLIT_MAX_RANKS or not _fusable(group.nranks):
+    # The number of ranks first: above SPLIT_MAX_RANKS the training loop makes no shadow,
+    # and the ranks are the reason to report.
+    if not (copies_to_every_peer(group.nranks) and _fusable(group.nranks)):
         return None, (f"{group.nranks} ranks (it takes 2 to PYMPGU_SPLIT_MAX_RANKS="
                       f"{SPLIT_MAX_RANKS}, a power of two)")
+    if shadow is None or algo != "auto" or not getattr(group, "shadow_offset", 0):
+        return None, "it needs method 'auto' and the group's shared shadow (shadow_array)"
     tail = jaxsplit.Tail(jaxsplit.trace(fn, list(args), inline=True), list(updated))
     if not tail.crossing:
         return None, "the results have no elementwise update"

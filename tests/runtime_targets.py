@@ -261,8 +261,9 @@ def xla_rounds(ctx, rounds, method="auto", big=1 << 23, shadow=False):
     layout), as the training loop's parameters-only exchange does; round 4 is overlapped
     (Exchanger.xla_average_during) with work of its own, checked too, and round 6 applies
     the overlapped step's delayed correction (Exchanger.xla_correct_during), after which the
-    ranks' values differ; with a shadow, inside XLA's own arithmetic (Exchanger.xla_shadow).
-    With method 'auto' both go by the gather algorithm. Round 8
+    ranks' values differ; with a shadow, inside XLA's own arithmetic (Exchanger.xla_shadow;
+    which of the two is returned as "corrected"). With method 'auto' both go by the gather
+    algorithm, up to PYMPGU_SPLIT_MAX_RANKS ranks. Round 8
     averages a function's own results as they are computed (Exchanger.xla_average_results):
     with a shadow, all but b2 cross the link while a matrix product that b2 depends on is
     computed. Once the Exchanger is closed, the traced function must raise rather than run
@@ -328,6 +329,7 @@ def xla_rounds(ctx, rounds, method="auto", big=1 << 23, shadow=False):
             elif k == 6:
                 shadow = ex.xla_shadow()
                 path = "XLA corrected" + (" in the update" if shadow is not None else "")
+                corrected_path = path
                 xs, averaged = corrected(xs, c, shadow), 0
                 olds = [[m + shift(r, k) for m in ms] for r, ms in enumerate(models)]
                 means = [model_average([o[t].ravel() for o in olds], "float32").reshape(
@@ -362,7 +364,8 @@ def xla_rounds(ctx, rounds, method="auto", big=1 << 23, shadow=False):
         closed = "is closed" in str(e)
     else:
         closed = False
-    return {"digest": digest, "closed_raises": closed, "timeline": timeline}
+    return {"digest": digest, "closed_raises": closed, "timeline": timeline,
+            "corrected": corrected_path}
 
 
 def gradient_rounds(ctx, rounds, big=1 << 23):

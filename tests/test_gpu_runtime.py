@@ -81,19 +81,24 @@ def test_gpu_workers_jax_without_host_waits():
     assert all(r["stats"]["exchanges"] == 4 for r in results)
 
 
-@pytest.mark.parametrize("nranks,method,shadow", [
-    (2, "auto", False), (2, "oneshot", False), (2, "twoshot", False), (2, "push", False),
-    (2, "ce", False), (3, "auto", False), (2, "auto", True), (3, "auto", True)])
-def test_gpu_exchange_inside_xla(nranks, method, shadow, monkeypatch):
+@pytest.mark.parametrize("nranks,method,shadow,max_ranks", [
+    (2, "auto", False, "8"), (2, "oneshot", False, "8"), (2, "twoshot", False, "8"),
+    (2, "push", False, "8"), (2, "ce", False, "8"), (3, "auto", False, "8"),
+    (2, "auto", True, "8"), (3, "auto", True, "8"), (4, "auto", True, "2")])
+def test_gpu_exchange_inside_xla(nranks, method, shadow, max_ranks, monkeypatch):
     """pympgu's average as an XLA operation inside jit, plain, overlapped and as the results
     are computed, alternating with the Python path. With a shadow, peers push into it, and
-    the results round is cut on 3 ranks too (above the default PYMPGU_SPLIT_MAX_RANKS)."""
+    the results round is cut on 3 ranks too (PYMPGU_SPLIT_MAX_RANKS=8, above the default).
+    On 4 ranks at the default, 'auto' overlaps with a kernel instead of gathering, and the
+    correction is pympgu's pass, not XLA's update (a power of two ranks, yet no shadow)."""
     needs_xla()
-    monkeypatch.setenv("PYMPGU_SPLIT_MAX_RANKS", "8")  # the spawned workers read it
+    monkeypatch.setenv("PYMPGU_SPLIT_MAX_RANKS", max_ranks)  # the spawned workers read it
     from runtime_targets import xla_rounds
     results = launch(xla_rounds, (10, method, 1 << 23, shadow), gpus=devices(nranks))
     assert len({r["digest"] for r in results}) == 1
     assert all(r["closed_raises"] for r in results)
+    in_update = shadow and nranks in (2, 4) and nranks <= int(max_ranks)
+    assert all(r["corrected"].endswith("in the update") == in_update for r in results), results
 
 
 @pytest.mark.parametrize("gradients,nranks", [("1", 2), ("0", 2), ("1", 4)])

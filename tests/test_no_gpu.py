@@ -87,7 +87,7 @@ def test_xla_average_keeps_jax_fast_dispatch(monkeypatch):
     from pympgu import xla
 
     class Group:
-        nbytes, max_blocks = 1 << 20, 8
+        nbytes, max_blocks, nranks = 1 << 20, 8, 2
 
         def algorithm(self, nbytes, algo):
             return "oneshot"
@@ -131,7 +131,8 @@ def test_xla_correction_inside_the_update(monkeypatch):
     # tail (the update): the wait comes after every matrix product and takes the gradients,
     # the tail reads the shadow after it, and there is no done operation. Run on the CPU
     # with the start and the wait stood in for, each result is fresh + (mean - own), the
-    # mean summed in rank order from this rank's value and the shadow's slots (4 ranks).
+    # mean summed in rank order from this rank's value and the shadow's slots (4 ranks,
+    # where PYMPGU_SPLIT_MAX_RANKS=4 lets 'auto' gather).
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
     import numpy as np
@@ -153,6 +154,7 @@ def test_xla_correction_inside_the_update(monkeypatch):
         return [w - np.float32(0.1) * gw, b * np.float32(0.9) - np.float32(0.1) * gb], h.sum()
 
     monkeypatch.setattr(xla, "_register", lambda: None)
+    monkeypatch.setattr(xla, "SPLIT_MAX_RANKS", 4)
     rng = np.random.default_rng(0)
     w, b, x = (rng.standard_normal(s).astype(np.float32) for s in ((16, 8), (8,), (4, 16)))
     shadow = rng.standard_normal(3 * Group.nbytes // 4).astype(np.float32)
@@ -242,6 +244,46 @@ def test_xla_correction_inside_the_update(monkeypatch):
     with pytest.raises(ValueError, match="a power of two ranks"):
         xla.correct_during([w, b], Group(), fn, w, b, x, shadow=shadow)
     assert xla.shadow_array(Group()) is None
+
+
+def test_overlapped_exchange_gathers_only_up_to_split_max_ranks(monkeypatch):
+    # 'gather' copies every rank's state to every peer, R - 1 copies a rank: on 4 H200s a
+    # kernel beside the step took less of it. Above PYMPGU_SPLIT_MAX_RANKS the overlapped
+    # exchange takes the group's own algorithm at the Exchanger's grid cap, and a shadow
+    # for the fused correction is refused (shadow_array gives none there).
+    pytest.importorskip("jax")
+    import numpy as np
+
+    from pympgu import xla
+
+    class Group:
+        nbytes, max_blocks, nranks, rank, shadow_offset = 1 << 12, 8, 2, 1, 1 << 12
+
+        def algorithm(self, nbytes, algo):
+            return "push"
+
+        def xla_id(self, shadow=False):
+            return 1
+
+        def shadow_view(self):
+            raise AssertionError("shadow_array looked at a shadow it must not offer")
+
+    monkeypatch.setattr(xla, "_register", lambda: None)
+    w = np.ones((16, 8), np.float32)
+    chosen = {}
+    for nranks, max_ranks in ((2, 2), (4, 2), (8, 4), (4, 4)):
+        Group.nranks = nranks
+        monkeypatch.setattr(xla, "SPLIT_MAX_RANKS", max_ranks)
+        attrs, chosen[nranks, max_ranks] = xla._attributes([w], Group(), "auto", 64,
+                                                           overlapped=True)
+        assert int(attrs["max_blocks"]) == 64
+    assert chosen == {(2, 2): "gather", (4, 2): "push", (8, 4): "push", (4, 4): "gather"}
+    for nranks in (4, 8):
+        Group.nranks = nranks
+        monkeypatch.setattr(xla, "SPLIT_MAX_RANKS", 2)
+        assert xla.shadow_array(Group()) is None
+        with pytest.raises(ValueError, match="shadow= needs the gather algorithm"):
+            xla.correct_during([w], Group(), lambda v: ([v + 1], None), w, shadow=w.ravel())
 
 
 def test_xla_average_results_cuts_the_step(monkeypatch):
