@@ -673,8 +673,9 @@ def build_parser():
                    help="average parameters and momentum every K steps (default: 1, the seed's)")
     m.add_argument("--overlap", action="store_true",
                    help="average the parameters each step starts from while it computes "
-                        "(GPU workers: inside the step's XLA call, the peers' bytes moved by "
-                        "the copy engines on a side stream), then apply the average with a "
+                        "(GPU workers: inside the step's XLA call, on a side stream, the "
+                        "peers' bytes moved by the copy engines on 2 GPUs, by a kernel "
+                        "capped at --exchange-blocks on more), then apply the average with a "
                         "one-step-delayed correction, whatever --sync-every is (default: "
                         "off; every average is exact). With K > 1 the whole state crosses "
                         "during the due step. On 2 H200s it runs the wide MLP at 0.62 ms "
