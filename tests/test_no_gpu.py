@@ -8,6 +8,19 @@ import pympgu
 pytestmark = pytest.mark.skipif(pympgu.cuda_available(), reason="a GPU is usable here")
 
 
+class StandInGroup:
+    """What pympgu.xla reads of a PeerGroup while it traces, before it registers anything:
+    'auto' takes ``chosen``. Tests subclass it with the sizes and ranks they need."""
+    nbytes, max_blocks, nranks, rank, shadow_offset = 1 << 20, 8, 2, 0, 0
+    chosen = "oneshot"
+
+    def algorithm(self, nbytes, algo):
+        return self.chosen
+
+    def xla_id(self, shadow=False):
+        return 1
+
+
 def test_import_and_reason():
     reason = pympgu.cuda_unavailable_reason()
     assert reason and ("cuda" in reason.lower() or "gpu" in reason.lower())
@@ -54,12 +67,8 @@ def test_xla_operation_is_built_and_says_why_it_cannot_run():
 def test_xla_average_checks_before_it_needs_a_gpu():
     from pympgu import xla
 
-    class Group:  # what average() reads of a PeerGroup before it registers anything
+    class Group(StandInGroup):
         nbytes = 1024
-        max_blocks = 8
-
-        def algorithm(self, nbytes, algo):
-            return "oneshot"
 
     class Shaped:
         def __init__(self, *shape):
@@ -86,14 +95,7 @@ def test_xla_average_keeps_jax_fast_dispatch(monkeypatch):
 
     from pympgu import xla
 
-    class Group:
-        nbytes, max_blocks, nranks = 1 << 20, 8, 2
-
-        def algorithm(self, nbytes, algo):
-            return "oneshot"
-
-        def xla_id(self, shadow=False):
-            return 1
+    Group = StandInGroup
 
     monkeypatch.setattr(xla, "_register", lambda: None)
     jaxpr = jax.make_jaxpr(lambda a, b: xla.average([a * 2, b], Group()))(
@@ -139,14 +141,8 @@ def test_xla_correction_inside_the_update(monkeypatch):
 
     from pympgu import xla
 
-    class Group:
-        nbytes, max_blocks, nranks, rank, shadow_offset = 1 << 12, 8, 4, 1, 1 << 12
-
-        def algorithm(self, nbytes, algo):
-            return "oneshot"
-
-        def xla_id(self, shadow=False):
-            return 1
+    class Group(StandInGroup):
+        nbytes, nranks, rank, shadow_offset = 1 << 12, 4, 1, 1 << 12
 
     def fn(w, b, x):
         h = jnp.tanh(x @ w + b)
@@ -256,14 +252,8 @@ def test_overlapped_exchange_gathers_only_up_to_split_max_ranks(monkeypatch):
 
     from pympgu import xla
 
-    class Group:
-        nbytes, max_blocks, nranks, rank, shadow_offset = 1 << 12, 8, 2, 1, 1 << 12
-
-        def algorithm(self, nbytes, algo):
-            return "push"
-
-        def xla_id(self, shadow=False):
-            return 1
+    class Group(StandInGroup):
+        nbytes, rank, shadow_offset, chosen = 1 << 12, 1, 1 << 12, "push"
 
         def shadow_view(self):
             raise AssertionError("shadow_array looked at a shadow it must not offer")
@@ -298,14 +288,8 @@ def test_xla_average_results_cuts_the_step(monkeypatch):
 
     from pympgu import xla
 
-    class Group:
-        nbytes, max_blocks, nranks, shadow_offset = 1 << 20, 8, 2, 1 << 20
-
-        def algorithm(self, nbytes, algo):
-            return "oneshot"
-
-        def xla_id(self, shadow=False):
-            return 1
+    class Group(StandInGroup):
+        shadow_offset = 1 << 20
 
     def fn(w, v):
         late = w @ w.T @ w  # what only the last result needs
