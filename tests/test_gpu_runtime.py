@@ -90,7 +90,8 @@ def test_gpu_exchange_inside_xla(nranks, method, shadow, max_ranks, monkeypatch)
     are computed, alternating with the Python path. With a shadow, peers push into it, and
     the results round is cut on 3 ranks too (PYMPGU_SPLIT_MAX_RANKS=8, above the default).
     On 4 ranks at the default, 'auto' overlaps with a kernel instead of gathering, and the
-    correction is pympgu's pass, not XLA's update (a power of two ranks, yet no shadow)."""
+    correction comes after the done operation, not inside XLA's update (a power of two
+    ranks, yet no shadow)."""
     needs_xla()
     monkeypatch.setenv("PYMPGU_SPLIT_MAX_RANKS", max_ranks)  # the spawned workers read it
     from runtime_targets import xla_rounds
