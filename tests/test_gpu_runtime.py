@@ -185,6 +185,22 @@ def test_gpu_training_overlapped_inside_xla(every, whole, monkeypatch):
     assert abs(overlapped["test_error"] - passed["test_error"]) <= 0.01, (passed, overlapped)
 
 
+def test_gpu_training_overlapped_by_a_kernel_on_4_ranks():
+    """--overlap --sync-every 2 on 4 ranks, above PYMPGU_SPLIT_MAX_RANKS: the average runs
+    inside the step's XLA call as a kernel on the side stream (no shared shadow; the
+    correction after the done operation) and learns as plain averaging does on the same
+    data and seed; run() checks that the replicas end identical. Two epochs: on 4 ranks one
+    epoch is half as many steps as on 2."""
+    needs_xla()
+    from pympgu import train
+    cfg = dict(train.DEFAULTS, **dict(JAX_TRAINING, sync_every=2, epochs=2), hidden=[64])
+    plain = train.run(cfg, devices(4))[-1]
+    overlapped = train.run(dict(cfg, overlap=True), devices(4))[-1]
+    assert plain["exchange_share"] is None and overlapped["exchange_share"] is None  # in XLA
+    assert overlapped["test_error"] < 0.25, overlapped  # chance is 0.9
+    assert abs(overlapped["test_error"] - plain["test_error"]) <= 0.03, (plain, overlapped)
+
+
 def test_gpu_training_cut_inside_xla(monkeypatch):
     """Exact averaging with the step cut in two (xla.average_results), forced on a small MLP:
     the last layers' averages start while the first layer's gradient is computed. Exact, so
