@@ -879,7 +879,9 @@ def push_min_bytes(int nranks):
 
     Override with PYMPGU_PUSH_MIN_BYTES. Measured on 2 H200s over NVLink (docs/BENCHMARKS.md):
     'push' beat 'twoshot' at 16 MiB, the smallest size it was timed at, and above; below
-    16 MiB the staging memory is not known to buy anything. More ranks are not measured yet.
+    16 MiB the staging memory is not known to buy anything. On 4 H200s (session 26, one
+    run) 'push' took 5% less time than 'twoshot' at 16 MiB and 10% less at 64 MiB, and the
+    same at 1 MiB.
     """
     return _env_bytes("PYMPGU_PUSH_MIN_BYTES", 16 * 1024 * 1024)
 
@@ -890,8 +892,10 @@ def ce_min_bytes(int nranks):
 
     Override with PYMPGU_CE_MIN_BYTES. On 2 H200s over NVLink (docs/BENCHMARKS.md, session
     17) 'ce' took 1% less time than 'push' at 512 MiB, 3% less at 768 MiB and 4% less at
-    1 GiB, and 4% more at 256 MiB, where its few chunks pipeline less. More ranks are not
-    measured yet and use the same.
+    1 GiB, and 4% more at 256 MiB, where its few chunks pipeline less. More ranks use the
+    same, though on 4 H200s (session 26, one run) 'ce' took 5% more time than 'push' at
+    1 GiB and 6% more at 256 MiB: 512 MiB to 1 GiB on 4 GPUs is to be timed in rounds
+    before the threshold depends on the number of ranks.
     """
     return _env_bytes("PYMPGU_CE_MIN_BYTES", 512 * 1024 * 1024)
 
