@@ -880,8 +880,8 @@ def push_min_bytes(int nranks):
     Override with PYMPGU_PUSH_MIN_BYTES. Measured on 2 H200s over NVLink (docs/BENCHMARKS.md):
     'push' beat 'twoshot' at 16 MiB, the smallest size it was timed at, and above; below
     16 MiB the staging memory is not known to buy anything. On 4 H200s (session 26, one
-    run) 'push' took 5% less time than 'twoshot' at 16 MiB and 10% less at 64 MiB, and the
-    same at 1 MiB.
+    run) 'push' took 3% less time than 'twoshot' at 1 MiB, 5% less at 16 MiB and 10% less
+    at 64 MiB.
     """
     return _env_bytes("PYMPGU_PUSH_MIN_BYTES", 16 * 1024 * 1024)
 
