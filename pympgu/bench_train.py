@@ -2,6 +2,7 @@
 
     python -m pympgu.bench train --gpus 0 1            # every row, seed and wide MLPs
     python -m pympgu.bench train --gpus 0 --models wide
+    python -m pympgu.bench train --gpus 0 1 2 3 --ranks 2 4   # scaling at 2 and 4 GPUs
 
 For each model (the seed's MLP 784-500-10 at batch 5000, plain SGD; the wide MLP
 784-4096-4096-10 at batch 1024 with momentum 0.9) it times ``--steps`` training steps after
@@ -480,10 +481,12 @@ def run_pympgu(devices, cfg, steps, warmup, plain_jax=False):
 
 
 def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print,
-            exchange_blocks=None, method="auto", repeats=1, settings=({},)):
+            exchange_blocks=None, method="auto", repeats=1, settings=({},), ranks=None):
     """Every row of the benchmark, as a list of dicts; ``ddp``: the DDP_SYSTEMS to run;
     ``settings``: the environments (env_settings) each multi-GPU pympgu row runs under, one
-    row each, its variant named with the setting and its ``env`` the setting.
+    row each, its variant named with the setting and its ``env`` the setting; ``ranks``:
+    the numbers of ranks of the multi-GPU rows, each on the first that many of ``gpus``
+    (default: all of them).
 
     With ``repeats`` > 1 every run is made that many times, in rounds (each round runs
     every row once, so that a drift of the machine between process starts touches every
@@ -494,6 +497,7 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
     ds = datamod.load(data)
     rows = []
     multi = len(gpus) > 1
+    groups = [gpus[:n] for n in (ranks or [len(gpus)]) if n > 1]
     for name in models:
         base = dict(MODELS[name], data=data, backend="jax", method=method, seed=0, epochs=1,
                     resume=None, out=None, sync_every=1, overlap=False,
@@ -502,19 +506,19 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
         if multi and gpus[0] is not None:  # each other GPU alone
             runs += [("pympgu", [g], "-", base, False, {})
                      for g in dict.fromkeys(gpus[1:]) if g != gpus[0]]
-        if multi:
+        for group in groups:
             for v in variants:
                 k, overlap, wire, in_xla = VARIANTS[v]
                 cfg = dict(base, sync_every=k, overlap=overlap, exchange_dtype=wire,
                            xla_exchange=in_xla)
                 for env in settings:
                     label = " ".join([v, *(f"{n}={x}" for n, x in env.items())])
-                    runs.append(("pympgu", gpus, label, cfg, False, env))
+                    runs.append(("pympgu", group, label, cfg, False, env))
         if gpus[0] is not None:
             for system in ddp:
                 runs.append((system, gpus[:1], "-", base, False, {}))
-                if multi and len(set(gpus)) == len(gpus):
-                    runs.append((system, gpus, "-", base, False, {}))
+                runs += [(system, group, "-", base, False, {}) for group in groups
+                         if len(set(group)) == len(group)]
         done = [[] for _ in runs]  # each run's results, one per round
         for k in range(repeats):
             for (system, devs, variant, cfg, plain, env), results in zip(runs, done):
@@ -609,17 +613,21 @@ def _run_by_run(scalings):
 
 def table(rows):
     from .clocks import describe
-    # --env names a variant with its setting: the column widens to the longest.
+    def where(r):
+        return ",".join("cpu" if g is None else str(g) for g in r["gpus"])
+
+    # --env names a variant with its setting, and 8 GPUs take 15 characters: the columns
+    # widen to the longest.
     wide = max([10, *(len(r["variant"]) for r in rows)])
-    head = (f"{'model':<5} {'system':<9} {'GPUs':<10} {'variant':<{wide}} {'batch/GPU':>9} "
+    gw = max([10, *(len(where(r)) for r in rows)])
+    head = (f"{'model':<5} {'system':<9} {'GPUs':<{gw}} {'variant':<{wide}} {'batch/GPU':>9} "
             f"{'samples/s':>12} {'ms/step':>8} {'scaling':>8} {'added ms':>9} "
             f"{'kernel ms':>10} {'wire MB':>8} {'SM MHz':>12}")
     lines = [head, "-" * len(head)]
     for r in rows:
         def opt(key, fmt):
             return format(r[key], fmt) if key in r else "-"
-        where = ",".join("cpu" if g is None else str(g) for g in r["gpus"])
-        lines.append(f"{r['model']:<5} {r['system']:<9} {where:<10} "
+        lines.append(f"{r['model']:<5} {r['system']:<9} {where(r):<{gw}} "
                      f"{r['variant']:<{wide}} {r['batch']:>9} {r['samples_per_s']:12.0f} "
                      f"{r['ms_per_step']:8.3f} {opt('scaling', '8.2f'):>8} "
                      f"{opt('added_ms_per_step', '9.3f'):>9} {opt('bare_kernel_ms', '10.3f'):>10} "
@@ -704,6 +712,10 @@ def main(argv=None):
                              "variable NAME (alternating within each round with --repeats); "
                              "the 1-GPU rows keep the environment as given. Give it again for "
                              "every combination of several variables")
+    parser.add_argument("--ranks", type=int, nargs="+", default=None, metavar="N",
+                        help="run the multi-GPU rows on the first N GPUs (or CPU workers) "
+                             "for each N given, for scaling at several sizes in one run: "
+                             "--gpus 0 1 2 3 --ranks 2 4 (default: all of them)")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
     try:
@@ -728,6 +740,12 @@ def main(argv=None):
         if not 1 <= len(gpus) <= 8:
             parser.error("--gpus: 1 to 8 ranks")
         names = ", ".join(cuda.device_name(d) for d in sorted(set(gpus)))
+    if args.ranks is not None:
+        bad = [n for n in args.ranks if not 2 <= n <= len(gpus)]
+        if bad:
+            parser.error(f"--ranks: {bad[0]} is not between 2 and {len(gpus)}, the number "
+                         f"of {'--cpu workers' if args.cpu is not None else '--gpus'} given")
+        args.ranks = sorted(set(args.ranks))
     use_ddp = not args.no_ddp and args.cpu is None
     if use_ddp:
         try:
@@ -745,7 +763,8 @@ def main(argv=None):
     try:  # measure loads the dataset before any worker starts: a bad --data-dir is the flag's
         rows = measure(gpus, args.models, args.variants, args.steps, args.warmup,
                        args.data_dir, ddp, exchange_blocks=args.exchange_blocks,
-                       method=args.method, repeats=args.repeats, settings=settings)
+                       method=args.method, repeats=args.repeats, settings=settings,
+                       ranks=args.ranks)
     except DataError as e:
         parser.error(f"--data-dir: {e}")
     print(table(rows))

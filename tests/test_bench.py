@@ -174,6 +174,46 @@ def test_train_bench_times_each_gpu_alone(monkeypatch):
             in bench_train.table(rows)), bench_train.table(rows)
 
 
+def test_train_bench_ranks_time_the_multi_gpu_rows_at_each_size(monkeypatch):
+    """--ranks 2 4 on GPUs 0 to 3 (runs faked: no GPU here): each GPU alone, then every
+    variant and DDP on the first 2 and on all 4, each row scaled against GPU 0 alone and
+    against its own GPUs alone."""
+    from pympgu import bench_train
+    seen = []
+
+    def fake_pympgu(devices, cfg, steps, warmup, plain_jax=False):
+        seen.append(("pympgu", list(devices)))
+        ms = 0.580 if len(devices) == 1 else 0.580 + 0.05 * len(devices)
+        return {"ms_per_step": ms, "samples_per_s": 1024 * len(devices) * 1e3 / ms}
+
+    def fake_ddp(devices, cfg, n_in, n_classes, steps, warmup, graph=False):
+        seen.append(("DDP", list(devices)))
+        ms = 0.9 * (1 + 0.1 * (len(devices) - 1))
+        return {"ms_per_step": ms, "samples_per_s": 1024 * len(devices) * 1e3 / ms}
+
+    monkeypatch.setattr(bench_train, "run_pympgu", fake_pympgu)
+    monkeypatch.setattr(bench_train, "run_ddp", fake_ddp)
+    rows = bench_train.measure([0, 1, 2, 3], ["wide"], ["sync1"], 10, 2, None, ddp=("DDP",),
+                               log=lambda *a, **k: None, ranks=[2, 4])
+    assert seen == [("pympgu", [0]), ("pympgu", [1]), ("pympgu", [2]), ("pympgu", [3]),
+                    ("pympgu", [0, 1]), ("pympgu", [0, 1, 2, 3]), ("DDP", [0]), ("DDP", [0, 1]),
+                    ("DDP", [0, 1, 2, 3])], seen
+    by = {(r["system"], tuple(r["gpus"])): r for r in rows}
+    assert by["pympgu", (0, 1)]["scaling"] == pytest.approx(0.580 / 0.680)
+    assert by["pympgu", (0, 1, 2, 3)]["scaling"] == pytest.approx(0.580 / 0.780)
+    assert by["pympgu", (0, 1, 2, 3)]["scaling_alone"] == pytest.approx(0.580 / 0.780)
+    assert by["DDP", (0, 1, 2, 3)]["scaling"] == pytest.approx(1 / 1.3)
+    text = bench_train.table(rows)
+    assert "wide: pympgu sync1 on GPUs [0, 1]: scaling 0.853" in text, text
+    # The GPUs column widens to 8 GPUs' list, so the columns after it stay aligned.
+    eight = dict(by["pympgu", (0, 1, 2, 3)], gpus=list(range(8)))
+    lines = bench_train.table(rows + [eight]).splitlines()
+    assert len({line.index("1024") for line in lines[2:2 + len(rows) + 1]}) == 1, lines
+    # The flag's own checks, before any GPU is looked for.
+    with pytest.raises(SystemExit):
+        bench_train.main(["--cpu", "2", "--ranks", "3"])
+
+
 def test_train_bench_env_settings_alternate_within_each_round(monkeypatch):
     """--env NAME=A,B: each multi-GPU row once per value, the values alternating within each
     round beside the same round's 1-GPU runs, which keep the environment as given; each
