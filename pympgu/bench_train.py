@@ -8,7 +8,8 @@ For each model (the seed's MLP 784-500-10 at batch 5000, plain SGD; the wide MLP
 784-4096-4096-10 at batch 1024 with momentum 0.9) it times ``--steps`` training steps after
 ``--warmup`` and prints samples/s (all GPUs together) for:
 
-- pympgu on each GPU given alone, and on all of them with --sync-every 1 and 4 (the
+- pympgu on each GPU given alone, and on all of them (with ``--ranks N...``, on the first
+  N for each N) with --sync-every 1 and 4 (the
   exchange inside the step's jitted XLA call, as pympgu.train runs it; the '-py' variants
   queue it from Python after the step instead), --overlap (inside the step's XLA call, the
   average on a side stream while the step computes; '-py' queued from Python) and a
@@ -613,6 +614,7 @@ def _run_by_run(scalings):
 
 def table(rows):
     from .clocks import describe
+
     def where(r):
         return ",".join("cpu" if g is None else str(g) for g in r["gpus"])
 
