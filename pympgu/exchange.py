@@ -277,8 +277,9 @@ class Exchanger:
         with ``correction=False``, ``xla_average_gradients``'), or None where it cannot
         serve: no shared shadow (``shadow=True``), a number of ranks that is not a power of
         two or is above PYMPGU_SPLIT_MAX_RANKS (pympgu.xla.shadow_array), a method other
-        than 'auto', or other arrays than float32. For the correction, PYMPGU_FUSED_CORRECTION=0 also says None, which leaves
-        it to pympgu's own pass (to compare the two)."""
+        than 'auto', or other arrays than float32. For the correction,
+        PYMPGU_FUSED_CORRECTION=0 also says None, which leaves it to pympgu's own pass (to
+        compare the two)."""
         from . import xla
         if ((correction and os.environ.get("PYMPGU_FUSED_CORRECTION", "1") == "0")
                 or self.method != "auto" or self.xla_unavailable()

@@ -193,7 +193,8 @@ def average_during(arrays, group, fn, *args, algo="auto", max_blocks=None):
     ``fn`` starts once the arrays are packed, and the averages are made once it has
     finished; in between, the peers' data crosses the link on the group's high-priority side
     stream beside ``fn``'s kernels. With ``algo="auto"`` float32 arrays go by the copy
-    engines ('gather'), which leave every SM to ``fn``; the kernel algorithms may be named.
+    engines ('gather'), which leave every SM to ``fn``, on up to SPLIT_MAX_RANKS ranks
+    (copies_to_every_peer), and by the group's kernel above; the kernels may be named.
     The same rules as ``average`` apply (module docstring). Put in ``fn`` the work that does
     not need the averages: the overlap is at most its length.
     """
@@ -240,10 +241,17 @@ def shadow_array(group):
     than pympgu's kernels (by one unit in the last place, seen on 3 H200 ranks), or when
     'auto' does not take the gather algorithm on that many ranks (copies_to_every_peer)."""
     import jax
-    if not _fusable(group.nranks) or not copies_to_every_peer(group.nranks):
+    if not _reads_shadow(group.nranks):
         return None
     view = group.shadow_view()
     return None if view is None else jax.dlpack.from_dlpack(view)
+
+
+def _reads_shadow(nranks):
+    """Whether XLA's own arithmetic reads the shared shadow on nranks ranks (shadow_array,
+    gradient_plan): 'auto' lands the peers' arrays there (copies_to_every_peer), and the
+    mean divides as the kernels' does (_fusable)."""
+    return copies_to_every_peer(nranks) and _fusable(nranks)
 
 
 def _fusable(nranks):
@@ -616,7 +624,7 @@ def gradient_plan(fn, updated, group, args, local=(), shadow=None, algo="auto"):
         return None, "PYMPGU_GRADIENTS=0"
     # The number of ranks first: above SPLIT_MAX_RANKS the training loop makes no shadow,
     # and the ranks are the reason to report.
-    if not (copies_to_every_peer(group.nranks) and _fusable(group.nranks)):
+    if not _reads_shadow(group.nranks):
         return None, (f"{group.nranks} ranks (it takes 2 to PYMPGU_SPLIT_MAX_RANKS="
                       f"{SPLIT_MAX_RANKS}, a power of two)")
     if shadow is None or algo != "auto" or not getattr(group, "shadow_offset", 0):
