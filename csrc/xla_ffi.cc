@@ -29,6 +29,10 @@
 //   - pull, with a private shadow: the start packs the arrays into the group's buffer on
 //     XLA's stream, and each rank copies the peers' buffers into its shadow.
 // Other algorithms pack, run the all-reduce kernel on the side stream, and unpack in the done.
+// Their start may come in two parts too: each part packs its arrays on the side stream and
+// averages their stretch of the buffer there, and its done unpacks them, the first part's
+// as soon as its kernel has ended (pympgu.xla.average_gradients above
+// PYMPGU_SPLIT_MAX_RANKS ranks, whose update reads the mean gradients so unpacked).
 // Python (pympgu.xla) places the work between them with optimization barriers.
 //   "pympgu_average_wait" takes the token and any other operands, and returns one of them
 //   (aliased, untouched): it only orders XLA's stream after the side stream. With it, XLA
@@ -238,13 +242,18 @@ ffi::Error lookup_group(const char *op, int64_t id, pmg_group *g) {
       "is closed");
 }
 
+// The all-reduce of n elements of every rank's buffer from byte `from` on (16-byte aligned):
+// the kernels see each buffer from there, and the staging area where it is.
 int allreduce(const pmg_group &g, int algo, int max_blocks, int64_t chunk_bytes, size_t n,
-              int dtype, cudaStream_t stream) {
+              int dtype, cudaStream_t stream, size_t from = 0) {
+  pmg_peers peers = g.peers;
+  for (int r = 0; r < g.nranks; ++r) peers.data[r] = static_cast<char *>(peers.data[r]) + from;
+  const size_t stage_offset = g.stage_offset - from;  // the staging area lies after the data
   if (algo == PMG_ALGO_CE)
-    return pmg_ce_allreduce_average(&g.peers, g.stage_offset, g.rank, g.nranks, n, dtype,
+    return pmg_ce_allreduce_average(&peers, stage_offset, g.rank, g.nranks, n, dtype,
                                     size_t(chunk_bytes), max_blocks, g.timeout_ns, stream,
                                     g.copy_stream, g.event);
-  return pmg_allreduce_average(&g.peers, g.stage_offset, g.rank, g.nranks, n, dtype, algo,
+  return pmg_allreduce_average(&peers, stage_offset, g.rank, g.nranks, n, dtype, algo,
                                max_blocks, g.timeout_ns, stream);
 }
 
@@ -372,10 +381,12 @@ ffi::Error average_start(cudaStream_t stream, ffi::RemainingArgs args, ffi::Rema
   // Peers push into a shadow in the shared block; without one, each rank pulls the peers'
   // packed buffers, which needs every array packed at once.
   const bool push = algo == PMG_ALGO_GATHER && g.shadow_offset && g.nranks > 1;
-  if (phase < 1 || phase > kWhole || (phase != kWhole && !push))
+  // A kernel's part averages its own arrays' stretch of the buffer (they lie together).
+  const bool kernel_part = algo != PMG_ALGO_GATHER && phase != kWhole;
+  if (phase < 1 || phase > kWhole || (phase != kWhole && !push && !kernel_part))
     return ffi::Error::InvalidArgument(
-        "pympgu_average_start: phase must be 1, 2 or 3, and a start in parts needs the gather "
-        "algorithm and a group with a shared shadow");
+        "pympgu_average_start: phase must be 1, 2 or 3, and a start in parts needs a kernel, "
+        "or the gather algorithm and a group with a shared shadow");
   // The last part's first operand is the first part's token: it only orders the two.
   const size_t skip = phase == kLast ? 1 : 0;
   if (args.size() <= skip) return ffi::Error::Success();
@@ -392,7 +403,7 @@ ffi::Error average_start(cudaStream_t stream, ffi::RemainingArgs args, ffi::Rema
   if ((first && (status = mark(g, {PMG_MARK_START}, stream))) ||
       (last && (status = mark(g, {PMG_MARK_LAST_START}, stream))))
     return failed(kStart, "mark the timeline", status);
-  if (!push) {
+  if (!push && !kernel_part) {
     if (auto e = pack(kStart, g, in, at, stream); e.failure()) return e;
   }
   // Before any copy into a peer's shadow, every rank must be done reading its own. On the
@@ -430,13 +441,27 @@ ffi::Error average_start(cudaStream_t stream, ffi::RemainingArgs args, ffi::Rema
         (status = mark(g, {PMG_MARK_FIRST_SENT, PMG_MARK_LAST_SENT}, g.side)) ||
         (status = barrier(g, g.side)))
       return failed(kStart, "gather", status);
+  } else if (kernel_part) {
+    // Packed on the side stream, beside XLA's work: the arrays stay alive and unchanged
+    // until the done operation, which takes them as operands and runs after it. The side
+    // stream already follows whatever touched the buffer before (side_in), and the kernels
+    // order every peer's use of it, as between two launched exchanges.
+    const size_t from = at.front(), esize = pmg_dtype_size(dtype);
+    const size_t n = (at.back() + in.back().nbytes - from) / esize;
+    if ((first && (status = mark(g, {PMG_MARK_SIDE_BEGIN}, g.side))) ||
+        (status = pmg_copy_list(copies(g, in, at, true).data(), int(in.size()), g.side)) ||
+        (status = allreduce(g, algo, max_blocks, chunk_bytes, n, dtype, g.side, from)) ||
+        (first && (status = mark(g, {PMG_MARK_FIRST_SENT, PMG_MARK_FIRST_LANDED}, g.side))) ||
+        (first && (status = pmg_event_record(g.side_first, g.side))) ||
+        (last && (status = mark(g, {PMG_MARK_LAST_SENT}, g.side))))
+      return failed(kStart, "average a part", status);
   } else if ((status = mark(g, {PMG_MARK_SIDE_BEGIN}, g.side)) ||
              (status = allreduce(g, algo, max_blocks, chunk_bytes, size_t(total), dtype, g.side)) ||
              (status = mark(g, {PMG_MARK_FIRST_SENT, PMG_MARK_LAST_SENT}, g.side))) {
     return failed(kStart, "average", status);
   }
   // Whole, the exchange's first part lands with its last.
-  const bool whole = last && !(push && phase == kLast);
+  const bool whole = phase == kWhole;
   if ((whole && (status = mark(g, {PMG_MARK_FIRST_LANDED}, g.side))) ||
       (whole && (status = pmg_event_record(g.side_first, g.side))) ||
       (last && (status = mark(g, {PMG_MARK_LANDED}, g.side))) ||
@@ -456,10 +481,8 @@ ffi::Error average_done(cudaStream_t stream, ffi::RemainingArgs args, ffi::Remai
                         int64_t total, int32_t part) {
   pmg_group g;
   if (auto e = lookup_group(kDone, group, &g); e.failure()) return e;
-  if (part < kDoneWhole || part > kDoneLast || (part != kDoneWhole && algo != PMG_ALGO_GATHER))
-    return ffi::Error::InvalidArgument(
-        "pympgu_average_done: part must be 0, 1 or 2, and a done in parts needs the gather "
-        "algorithm");
+  if (part < kDoneWhole || part > kDoneLast)
+    return ffi::Error::InvalidArgument("pympgu_average_done: part must be 0, 1 or 2");
   if (rets.size() == 0) return ffi::Error::Success();
   // args: the token (it only orders this operation after its start), the arrays the start
   // took (this rank's own values), then fresh, if any.

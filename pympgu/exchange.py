@@ -251,8 +251,13 @@ class Exchanger:
         shapes = jax.eval_shape(lambda *a: list(fn(*a)), *args)
         group = self._xla_group([shapes[i] for i in which])
         plan = xla.gradient_plan(fn, updated, group, args, local, shadow, self.method)
-        self.xla_road = ("the update of the mean gradients" if plan[1] is None else
-                         f"the new values averaged after the update: {plan[1]}")
+        if plan[1] is not None:
+            self.xla_road = f"the new values averaged after the update: {plan[1]}"
+        elif xla.gradients_by_copies(group, shadow, self.method):
+            self.xla_road = "the update of the mean gradients"
+        else:
+            self.xla_road = ("the update of the mean gradients, averaged by the kernel "
+                             f"({group.nranks} ranks)")
         return xla.average_gradients(fn, updated, which, group, *args, shadow=shadow,
                                      local=local, algo=self.method, max_blocks=self.max_blocks,
                                      plan=plan)

@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from .xla import overlap_whole
+from .xla import BESIDE_BLOCKS, overlap_whole
 
 PRESETS = {
     # The 2014 seed: MLP 784-500-10, plain SGD, lr 0.13, batch 5000, L2 1e-4, 10 epochs.
@@ -25,10 +25,9 @@ PRESETS = {
                      epochs=10),
 }
 DEFAULTS = dict(hidden=[500], lr=0.05, momentum=0.9, batch_size=128, l1=0.0, l2=1e-4, epochs=5)
-# With --overlap the averaging kernel runs beside the next step's kernels. At its full grid
-# (two blocks per SM) it would hold every SM until it ends and nothing would overlap; a
-# capped grid leaves SMs to the step. docs/BENCHMARKS.md has the sweep behind this number.
-OVERLAP_BLOCKS = 64
+# With --overlap the averaging kernel runs beside the next step's kernels, capped as any
+# kernel beside XLA's work is (pympgu.xla.BESIDE_BLOCKS says why).
+OVERLAP_BLOCKS = BESIDE_BLOCKS
 CHECKPOINT = "checkpoint.npz"
 
 

@@ -53,6 +53,11 @@ SPLIT_MIN_BYTES = int(os.environ.get("PYMPGU_SPLIT_MIN_BYTES", 16 << 20))
 # ... and of at most this many ranks (copies_to_every_peer); PYMPGU_SPLIT_MAX_RANKS
 # overrides it.
 SPLIT_MAX_RANKS = int(os.environ.get("PYMPGU_SPLIT_MAX_RANKS", 2))
+# A kernel beside XLA's work, at its full grid (two blocks per SM), would hold every SM until
+# it ends, and nothing would overlap; capped, it leaves SMs to the work. On 4 H200s the
+# overlapped wide MLP took 1.013 ms a step with 64 blocks against 1.136 with 128
+# (docs/BENCHMARKS.md, session 26; session 3 has the sweep on 2).
+BESIDE_BLOCKS = 64
 
 
 def copies_to_every_peer(nranks):
@@ -452,22 +457,24 @@ def _part_offsets(offsets, part):
     return np.asarray([offsets[i] for i in part])
 
 
-def _send_in_parts(split, flat, attrs, offsets):
+def _send_in_parts(split, flat, attrs, offsets, part_attrs=None):
     """Evaluate ``split`` (a jaxsplit.Split with early results) on ``flat`` with its early
     results' start between its phases and its late results' start after them; ``offsets[i]``
-    is output i's offset in the buffer. Returns the last token, every output, and the parts
+    is output i's offset in the buffer, and ``part_attrs(part)``, if given, a part's own
+    attributes (its algorithm and grid). Returns the last token, every output, and the parts
     with the kind of done or wait that each takes: the early one's when it has landed, the
     late one's when everything has."""
     from jax import lax
+    part_attrs = part_attrs or (lambda part: attrs)
 
     def start(values):
-        return _start(values, attrs, _FIRST if split.late else _WHOLE,
+        return _start(values, part_attrs(split.early), _FIRST if split.late else _WHOLE,
                       _part_offsets(offsets, split.early))
 
     token, outs = split.run(flat, start, lambda t, v: lax.optimization_barrier((t, v)))
     parts = [(split.early, _DONE_FIRST if split.late else _DONE_WHOLE)]
     if split.late:  # after phase 2 by its operands, and after the first part by the token
-        token = _start([outs[i] for i in split.late], attrs, _LAST,
+        token = _start([outs[i] for i in split.late], part_attrs(split.late), _LAST,
                        _part_offsets(offsets, split.late), after=token)
         parts.append((split.late, _DONE_LAST))
     return token, outs, parts
@@ -535,7 +542,7 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
                       max_blocks=None, plan=None):
     """``fn(*args)``, a flat list of arrays, with its results at ``updated`` (a training
     step's new state) computed from the mean over every rank of what their update reads:
-    DDP's average of the gradients, inside the step, with no pass of its own.
+    DDP's average of the gradients, inside the step, with no pass over the parameters.
 
     ``fn``'s results at ``updated`` must come out of an elementwise update
     (pympgu.jaxsplit.Tail) that is affine in what it reads from the work before it (its
@@ -545,18 +552,23 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
     of the same mean, the same bits, and that update is the mean of the ranks' own updates,
     up to rounding: what ``average_results(fn, updated)`` would give.
 
-    The gradients computed first cross the link by DMA while ``fn`` computes the rest (the
-    cut of average_results, jaxsplit.Split), straight into the peers' shared shadow
-    (``shadow``: shadow_array(group), passed into the jitted function as an argument).
-    XLA's own update then reads the peers' gradients there, summed in rank order: the update
-    of the first part's arrays runs as soon as they have landed, while the rest cross.
+    The gradients computed first cross while ``fn`` computes the rest (the cut of
+    average_results, jaxsplit.Split), and the update of the first part's arrays runs as
+    soon as their mean is there, while the rest cross. Two ways (gradient_plan says which):
 
-    Where that does not apply (no ``shadow``; more ranks than ``SPLIT_MAX_RANKS``; fewer
-    bytes than ``SPLIT_MIN_BYTES``; an update that is not affine in its gradients or reads
-    a ``local`` argument; ``PYMPGU_GRADIENTS=0``), it returns ``average_results(fn, which,
-    group, *args)``: the results at ``which`` averaged after they are computed.
-    ``gradient_plan`` says which applies, and why; ``plan``, its result for these
-    arguments, saves tracing ``fn`` again.
+    - on up to SPLIT_MAX_RANKS ranks (a power of two) with ``shadow`` (shadow_array(group),
+      passed into the jitted function as an argument) and ``algo="auto"``, every rank's
+      gradients cross whole by DMA, straight into the peers' shared shadow, and XLA's own
+      update reads them there, summed in rank order;
+    - otherwise the group's kernel averages each part on the side stream (the first part's
+      capped at BESIDE_BLOCKS blocks, beside XLA's work, unless ``max_blocks`` is given),
+      sending 2 (R - 1) / R of the bytes, and the update reads the means it unpacks.
+
+    Where neither applies (fewer bytes than ``SPLIT_MIN_BYTES``; an update that is not
+    affine in its gradients or reads a ``local`` argument; ``PYMPGU_GRADIENTS=0``), it
+    returns ``average_results(fn, which, group, *args)``: the results at ``which``
+    averaged after they are computed. ``plan``, gradient_plan's result for these arguments,
+    saves tracing ``fn`` again.
     """
     if hasattr(group, "xla_average_gradients"):  # an Exchanger
         return group.xla_average_gradients(fn, updated, which, *args, shadow=shadow,
@@ -572,17 +584,36 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
     if tail is None:
         return average_results(fn, which, group, *flat, algo=algo, max_blocks=max_blocks)
     n = len(tail.crossing)
-    attrs, _ = _attributes([jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-                            for v in tail.crossing], group, algo, max_blocks, overlapped=True)
-    slot = _slot_elems(group, int(attrs["total"]))
+    crossing = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in tail.crossing]
 
     # Each gradient crosses whole. Computed in row blocks, so that a large one's first block
     # crosses while XLA computes the next, the wide MLP's step took 0.76 ms against 0.67:
     # the update then reads the blocks' concatenation, which XLA's emitter for it split from
     # the weights' pass and put after the last wait (docs/BENCHMARKS.md, session 19).
     split = jaxsplit.Split(jaxsplit.trace(lambda *a: tail.evaluate_before(a), flat), range(n))
+    part_attrs = None
+    if gradients_by_copies(group, shadow, algo):
+        attrs, _ = _attributes(crossing, group, algo, max_blocks, overlapped=True)
+        offsets, slot = attrs["offsets"], _slot_elems(group, int(attrs["total"]))
+
+        def means(token, values, part, kind):  # the shadow's reads after the wait
+            values, landed = lax.optimization_barrier((values, shadow))
+            return [_rank_mean(v, landed, offsets[i], slot, group) for v, i in zip(values, part)]
+    else:
+        # Each part's arrays lie together in the buffer, the first part's first: its kernel
+        # averages their stretch alone.
+        order = [*split.early, *split.late] if split.early else list(range(n))
+        attrs, _ = _attributes([crossing[i] for i in order], group, algo, max_blocks)
+        offsets = np.empty(n, np.int64)
+        offsets[order] = attrs["offsets"]
+        part_attrs = functools.partial(_kernel_part, attrs, crossing, group, algo, max_blocks,
+                                       split)
+
+        def means(token, values, part, kind):
+            return _done(token, values, part_attrs(part), part=kind,
+                         offsets=_part_offsets(offsets, part))
     if split.early:
-        token, outs, parts = _send_in_parts(split, flat, attrs, attrs["offsets"])
+        token, outs, parts = _send_in_parts(split, flat, attrs, offsets, part_attrs)
     else:  # nothing worth cutting: every gradient crosses once the work before is done
         outs = tail.evaluate_before(flat)
         token = _start(outs[:n], attrs, _WHOLE, attrs["offsets"])
@@ -599,21 +630,41 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
             # XLA's stream waits for the part to land once its gradients exist (and fn's
             # other results, for the first), and, for the last part, once the first part's
             # update is queued, so that it runs while the last part crosses. The smallest
-            # array passes through the wait, so that XLA keeps it; the barrier puts the
-            # shadow's reads after it.
+            # array passes through the wait, so that XLA keeps it.
             values = list(values)
             k = min(range(len(values)), key=lambda i: math.prod(values[i].shape))
             after = values + ([min(earlier, key=lambda e: math.prod(e.shape))] if earlier
                               else others)
             values[k] = _wait(token, after, attrs, k, part=kind)
-            values, landed = lax.optimization_barrier((values, shadow))
-            return [_rank_mean(v, landed, attrs["offsets"][i], slot, group)
-                    for v, i in zip(values, part)]
+            return means(token, values, part, kind)
         return part, take
 
     made = tail.evaluate_tail(flat, outs[:n], [waiting(part, kind) for part, kind in parts])
     rest = dict(zip(tail.rest(), outs[n:]))
     return [rest[k] if k in rest else made[k] for k in range(len(made))]
+
+
+def gradients_by_copies(group, shadow, algo):
+    """Whether average_gradients sends every rank's whole gradients by DMA into the peers'
+    shared shadow for XLA's update to sum, rather than averaging them with the group's
+    kernel: on up to SPLIT_MAX_RANKS ranks, a power of two (_reads_shadow), given the
+    shadow and 'auto'."""
+    return bool(_reads_shadow(group.nranks) and shadow is not None and algo == "auto"
+                and getattr(group, "shadow_offset", 0))
+
+
+def _kernel_part(attrs, crossing, group, algo, max_blocks, split, part):
+    """A part's attributes when the kernel averages the gradients (average_gradients): the
+    algorithm for its bytes, and, for a first part that runs beside XLA's work on the rest,
+    a grid capped at BESIDE_BLOCKS unless ``max_blocks`` is given."""
+    from ._cuda import ALGORITHM_CODES
+    nbytes = sum(math.prod(crossing[i].shape) * np.dtype(crossing[i].dtype).itemsize
+                 for i in part)
+    blocks = int(attrs["max_blocks"])
+    if max_blocks is None and split.late and list(part) == list(split.early):
+        blocks = min(blocks, BESIDE_BLOCKS)
+    return dict(attrs, algo=np.int32(ALGORITHM_CODES[group.algorithm(nbytes, algo)]),
+                max_blocks=np.int32(blocks))
 
 
 def gradient_plan(fn, updated, group, args, local=(), shadow=None, algo="auto"):
@@ -622,13 +673,8 @@ def gradient_plan(fn, updated, group, args, local=(), shadow=None, algo="auto"):
     from . import jaxsplit
     if os.environ.get("PYMPGU_GRADIENTS", "1") == "0":
         return None, "PYMPGU_GRADIENTS=0"
-    # The number of ranks first: above SPLIT_MAX_RANKS the training loop makes no shadow,
-    # and the ranks are the reason to report.
-    if not _reads_shadow(group.nranks):
-        return None, (f"{group.nranks} ranks (it takes 2 to PYMPGU_SPLIT_MAX_RANKS="
-                      f"{SPLIT_MAX_RANKS}, a power of two)")
-    if shadow is None or algo != "auto" or not getattr(group, "shadow_offset", 0):
-        return None, "it needs method 'auto' and the group's shared shadow (shadow_array)"
+    if algo == "gather":
+        return None, "the gather algorithm averages parameters only"
     tail = jaxsplit.Tail(jaxsplit.trace(fn, list(args), inline=True), list(updated))
     if not tail.crossing:
         return None, "the results have no elementwise update"

@@ -102,21 +102,28 @@ def test_gpu_exchange_inside_xla(nranks, method, shadow, max_ranks, monkeypatch)
     assert all(r["corrected"].endswith("in the update") == in_update for r in results), results
 
 
-@pytest.mark.parametrize("gradients,nranks", [("1", 2), ("0", 2), ("1", 4)])
-def test_gpu_update_of_the_mean_gradient_inside_xla(gradients, nranks, monkeypatch):
+@pytest.mark.parametrize("gradients,nranks,max_ranks", [
+    ("1", 2, "2"), ("0", 2, "2"), ("1", 4, "4"), ("1", 4, "2"), ("1", 3, "2"), ("1", 2, "1")])
+def test_gpu_update_of_the_mean_gradient_inside_xla(gradients, nranks, max_ranks,
+                                                    monkeypatch):
     """Exchanger.xla_average_gradients: the step cut in two, its update fed the ranks' mean
-    gradient from the shadow, bit for bit against numpy and the same on every rank; with
-    PYMPGU_GRADIENTS=0, the parameters' average after the update in its place. On 4 ranks
-    (PYMPGU_SPLIT_MAX_RANKS=4), each rank pushes to three peers and the update sums four
-    gradients in rank order."""
+    gradient, bit for bit against numpy and the same on every rank; with
+    PYMPGU_GRADIENTS=0, the parameters' average after the update in its place. Up to
+    PYMPGU_SPLIT_MAX_RANKS ranks the gradients cross into the shadow (on 4 ranks each rank
+    pushes to three peers and the update sums four gradients in rank order); above it the
+    kernel averages each part ('twoshot' for the first, capped beside the late work, 'push'
+    for the last), on 3 ranks too, and the update reads the means."""
     needs_xla()
     from runtime_targets import gradient_rounds
     monkeypatch.setenv("PYMPGU_GRADIENTS", gradients)  # the spawned workers read both
-    monkeypatch.setenv("PYMPGU_SPLIT_MAX_RANKS", str(nranks))
+    monkeypatch.setenv("PYMPGU_SPLIT_MAX_RANKS", max_ranks)
     results = launch(gradient_rounds, (7,), gpus=devices(nranks))
     assert len({r["digest"] for r in results}) == 1
+    by_kernel = nranks > int(max_ranks)
     for r in results:
         assert (r["why_not"] is None) == (gradients == "1"), r["why_not"]
+        assert r["road"].endswith(f"averaged by the kernel ({nranks} ranks)") == (
+            by_kernel and gradients == "1"), r["road"]
 
 
 @pytest.mark.parametrize("barrier,stream_barrier", [("side", "1"), ("xla", "1"), ("side", "0")])
@@ -216,23 +223,27 @@ def test_gpu_training_cut_inside_xla(monkeypatch):
     assert abs(cut["test_error"] - whole["test_error"]) <= 0.01, (whole, cut)
 
 
-def test_gpu_training_mean_gradients_on_4_ranks(monkeypatch):
-    """--sync-every 1 on 4 ranks with the gradients' road allowed there
-    (PYMPGU_SPLIT_MAX_RANKS=4) and taken by a small MLP (PYMPGU_SPLIT_MIN_BYTES=0): it learns
-    as the parameters' average after the update does (PYMPGU_GRADIENTS=0) on the same data
-    and seed, the run says which road each took, and run() checks that the replicas end
-    identical. Two epochs: on 4 ranks one epoch is half as many steps as on 2 (4 CPU
-    workers: 29% test error after one, 17% after two)."""
+@pytest.mark.parametrize("max_ranks", ["4", "2"])
+def test_gpu_training_mean_gradients_on_4_ranks(max_ranks, monkeypatch):
+    """--sync-every 1 on 4 ranks, the gradients' road taken by a small MLP
+    (PYMPGU_SPLIT_MIN_BYTES=0), by DMA into the shadow (PYMPGU_SPLIT_MAX_RANKS=4) or by the
+    kernel (the default): it learns as the parameters' average after the update does
+    (PYMPGU_GRADIENTS=0) on the same data and seed, the run says which road each took, and
+    run() checks that the replicas end identical. Two epochs: on 4 ranks one epoch is half
+    as many steps as on 2 (4 CPU workers: 29% test error after one, 17% after two)."""
     needs_xla()
     from pympgu import train
     cfg = dict(train.DEFAULTS, **dict(JAX_TRAINING, epochs=2), hidden=[256, 128])
     monkeypatch.setenv("PYMPGU_SPLIT_MIN_BYTES", "0")  # the spawned workers read them all
-    monkeypatch.setenv("PYMPGU_SPLIT_MAX_RANKS", "4")
+    monkeypatch.setenv("PYMPGU_SPLIT_MAX_RANKS", max_ranks)
     monkeypatch.setenv("PYMPGU_GRADIENTS", "0")
     averaged = train.run(cfg, devices(4))[-1]
     monkeypatch.setenv("PYMPGU_GRADIENTS", "1")
     gradients = train.run(cfg, devices(4))[-1]
-    assert gradients["road"] == "the update of the mean gradients", gradients
+    road = "the update of the mean gradients"
+    if max_ranks == "2":
+        road += ", averaged by the kernel (4 ranks)"
+    assert gradients["road"] == road, gradients
     assert averaged["road"].endswith("PYMPGU_GRADIENTS=0"), averaged
     assert gradients["test_error"] < 0.25, gradients
     assert abs(gradients["test_error"] - averaged["test_error"]) <= 0.01, (averaged, gradients)

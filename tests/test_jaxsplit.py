@@ -166,8 +166,9 @@ def test_tail_in_parts_and_the_gradients_plan():
     means: here the values themselves) gives every output bit for bit, the second part's
     function seeing the first part's results; and gradient_plan takes an MLP's SGD update
     with L1 and L2 terms, and names why it refuses one that squares a gradient, a new state
-    that a matrix product makes, one that reads a rank's own input, too few bytes, too many
-    ranks or no shadow."""
+    that a matrix product makes, one that reads a rank's own input, too few bytes or the
+    gather algorithm. On 2 ranks with the shadow the gradients cross into it; with no shadow,
+    or on 4 ranks, the kernel averages them."""
     pytest.importorskip("jax")
     code = PRELUDE + (
         "import os; from types import SimpleNamespace; from pympgu import xla\n"
@@ -219,8 +220,14 @@ def test_tail_in_parts_and_the_gradients_plan():
         "assert 'not computed by an elementwise update' in plan(product)[1], plan(product)\n"
         "mine = [k for k, c in st.shared if c is m.velocities[-1].container]\n"
         "assert 'own inputs' in plan(local=st.explicit + mine)[1]  # as if a rank's own\n"
-        "assert 'shadow' in plan(shadow=None)[1]\n"
-        "assert '4 ranks' in plan(g=SimpleNamespace(shadow_offset=4096, nranks=4, rank=0))[1]\n"
+        "four = SimpleNamespace(shadow_offset=4096, nranks=4, rank=0)\n"
+        "assert xla.gradients_by_copies(group, object(), 'auto')  # into the shadow\n"
+        "for g, shadow in ((group, None), (four, object())):  # by the kernel\n"
+        "    assert plan(shadow=shadow, g=g)[1] is None\n"
+        "    assert not xla.gradients_by_copies(g, shadow, 'auto')\n"
+        "assert not xla.gradients_by_copies(group, object(), 'push')\n"
+        "assert 'gather' in xla.gradient_plan(compute, which, group, args, st.explicit,\n"
+        "                                     object(), 'gather')[1]\n"
         "os.environ['PYMPGU_GRADIENTS'] = '0'\n"
         "assert plan()[1] == 'PYMPGU_GRADIENTS=0'\n"
         "print('parts', split.early, split.late)\n"

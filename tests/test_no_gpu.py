@@ -21,6 +21,12 @@ class StandInGroup:
         return 1
 
 
+def attributes(eqn):
+    """The attributes of a traced ffi_call, as numpy values."""
+    import numpy as np
+    return {k: np.asarray(getattr(v, "val", v)) for k, v in eqn.params["attributes"]}
+
+
 def test_import_and_reason():
     reason = pympgu.cuda_unavailable_reason()
     assert reason and ("cuda" in reason.lower() or "gpu" in reason.lower())
@@ -276,6 +282,83 @@ def test_overlapped_exchange_gathers_only_up_to_split_max_ranks(monkeypatch):
             xla.correct_during([w], Group(), lambda v: ([v + 1], None), w, shadow=w.ravel())
 
 
+def test_gradients_averaged_by_the_kernel_above_split_max_ranks(monkeypatch):
+    # Above PYMPGU_SPLIT_MAX_RANKS the gradients are averaged by the group's kernel in two
+    # parts: the first part's (the gradients that need no late work) lie first in the
+    # buffer, start between the phases at a grid capped at BESIDE_BLOCKS, and their done
+    # follows the second start; the second part starts after the late work at the full
+    # grid. Each algorithm is chosen for its part's bytes. Run on the CPU with the start,
+    # the wait and the done stood in for, the update reads what the dones return.
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pympgu import xla
+    from pympgu._cuda import ALGORITHM_CODES
+
+    class Group(StandInGroup):
+        nbytes, nranks, rank, max_blocks = 1 << 20, 4, 1, 264
+
+        def algorithm(self, nbytes, algo):
+            return "push" if nbytes > 2048 else "twoshot"
+
+    mu, lr = np.float32(0.5), np.float32(0.25)
+
+    def step(w1, w2, v1, v2, x, scale=1):
+        g2 = scale * (x[:, :32].T @ x[:, 32:])  # needs no late work
+        late = jnp.tanh(x @ x.T @ x)  # what only w1's gradient needs
+        g1 = scale * (late[:, :16].T @ late[:, 16:48])
+        nv1, nv2 = mu * v1 - lr * g1, mu * v2 - lr * g2
+        return [w1 + nv1, w2 + nv2, nv1, nv2, jnp.sum(late)]
+
+    monkeypatch.setattr(xla, "_register", lambda: None)
+    monkeypatch.setattr(xla, "SPLIT_MIN_BYTES", 0)
+    rng = np.random.default_rng(0)
+    shapes = [(16, 32), (32, 32), (16, 32), (32, 32), (8, 64)]
+    args = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    updated, which, local = [0, 1, 2, 3], [0, 1], [4]
+    group = Group()
+    tail, why = xla.gradient_plan(step, updated, group, args, local)
+    assert why is None and not xla.gradients_by_copies(group, None, "auto"), why
+
+    def run(*a):
+        return xla.average_gradients(step, updated, which, group, *a, local=local)
+
+    eqns = jax.make_jaxpr(run)(*args).jaxpr.eqns
+    calls = [e for e in eqns if e.primitive.name == "ffi_call"]
+    assert [e.params["target_name"] for e in calls] == [
+        xla.START, xla.START, xla.WAIT, xla.DONE, xla.WAIT, xla.DONE], calls
+    first, last, _, done_first, _, done_last = (attributes(e) for e in calls)
+    assert (first["phase"], last["phase"]) == (1, 2)
+    # w2's gradient (32 x 32) first, at offset 0; w1's (16 x 32) after it.
+    assert list(first["offsets"]) == [0] and list(last["offsets"]) == [32 * 32]
+    assert first["max_blocks"] == xla.BESIDE_BLOCKS and last["max_blocks"] == 264
+    assert first["algo"] == ALGORITHM_CODES["push"]
+    assert last["algo"] == ALGORITHM_CODES["twoshot"]
+    assert (done_first["part"], done_last["part"]) == (1, 2)
+    assert list(done_first["offsets"]) == [0] and list(done_last["offsets"]) == [32 * 32]
+    # The late work comes after the first start, and the first part's done after both.
+    names = [e.primitive.name for e in eqns]
+    start1 = eqns.index(calls[0])
+    assert "tanh" in names[start1:] and "tanh" not in names[:start1], names
+    # Given max_blocks, every part takes it.
+    capped = jax.make_jaxpr(lambda *a: xla.average_gradients(
+        step, updated, which, group, *a, local=local, max_blocks=16))(*args).jaxpr.eqns
+    assert {int(attributes(e)["max_blocks"]) for e in capped if e.primitive.name == "ffi_call"
+            and e.params["target_name"] == xla.START} == {16}
+
+    # The update reads the dones' results: stood in by twice each rank's own gradient.
+    monkeypatch.setattr(xla, "_start", lambda *a, **k: jnp.uint32(0))
+    monkeypatch.setattr(xla, "_wait", lambda token, after, attrs, k, part: after[k])
+    monkeypatch.setattr(xla, "_done", lambda token, arrays, attrs, part, offsets:
+                        [2 * a for a in arrays])
+    got = jax.jit(lambda *a: run(*a))(*args)  # traced anew
+    want = step(*args, scale=2)
+    for g, w in zip(got[:4], want[:4]):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(float(got[4]), float(want[4]), rtol=1e-5)
+
+
 def test_xla_average_results_cuts_the_step(monkeypatch):
     # Traced on the CPU: with a shared shadow, the results that need no late work start
     # first (phase 1), the matrix product they do not need comes after that start and its
@@ -304,8 +387,7 @@ def test_xla_average_results_cuts_the_step(monkeypatch):
     names = [e.primitive.name for e in eqns]
     calls = [k for k, n in enumerate(names) if n == "ffi_call"]
     assert len(calls) == 4, names
-    first, second, done_first, done_last = ({k: np.asarray(getattr(v, "val", v)) for k, v in
-                                             eqns[c].params["attributes"]} for c in calls)
+    first, second, done_first, done_last = (attributes(eqns[c]) for c in calls)
     assert first["phase"] == 1 and second["phase"] == 2 and "phase" not in done_first, names
     assert done_first["part"] == 1 and done_last["part"] == 2, names
     assert calls[0] < names.index("dot_general") and calls[1] > max(
