@@ -56,8 +56,11 @@ SPLIT_MAX_RANKS = int(os.environ.get("PYMPGU_SPLIT_MAX_RANKS", 2))
 # A kernel beside XLA's work, at its full grid (two blocks per SM), would hold every SM until
 # it ends, and nothing would overlap; capped, it leaves SMs to the work. On 4 H200s the
 # overlapped wide MLP took 1.013 ms a step with 64 blocks against 1.136 with 128
-# (docs/BENCHMARKS.md, session 26; session 3 has the sweep on 2).
-BESIDE_BLOCKS = 64
+# (docs/BENCHMARKS.md, session 26; session 3 has the sweep on 2). PYMPGU_BESIDE_BLOCKS
+# overrides it (every rank alike: the ranks' grids must match, roads()).
+BESIDE_BLOCKS = int(os.environ.get("PYMPGU_BESIDE_BLOCKS", 64))
+if not 1 <= BESIDE_BLOCKS <= 512:
+    raise ValueError(f"PYMPGU_BESIDE_BLOCKS must be 1 to 512, got {BESIDE_BLOCKS}")
 
 
 def copies_to_every_peer(nranks):
@@ -77,8 +80,10 @@ def roads():
     as text: every rank must have the same (the Exchanger checks it when it connects). A
     rank that cut its step where a peer did not, sent gradients where a peer sent
     parameters, or the whole state where a peer sent half of it (PYMPGU_OVERLAP_WHOLE),
-    would read the peer's shadow by its own layout."""
-    return " ".join([str(SPLIT_MIN_BYTES), str(SPLIT_MAX_RANKS),
+    would read the peer's shadow by its own layout; one whose kernel beside XLA's work ran
+    another grid (PYMPGU_BESIDE_BLOCKS) would wait at its barriers for blocks that never
+    come."""
+    return " ".join([str(SPLIT_MIN_BYTES), str(SPLIT_MAX_RANKS), str(BESIDE_BLOCKS),
                      os.environ.get("PYMPGU_GRADIENTS", "1"),
                      os.environ.get("PYMPGU_FUSED_CORRECTION", "1"),
                      str(int(overlap_whole()))])
@@ -250,6 +255,19 @@ def shadow_array(group):
         return None
     view = group.shadow_view()
     return None if view is None else jax.dlpack.from_dlpack(view)
+
+
+def gradients_array(group, algo="auto"):
+    """``average_gradients``' ``shadow`` for ``group``: where XLA's update reads the
+    exchanged gradients, a JAX array over pympgu's memory, without a copy (pass it into the
+    jitted function as an argument). Where the gradients cross into the peers' shared
+    shadow (up to SPLIT_MAX_RANKS ranks, a power of two, with 'auto'), the shadow
+    (shadow_array: None without one); elsewhere the group's own buffer, where the kernel
+    leaves their means, float32."""
+    import jax
+    if _reads_shadow(group.nranks) and algo == "auto":
+        return shadow_array(group)
+    return jax.dlpack.from_dlpack(group.buffer_view())
 
 
 def _reads_shadow(nranks):
@@ -610,8 +628,16 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
                                        split)
 
         def means(token, values, part, kind):
-            return _done(token, values, part_attrs(part), part=kind,
-                         offsets=_part_offsets(offsets, part))
+            if shadow is None:  # unpacked by a done
+                return _done(token, values, part_attrs(part), part=kind,
+                             offsets=_part_offsets(offsets, part))
+            # Read where the kernel left them (gradients_array), after the wait: no unpack.
+            # On 2 H200s, unpacked, the wide MLP's step took 0.867 ms (docs/BENCHMARKS.md,
+            # session 27).
+            _, landed = lax.optimization_barrier((values, shadow))
+            return [lax.slice(landed, (int(offsets[i]),),
+                              (int(offsets[i]) + math.prod(crossing[i].shape),)
+                              ).reshape(crossing[i].shape) for i in part]
     if split.early:
         token, outs, parts = _send_in_parts(split, flat, attrs, offsets, part_attrs)
     else:  # nothing worth cutting: every gradient crosses once the work before is done

@@ -287,8 +287,7 @@ def test_gradients_averaged_by_the_kernel_above_split_max_ranks(monkeypatch):
     # parts: the first part's (the gradients that need no late work) lie first in the
     # buffer, start between the phases at a grid capped at BESIDE_BLOCKS, and their done
     # follows the second start; the second part starts after the late work at the full
-    # grid. Each algorithm is chosen for its part's bytes. Run on the CPU with the start,
-    # the wait and the done stood in for, the update reads what the dones return.
+    # grid. Each algorithm is chosen for its part's bytes.
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
     import numpy as np
@@ -304,10 +303,11 @@ def test_gradients_averaged_by_the_kernel_above_split_max_ranks(monkeypatch):
 
     mu, lr = np.float32(0.5), np.float32(0.25)
 
-    def step(w1, w2, v1, v2, x, scale=1):
+    def step(w1, w2, v1, v2, x, scale=1, grads=None):
         g2 = scale * (x[:, :32].T @ x[:, 32:])  # needs no late work
         late = jnp.tanh(x @ x.T @ x)  # what only w1's gradient needs
         g1 = scale * (late[:, :16].T @ late[:, 16:48])
+        g1, g2 = grads or (g1, g2)
         nv1, nv2 = mu * v1 - lr * g1, mu * v2 - lr * g2
         return [w1 + nv1, w2 + nv2, nv1, nv2, jnp.sum(late)]
 
@@ -347,16 +347,34 @@ def test_gradients_averaged_by_the_kernel_above_split_max_ranks(monkeypatch):
     assert {int(attributes(e)["max_blocks"]) for e in capped if e.primitive.name == "ffi_call"
             and e.params["target_name"] == xla.START} == {16}
 
-    # The update reads the dones' results: stood in by twice each rank's own gradient.
+    # Given the group's buffer (xla.gradients_array), the update reads the means there
+    # after each part's wait, and no done unpacks them.
+    buffer = rng.standard_normal(64 * 32).astype(np.float32)
+
+    def in_place(*a):
+        return xla.average_gradients(step, updated, which, group, *a[:-1], shadow=a[-1],
+                                     local=local)
+
+    eqns = jax.make_jaxpr(in_place)(*args, buffer).jaxpr.eqns
+    assert [e.params["target_name"] for e in eqns if e.primitive.name == "ffi_call"] == [
+        xla.START, xla.START, xla.WAIT, xla.WAIT], eqns
+    waits = [k for k, e in enumerate(eqns) if e.primitive.name == "ffi_call"][2:]
+    reads = [k for k, e in enumerate(eqns) if e.primitive.name == "slice"
+             and e.invars[0].aval.shape == buffer.shape]
+    assert len(reads) == 2 and waits[0] < reads[0] < waits[1] < reads[1], eqns
+
+    # Run on the CPU with the start, the wait and the done stood in for: the update reads
+    # the dones' results (here twice each rank's own gradient), or the buffer's.
     monkeypatch.setattr(xla, "_start", lambda *a, **k: jnp.uint32(0))
     monkeypatch.setattr(xla, "_wait", lambda token, after, attrs, k, part: after[k])
     monkeypatch.setattr(xla, "_done", lambda token, arrays, attrs, part, offsets:
                         [2 * a for a in arrays])
-    got = jax.jit(lambda *a: run(*a))(*args)  # traced anew
-    want = step(*args, scale=2)
-    for g, w in zip(got[:4], want[:4]):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(float(got[4]), float(want[4]), rtol=1e-5)
+    g2, g1 = buffer[:32 * 32].reshape(32, 32), buffer[32 * 32:48 * 32].reshape(16, 32)
+    for got, want in ((jax.jit(lambda *a: run(*a))(*args), step(*args, scale=2)),  # anew
+                      (jax.jit(in_place)(*args, buffer), step(*args, grads=(g1, g2)))):
+        for g, w in zip(got[:4], want[:4]):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(float(got[4]), float(want[4]), rtol=1e-5)
 
 
 def test_xla_average_results_cuts_the_step(monkeypatch):

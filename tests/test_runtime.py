@@ -258,8 +258,8 @@ def test_xla_roads_name_every_setting_that_lays_out_the_step():
         return r.stdout.strip()
 
     plain = roads()
-    assert plain == f"{16 << 20} 2 1 1 1", plain
+    assert plain == f"{16 << 20} 2 64 1 1 1", plain
     changed = [roads(PYMPGU_SPLIT_MIN_BYTES="0"), roads(PYMPGU_SPLIT_MAX_RANKS="8"),
-               roads(PYMPGU_GRADIENTS="0"), roads(PYMPGU_FUSED_CORRECTION="0"),
-               roads(PYMPGU_OVERLAP_WHOLE="0")]
-    assert len({plain, *changed}) == 6, changed
+               roads(PYMPGU_BESIDE_BLOCKS="32"), roads(PYMPGU_GRADIENTS="0"),
+               roads(PYMPGU_FUSED_CORRECTION="0"), roads(PYMPGU_OVERLAP_WHOLE="0")]
+    assert len({plain, *changed}) == 7, changed
