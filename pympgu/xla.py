@@ -614,7 +614,7 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
         attrs, _ = _attributes(crossing, group, algo, max_blocks, overlapped=True)
         offsets, slot = attrs["offsets"], _slot_elems(group, int(attrs["total"]))
 
-        def means(token, values, part, kind):  # the shadow's reads after the wait
+        def means(token, values, part, kind, k):  # the shadow's reads after the wait
             values, landed = lax.optimization_barrier((values, shadow))
             return [_rank_mean(v, landed, offsets[i], slot, group) for v, i in zip(values, part)]
     else:
@@ -627,17 +627,20 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
         part_attrs = functools.partial(_kernel_part, attrs, crossing, group, algo, max_blocks,
                                        split)
 
-        def means(token, values, part, kind):
+        def means(token, values, part, kind, k):
             if shadow is None:  # unpacked by a done
                 return _done(token, values, part_attrs(part), part=kind,
                              offsets=_part_offsets(offsets, part))
-            # Read where the kernel left them (gradients_array), after the wait: no unpack.
-            # On 2 H200s, unpacked, the wide MLP's step took 0.867 ms (docs/BENCHMARKS.md,
-            # session 27).
-            _, landed = lax.optimization_barrier((values, shadow))
-            return [lax.slice(landed, (int(offsets[i]),),
-                              (int(offsets[i]) + math.prod(crossing[i].shape),)
-                              ).reshape(crossing[i].shape) for i in part]
+            # Read where the kernel left them (gradients_array): no unpack but the smallest
+            # array's, through which the reads of the buffer follow the done. They need a
+            # result that something reads: XLA dropped the wait whose only reader was the
+            # barrier, and with it the starts and the backward pass that fed them.
+            small, = _done(token, [values[k]], part_attrs(part), part=kind,
+                           offsets=_part_offsets(offsets, [part[k]]))
+            small, landed = lax.optimization_barrier((small, shadow))
+            return [small if j == k else lax.slice(
+                landed, (int(offsets[i]),), (int(offsets[i]) + math.prod(crossing[i].shape),)
+            ).reshape(crossing[i].shape) for j, i in enumerate(part)]
     if split.early:
         token, outs, parts = _send_in_parts(split, flat, attrs, offsets, part_attrs)
     else:  # nothing worth cutting: every gradient crosses once the work before is done
@@ -662,7 +665,7 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
             after = values + ([min(earlier, key=lambda e: math.prod(e.shape))] if earlier
                               else others)
             values[k] = _wait(token, after, attrs, k, part=kind)
-            return means(token, values, part, kind)
+            return means(token, values, part, kind, k)
         return part, take
 
     made = tail.evaluate_tail(flat, outs[:n], [waiting(part, kind) for part, kind in parts])

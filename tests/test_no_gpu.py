@@ -303,20 +303,21 @@ def test_gradients_averaged_by_the_kernel_above_split_max_ranks(monkeypatch):
 
     mu, lr = np.float32(0.5), np.float32(0.25)
 
-    def step(w1, w2, v1, v2, x, scale=1, grads=None):
-        g2 = scale * (x[:, :32].T @ x[:, 32:])  # needs no late work
+    def step(w1, w2, b2, v1, v2, u2, x, scale=1, grads=None):
+        g2 = scale * (x[:, :32].T @ x[:, 32:])  # these two need no late work
+        gb2 = scale * jnp.sum(x[:, 32:], axis=0)
         late = jnp.tanh(x @ x.T @ x)  # what only w1's gradient needs
         g1 = scale * (late[:, :16].T @ late[:, 16:48])
-        g1, g2 = grads or (g1, g2)
-        nv1, nv2 = mu * v1 - lr * g1, mu * v2 - lr * g2
-        return [w1 + nv1, w2 + nv2, nv1, nv2, jnp.sum(late)]
+        g1, g2, gb2 = grads or (g1, g2, gb2)
+        nv1, nv2, nu2 = mu * v1 - lr * g1, mu * v2 - lr * g2, mu * u2 - lr * gb2
+        return [w1 + nv1, w2 + nv2, b2 + nu2, nv1, nv2, nu2, jnp.sum(late)]
 
     monkeypatch.setattr(xla, "_register", lambda: None)
     monkeypatch.setattr(xla, "SPLIT_MIN_BYTES", 0)
     rng = np.random.default_rng(0)
-    shapes = [(16, 32), (32, 32), (16, 32), (32, 32), (8, 64)]
+    shapes = [(16, 32), (32, 32), (32,), (16, 32), (32, 32), (32,), (8, 64)]
     args = [rng.standard_normal(s).astype(np.float32) for s in shapes]
-    updated, which, local = [0, 1, 2, 3], [0, 1], [4]
+    updated, which, local = list(range(6)), [0, 1, 2], [6]
     group = Group()
     tail, why = xla.gradient_plan(step, updated, group, args, local)
     assert why is None and not xla.gradients_by_copies(group, None, "auto"), why
@@ -330,13 +331,15 @@ def test_gradients_averaged_by_the_kernel_above_split_max_ranks(monkeypatch):
         xla.START, xla.START, xla.WAIT, xla.DONE, xla.WAIT, xla.DONE], calls
     first, last, _, done_first, _, done_last = (attributes(e) for e in calls)
     assert (first["phase"], last["phase"]) == (1, 2)
-    # w2's gradient (32 x 32) first, at offset 0; w1's (16 x 32) after it.
-    assert list(first["offsets"]) == [0] and list(last["offsets"]) == [32 * 32]
+    # w2's and b2's gradients first, from offset 0; w1's (16 x 32) after them (the layout
+    # starts each array on 256 bytes).
+    assert sorted(first["offsets"]) == [0, 32 * 32] and list(last["offsets"]) == [34 * 32]
     assert first["max_blocks"] == xla.BESIDE_BLOCKS and last["max_blocks"] == 264
     assert first["algo"] == ALGORITHM_CODES["push"]
     assert last["algo"] == ALGORITHM_CODES["twoshot"]
     assert (done_first["part"], done_last["part"]) == (1, 2)
-    assert list(done_first["offsets"]) == [0] and list(done_last["offsets"]) == [32 * 32]
+    assert sorted(done_first["offsets"]) == [0, 32 * 32]
+    assert list(done_last["offsets"]) == [34 * 32]
     # The late work comes after the first start, and the first part's done after both.
     names = [e.primitive.name for e in eqns]
     start1 = eqns.index(calls[0])
@@ -347,8 +350,10 @@ def test_gradients_averaged_by_the_kernel_above_split_max_ranks(monkeypatch):
     assert {int(attributes(e)["max_blocks"]) for e in capped if e.primitive.name == "ffi_call"
             and e.params["target_name"] == xla.START} == {16}
 
-    # Given the group's buffer (xla.gradients_array), the update reads the means there
-    # after each part's wait, and no done unpacks them.
+    # Given the group's buffer (xla.gradients_array), the update reads the means there,
+    # after a barrier behind the part's done, which unpacks only its smallest array: XLA
+    # keeps an operation only while something reads its results, and the wait's alone
+    # would be dropped with the backward pass that feeds the starts.
     buffer = rng.standard_normal(64 * 32).astype(np.float32)
 
     def in_place(*a):
@@ -356,25 +361,36 @@ def test_gradients_averaged_by_the_kernel_above_split_max_ranks(monkeypatch):
                                      local=local)
 
     eqns = jax.make_jaxpr(in_place)(*args, buffer).jaxpr.eqns
-    assert [e.params["target_name"] for e in eqns if e.primitive.name == "ffi_call"] == [
-        xla.START, xla.START, xla.WAIT, xla.WAIT], eqns
-    waits = [k for k, e in enumerate(eqns) if e.primitive.name == "ffi_call"][2:]
+    calls = [k for k, e in enumerate(eqns) if e.primitive.name == "ffi_call"]
+    assert [eqns[k].params["target_name"] for k in calls] == [
+        xla.START, xla.START, xla.WAIT, xla.DONE, xla.WAIT, xla.DONE], eqns
+    assert [list(attributes(eqns[k])["offsets"]) for k in calls[3::2]] == [[32 * 32],
+                                                                           [34 * 32]]
     reads = [k for k, e in enumerate(eqns) if e.primitive.name == "slice"
              and e.invars[0].aval.shape == buffer.shape]
-    assert len(reads) == 2 and waits[0] < reads[0] < waits[1] < reads[1], eqns
+    assert len(reads) == 1 and calls[3] < reads[0] < calls[4], eqns
+    held = eqns[reads[0]].invars[0]  # the buffer, out of a barrier with the done's result
+    barrier = next(e for e in eqns if held in e.outvars)
+    assert barrier.primitive.name == "optimization_barrier", barrier
+    assert eqns[calls[3]].outvars[0] in barrier.invars, barrier
+    assert eqns[reads[0]].params["start_indices"] == (0,)
 
     # Run on the CPU with the start, the wait and the done stood in for: the update reads
-    # the dones' results (here twice each rank's own gradient), or the buffer's.
+    # the dones' results (here twice each rank's own gradient), and the buffer's.
     monkeypatch.setattr(xla, "_start", lambda *a, **k: jnp.uint32(0))
     monkeypatch.setattr(xla, "_wait", lambda token, after, attrs, k, part: after[k])
     monkeypatch.setattr(xla, "_done", lambda token, arrays, attrs, part, offsets:
                         [2 * a for a in arrays])
-    g2, g1 = buffer[:32 * 32].reshape(32, 32), buffer[32 * 32:48 * 32].reshape(16, 32)
+    x = args[6]
+    late = np.tanh(x @ x.T @ x)
+    in_buffer = step(*args, grads=(2 * (late[:, :16].T @ late[:, 16:48]),  # w1's: a done
+                                   buffer[:32 * 32].reshape(32, 32),  # w2's: the buffer
+                                   2 * x[:, 32:].sum(axis=0)))  # b2's: a done
     for got, want in ((jax.jit(lambda *a: run(*a))(*args), step(*args, scale=2)),  # anew
-                      (jax.jit(in_place)(*args, buffer), step(*args, grads=(g1, g2)))):
-        for g, w in zip(got[:4], want[:4]):
-            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
-        np.testing.assert_allclose(float(got[4]), float(want[4]), rtol=1e-5)
+                      (jax.jit(lambda *a: in_place(*a))(*args, buffer), in_buffer)):
+        for g, w in zip(got[:6], want[:6]):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(float(got[6]), float(want[6]), rtol=1e-5)
 
 
 def test_xla_average_results_cuts_the_step(monkeypatch):
