@@ -1239,12 +1239,6 @@ cdef class PeerGroup:
         n = (self.nranks - 1) * _align(self.nbytes, _PAGE) // 4
         return self.block.view("float32", (n,), self.data_offset + self.shadow_offset)
 
-    def buffer_view(self):
-        """A float32 DeviceArray over this rank's whole data buffer, with no stream of its
-        own: pympgu.xla.gradients_array gives it to JAX, whose update reads the means that
-        the kernels leave there."""
-        return self.block.view("float32", (self.nbytes // 4,), self.data_offset)
-
     def connect(self, handles, max_blocks=None):
         """Map every peer's block; handles[r] is rank r's handle (ours is skipped).
 

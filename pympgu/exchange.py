@@ -278,22 +278,17 @@ class Exchanger:
                                   ready=ready)
 
     def xla_shadow(self, correction=True):
-        """The memory of pympgu's that XLA's update reads, as a JAX array to pass into the
-        jitted function, or None where none can serve: XLA cannot exchange here, or the
-        arrays are not float32. For ``xla_correct_during``'s ``shadow``: the shared shadow,
-        or None without one (``shadow=True``), for a number of ranks that is not a power of
-        two or is above PYMPGU_SPLIT_MAX_RANKS (pympgu.xla.shadow_array), for a method
-        other than 'auto', or with PYMPGU_FUSED_CORRECTION=0, which leaves the correction
-        to pympgu's own pass (to compare the two). With ``correction=False``, for
-        ``xla_average_gradients``' ``shadow`` (pympgu.xla.gradients_array): the shared
-        shadow where the gradients cross into it, else the group's own buffer, where the
-        kernel leaves their means."""
+        """The shared shadow as a JAX array, for ``xla_correct_during``'s ``shadow`` (or
+        with ``correction=False``, ``xla_average_gradients``'), or None where it cannot
+        serve: no shared shadow (``shadow=True``), a number of ranks that is not a power of
+        two or is above PYMPGU_SPLIT_MAX_RANKS (pympgu.xla.shadow_array), a method other
+        than 'auto', or other arrays than float32. For the correction,
+        PYMPGU_FUSED_CORRECTION=0 also says None, which leaves it to pympgu's own pass (to
+        compare the two)."""
         from . import xla
-        if self.xla_unavailable() or any(d != "float32" for _, _, d in self.layout):
-            return None
-        if not correction:
-            return xla.gradients_array(self.backend.group, self.method)
-        if os.environ.get("PYMPGU_FUSED_CORRECTION", "1") == "0" or self.method != "auto":
+        if ((correction and os.environ.get("PYMPGU_FUSED_CORRECTION", "1") == "0")
+                or self.method != "auto" or self.xla_unavailable()
+                or any(d != "float32" for _, _, d in self.layout)):
             return None
         return xla.shadow_array(self.backend.group)
 

@@ -257,19 +257,6 @@ def shadow_array(group):
     return None if view is None else jax.dlpack.from_dlpack(view)
 
 
-def gradients_array(group, algo="auto"):
-    """``average_gradients``' ``shadow`` for ``group``: where XLA's update reads the
-    exchanged gradients, a JAX array over pympgu's memory, without a copy (pass it into the
-    jitted function as an argument). Where the gradients cross into the peers' shared
-    shadow (up to SPLIT_MAX_RANKS ranks, a power of two, with 'auto'), the shadow
-    (shadow_array: None without one); elsewhere the group's own buffer, where the kernel
-    leaves their means, float32."""
-    import jax
-    if _reads_shadow(group.nranks) and algo == "auto":
-        return shadow_array(group)
-    return jax.dlpack.from_dlpack(group.buffer_view())
-
-
 def _reads_shadow(nranks):
     """Whether XLA's own arithmetic reads the shared shadow on nranks ranks (shadow_array,
     gradient_plan): 'auto' lands the peers' arrays there (copies_to_every_peer), and the
@@ -614,7 +601,7 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
         attrs, _ = _attributes(crossing, group, algo, max_blocks, overlapped=True)
         offsets, slot = attrs["offsets"], _slot_elems(group, int(attrs["total"]))
 
-        def means(token, values, part, kind, k):  # the shadow's reads after the wait
+        def means(token, values, part, kind):  # the shadow's reads after the wait
             values, landed = lax.optimization_barrier((values, shadow))
             return [_rank_mean(v, landed, offsets[i], slot, group) for v, i in zip(values, part)]
     else:
@@ -627,20 +614,13 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
         part_attrs = functools.partial(_kernel_part, attrs, crossing, group, algo, max_blocks,
                                        split)
 
-        def means(token, values, part, kind, k):
-            if shadow is None:  # unpacked by a done
-                return _done(token, values, part_attrs(part), part=kind,
-                             offsets=_part_offsets(offsets, part))
-            # Read where the kernel left them (gradients_array): no unpack but the smallest
-            # array's, through which the reads of the buffer follow the done. They need a
-            # result that something reads: XLA dropped the wait whose only reader was the
-            # barrier, and with it the starts and the backward pass that fed them.
-            small, = _done(token, [values[k]], part_attrs(part), part=kind,
-                           offsets=_part_offsets(offsets, [part[k]]))
-            small, landed = lax.optimization_barrier((small, shadow))
-            return [small if j == k else lax.slice(
-                landed, (int(offsets[i]),), (int(offsets[i]) + math.prod(crossing[i].shape),)
-            ).reshape(crossing[i].shape) for j, i in enumerate(part)]
+        def means(token, values, part, kind):
+            # Unpacked. Read in place instead (the buffer passed into the step as a JAX
+            # array, the reads held behind a done of the smallest array, since XLA drops a
+            # wait that only a barrier reads), the wide MLP's step on 2 H200s took 0.872 ms
+            # against 0.867 (docs/BENCHMARKS.md, session 27).
+            return _done(token, values, part_attrs(part), part=kind,
+                         offsets=_part_offsets(offsets, part))
     if split.early:
         token, outs, parts = _send_in_parts(split, flat, attrs, offsets, part_attrs)
     else:  # nothing worth cutting: every gradient crosses once the work before is done
@@ -665,7 +645,7 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
             after = values + ([min(earlier, key=lambda e: math.prod(e.shape))] if earlier
                               else others)
             values[k] = _wait(token, after, attrs, k, part=kind)
-            return means(token, values, part, kind, k)
+            return means(token, values, part, kind)
         return part, take
 
     made = tail.evaluate_tail(flat, outs[:n], [waiting(part, kind) for part, kind in parts])
