@@ -646,8 +646,9 @@ def build_parser():
                             "'push' (two-shot by stores), 'ce' (two-shot, every byte by DMA), or "
                             "'copy', the seed's peer-copy method (default: auto, by buffer "
                             "size; for GPU workers from 16 MiB, the step is cut so that the "
-                            "last layers' parameters cross the link by DMA while the first "
-                            "layers' gradients compute: docs/TRAINING.md)")
+                            "last layers' gradients cross the link, by DMA on 2 GPUs and by "
+                            "the kernel on more, while the first layers' gradients compute: "
+                            "docs/TRAINING.md)")
     where.add_argument("--port", type=int, default=None,
                        help="coordinator port on 127.0.0.1 (default: a free one)")
     d = p.add_argument_group("data")

@@ -29,7 +29,8 @@ update, with no pass at all. ``average_results(fn, which, group, *args)`` averag
 an exact exchange that hides behind the end of a training step, as DDP's gradient buckets
 do. ``average_gradients(fn, updated, which, group, *args)`` goes one further for a step
 whose ranks start from the same state: the gradients cross instead, and ``fn``'s own
-elementwise update reads their mean from the shared shadow, so no pass averages anything.
+elementwise update reads their mean from the shared shadow, so no pass averages anything
+(above SPLIT_MAX_RANKS ranks the kernel averages them, and the update reads the means).
 A group carries one of these exchanges at a time: two start/done pairs on the same group
 must not interleave in one function, since both land in the same shadow.
 
