@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from .xla import BESIDE_BLOCKS, overlap_whole
+from .xla import BESIDE_BLOCKS, copies_to_every_peer, overlap_whole
 
 PRESETS = {
     # The 2014 seed: MLP 784-500-10, plain SGD, lr 0.13, batch 5000, L2 1e-4, 10 epochs.
@@ -490,7 +490,6 @@ def make_exchanger(ctx, rep, cfg):
     # A shared shadow lets the exchanges inside the step's XLA call start as soon as the
     # last layers are computed, and spares the overlapped one its pack ('gather'). It costs
     # nranks - 1 copies of the state on each GPU: only where one of the two will use it.
-    from .xla import copies_to_every_peer
     shadow = (rep.jax is not None and not ctx.is_cpu and cfg.get("xla_exchange", True)
               and cfg["method"] == "auto" and cfg["exchange_dtype"] in (None, "float32")
               and copies_to_every_peer(ctx.nranks))

@@ -612,8 +612,8 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
         attrs, _ = _attributes([crossing[i] for i in order], group, algo, max_blocks)
         offsets = np.empty(n, np.int64)
         offsets[order] = attrs["offsets"]
-        part_attrs = functools.partial(_kernel_part, attrs, crossing, group, algo, max_blocks,
-                                       split)
+        part_attrs = functools.partial(_kernel_part, attrs, offsets, crossing, group, algo,
+                                       max_blocks, split)
 
         def means(token, values, part, kind):
             # Unpacked. Read in place instead (the buffer passed into the step as a JAX
@@ -663,13 +663,16 @@ def gradients_by_copies(group, shadow, algo):
                 and getattr(group, "shadow_offset", 0))
 
 
-def _kernel_part(attrs, crossing, group, algo, max_blocks, split, part):
+def _kernel_part(attrs, offsets, crossing, group, algo, max_blocks, split, part):
     """A part's attributes when the kernel averages the gradients (average_gradients): the
-    algorithm for its bytes, and, for a first part that runs beside XLA's work on the rest,
-    a grid capped at BESIDE_BLOCKS unless ``max_blocks`` is given."""
+    algorithm for the bytes of its stretch of the buffer (``offsets``, in elements), and,
+    for a first part that runs beside XLA's work on the rest, a grid capped at
+    BESIDE_BLOCKS unless ``max_blocks`` is given."""
     from ._cuda import ALGORITHM_CODES
-    nbytes = sum(math.prod(crossing[i].shape) * np.dtype(crossing[i].dtype).itemsize
-                 for i in part)
+    last = max(part, key=lambda i: offsets[i])
+    elements = int(offsets[last]) + math.prod(crossing[last].shape) - min(
+        int(offsets[i]) for i in part)
+    nbytes = elements * np.dtype(crossing[last].dtype).itemsize
     blocks = int(attrs["max_blocks"])
     if max_blocks is None and split.late and list(part) == list(split.early):
         blocks = min(blocks, BESIDE_BLOCKS)

@@ -263,3 +263,6 @@ def test_xla_roads_name_every_setting_that_lays_out_the_step():
                roads(PYMPGU_BESIDE_BLOCKS="32"), roads(PYMPGU_GRADIENTS="0"),
                roads(PYMPGU_FUSED_CORRECTION="0"), roads(PYMPGU_OVERLAP_WHOLE="0")]
     assert len({plain, *changed}) == 7, changed
+    bad = subprocess.run([sys.executable, "-c", "import pympgu.xla"], capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "PYMPGU_BESIDE_BLOCKS": "0"})
+    assert bad.returncode != 0 and "PYMPGU_BESIDE_BLOCKS must be 1 to 512, got 0" in bad.stderr
