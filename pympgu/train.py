@@ -25,9 +25,6 @@ PRESETS = {
                      epochs=10),
 }
 DEFAULTS = dict(hidden=[500], lr=0.05, momentum=0.9, batch_size=128, l1=0.0, l2=1e-4, epochs=5)
-# With --overlap the averaging kernel runs beside the next step's kernels, capped as any
-# kernel beside XLA's work is (pympgu.xla.BESIDE_BLOCKS says why).
-OVERLAP_BLOCKS = BESIDE_BLOCKS
 CHECKPOINT = "checkpoint.npz"
 
 
@@ -486,7 +483,9 @@ def make_exchanger(ctx, rep, cfg):
         return None
     blocks = cfg.get("exchange_blocks")
     if blocks is None and cfg.get("overlap"):
-        blocks = OVERLAP_BLOCKS
+        # The averaging kernel runs beside the next step's kernels, capped as any kernel
+        # beside XLA's work is (pympgu.xla.BESIDE_BLOCKS says why).
+        blocks = BESIDE_BLOCKS
     # A shared shadow lets the exchanges inside the step's XLA call start as soon as the
     # last layers are computed, and spares the overlapped one its pack ('gather'). It costs
     # nranks - 1 copies of the state on each GPU: only where one of the two will use it.
@@ -692,7 +691,7 @@ def build_parser():
                    help="cap the GPU averaging kernel at B thread blocks (1-512). Fewer blocks "
                         "leave SMs to the training step that runs beside an overlapped "
                         "exchange (inside XLA on 2 GPUs the copy engines move it and it "
-                        f"takes no SM) (default: {OVERLAP_BLOCKS} with --overlap, else two "
+                        f"takes no SM) (default: {BESIDE_BLOCKS} with --overlap, else two "
                         "per SM)")
     m.add_argument("--seed", type=int, default=0, help="seed of the minibatch order (default: 0)")
     o = p.add_argument_group("output")

@@ -560,7 +560,8 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
 
     The gradients computed first cross while ``fn`` computes the rest (the cut of
     average_results, jaxsplit.Split), and the update of the first part's arrays runs as
-    soon as their mean is there, while the rest cross. Two ways (gradient_plan says which):
+    soon as their mean is there, while the rest cross. Two ways (gradients_by_copies says
+    which):
 
     - on up to SPLIT_MAX_RANKS ranks (a power of two) with ``shadow`` (shadow_array(group),
       passed into the jitted function as an argument) and ``algo="auto"``, every rank's
