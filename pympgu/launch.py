@@ -40,10 +40,12 @@ class WorkerContext:
     def is_cpu(self):
         return self.device is None
 
-    def barrier(self):
-        """A host barrier of every rank, through the coordinator."""
+    def barrier(self, what=None, value=None):
+        """A host barrier of every rank, through the coordinator. With ``what``, every rank
+        must also hold the same ``value`` (a string): otherwise the run fails, naming the
+        first rank whose ``what`` differs from rank 0's."""
         self._barrier_seq += 1
-        self.link.send("BARRIER", {"seq": self._barrier_seq})
+        self.link.send("BARRIER", {"seq": self._barrier_seq, "what": what, "value": value})
         self.link.receive("RELEASE")
 
     def register(self, layout, facts, blob):
@@ -129,13 +131,20 @@ def _supervise(coord, procs, on_metric, heartbeat_timeout):
                 _send_peers(coord, registered)
                 registered.clear()
         elif kind == "BARRIER":
-            barrier_waiting[rank] = data.get("seq")
+            barrier_waiting[rank] = data
             if len(barrier_waiting) == n:
-                seqs = set(barrier_waiting.values())
-                if len(seqs) != 1:
+                seqs = {r: d.get("seq") for r, d in barrier_waiting.items()}
+                if len(set(seqs.values())) != 1:
                     raise WorkerFailed(min(barrier_waiting), "is out of step",
-                                       f"barrier sequence numbers {barrier_waiting}")
-                coord.broadcast("RELEASE", {"seq": seqs.pop()})
+                                       f"barrier sequence numbers {seqs}")
+                first = barrier_waiting[0]
+                for r in range(1, n):
+                    d = barrier_waiting[r]
+                    if (d.get("what"), d.get("value")) != (first.get("what"), first.get("value")):
+                        raise WorkerFailed(r, f"differs from rank 0 in its {first.get('what')}",
+                                           f"rank 0: {first.get('value')}\n"
+                                           f"rank {r}: {d.get('value')}")
+                coord.broadcast("RELEASE", {"seq": first.get("seq")})
                 barrier_waiting.clear()
         elif kind == "METRIC":
             if on_metric is not None:

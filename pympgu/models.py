@@ -7,6 +7,7 @@ only the indices cross from the host each step. Shapes are static (PyTensor's JA
 needs them) and targets are one-hot.
 """
 import os
+import sys
 
 import numpy as np
 
@@ -26,42 +27,74 @@ def one_hot(labels, n_classes):
     return out
 
 
-class MLP:
-    """A multilayer perceptron: tanh hidden layers, softmax output.
+class Model:
+    """A classifier that pympgu trains: subclass it, create its parameters with
+    ``self.parameter(...)`` in ``__init__``, and define ``logits(x)``.
 
-    Hidden weights start uniform in +-sqrt(6 / (n_in + n_out)), the output layer at zero,
-    from numpy's RandomState(seed): every replica starts identical, as in the seed.
+    pympgu builds it as ``Model(n_in, hidden, n_out, seed=seed)`` (``hidden``: the
+    ``--hidden`` widths, which a model may ignore) in every worker, and trains it by
+    minibatch SGD with momentum on the mean softmax cross-entropy, with the L1 and L2
+    terms of ``--l1`` and ``--l2`` on the parameters made with ``penalized=True``. Every
+    worker must build the same initial values: draw them from ``seed`` (the training loop
+    checks that the replicas start identical). ``python -m pympgu.train --model
+    FILE.py:NAME`` trains one (docs/MODELS.md).
     """
 
-    def __init__(self, n_in, hidden, n_out, seed=1234):
+    def __init__(self):
+        self.params, self.weights, self.velocities = [], [], []
+
+    def parameter(self, value, name, penalized=True):
+        """A new float32 parameter (a PyTensor shared variable) holding ``value``, and its
+        momentum. ``name`` keys it in checkpoints and must be unique; ``penalized``: the
+        L1 and L2 terms apply to it (weights are, biases are not)."""
         pytensor = import_pytensor()
-        rng = np.random.RandomState(seed)
-        sizes = [n_in, *hidden, n_out]
-        self.params, self.weights = [], []
-        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
-            if i == len(sizes) - 2:
-                w = np.zeros((a, b), np.float32)
-            else:
-                bound = np.sqrt(6.0 / (a + b))
-                w = rng.uniform(-bound, bound, (a, b)).astype(np.float32)
-            W = pytensor.shared(w, name=f"W{i}")
-            self.params += [W, pytensor.shared(np.zeros(b, np.float32), name=f"b{i}")]
-            self.weights.append(W)
-        self.velocities = [pytensor.shared(np.zeros(p.get_value().shape, np.float32),
-                                           name=f"v_{p.name}") for p in self.params]
-        self.sizes = sizes
+        if "velocities" not in self.__dict__:
+            raise TypeError(f"{type(self).__name__}.__init__ must call Model.__init__ "
+                            "(super().__init__()) before creating parameters")
+        value = np.asarray(value)
+        if not np.issubdtype(value.dtype, np.floating) or value.ndim == 0:
+            raise ValueError(f"parameter {name!r}: give a float array with at least one "
+                             f"dimension, got {value.dtype} of shape {value.shape}")
+        taken = {s.name for s in self.state}
+        if not isinstance(name, str) or not name or name.startswith("__") or name in taken \
+                or f"v_{name}" in taken:
+            raise ValueError(f"parameter name {name!r} is empty, reserved (__...) or taken "
+                             f"(this model has {sorted(taken)})")
+        p = pytensor.shared(value.astype(np.float32), name=name)
+        self.params.append(p)
+        self.velocities.append(pytensor.shared(np.zeros(value.shape, np.float32),
+                                               name=f"v_{name}"))
+        if penalized:
+            self.weights.append(p)
+        return p
 
     @property
     def state(self):
         """Every shared variable the replicas average: parameters, then momentum."""
         return self.params + self.velocities
 
+    def describe(self):
+        """The model in a few words, for the run's first line."""
+        n = sum(int(np.prod(p.get_value(borrow=True).shape)) for p in self.params)
+        return f"{type(self).__name__} ({n:,} parameters)"
+
     def logits(self, x):
+        """The unnormalised class scores (batch, n_out) of x (batch, n_in), in PyTensor."""
+        raise NotImplementedError(f"{type(self).__name__} must define logits(x)")
+
+    def _static_shape(self, out):
+        """``out``'s shape as far as PyTensor can tell before running it. Shared variables
+        have no static shape, so the graph is rebuilt once with the parameters' shapes
+        given (cheap: no compilation); where that fails, its own static shape."""
         import pytensor.tensor as pt
-        h = x
-        for i in range(0, len(self.params) - 2, 2):
-            h = pt.tanh(pt.dot(h, self.params[i]) + self.params[i + 1])
-        return pt.dot(h, self.params[-2]) + self.params[-1]
+        from pytensor.graph.replace import clone_replace
+        given = {p: pt.tensor(p.name, dtype=p.dtype, shape=p.get_value(borrow=True).shape)
+                 for p in self.params}
+        try:
+            out = clone_replace(out, given, rebuild_strict=False)
+        except Exception:  # an Op that cannot be rebuilt so: the check is a courtesy
+            pass
+        return tuple(out.type.shape)
 
     def compile(self, dataset, batch_size, eval_batch, lr, momentum, l1, l2, mode):
         """Compile (train(idx) -> cost, evaluate(idx) -> per-example errors).
@@ -73,6 +106,8 @@ class MLP:
         import pytensor.tensor as pt
         from pytensor.tensor.special import log_softmax
 
+        if not self.params:
+            raise ValueError(f"{type(self).__name__} has no parameters (Model.parameter)")
         n_classes = dataset.n_classes
         train_x = pytensor.shared(dataset.train[0], name="train_x")
         train_y = pytensor.shared(one_hot(dataset.train[1], n_classes), name="train_y")
@@ -83,7 +118,14 @@ class MLP:
 
         idx = pt.tensor("idx", dtype="int32", shape=(batch_size,))
         x, y = train_x[idx], train_y[idx]
-        nll = -pt.mean(pt.sum(y * log_softmax(self.logits(x), axis=1), axis=1))
+        logits = self.logits(x)
+        shape = self._static_shape(logits)
+        if len(shape) != 2 or any(d not in (None, want)
+                                  for d, want in zip(shape, (batch_size, n_classes))):
+            raise ValueError(f"{type(self).__name__}.logits gives shape {shape} for a batch "
+                             f"of {batch_size}; it must be ({batch_size}, {n_classes}), one "
+                             "score per class")
+        nll = -pt.mean(pt.sum(y * log_softmax(logits, axis=1), axis=1))
         cost = nll
         if l1:
             cost = cost + np.float32(l1) * sum(pt.sum(abs(W)) for W in self.weights)
@@ -104,6 +146,103 @@ class MLP:
         # checks saves host time on every call (about 50 µs a call on a CPU).
         train.trust_input = evaluate.trust_input = True
         return train, evaluate
+
+
+class MLP(Model):
+    """A multilayer perceptron: tanh hidden layers, softmax output.
+
+    Hidden weights start uniform in +-sqrt(6 / (n_in + n_out)), the output layer at zero,
+    from numpy's RandomState(seed): every replica starts identical, as in the seed.
+    """
+
+    def __init__(self, n_in, hidden, n_out, seed=1234):
+        super().__init__()
+        rng = np.random.RandomState(seed)
+        sizes = [n_in, *hidden, n_out]
+        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+            if i == len(sizes) - 2:
+                w = np.zeros((a, b), np.float32)
+            else:
+                bound = np.sqrt(6.0 / (a + b))
+                w = rng.uniform(-bound, bound, (a, b)).astype(np.float32)
+            self.parameter(w, f"W{i}")
+            self.parameter(np.zeros(b, np.float32), f"b{i}", penalized=False)
+        self.sizes = sizes
+
+    def describe(self):
+        return f"MLP {'-'.join(map(str, self.sizes))}"
+
+    def logits(self, x):
+        import pytensor.tensor as pt
+        h = x
+        for i in range(0, len(self.params) - 2, 2):
+            h = pt.tanh(pt.dot(h, self.params[i]) + self.params[i + 1])
+        return pt.dot(h, self.params[-2]) + self.params[-1]
+
+
+class ModelError(ValueError):
+    """A --model that cannot be loaded or built; the message names it."""
+
+
+def load(spec):
+    """The Model subclass that ``spec`` names: ``FILE.py:NAME`` (a path) or
+    ``MODULE:NAME`` (importable, as ``pympgu.models:MLP``); None gives MLP."""
+    import importlib
+    import importlib.util
+    if spec is None:
+        return MLP
+    import_pytensor()  # floatX set before the model's own module imports PyTensor
+    where, sep, name = str(spec).rpartition(":")
+    if not sep or not where or not name.isidentifier():
+        raise ModelError(f"--model {spec}: give FILE.py:CLASS or MODULE:CLASS")
+    try:
+        if where.endswith(".py"):
+            path = os.path.abspath(where)
+            if not os.path.isfile(path):
+                raise ModelError(f"--model {spec}: no such file {where}")
+            # One module per file, named after its path, so that every worker and the
+            # launcher load the same one once.
+            key = "pympgu_user_model_" + "".join(c if c.isalnum() else "_" for c in path)
+            module = sys.modules.get(key)
+            if module is None:
+                loader = importlib.util.spec_from_file_location(key, path)
+                module = importlib.util.module_from_spec(loader)
+                sys.modules[key] = module
+                try:
+                    loader.loader.exec_module(module)
+                except BaseException:
+                    del sys.modules[key]
+                    raise
+        else:
+            module = importlib.import_module(where)
+    except ModelError:
+        raise
+    except Exception as e:
+        raise ModelError(f"--model {spec}: loading {where} failed: "
+                         f"{type(e).__name__}: {e}") from e
+    cls = getattr(module, name, None)
+    if cls is None:
+        raise ModelError(f"--model {spec}: {where} has no {name!r}")
+    if not (isinstance(cls, type) and issubclass(cls, Model)):
+        raise ModelError(f"--model {spec}: {name} is not a subclass of pympgu.models.Model "
+                         "(docs/MODELS.md says what one defines)")
+    return cls
+
+
+def build(spec, n_in, hidden, n_out, seed=1234):
+    """The model that ``spec`` names (load), built for this data: ``cls(n_in, hidden,
+    n_out, seed=seed)``, with its parameters checked."""
+    cls = load(spec)
+    try:
+        model = cls(n_in, list(hidden), n_out, seed=seed)
+    except Exception as e:
+        raise ModelError(f"--model {spec or 'MLP'}: {cls.__name__}(n_in={n_in}, "
+                         f"hidden={list(hidden)}, n_out={n_out}, seed={seed}) failed: "
+                         f"{type(e).__name__}: {e}") from e
+    if "velocities" not in model.__dict__ or not model.params:
+        raise ModelError(f"--model {spec}: {cls.__name__} made no parameters (its __init__ "
+                         "must call super().__init__() and then self.parameter(...))")
+    return model
 
 
 def error_rates(evaluate, n_valid, n_test, eval_batch):

@@ -3,6 +3,7 @@
     python -m pympgu.train --gpus 0 1            # one worker per GPU
     python -m pympgu.train --cpu 2               # two CPU workers, no GPU needed
     python -m pympgu.train                       # every visible GPU, else 2 CPU workers
+    python -m pympgu.train --model examples/residual_mlp.py:ResidualMLP   # your own model
 
 Each worker trains a replica on its own minibatches (disjoint shards of every epoch); every
 --sync-every steps the replicas' parameters and momentum are averaged GPU to GPU by
@@ -25,6 +26,8 @@ PRESETS = {
                      epochs=10),
 }
 DEFAULTS = dict(hidden=[500], lr=0.05, momentum=0.9, batch_size=128, l1=0.0, l2=1e-4, epochs=5)
+# What every rank builds its model with (pympgu.models.Model): replicas start identical.
+MODEL_SEED = 1234
 CHECKPOINT = "checkpoint.npz"
 
 
@@ -86,7 +89,8 @@ class Replica:
         self.np, self.ctx, self.cfg = np, ctx, cfg
         self.dataset = data.load(cfg["data"])
         ds = self.dataset
-        self.model = models.MLP(ds.n_in, cfg["hidden"], ds.n_classes, seed=1234)
+        self.model = models.build(cfg.get("model"), ds.n_in, cfg["hidden"], ds.n_classes,
+                                  seed=MODEL_SEED)
         mode = "JAX" if cfg["backend"] == "jax" else "FAST_RUN"
         self.eval_batch = min(500, len(ds.valid[1]) + len(ds.test[1]))
         self.train_fn, self.eval_fn = self.model.compile(
@@ -202,6 +206,15 @@ class Replica:
 
     def values(self):
         return [s.get_value(borrow=True) for s in self.model.state]
+
+    def digest(self, each=False):
+        """A hash of the whole state, equal on every rank when the replicas are; ``each``:
+        one short hash per array, by name, to show which ones differ."""
+        arrays = [self.np.asarray(v).tobytes() for v in self.values()]
+        if each:
+            return ", ".join(f"{s.name} {hashlib.sha256(a).hexdigest()[:12]}"
+                             for s, a in zip(self.model.state, arrays))
+        return hashlib.sha256(b"".join(arrays)).hexdigest()
 
     def set_values(self, values):
         for s, v in zip(self.model.state, values):
@@ -511,6 +524,12 @@ def worker(ctx, cfg):
     start_epoch, history = 0, []
     if cfg["resume"]:
         start_epoch, history = rep.load(cfg["resume"])
+    if ctx.nranks > 1:
+        # Data parallelism needs one starting point. The first exchange would average
+        # replicas built differently (a model drawing its values elsewhere than from its
+        # seed) into a model none of them is: refuse them instead, naming the rank.
+        ctx.barrier("initial values (a model must draw them from its seed argument)",
+                    rep.digest(each=True))
     ex = make_exchanger(ctx, rep, cfg)
     ntrain = len(rep.dataset.train[1])
     try:
@@ -547,12 +566,12 @@ def worker(ctx, cfg):
                 if cfg["out"]:
                     rep.save(os.path.join(cfg["out"], CHECKPOINT), epoch + 1, history)
         # Replicas must end identical: a digest per rank lets the launcher's caller check.
-        digest = hashlib.sha256(b"".join(np.asarray(v).tobytes() for v in rep.values()))
+        digest = rep.digest()
     finally:
         if ex is not None:
             ex.close()
     return {"rank": ctx.rank, "history": history if ctx.rank == 0 else None,
-            "digest": digest.hexdigest()}
+            "digest": digest}
 
 
 # ---------------------------------------------------------------- the launcher side
@@ -658,6 +677,11 @@ def build_parser():
     m.add_argument("--preset", choices=sorted(PRESETS),
                    help="dual_mlp: the 2014 seed's run (MLP 500, lr 0.13, batch 5000, L2 1e-4, "
                         "10 epochs); explicit flags override it")
+    m.add_argument("--model", default=None, metavar="FILE.py:CLASS",
+                   help="train your own model: a subclass of pympgu.models.Model in a file "
+                        "(FILE.py:CLASS) or an importable module (MODULE:CLASS), built in "
+                        "every worker as CLASS(n_in, hidden, n_out, seed=...), trained as the "
+                        "MLP is (docs/MODELS.md; default: the MLP of --hidden)")
     m.add_argument("--hidden", type=int, nargs="+", metavar="H",
                    help=f"hidden layer widths, e.g. 4096 4096 (default: {DEFAULTS['hidden'][0]})")
     m.add_argument("--epochs", type=int, help=f"epochs (default: {DEFAULTS['epochs']})")
@@ -762,7 +786,8 @@ def resolve(args, parser):
             resume = os.path.join(resume, CHECKPOINT)
         if not os.path.isfile(resume):
             parser.error(f"--resume {args.resume}: no checkpoint there")
-    cfg.update(data=data, backend=backend, method=args.method, sync_every=args.sync_every,
+    cfg.update(model=args.model, data=data, backend=backend, method=args.method,
+               sync_every=args.sync_every,
                overlap=args.overlap, exchange_dtype=args.exchange_dtype,
                exchange_blocks=args.exchange_blocks,
                # An escape hatch, not a flag: the exchange queued from Python, as before
@@ -786,7 +811,13 @@ def run(cfg, devices, port=None, quiet=False):
     """Launch the workers, report as they go, and return rank 0's history."""
     from . import data
     from .launch import launch
+    from . import models
     ds = data.load(cfg["data"])  # fail here, with the file's name, before any worker starts
+    try:  # and a model that cannot be loaded or built, naming --model
+        model = models.build(cfg.get("model"), ds.n_in, cfg["hidden"], ds.n_classes,
+                             seed=MODEL_SEED)
+    except models.ModelError as e:
+        raise UsageError("--model", str(e)) from None
     # Every worker takes whole, disjoint batches each epoch (data.shard_batches): refuse a
     # batch no epoch can fill here, rather than in every worker after they start.
     ntrain, workers = len(ds.train[1]), len(devices)
@@ -808,7 +839,7 @@ def run(cfg, devices, port=None, quiet=False):
                   f"{cfg['out']} would continue it)", file=sys.stderr, flush=True)
     where = (f"{len(devices)} CPU workers" if devices[0] is None
              else f"GPUs {devices}")
-    print(f"pympgu: {ds} | MLP {'-'.join(map(str, [ds.n_in, *cfg['hidden'], ds.n_classes]))} | "
+    print(f"pympgu: {ds} | {model.describe()} | "
           f"{where} | batch {cfg['batch_size']}/worker | sync every {cfg['sync_every']}"
           f"{' overlapped' if cfg['overlap'] else ''}"
           f"{'' if cfg['exchange_dtype'] == 'float32' else ', ' + cfg['exchange_dtype'] + ' wire'} | "

@@ -223,6 +223,30 @@ def test_gpu_training_cut_inside_xla(monkeypatch):
     assert abs(cut["test_error"] - whole["test_error"]) <= 0.01, (whole, cut)
 
 
+def test_gpu_training_your_own_model(monkeypatch):
+    """A model of the user's (examples/residual_mlp.py, --model) on 2 GPUs: its update is
+    pympgu.models.Model's, so --sync-every 1 takes the gradients' road (forced for its
+    small size by PYMPGU_SPLIT_MIN_BYTES=0) and learns as the parameters' average after the
+    update does (PYMPGU_GRADIENTS=0) on the same data and seed; run() checks that the
+    replicas end identical."""
+    needs_xla()
+    import os
+    from pympgu import train
+    example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "examples", "residual_mlp.py")
+    cfg = dict(train.DEFAULTS, **JAX_TRAINING, hidden=[128, 128, 128],
+               model=f"{example}:ResidualMLP")
+    monkeypatch.setenv("PYMPGU_SPLIT_MIN_BYTES", "0")  # the spawned workers read them
+    monkeypatch.setenv("PYMPGU_GRADIENTS", "0")
+    averaged = train.run(cfg, devices(2))[-1]
+    monkeypatch.setenv("PYMPGU_GRADIENTS", "1")
+    gradients = train.run(cfg, devices(2))[-1]
+    assert gradients["road"] == "the update of the mean gradients", gradients
+    assert averaged["road"].endswith("PYMPGU_GRADIENTS=0"), averaged
+    assert gradients["test_error"] < 0.25, gradients  # chance is 0.9
+    assert abs(gradients["test_error"] - averaged["test_error"]) <= 0.01, (averaged, gradients)
+
+
 @pytest.mark.parametrize("max_ranks", ["4", "2"])
 def test_gpu_training_mean_gradients_on_4_ranks(max_ranks, monkeypatch):
     """--sync-every 1 on 4 ranks, the gradients' road taken by a small MLP

@@ -44,7 +44,8 @@ def test_source_distribution_carries_the_cuda_sources(tmp_path):
     with tarfile.open(tarball) as t:
         packed = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
     needed = [n for n in listed.stdout.splitlines()
-              if n.startswith(("csrc/", "pympgu/")) or n in ("build.sh", "requirements.txt")]
+              if n.startswith(("csrc/", "pympgu/", "examples/"))
+              or n in ("build.sh", "requirements.txt")]
     assert any(n.endswith(".cu") for n in needed)
     missing = [n for n in needed if n not in packed]
     assert not missing, missing

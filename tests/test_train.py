@@ -304,7 +304,7 @@ def test_help_explains_every_flag():
     assert r.returncode == 0
     for flag in ("--gpus", "--cpu", "--sync-every", "--preset", "--out", "--resume",
                  "--data-dir", "--hidden", "--method", "--overlap", "--exchange-dtype",
-                 "--exchange-blocks"):
+                 "--exchange-blocks", "--model"):
         assert flag in r.stdout
 
 
@@ -426,3 +426,166 @@ def test_jax_without_cuda_is_named_with_its_remedy():
     with pytest.raises(RuntimeError, match=r"rank 1: JAX sees no GPU \(its devices: "
                                            r"\[CpuDevice\(id=0\)\]\); install JAX for CUDA"):
         train._jax_device(fake_jax, ctx)
+
+
+# ---------------------------------------------------------------- your own model (--model)
+
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                       "examples", "residual_mlp.py")
+
+
+def test_your_own_model_trains_as_the_mlp_does(tmp_path, capsys):
+    """examples/residual_mlp.py, given by --model, trains on 2 CPU workers: the run names
+    it, learns, keeps the replicas identical (run() checks) and resumes from its checkpoint
+    by its parameters' names."""
+    out = str(tmp_path / "run")
+    spec = f"{EXAMPLE}:ResidualMLP"
+    argv = ["--cpu", "2", "--model", spec, "--hidden", "64", "64", "--quiet"]
+    assert train.main(argv + ["--epochs", "2", "--out", out]) == 0
+    printed = capsys.readouterr().out
+    assert "ResidualMLP (55,050 parameters)" in printed, printed
+    lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    assert lines[-1]["test_error"] < 0.3, lines  # chance is 0.9
+    assert json.load(open(os.path.join(out, "config.json")))["model"] == spec
+    with np.load(os.path.join(out, train.CHECKPOINT)) as f:
+        assert {"W_in", "W_block0", "v_W_out"} <= set(f.files), f.files
+    assert train.main(argv + ["--epochs", "3", "--resume", out]) == 0
+    assert "epoch   3" in capsys.readouterr().out
+    # The MLP's checkpoint is not this model's: refused by name, not loaded into it.
+    mlp = str(tmp_path / "mlp")
+    train.run(config(epochs=1, hidden=[16], out=mlp), [None, None], quiet=True)
+    with pytest.raises(Exception, match=r"--resume .*cannot resume from it: it has no 'W_in'"):
+        train.run(config(epochs=2, model=spec, hidden=[64, 64],
+                         resume=os.path.join(mlp, train.CHECKPOINT)), [None, None], quiet=True)
+
+
+BAD_MODELS = '''
+import numpy as np
+from pympgu.models import Model
+
+
+class Unseeded(Model):  # each worker draws its own values
+    def __init__(self, n_in, hidden, n_out, seed=0):
+        super().__init__()
+        self.w = self.parameter(np.random.default_rng().normal(size=(n_in, n_out)), "W")
+        self.b = self.parameter(np.zeros(n_out), "b", penalized=False)
+
+    def logits(self, x):
+        return x.dot(self.w) + self.b
+
+
+class NotAModel:
+    pass
+
+
+class NoSuper(Model):
+    def __init__(self, n_in, hidden, n_out, seed=0):
+        self.parameter(np.zeros(3), "w")
+
+
+class Broken(Model):
+    def __init__(self, n_in, hidden, n_out, seed=0):
+        super().__init__()
+        raise RuntimeError("boom")
+
+
+class WrongScores(Model):
+    def __init__(self, n_in, hidden, n_out, seed=0):
+        super().__init__()
+        self.w = self.parameter(np.zeros((n_in, n_out + 1)), "W")
+
+    def logits(self, x):
+        return x.dot(self.w)
+
+'''
+
+
+@pytest.mark.parametrize("name,message", [
+    ("NotAModel", "NotAModel is not a subclass of pympgu.models.Model"),
+    ("NoSuper", "must call Model.__init__ (super().__init__())"),
+    ("Broken", "Broken(n_in=784, hidden=[500], n_out=10, seed=1234) failed: RuntimeError: boom"),
+    ("Missing", "has no 'Missing'"),
+])
+def test_a_model_that_cannot_be_built_is_a_flag_error(tmp_path, capsys, name, message):
+    path = tmp_path / "models.py"
+    path.write_text(BAD_MODELS)
+    with pytest.raises(SystemExit) as info:
+        train.main(["--cpu", "2", "--epochs", "1", "--model", f"{path}:{name}"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--model {path}:{name}: " in err and message in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("nocolon", "give FILE.py:CLASS or MODULE:CLASS"),
+    ("/nonexistent/m.py:Net", "no such file /nonexistent/m.py"),
+    ("pympgu_no_such_module:Net", "loading pympgu_no_such_module failed: ModuleNotFoundError"),
+])
+def test_cli_rejects_a_model_it_cannot_find(spec, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        train.main(["--cpu", "2", "--model", spec])
+    assert info.value.code == 2
+    assert f"--model {spec}: {message}" in capsys.readouterr().err
+
+
+def test_a_model_whose_module_fails_to_import_is_named(tmp_path, capsys):
+    path = tmp_path / "broken.py"
+    path.write_text("import numpy\nraise ImportError('needs a package this machine lacks')\n")
+    with pytest.raises(SystemExit):
+        train.main(["--cpu", "2", "--model", f"{path}:Net"])
+    assert (f"loading {path} failed: ImportError: needs a package this machine lacks"
+            in capsys.readouterr().err)
+
+
+def test_replicas_that_start_differently_are_refused(tmp_path):
+    """A model drawing its values elsewhere than from its seed would start each worker from
+    another point; the first exchange would average them into a model none of them is. The
+    run fails before any step, naming the rank and the arrays that differ."""
+    from pympgu.launch import WorkerFailed
+    path = tmp_path / "models.py"
+    path.write_text(BAD_MODELS)
+    with pytest.raises(WorkerFailed, match="rank 1 differs from rank 0 in its initial values") \
+            as info:
+        train.run(config(epochs=1, model=f"{path}:Unseeded"), [None, None], quiet=True)
+    rank0, rank1 = info.value.details.splitlines()
+    assert rank0.startswith("rank 0: W ") and rank1.startswith("rank 1: W ")
+    # Only W was drawn: b and the momentum start at zero on both ranks.
+    assert rank0.split(", ")[1:] == rank1.split(", ")[1:], (rank0, rank1)
+
+
+def test_logits_of_the_wrong_shape_are_named(tmp_path):
+    from pympgu import models
+    path = tmp_path / "models.py"
+    path.write_text(BAD_MODELS)
+    ds = data.load()
+    m = models.build(f"{path}:WrongScores", ds.n_in, [8], ds.n_classes)
+    with pytest.raises(ValueError, match=r"WrongScores.logits gives shape \(64, 11\) for a "
+                                         r"batch of 64; it must be \(64, 10\)"):
+        m.compile(ds, 64, 100, 0.1, 0.9, 0.0, 0.0, "FAST_RUN")
+
+
+def test_model_parameters_are_checked():
+    from pympgu import models
+    m = models.Model()
+    m.parameter(np.ones((2, 3), np.float64), "W")
+    assert m.params[0].get_value().dtype == np.float32 and m.weights == m.params
+    m.parameter(np.zeros(3), "b", penalized=False)
+    assert [s.name for s in m.state] == ["W", "b", "v_W", "v_b"] and len(m.weights) == 1
+    for value, name, message in [(np.zeros(2), "W", "taken"), (np.zeros(2), "v_W", "taken"),
+                                 (np.zeros(2), "W_", None),
+                                 (np.zeros(2), "__epoch__", "reserved"),
+                                 (np.zeros(2, np.int32), "i", "give a float array"),
+                                 (np.float32(1), "s", "at least one dimension")]:
+        if message is None:
+            m.parameter(value, name)
+        else:
+            with pytest.raises(ValueError, match=message):
+                m.parameter(value, name)
+    with pytest.raises(NotImplementedError, match="must define logits"):
+        m.logits(None)
+    # The MLP's state, names and order are what its checkpoints hold.
+    mlp = models.MLP(784, [32], 10)
+    assert [s.name for s in mlp.state] == ["W0", "b0", "W1", "b1", "v_W0", "v_b0", "v_W1",
+                                           "v_b1"]
+    assert mlp.weights == [mlp.params[0], mlp.params[2]] and mlp.describe() == "MLP 784-32-10"
