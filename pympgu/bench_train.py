@@ -65,6 +65,22 @@ MODELS = {
     "seed": dict(hidden=[500], lr=0.13, momentum=0.0, batch_size=5000, l1=0.0, l2=1e-4),
     "wide": dict(hidden=[4096, 4096], lr=0.05, momentum=0.9, batch_size=1024, l1=0.0, l2=1e-4),
 }
+
+
+def model_config(name, hidden=None):
+    """The configuration of a model to time: MODELS[name], or, for a model of one's own
+    (``FILE.py:CLASS`` or ``MODULE:CLASS``, as pympgu.train's --model), the wide MLP's batch
+    and optimiser with ``hidden`` (default: the wide MLP's) passed to it."""
+    if name in MODELS:
+        return dict(MODELS[name])
+    return dict(MODELS["wide"], hidden=list(hidden or MODELS["wide"]["hidden"]), model=name)
+
+
+def model_label(name):
+    """A model's name in the table: MODELS' key, or the class of a model of one's own."""
+    return name if name in MODELS else name.rpartition(":")[2]
+
+
 VARIANTS = {  # name: (sync_every, overlap, exchange dtype, exchange inside the step's XLA call)
     "sync1": (1, False, "float32", True),
     "sync4": (4, False, "float32", True),
@@ -482,12 +498,14 @@ def run_pympgu(devices, cfg, steps, warmup, plain_jax=False):
 
 
 def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print,
-            exchange_blocks=None, method="auto", repeats=1, settings=({},), ranks=None):
+            exchange_blocks=None, method="auto", repeats=1, settings=({},), ranks=None,
+            hidden=None):
     """Every row of the benchmark, as a list of dicts; ``ddp``: the DDP_SYSTEMS to run;
     ``settings``: the environments (env_settings) each multi-GPU pympgu row runs under, one
     row each, its variant named with the setting and its ``env`` the setting; ``ranks``:
     the numbers of ranks of the multi-GPU rows, each on the first that many of ``gpus``
-    (default: all of them).
+    (default: all of them); ``models``: names in MODELS, or models of one's own
+    (model_config), built with ``hidden``.
 
     With ``repeats`` > 1 every run is made that many times, in rounds (each round runs
     every row once, so that a drift of the machine between process starts touches every
@@ -500,10 +518,11 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
     multi = len(gpus) > 1
     groups = [gpus[:n] for n in (ranks or [len(gpus)]) if n > 1]
     for name in models:
-        base = dict(MODELS[name], data=data, backend="jax", method=method, seed=0, epochs=1,
+        # A model of one's own has no PyTorch twin (DDP) and no plain JAX form.
+        base = dict(model_config(name, hidden), data=data, backend="jax", method=method, seed=0, epochs=1,
                     resume=None, out=None, sync_every=1, overlap=False,
                     exchange_dtype="float32", exchange_blocks=exchange_blocks)
-        runs = [("pympgu", gpus[:1], "-", base, True, {})]
+        runs = [("pympgu", gpus[:1], "-", base, "model" not in base, {})]
         if multi and gpus[0] is not None:  # each other GPU alone
             runs += [("pympgu", [g], "-", base, False, {})
                      for g in dict.fromkeys(gpus[1:]) if g != gpus[0]]
@@ -515,7 +534,7 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
                 for env in settings:
                     label = " ".join([v, *(f"{n}={x}" for n, x in env.items())])
                     runs.append(("pympgu", group, label, cfg, False, env))
-        if gpus[0] is not None:
+        if gpus[0] is not None and "model" not in base:
             for system in ddp:
                 runs.append((system, gpus[:1], "-", base, False, {}))
                 runs += [(system, group, "-", base, False, {}) for group in groups
@@ -524,7 +543,7 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
         for k in range(repeats):
             for (system, devs, variant, cfg, plain, env), results in zip(runs, done):
                 where = f"{len(devs)} CPU workers" if devs[0] is None else f"GPUs {devs}"
-                what = f"{name}: {system} on {where}, variant {variant}" + (
+                what = f"{model_label(name)}: {system} on {where}, variant {variant}" + (
                     f", run {k + 1} of {repeats}" if repeats > 1 else "")
                 log(f"  {what}", flush=True)
                 if system == "pympgu":
@@ -550,7 +569,7 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
             # The median run (the lower one of an even count: a run that happened), with
             # what only the first run timed.
             median = sorted(kept, key=lambda r: r["ms_per_step"])[(len(kept) - 1) // 2]
-            row = dict(kept[0], **median, model=name, system=system, gpus=list(devs),
+            row = dict(kept[0], **median, model=model_label(name), system=system, gpus=list(devs),
                        variant=variant, batch=cfg["batch_size"],
                        runs_ms=[r and r["ms_per_step"] for r in results],
                        runs_samples=[r and r["samples_per_s"] for r in results])
@@ -618,18 +637,19 @@ def table(rows):
     def where(r):
         return ",".join("cpu" if g is None else str(g) for g in r["gpus"])
 
-    # --env names a variant with its setting, and 8 GPUs take 15 characters: the columns
-    # widen to the longest.
+    # --env names a variant with its setting, 8 GPUs take 15 characters, and a model of
+    # one's own is named by its class: the columns widen to the longest.
+    mw = max([5, *(len(r["model"]) for r in rows)])
     wide = max([10, *(len(r["variant"]) for r in rows)])
     gw = max([10, *(len(where(r)) for r in rows)])
-    head = (f"{'model':<5} {'system':<9} {'GPUs':<{gw}} {'variant':<{wide}} {'batch/GPU':>9} "
+    head = (f"{'model':<{mw}} {'system':<9} {'GPUs':<{gw}} {'variant':<{wide}} {'batch/GPU':>9} "
             f"{'samples/s':>12} {'ms/step':>8} {'scaling':>8} {'added ms':>9} "
             f"{'kernel ms':>10} {'wire MB':>8} {'SM MHz':>12}")
     lines = [head, "-" * len(head)]
     for r in rows:
         def opt(key, fmt):
             return format(r[key], fmt) if key in r else "-"
-        lines.append(f"{r['model']:<5} {r['system']:<9} {where(r):<{gw}} "
+        lines.append(f"{r['model']:<{mw}} {r['system']:<9} {where(r):<{gw}} "
                      f"{r['variant']:<{wide}} {r['batch']:>9} {r['samples_per_s']:12.0f} "
                      f"{r['ms_per_step']:8.3f} {opt('scaling', '8.2f'):>8} "
                      f"{opt('added_ms_per_step', '9.3f'):>9} {opt('bare_kernel_ms', '10.3f'):>10} "
@@ -684,8 +704,15 @@ def main(argv=None):
     parser.add_argument("--cpu", type=int, default=None, metavar="N",
                         help="N CPU workers (JAX on CPU) instead of GPUs: a smoke test of the "
                              "benchmark itself, no DDP")
-    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["seed", "wide"],
-                        help="models to time (default: both)")
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=None,
+                        help="models to time (default: both, or none with --model)")
+    parser.add_argument("--model", default=None, metavar="FILE.py:CLASS",
+                        help="also time a model of one's own, as pympgu.train's --model "
+                             "(docs/MODELS.md), at the wide MLP's batch and optimiser; its "
+                             "rows are pympgu's alone (no DDP or plain JAX twin)")
+    parser.add_argument("--hidden", type=int, nargs="+", default=None, metavar="H",
+                        help="--model's hidden widths, as pympgu.train's flag (default: "
+                             "4096 4096)")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
                         help="pympgu variants for the multi-GPU rows (default: all)")
     # 100 steps of the wide MLP (65 ms) read 0.01-0.02 ms a step slower than 300 in the same
@@ -748,6 +775,20 @@ def main(argv=None):
             parser.error(f"--ranks: {bad[0]} is not between 2 and {len(gpus)}, the number "
                          f"of {'--cpu workers' if args.cpu is not None else '--gpus'} given")
         args.ranks = sorted(set(args.ranks))
+    models = args.models if args.models is not None else (
+        [] if args.model else ["seed", "wide"])
+    if args.model:
+        from . import data as datamod
+        from . import models as modelmod
+        try:  # here, naming the flag, before any worker starts
+            ds = datamod.load(args.data_dir)
+            modelmod.build(args.model, ds.n_in, model_config(args.model, args.hidden)["hidden"],
+                           ds.n_classes)
+        except (datamod.DataError, modelmod.ModelError) as e:
+            parser.error(str(e))
+        models.append(args.model)
+    elif args.hidden is not None:
+        parser.error("--hidden sizes --model's model; the MLPs of --models have their own")
     use_ddp = not args.no_ddp and args.cpu is None
     if use_ddp:
         try:
@@ -763,10 +804,10 @@ def main(argv=None):
     ddp = (("DDP",) if args.no_ddp_graph else ("DDP", "DDP-graph")) if use_ddp else ()
     from .data import DataError
     try:  # measure loads the dataset before any worker starts: a bad --data-dir is the flag's
-        rows = measure(gpus, args.models, args.variants, args.steps, args.warmup,
+        rows = measure(gpus, models, args.variants, args.steps, args.warmup,
                        args.data_dir, ddp, exchange_blocks=args.exchange_blocks,
                        method=args.method, repeats=args.repeats, settings=settings,
-                       ranks=args.ranks)
+                       ranks=args.ranks, hidden=args.hidden)
     except DataError as e:
         parser.error(f"--data-dir: {e}")
     print(table(rows))

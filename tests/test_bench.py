@@ -354,3 +354,33 @@ def test_exchange_bench_columns_cap_kernels_and_size_the_resident_kernel():
     got = columns(["ll", "resident", "copy"], [None, 4])
     assert got == [("ll", "ll", None), ("resident", "resident", None), ("copy", "copy", None),
                    ("ll@4", "ll", 4), ("resident@4", "resident", 4)]
+
+
+def test_train_bench_times_a_model_of_ones_own(tmp_path):
+    """--model (as pympgu.train's) times a model of one's own, sized by --hidden, beside no
+    MLP unless --models names one; it has no DDP or plain JAX twin, and the table names it
+    by its class, its columns aligned."""
+    out = tmp_path / "rows.json"
+    example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "examples", "residual_mlp.py")
+    r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "2", "--model",
+                        f"{example}:ResidualMLP", "--hidden", "32", "32", "--steps", "2",
+                        "--warmup", "1", "--variants", "sync1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(x["model"], len(x["gpus"]), x["variant"]) for x in rows] == [
+        ("ResidualMLP", 1, "-"), ("ResidualMLP", 2, "sync1")], rows
+    assert "plain_jax_ms" not in rows[0]
+    lines = r.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("model "))
+    table = lines[start:start + 4]
+    assert len({line.index("1024") for line in table[2:]}) == 1, table
+    assert table[0].index("system") == table[2].index("pympgu"), table
+    # --hidden alone sizes nothing; a --model that cannot be built is named.
+    from pympgu import bench_train
+    with pytest.raises(SystemExit):
+        bench_train.main(["--cpu", "2", "--hidden", "64"])
+    r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "2", "--model",
+                        "nocolon"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--model nocolon: give FILE.py:CLASS" in r.stderr, r.stderr
