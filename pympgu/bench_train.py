@@ -518,10 +518,10 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
     multi = len(gpus) > 1
     groups = [gpus[:n] for n in (ranks or [len(gpus)]) if n > 1]
     for name in models:
-        # A model of one's own has no PyTorch twin (DDP) and no plain JAX form.
-        base = dict(model_config(name, hidden), data=data, backend="jax", method=method, seed=0, epochs=1,
-                    resume=None, out=None, sync_every=1, overlap=False,
+        base = dict(model_config(name, hidden), data=data, backend="jax", method=method,
+                    seed=0, epochs=1, resume=None, out=None, sync_every=1, overlap=False,
                     exchange_dtype="float32", exchange_blocks=exchange_blocks)
+        # A model of one's own has no plain JAX form and no PyTorch twin (DDP).
         runs = [("pympgu", gpus[:1], "-", base, "model" not in base, {})]
         if multi and gpus[0] is not None:  # each other GPU alone
             runs += [("pympgu", [g], "-", base, False, {})
@@ -569,8 +569,8 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
             # The median run (the lower one of an even count: a run that happened), with
             # what only the first run timed.
             median = sorted(kept, key=lambda r: r["ms_per_step"])[(len(kept) - 1) // 2]
-            row = dict(kept[0], **median, model=model_label(name), system=system, gpus=list(devs),
-                       variant=variant, batch=cfg["batch_size"],
+            row = dict(kept[0], **median, model=model_label(name), system=system,
+                       gpus=list(devs), variant=variant, batch=cfg["batch_size"],
                        runs_ms=[r and r["ms_per_step"] for r in results],
                        runs_samples=[r and r["samples_per_s"] for r in results])
             if env:

@@ -1,7 +1,9 @@
 """Models in Theano style on PyTensor: shared variables, ``pytensor.grad`` and ``updates``.
 
-The seed's MLP (784-500-10, tanh hidden layers, softmax output, L1/L2 terms) and its deeper
-and wider variants. The training set and the evaluation sets are shared variables too, so
+``Model`` is what pympgu.train trains: its subclasses make their parameters and define their
+logits, and it compiles the step (softmax cross-entropy, L1/L2 terms, SGD with momentum).
+``MLP`` is the seed's (784-500-10, tanh hidden layers) and its deeper and wider variants;
+``load`` and ``build`` give the model that --model names (docs/MODELS.md). The training set and the evaluation sets are shared variables too, so
 on a GPU they live in device memory and a minibatch is gathered there from an index vector;
 only the indices cross from the host each step. Shapes are static (PyTensor's JAX backend
 needs them) and targets are one-hot.

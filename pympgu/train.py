@@ -787,9 +787,8 @@ def resolve(args, parser):
         if not os.path.isfile(resume):
             parser.error(f"--resume {args.resume}: no checkpoint there")
     cfg.update(model=args.model, data=data, backend=backend, method=args.method,
-               sync_every=args.sync_every,
-               overlap=args.overlap, exchange_dtype=args.exchange_dtype,
-               exchange_blocks=args.exchange_blocks,
+               sync_every=args.sync_every, overlap=args.overlap,
+               exchange_dtype=args.exchange_dtype, exchange_blocks=args.exchange_blocks,
                # An escape hatch, not a flag: the exchange queued from Python, as before
                # it ran inside the step's XLA program.
                xla_exchange=os.environ.get("PYMPGU_XLA_EXCHANGE", "1") != "0",
@@ -809,9 +808,8 @@ class UsageError(ValueError):
 
 def run(cfg, devices, port=None, quiet=False):
     """Launch the workers, report as they go, and return rank 0's history."""
-    from . import data
+    from . import data, models
     from .launch import launch
-    from . import models
     ds = data.load(cfg["data"])  # fail here, with the file's name, before any worker starts
     try:  # and a model that cannot be loaded or built, naming --model
         model = models.build(cfg.get("model"), ds.n_in, cfg["hidden"], ds.n_classes,
