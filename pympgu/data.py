@@ -1,8 +1,9 @@
-"""Datasets: the seed's mnist.pkl.gz, MNIST-format IDX files, Fashion-MNIST, and an embedded
-default (the MNIST test set shipped inside pympgu) so training runs offline.
+"""Datasets: the seed's mnist.pkl.gz, MNIST-format IDX files, Fashion-MNIST, a .npz of one's
+own, and an embedded default (the MNIST test set shipped inside pympgu) so training runs
+offline.
 
-Every loader returns a :class:`Dataset` of float32 images in [0, 1] (flattened) and int32
-labels, split into train, valid and test. A missing, truncated or corrupt file raises
+Every loader returns a :class:`Dataset` of float32 inputs (flattened; images in [0, 1]) and
+int32 labels, split into train, valid and test. A missing, truncated or corrupt file raises
 :class:`DataError` naming the file.
 """
 import gzip
@@ -130,12 +131,75 @@ def load_pickle(path):
     return Dataset(os.path.basename(path), train, valid, test)
 
 
+def load_npz(path, valid_share=0.1):
+    """A dataset of one's own: a .npz with arrays ``x_train``, ``y_train``, ``x_test`` and
+    ``y_test``, and ``x_valid`` and ``y_valid`` if it has its own validation split.
+
+    Inputs of any shape (n, ...) are flattened to float32 as they are (scale them as the
+    model expects); labels are integers from 0, and their largest value, over every split,
+    gives the number of classes. Without a validation split, a ``valid_share`` of the
+    training examples, drawn after a fixed shuffle (so that data sorted by class gives a
+    representative one), becomes it.
+    """
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            arrays = {k: f[k] for k in f.files}
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    except Exception as e:
+        raise DataError(f"{path}: not a readable .npz ({type(e).__name__}: {e})") from None
+    needed = ["x_train", "y_train", "x_test", "y_test"]
+    splits = ["train", "test"]
+    if "x_valid" in arrays or "y_valid" in arrays:
+        needed += ["x_valid", "y_valid"]
+        splits.insert(1, "valid")
+    missing = [k for k in needed if k not in arrays]
+    if missing:
+        raise DataError(f"{path}: no array {', '.join(missing)} (it has "
+                        f"{', '.join(sorted(arrays)) or 'none'}; it needs x_train, y_train, "
+                        "x_test, y_test, and optionally x_valid, y_valid)")
+    out = {}
+    for split in splits:
+        x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
+        if x.ndim < 1 or y.ndim != 1 or len(x) != len(y) or not len(y):
+            raise DataError(f"{path}: x_{split} {x.shape} and y_{split} {y.shape} must hold "
+                            "as many examples, one label each, and at least one")
+        if not (np.issubdtype(x.dtype, np.number) and np.issubdtype(y.dtype, np.integer)):
+            raise DataError(f"{path}: x_{split} must be numbers and y_{split} integers "
+                            f"(got {x.dtype} and {y.dtype})")
+        x = x.reshape(len(x), -1).astype(np.float32)
+        if not np.isfinite(x).all():
+            raise DataError(f"{path}: x_{split} holds NaN or infinite values")
+        if y.min() < 0:
+            raise DataError(f"{path}: y_{split} holds negative labels ({int(y.min())}); "
+                            "labels count from 0")
+        out[split] = (x, y.astype(np.int32))
+    widths = {x.shape[1] for x, _ in out.values()}
+    if len(widths) != 1:
+        raise DataError(f"{path}: the splits' inputs differ in size "
+                        f"({', '.join(f'{k} {x.shape[1]}' for k, (x, _) in out.items())})")
+    if "valid" not in out:
+        x, y = out["train"]
+        n_valid = int(len(y) * valid_share)
+        if not 0 < n_valid < len(y):
+            raise DataError(f"{path}: {len(y)} training examples are too few to keep "
+                            f"{valid_share:.0%} of them for validation (give x_valid, y_valid)")
+        order = np.random.RandomState(0).permutation(len(y))
+        x, y = x[order], y[order]
+        out["train"], out["valid"] = (x[n_valid:], y[n_valid:]), (x[:n_valid], y[:n_valid])
+    n_classes = int(max(y.max() for _, y in out.values())) + 1
+    if n_classes < 2:
+        raise DataError(f"{path}: every label is 0; a classifier needs two classes or more")
+    return Dataset(os.path.basename(path), out["train"], out["valid"], out["test"], n_classes)
+
+
 def load(spec=None):
     """Load a dataset by name or path.
 
     None or 'embedded': the MNIST test set shipped with pympgu; 'fashion': Debian's
     Fashion-MNIST; 'digits': scikit-learn's 8x8 digits; a path ending in .pkl or .pkl.gz:
-    the seed's pickle; any other path: a directory of IDX files.
+    the seed's pickle; in .npz: a dataset of one's own (load_npz); any other path: a
+    directory of IDX files.
     """
     if spec in (None, "embedded"):
         return load_idx_dir(EMBEDDED_DIR, "embedded MNIST")
@@ -157,6 +221,8 @@ def load(spec=None):
         return Dataset("sklearn digits", *_split(x[perm], y[perm], 300, 300))
     if spec.endswith((".pkl", ".pkl.gz")):
         return load_pickle(spec)
+    if spec.endswith(".npz"):
+        return load_npz(spec)
     return load_idx_dir(spec)
 
 

@@ -184,6 +184,75 @@ def test_data_errors_name_the_file(tmp_path):
         data.load(str(tmp_path / "mnist.pkl.gz"))
 
 
+def blobs(n, rng, centers):
+    """n examples of Gaussian blobs around ``centers`` (classes 0..k-1), as 4x5 'images'
+    in float64, the way a user's own arrays may come."""
+    y = rng.integers(0, len(centers), n)
+    return (centers[y] + rng.normal(0, 1, (n, centers.shape[1]))).reshape(n, 4, 5), y
+
+
+def test_a_dataset_of_ones_own_trains_from_npz(tmp_path, capsys):
+    """--data-dir FILE.npz: the inputs flattened to float32 as they are, the number of
+    classes from the labels, a tenth of the training set kept for validation after a fixed
+    shuffle (labels sorted by class would otherwise leave it one class), and the model
+    sized by the data: it learns far better than chance."""
+    rng = np.random.default_rng(0)
+    centers = rng.normal(0, 1.5, (3, 20))
+    x, y = blobs(3000, rng, centers)
+    order = np.argsort(y, kind="stable")  # sorted by class, as data often comes
+    xt, yt = blobs(500, rng, centers)
+    path = tmp_path / "blobs.npz"
+    np.savez(path, x_train=x[order], y_train=y[order], x_test=xt, y_test=yt.astype(np.int16))
+    ds = data.load(str(path))
+    assert (ds.n_in, ds.n_classes) == (20, 3) and ds.train[0].dtype == np.float32
+    assert [len(s[1]) for s in (ds.train, ds.valid, ds.test)] == [2700, 300, 500]
+    assert set(np.unique(ds.valid[1])) == {0, 1, 2}
+    # The validation split is a shuffled tenth of the training set, the same every time.
+    assert np.array_equal(data.load(str(path)).valid[0], ds.valid[0])
+    assert np.array_equal(np.sort(np.concatenate([ds.train[1], ds.valid[1]])), y[order])
+    assert train.main(["--cpu", "2", "--data-dir", str(path), "--hidden", "32", "--epochs",
+                       "2", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "blobs.npz (2700/300/500 train/valid/test, 20 inputs) | MLP 20-32-3" in out, out
+    test_error = float(out.split("its test error ")[1].split("%")[0])
+    assert test_error < 20, out  # chance is 67%
+    # Its own validation split is used as given.
+    np.savez(path, x_train=x, y_train=y, x_valid=xt[:100], y_valid=yt[:100], x_test=xt,
+             y_test=yt)
+    assert len(data.load(str(path)).valid[1]) == 100
+
+
+@pytest.mark.parametrize("arrays,message", [
+    (dict(x_train=np.zeros((4, 2)), y_train=np.zeros(4, int)),
+     "no array x_test, y_test (it has x_train, y_train; it needs"),
+    (dict(x_train=np.zeros((4, 2)), y_train=np.zeros(3, int), x_test=np.zeros((2, 2)),
+          y_test=np.zeros(2, int)), "x_train (4, 2) and y_train (3,) must hold as many"),
+    (dict(x_train=np.zeros((40, 2)), y_train=np.full(40, 0.5), x_test=np.zeros((2, 2)),
+          y_test=np.zeros(2, int)), "y_train integers (got float64 and float64)"),
+    (dict(x_train=np.full((40, 2), np.nan), y_train=np.zeros(40, int),
+          x_test=np.zeros((2, 2)), y_test=np.zeros(2, int)), "x_train holds NaN"),
+    (dict(x_train=np.zeros((40, 2)), y_train=-np.ones(40, int), x_test=np.zeros((2, 2)),
+          y_test=np.zeros(2, int)), "y_train holds negative labels (-1)"),
+    (dict(x_train=np.zeros((40, 2)), y_train=np.arange(40) % 2, x_test=np.zeros((2, 3)),
+          y_test=np.zeros(2, int)), "the splits' inputs differ in size (train 2, test 3"),
+    (dict(x_train=np.zeros((5, 2)), y_train=np.arange(5) % 2, x_test=np.zeros((2, 2)),
+          y_test=np.zeros(2, int)), "5 training examples are too few"),
+    (dict(x_train=np.zeros((40, 2)), y_train=np.zeros(40, int), x_test=np.zeros((2, 2)),
+          y_test=np.zeros(2, int)), "every label is 0"),
+    (dict(x_train=np.zeros((40, 2)), y_train=np.arange(40) % 2, x_valid=np.zeros((2, 2)),
+          x_test=np.zeros((2, 2)), y_test=np.zeros(2, int)), "no array y_valid"),
+])
+def test_npz_errors_name_the_file_and_the_array(tmp_path, arrays, message):
+    path = tmp_path / "mine.npz"
+    np.savez(path, **arrays)
+    with pytest.raises(data.DataError) as info:
+        data.load(str(path))
+    assert str(info.value).startswith(f"{path}: ") and message in str(info.value), info.value
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    with pytest.raises(data.DataError, match="junk.npz: not a readable .npz"):
+        data.load(str(tmp_path / "junk.npz"))
+
+
 def test_digits_without_scikit_learn_says_what_to_install(monkeypatch):
     import sys
     monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # its import then fails
