@@ -320,30 +320,43 @@ class Replica:
         arrays = {s.name: np.asarray(v) for s, v in zip(self.model.state, self.values())}
         tmp = path + ".tmp"
         with open(tmp, "wb") as f:
-            np.savez(f, __epoch__=epoch, __history__=json.dumps(history), **arrays)
+            np.savez(f, __epoch__=epoch, __history__=json.dumps(history),
+                     __model__=self.model.describe(), **arrays)
         os.replace(tmp, path)  # atomic: a crash leaves the previous checkpoint intact
 
     def load(self, path):
-        np = self.np
-        try:
-            with np.load(path) as f:
-                epoch = int(f["__epoch__"])
-                history = json.loads(str(f["__history__"]))
-                values = []
-                for s in self.model.state:
-                    if s.name not in f:
-                        raise ValueError(f"it has no {s.name!r}")
-                    v = f[s.name]
-                    if v.shape != s.get_value().shape:
-                        raise ValueError(f"{s.name!r} is {v.shape}, this model's is "
-                                         f"{s.get_value().shape}")
-                    values.append(v.astype(np.float32))
-        except (OSError, ValueError, KeyError) as e:
-            raise ValueError(f"--resume {path}: cannot resume from it: {e}") from None
+        epoch, history, values = read_checkpoint(path, self.model)
         if self.jax is not None:
             values = [self.jnp.asarray(v) for v in values]
         self.set_values(values)
         return epoch, history
+
+
+def read_checkpoint(path, model):
+    """(epoch, history, values of ``model``'s state) from a checkpoint that Replica.save
+    wrote, or a ValueError naming --resume and what does not fit this model."""
+    import numpy as np
+    made = None
+    try:
+        with np.load(path) as f:
+            epoch = int(f["__epoch__"])
+            history = json.loads(str(f["__history__"]))
+            made = str(f["__model__"]) if "__model__" in f.files else None
+            values = []
+            for s in model.state:
+                if s.name not in f.files:
+                    raise ValueError(f"it has no {s.name!r}")
+                v = f[s.name]
+                if v.shape != s.get_value(borrow=True).shape:
+                    raise ValueError(f"{s.name!r} is {v.shape}, this model's is "
+                                     f"{s.get_value(borrow=True).shape}")
+                values.append(v.astype(np.float32))
+    except (OSError, ValueError, KeyError) as e:
+        # Checkpoints since session 28 say which model made them.
+        other = (f" (it holds {made}; this run builds {model.describe()})"
+                 if made and made != model.describe() else "")
+        raise ValueError(f"--resume {path}: cannot resume from it: {e}{other}") from None
+    return epoch, history, values
 
 
 class Sync:
@@ -818,6 +831,11 @@ def run(cfg, devices, port=None, quiet=False):
                              seed=MODEL_SEED)
     except models.ModelError as e:
         raise UsageError("--model", str(e)) from None
+    if cfg["resume"]:  # a checkpoint of another model: said here, not by every worker
+        try:
+            read_checkpoint(cfg["resume"], model)
+        except ValueError as e:
+            raise UsageError("--resume", str(e)) from None
     # Every worker takes whole, disjoint batches each epoch (data.shard_batches): refuse a
     # batch no epoch can fill here, rather than in every worker after they start.
     ntrain, workers = len(ds.train[1]), len(devices)

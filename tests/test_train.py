@@ -55,6 +55,17 @@ def test_a_fresh_run_into_an_earlier_runs_out_starts_its_log_over(tmp_path, caps
     assert [json.loads(x)["epoch"] for x in open(os.path.join(out, "metrics.jsonl"))] == [1, 2]
 
 
+def test_a_checkpoint_of_another_shape_is_refused_before_any_worker_starts(tmp_path):
+    out = str(tmp_path / "run")
+    train.run(config(epochs=1, hidden=[16], out=out), [None, None], quiet=True)
+    with pytest.raises(train.UsageError) as info:
+        train.run(config(epochs=2, hidden=[32], resume=os.path.join(out, train.CHECKPOINT)),
+                  [None, None], quiet=True)
+    assert info.value.flag == "--resume"
+    assert ("cannot resume from it: 'W0' is (784, 16), this model's is (784, 32) (it holds "
+            "MLP 784-16-10; this run builds MLP 784-32-10)") in str(info.value), info.value
+
+
 def test_cpu_runs_are_reproducible():
     a = train.run(config(epochs=1, hidden=[64]), [None, None])
     b = train.run(config(epochs=1, hidden=[64]), [None, None])
@@ -520,12 +531,17 @@ def test_your_own_model_trains_as_the_mlp_does(tmp_path, capsys):
         assert {"W_in", "W_block0", "v_W_out"} <= set(f.files), f.files
     assert train.main(argv + ["--epochs", "3", "--resume", out]) == 0
     assert "epoch   3" in capsys.readouterr().out
-    # The MLP's checkpoint is not this model's: refused by name, not loaded into it.
+    # The MLP's checkpoint is not this model's: refused before any worker starts, naming
+    # the array it lacks and the model that made it.
     mlp = str(tmp_path / "mlp")
     train.run(config(epochs=1, hidden=[16], out=mlp), [None, None], quiet=True)
-    with pytest.raises(Exception, match=r"--resume .*cannot resume from it: it has no 'W_in'"):
-        train.run(config(epochs=2, model=spec, hidden=[64, 64],
-                         resume=os.path.join(mlp, train.CHECKPOINT)), [None, None], quiet=True)
+    with pytest.raises(SystemExit) as info:
+        train.main(argv + ["--epochs", "2", "--resume", mlp])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert (f"--resume {os.path.join(mlp, train.CHECKPOINT)}: cannot resume from it: it has "
+            "no 'W_in' (it holds MLP 784-16-10; this run builds ResidualMLP (55,050 "
+            "parameters))") in err, err
 
 
 BAD_MODELS = '''
