@@ -513,7 +513,11 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
     and ``run_scalings`` each round's scaling against the 1-GPU run of the same round (and
     ``run_scalings_alone`` against each GPU's own run alone in that round)."""
     from . import data as datamod
+    from . import models as modelmod
     ds = datamod.load(data)
+    for name in models:  # a model of one's own that cannot be built: ModelError, here
+        if name not in MODELS:
+            modelmod.build(name, ds.n_in, model_config(name, hidden)["hidden"], ds.n_classes)
     rows = []
     multi = len(gpus) > 1
     groups = [gpus[:n] for n in (ranks or [len(gpus)]) if n > 1]
@@ -778,14 +782,6 @@ def main(argv=None):
     models = args.models if args.models is not None else (
         [] if args.model else ["seed", "wide"])
     if args.model:
-        from . import data as datamod
-        from . import models as modelmod
-        try:  # here, naming the flag, before any worker starts
-            ds = datamod.load(args.data_dir)
-            modelmod.build(args.model, ds.n_in, model_config(args.model, args.hidden)["hidden"],
-                           ds.n_classes)
-        except (datamod.DataError, modelmod.ModelError) as e:
-            parser.error(str(e))
         models.append(args.model)
     elif args.hidden is not None:
         parser.error("--hidden sizes --model's model; the MLPs of --models have their own")
@@ -803,13 +799,16 @@ def main(argv=None):
         print("  one GPU: only the 1-GPU rows (give two or more GPUs for scaling)", flush=True)
     ddp = (("DDP",) if args.no_ddp_graph else ("DDP", "DDP-graph")) if use_ddp else ()
     from .data import DataError
-    try:  # measure loads the dataset before any worker starts: a bad --data-dir is the flag's
+    from .models import ModelError
+    try:  # measure loads the dataset and builds a --model before any worker starts
         rows = measure(gpus, models, args.variants, args.steps, args.warmup,
                        args.data_dir, ddp, exchange_blocks=args.exchange_blocks,
                        method=args.method, repeats=args.repeats, settings=settings,
                        ranks=args.ranks, hidden=args.hidden)
     except DataError as e:
         parser.error(f"--data-dir: {e}")
+    except ModelError as e:
+        parser.error(str(e))
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:
