@@ -239,18 +239,19 @@ class Exchanger:
         return xla.average_results(fn, which, group, *args, algo=self.method,
                                    max_blocks=self.max_blocks)
 
-    def xla_average_gradients(self, fn, updated, which, *args, shadow=None, local=()):
+    def xla_average_gradients(self, fn, updated, which, *args, shadow=None, local=(),
+                              exact=True):
         """``pympgu.xla.average_gradients`` over this exchanger's group: ``fn``'s results at
         ``updated`` computed from every rank's mean gradient, or, where that does not apply,
         its results at ``which`` (the layout's first entries, in its order) averaged.
-        ``shadow`` is ``xla_shadow(correction=False)``'s array, or None. ``xla_road``
-        then says which was traced."""
+        ``shadow`` is ``xla_shadow(correction=False)``'s array, or None; ``exact`` as
+        average_gradients takes it. ``xla_road`` then says which was traced."""
         import jax
 
         from . import xla
         shapes = jax.eval_shape(lambda *a: list(fn(*a)), *args)
         group = self._xla_group([shapes[i] for i in which])
-        plan = xla.gradient_plan(fn, updated, group, args, local, shadow, self.method)
+        plan = xla.gradient_plan(fn, updated, group, args, local, shadow, self.method, exact)
         if plan[1] is not None:
             self.xla_road = f"the new values averaged after the update: {plan[1]}"
         elif xla.gradients_by_copies(group, shadow, self.method):
@@ -260,7 +261,7 @@ class Exchanger:
                              f"({group.nranks} ranks)")
         return xla.average_gradients(fn, updated, which, group, *args, shadow=shadow,
                                      local=local, algo=self.method, max_blocks=self.max_blocks,
-                                     plan=plan)
+                                     plan=plan, exact=exact)
 
     def xla_average_during(self, arrays, fn, *args):
         """``xla_average(arrays)`` taken while ``fn(*args)`` computes; returns both

@@ -1,13 +1,15 @@
 """Models in Theano style on PyTensor: shared variables, ``pytensor.grad`` and ``updates``.
 
 ``Model`` is what pympgu.train trains: its subclasses make their parameters and define their
-logits, and it compiles the step (softmax cross-entropy, L1/L2 terms, SGD with momentum).
+logits, and it compiles the step (softmax cross-entropy, L1/L2 terms, SGD with momentum or
+Adam).
 ``MLP`` is the seed's (784-500-10, tanh hidden layers) and its deeper and wider variants;
 ``load`` and ``build`` give the model that --model names (docs/MODELS.md). The training set and the evaluation sets are shared variables too, so
 on a GPU they live in device memory and a minibatch is gathered there from an index vector;
 only the indices cross from the host each step. Shapes are static (PyTensor's JAX backend
 needs them) and targets are one-hot.
 """
+import math
 import os
 import sys
 
@@ -23,6 +25,10 @@ def import_pytensor():
     return pytensor
 
 
+# Each optimizer's state per parameter, by the prefix of its arrays' names.
+OPTIMIZERS = {"sgd": ("v",), "adam": ("m", "s")}
+
+
 def one_hot(labels, n_classes):
     out = np.zeros((len(labels), n_classes), np.float32)
     out[np.arange(len(labels)), labels] = 1.0
@@ -35,45 +41,93 @@ class Model:
 
     pympgu builds it as ``Model(n_in, hidden, n_out, seed=seed)`` (``hidden``: the
     ``--hidden`` widths, which a model may ignore) in every worker, and trains it by
-    minibatch SGD with momentum on the mean softmax cross-entropy, with the L1 and L2
-    terms of ``--l1`` and ``--l2`` on the parameters made with ``penalized=True``. Every
+    minibatch SGD with momentum (or Adam: set_optimizer) on the mean softmax
+    cross-entropy, with the L1 and L2 terms of ``--l1`` and ``--l2`` on the parameters
+    made with ``penalized=True``. Every
     worker must build the same initial values: draw them from ``seed`` (the training loop
     checks that the replicas start identical). ``python -m pympgu.train --model
     FILE.py:NAME`` trains one (docs/MODELS.md).
     """
 
     def __init__(self):
-        self.params, self.weights, self.velocities = [], [], []
+        self.params, self.weights = [], []
+        self.optimizer, self.beta2, self.eps = "sgd", 0.999, 1e-8
+        self._slots = None
 
     def parameter(self, value, name, penalized=True):
-        """A new float32 parameter (a PyTensor shared variable) holding ``value``, and its
-        momentum. ``name`` keys it in checkpoints and must be unique; ``penalized``: the
-        L1 and L2 terms apply to it (weights are, biases are not)."""
+        """A new float32 parameter (a PyTensor shared variable) holding ``value``. ``name``
+        keys it in checkpoints and must be unique; ``penalized``: the L1 and L2 terms apply
+        to it (weights are, biases are not)."""
         pytensor = import_pytensor()
-        if "velocities" not in self.__dict__:
+        if "params" not in self.__dict__:
             raise TypeError(f"{type(self).__name__}.__init__ must call Model.__init__ "
                             "(super().__init__()) before creating parameters")
+        if self._slots is not None:
+            raise TypeError(f"parameter {name!r}: create every parameter in __init__, before "
+                            "the model's state is used")
         value = np.asarray(value)
         if not np.issubdtype(value.dtype, np.floating) or value.ndim == 0:
             raise ValueError(f"parameter {name!r}: give a float array with at least one "
                              f"dimension, got {value.dtype} of shape {value.shape}")
-        taken = {s.name for s in self.state}
-        if not isinstance(name, str) or not name or name.startswith("__") or name in taken \
-                or f"v_{name}" in taken:
+        # Each optimizer's state takes the names <kind>_<parameter> (slots).
+        taken = {p.name for p in self.params}
+        taken |= {f"{kind}_{t}" for kinds in OPTIMIZERS.values() for kind in kinds for t in taken}
+        if (not isinstance(name, str) or not name or name.startswith("__") or name in taken
+                or any(f"{kind}_{name}" in taken for kinds in OPTIMIZERS.values()
+                       for kind in kinds)):
             raise ValueError(f"parameter name {name!r} is empty, reserved (__...) or taken "
                              f"(this model has {sorted(taken)})")
         p = pytensor.shared(value.astype(np.float32), name=name)
         self.params.append(p)
-        self.velocities.append(pytensor.shared(np.zeros(value.shape, np.float32),
-                                               name=f"v_{name}"))
         if penalized:
             self.weights.append(p)
         return p
 
+    def set_optimizer(self, name, beta2=0.999, eps=1e-8):
+        """Train with ``name`` (OPTIMIZERS): 'sgd', SGD with momentum (the default), or
+        'adam'. ``beta2`` and ``eps`` are Adam's (its beta1 is compile's ``momentum``).
+        Call it before the state is used: it decides what the state holds."""
+        if name not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)}, got {name!r}")
+        if self._slots is not None:
+            raise TypeError("set_optimizer: the state was already made; call it first")
+        if not 0 <= beta2 < 1 or not eps > 0:
+            raise ValueError(f"Adam needs 0 <= beta2 < 1 and eps > 0, got {beta2} and {eps}")
+        self.optimizer, self.beta2, self.eps = name, float(beta2), float(eps)
+
+    @property
+    def slots(self):
+        """The optimizer's state, one array per parameter and kind, zeros at first: SGD's
+        momentum ``v_<name>``; Adam's first and second moments ``m_<name>``, then
+        ``s_<name>``. Made on first use, when every parameter exists."""
+        if self._slots is None:
+            pytensor = import_pytensor()
+            self._slots = [pytensor.shared(np.zeros(p.get_value(borrow=True).shape, np.float32),
+                                           name=f"{kind}_{p.name}")
+                           for kind in OPTIMIZERS[self.optimizer] for p in self.params]
+        return self._slots
+
     @property
     def state(self):
-        """Every shared variable the replicas average: parameters, then momentum."""
-        return self.params + self.velocities
+        """Every shared variable the replicas average: the parameters, then the optimizer's
+        state (``slots``), each kind in the parameters' order."""
+        return self.params + self.slots
+
+    @property
+    def affine_update(self):
+        """Whether the update is affine in the gradients (SGD's is, Adam's is not): then
+        averaging the replicas' updates is updating by their mean gradient (pympgu.train.
+        Sync says where that matters)."""
+        return self.optimizer == "sgd"
+
+    def step_size(self, lr, t):
+        """The learning rate that step ``t`` (counted from 1) applies for a base ``lr``:
+        ``lr`` itself for SGD; for Adam, with both moments' bias correction folded in,
+        ``lr * sqrt(1 - beta2**t) / (1 - beta1**t)`` (Kingma and Ba's Algorithm 1 in its
+        efficient form: ``eps`` is added to the uncorrected square root)."""
+        if self.optimizer == "sgd":
+            return lr
+        return lr * math.sqrt(1.0 - self.beta2 ** t) / (1.0 - self.beta1 ** t)
 
     def describe(self):
         """The model in a few words, for the run's first line."""
@@ -102,7 +156,9 @@ class Model:
         """Compile (train(idx) -> cost, evaluate(idx) -> per-example errors).
 
         train takes int32 indices (batch_size,) into the training set; evaluate takes
-        indices (eval_batch,) into validation followed by test examples.
+        indices (eval_batch,) into validation followed by test examples. ``lr`` is the
+        first learning rate: ``self.lr``, a shared variable, holds it, and a schedule sets
+        it between steps. ``momentum`` is SGD's momentum, or Adam's beta1.
         """
         pytensor = import_pytensor()
         import pytensor.tensor as pt
@@ -134,10 +190,26 @@ class Model:
         if l2:
             cost = cost + np.float32(l2) * sum(pt.sum(W ** 2) for W in self.weights)
         grads = pytensor.grad(cost, self.params)
+        # The learning rate is a shared variable rather than a constant, so that a schedule
+        # (and Adam's bias correction, step_size) changes it between steps without
+        # compiling again; every rank gives it the same value, so the gradients' road
+        # (pympgu.xla.average_gradients) still sees an update that only reads the gradients
+        # from before it.
+        self.lr = pytensor.shared(np.float32(lr), name="lr")
+        self.beta1 = float(momentum)
+        mu, k = np.float32(momentum), len(self.params)
         updates = []
-        for p, v, g in zip(self.params, self.velocities, grads):
-            v_new = np.float32(momentum) * v - np.float32(lr) * g
-            updates += [(v, v_new), (p, p + v_new)]
+        if self.optimizer == "sgd":
+            for p, v, g in zip(self.params, self.slots, grads):
+                v_new = mu * v - self.lr * g
+                updates += [(v, v_new), (p, p + v_new)]
+        else:
+            b2, eps = np.float32(self.beta2), np.float32(self.eps)
+            for p, m, s, g in zip(self.params, self.slots[:k], self.slots[k:], grads):
+                m_new = mu * m + (np.float32(1) - mu) * g
+                s_new = b2 * s + (np.float32(1) - b2) * (g * g)
+                updates += [(m, m_new), (s, s_new),
+                            (p, p - self.lr * m_new / (pt.sqrt(s_new) + eps))]
         train = pytensor.function([idx], cost, updates=updates, mode=mode, name="train")
 
         eidx = pt.tensor("eidx", dtype="int32", shape=(eval_batch,))
@@ -231,9 +303,10 @@ def load(spec):
     return cls
 
 
-def build(spec, n_in, hidden, n_out, seed=1234):
+def build(spec, n_in, hidden, n_out, seed=1234, optimizer="sgd", beta2=0.999):
     """The model that ``spec`` names (load), built for this data: ``cls(n_in, hidden,
-    n_out, seed=seed)``, with its parameters checked."""
+    n_out, seed=seed)``, trained by ``optimizer`` (Model.set_optimizer), with its
+    parameters and state checked."""
     cls = load(spec)
     try:
         model = cls(n_in, list(hidden), n_out, seed=seed)
@@ -241,9 +314,10 @@ def build(spec, n_in, hidden, n_out, seed=1234):
         raise ModelError(f"--model {spec or 'MLP'}: {cls.__name__}(n_in={n_in}, "
                          f"hidden={list(hidden)}, n_out={n_out}, seed={seed}) failed: "
                          f"{type(e).__name__}: {e}") from e
-    if "velocities" not in model.__dict__ or not model.params:
+    if "params" not in model.__dict__ or not model.params:
         raise ModelError(f"--model {spec}: {cls.__name__} made no parameters (its __init__ "
                          "must call super().__init__() and then self.parameter(...))")
+    model.set_optimizer(optimizer, beta2=beta2)
     return model
 
 

@@ -18,6 +18,8 @@ import os
 import sys
 import time
 
+from .models import OPTIMIZERS
+from .schedule import SCHEDULES
 from .xla import BESIDE_BLOCKS, copies_to_every_peer, overlap_whole
 
 PRESETS = {
@@ -25,7 +27,10 @@ PRESETS = {
     "dual_mlp": dict(hidden=[500], lr=0.13, momentum=0.0, batch_size=5000, l1=0.0, l2=1e-4,
                      epochs=10),
 }
-DEFAULTS = dict(hidden=[500], lr=0.05, momentum=0.9, batch_size=128, l1=0.0, l2=1e-4, epochs=5)
+DEFAULTS = dict(hidden=[500], lr=0.05, momentum=0.9, batch_size=128, l1=0.0, l2=1e-4, epochs=5,
+                optimizer="sgd", beta2=0.999, schedule="constant", warmup=0.0)
+# Adam's learning rate when --lr is not given: SGD's would be far too large for it.
+ADAM_LR = 1e-3
 # What every rank builds its model with (pympgu.models.Model): replicas start identical.
 MODEL_SEED = 1234
 CHECKPOINT = "checkpoint.npz"
@@ -79,23 +84,30 @@ def _assign(shared, value):
         shared.container.storage[0] = value
 
 
+def build_model(cfg, ds):
+    """The run's model for the dataset ``ds`` (pympgu.models.build), with its optimizer."""
+    from . import models
+    return models.build(cfg.get("model"), ds.n_in, cfg["hidden"], ds.n_classes, seed=MODEL_SEED,
+                        optimizer=cfg.get("optimizer", "sgd"), beta2=cfg.get("beta2", 0.999))
+
+
 class Replica:
     """One worker's model, its compiled functions, and its share of each epoch."""
 
     def __init__(self, ctx, cfg):
         import numpy as np
 
-        from . import data, models
+        from . import data
         self.np, self.ctx, self.cfg = np, ctx, cfg
         self.dataset = data.load(cfg["data"])
         ds = self.dataset
-        self.model = models.build(cfg.get("model"), ds.n_in, cfg["hidden"], ds.n_classes,
-                                  seed=MODEL_SEED)
+        self.model = build_model(cfg, ds)
         mode = "JAX" if cfg["backend"] == "jax" else "FAST_RUN"
         self.eval_batch = min(500, len(ds.valid[1]) + len(ds.test[1]))
         self.train_fn, self.eval_fn = self.model.compile(
             ds, cfg["batch_size"], self.eval_batch, cfg["lr"], cfg["momentum"], cfg["l1"],
             cfg["l2"], mode)
+        self.lr = self.np.float32(cfg["lr"])  # what model.lr holds (set_lr)
         self.jax = None
         self._jit_cache = {}
         self._steps = {}
@@ -110,10 +122,20 @@ class Replica:
             # Shared variables hold numpy arrays until a function first updates them, and
             # the dataset never is updated: left alone, every call would copy it from the
             # host. Put every one on the device once.
-            for s in self.model.state + self.model.data_vars:
+            for s in self.model.state + self.model.data_vars + [self.model.lr]:
                 _assign(s, jax.device_put(s.get_value(borrow=True)))
             if ctx.device is not None:
                 self._check_device(self.model.state[0].get_value(borrow=True))
+
+    def set_lr(self, value):
+        """Make ``value`` the learning rate of the steps that follow. On a GPU only a new
+        value costs anything (one scalar put on the device), so a constant rate costs
+        nothing a step."""
+        value = self.np.float32(value)
+        if value != self.lr:  # the host's copy: reading the device's would wait for it
+            self.lr = value
+            _assign(self.model.lr, self.np.asarray(value) if self.jax is None
+                    else self.jax.device_put(value))
 
     def _check_device(self, array):
         """Fail if JAX put the model on another GPU than this rank's.
@@ -130,8 +152,10 @@ class Replica:
 
     def part(self, name):
         """The entries (lo, hi) of the state that an exchange of ``name`` averages: 'state'
-        (all of it), 'params' or 'momentum'. The state lists the parameters, then their
-        momentum, of the same shapes: either half crosses in the Exchanger's first half."""
+        (all of it), 'params' or 'momentum' (the optimizer's state: SGD's momentum, Adam's
+        two moments). The state lists the parameters, then the optimizer's arrays, each kind
+        of the parameters' shapes: either part crosses where the state's first entries
+        go (Exchanger.part)."""
         k, n = len(self.model.params), len(self.model.state)
         return {"state": (0, n), "params": (0, k), "momentum": (k, n)}[name]
 
@@ -189,7 +213,8 @@ class Replica:
                     # does not allow it, `part` averaged after the step.
                     return ex.xla_average_gradients(
                         compute, which, which[lo:hi], *args,
-                        shadow=inputs[0] if inputs else None, local=local)
+                        shadow=inputs[0] if inputs else None, local=local,
+                        exact=self.model.affine_update)
             elif ex is not None:
                 def exchange(compute, which, *args, local=()):
                     return ex.xla_average_results(compute, which[lo:hi], *args)
@@ -321,7 +346,8 @@ class Replica:
         tmp = path + ".tmp"
         with open(tmp, "wb") as f:
             np.savez(f, __epoch__=epoch, __history__=json.dumps(history),
-                     __model__=self.model.describe(), **arrays)
+                     __model__=self.model.describe(), __optimizer__=self.model.optimizer,
+                     **arrays)
         os.replace(tmp, path)  # atomic: a crash leaves the previous checkpoint intact
 
     def load(self, path):
@@ -342,6 +368,9 @@ def read_checkpoint(path, model):
             epoch = int(f["__epoch__"])
             history = json.loads(str(f["__history__"]))
             made = str(f["__model__"]) if "__model__" in f.files else None
+            if made:  # the optimizer saved since session 29; SGD before
+                made += (f", trained by "
+                         f"{f['__optimizer__'] if '__optimizer__' in f.files else 'sgd'}")
             values = []
             for s in model.state:
                 if s.name not in f.files:
@@ -353,8 +382,8 @@ def read_checkpoint(path, model):
                 values.append(v.astype(np.float32))
     except (OSError, ValueError, KeyError) as e:
         # Checkpoints since session 28 say which model made them.
-        other = (f" (it holds {made}; this run builds {model.describe()})"
-                 if made and made != model.describe() else "")
+        builds = f"{model.describe()}, trained by {model.optimizer}"
+        other = f" (it holds {made}; this run builds {builds})" if made and made != builds else ""
         raise ValueError(f"--resume {path}: cannot resume from it: {e}{other}") from None
     return epoch, history, values
 
@@ -401,12 +430,18 @@ class Sync:
     keeping it local there (local SGD's model averaging) cost 0.74 points of test error on
     Fashion-MNIST (docs/BENCHMARKS.md, session 8).
 
+    That argument needs an update affine in the gradients: with Adam (Model.affine_update
+    False) every exchange averages the whole state, both moments too.
+
     Fused with every=1 and not overlapped, every rank starts each step from the same state,
     so the step takes the ``gradients`` road where it can (Exchanger.xla_average_gradients):
     the update of every rank reads the ranks' mean gradient, as DDP's does, and the whole
     state, momentum too, stays identical on every rank. For an update affine in its
     gradients (SGD with momentum) that is the same trajectory again, up to rounding; the
-    parameters' own average after the update remains where it does not apply.
+    parameters' own average after the update remains where it does not apply. Adam's
+    update is not affine, and there the road changes what is computed: Adam's step on the
+    mean gradient, DDP's Adam, at every size of model (elsewhere, on CPU workers and with
+    every > 1, each replica takes its own Adam step and the whole state is averaged).
     """
 
     def __init__(self, rep, ex, every=1, overlap=False, fuse=True):
@@ -416,8 +451,10 @@ class Sync:
         self.fused = (fuse and ex is not None and rep.jax is not None
                       and ex.xla_unavailable() is None)
         self.whole = overlap_whole()
-        self.params_only = self.fused and every == 1  # but the epoch's last exchange
-        self.gradients = self.params_only and not overlap  # identical state at every step
+        # SGD's momentum may stay local (below), Adam's moments may not.
+        self.params_only = (self.fused and every == 1  # but the epoch's last exchange
+                            and rep.model.affine_update)
+        self.gradients = self.fused and every == 1 and not overlap  # identical state each step
 
     @property
     def outside(self):
@@ -502,6 +539,14 @@ def state_layout(rep):
     return [(s.name, list(s.get_value(borrow=True).shape), "float32") for s in rep.model.state]
 
 
+def make_schedule(cfg, per_epoch):
+    """The run's learning rates (pympgu.schedule.Schedule) for ``per_epoch`` steps an
+    epoch: --warmup is in epochs, and the decay spans --epochs."""
+    from .schedule import Schedule
+    return Schedule(cfg["lr"], cfg["epochs"] * per_epoch, cfg.get("schedule", "constant"),
+                    round(cfg.get("warmup", 0.0) * per_epoch))
+
+
 def make_exchanger(ctx, rep, cfg):
     """The worker's Exchanger, after one exact exchange (which also proves it works)."""
     from .exchange import Exchanger
@@ -545,6 +590,8 @@ def worker(ctx, cfg):
                     rep.digest(each=True))
     ex = make_exchanger(ctx, rep, cfg)
     ntrain = len(rep.dataset.train[1])
+    per_epoch = data.batches_per_epoch(ntrain, cfg["batch_size"], ctx.nranks) // ctx.nranks
+    schedule = make_schedule(cfg, per_epoch)
     try:
         for epoch in range(start_epoch, cfg["epochs"]):
             batches = data.shard_batches(ntrain, cfg["batch_size"], ctx.nranks, ctx.rank,
@@ -555,6 +602,9 @@ def worker(ctx, cfg):
             t_epoch = time.perf_counter()
             for step, idx in enumerate(rep.device_batches(batches)):
                 last = step == len(batches) - 1
+                t = epoch * per_epoch + step  # the run's step: a resumed run goes on
+                rate = schedule(t)
+                rep.set_lr(rep.model.step_size(rate, t + 1))
                 costs.append(sync.step(idx, step, last))
                 if ctx.rank == 0 and (step % report_every == 0 or last):
                     ctx.metric(kind="progress", epoch=epoch + 1, step=step + 1, steps=len(batches))
@@ -563,7 +613,7 @@ def worker(ctx, cfg):
             epoch_s = time.perf_counter() - t_epoch
             outside = sync.outside
             loss = float(np.mean([float(c) for c in costs]))
-            record = {"epoch": epoch + 1, "loss": loss, "time_s": epoch_s,
+            record = {"epoch": epoch + 1, "loss": loss, "lr": rate, "time_s": epoch_s,
                       "samples_per_s": ctx.nranks * len(batches) * cfg["batch_size"] / epoch_s,
                       "exchange_share": None if sync.fused else sync.seconds / epoch_s,
                       # Which road the step's exchange took inside XLA, in words (None when
@@ -702,8 +752,25 @@ def build_parser():
     m.add_argument("--epochs", type=int, help=f"epochs (default: {DEFAULTS['epochs']})")
     m.add_argument("--batch-size", type=int, help="minibatch per worker "
                    f"(default: {DEFAULTS['batch_size']})")
-    m.add_argument("--lr", type=float, help=f"learning rate (default: {DEFAULTS['lr']})")
-    m.add_argument("--momentum", type=float, help=f"momentum (default: {DEFAULTS['momentum']})")
+    m.add_argument("--optimizer", choices=list(OPTIMIZERS), default=DEFAULTS["optimizer"],
+                   help="'sgd': SGD with momentum; 'adam': Adam, whose two moments the "
+                        "replicas average with the parameters (on GPUs at --sync-every 1, "
+                        "every rank's update reads the mean gradient, as DDP's Adam does; "
+                        "docs/TRAINING.md) (default: sgd)")
+    m.add_argument("--lr", type=float, help=f"learning rate, the peak of --schedule (default: "
+                   f"{DEFAULTS['lr']}; {ADAM_LR} with --optimizer adam)")
+    m.add_argument("--schedule", choices=list(SCHEDULES), default=DEFAULTS["schedule"],
+                   help="the learning rate over the run, after --warmup: held at --lr, or "
+                        "decayed towards zero at the last step along half a cosine or a line "
+                        "(default: constant)")
+    m.add_argument("--warmup", type=float, metavar="EPOCHS",
+                   help="ramp the learning rate linearly up to --lr over this many epochs "
+                        "(fractions allowed), as large data-parallel batches often need "
+                        "(default: 0)")
+    m.add_argument("--momentum", type=float, help=f"SGD's momentum, or Adam's beta1 (default: "
+                   f"{DEFAULTS['momentum']})")
+    m.add_argument("--beta2", type=float, help=f"Adam's beta2, the decay of its second moment "
+                   f"(default: {DEFAULTS['beta2']})")
     m.add_argument("--l1", type=float, help="L1 weight penalty (default: 0)")
     m.add_argument("--l2", type=float, help=f"L2 weight penalty (default: {DEFAULTS['l2']})")
     m.add_argument("--sync-every", type=int, default=1, metavar="K",
@@ -748,9 +815,22 @@ def resolve(args, parser):
     cfg = dict(DEFAULTS)
     if args.preset:
         cfg.update(PRESETS[args.preset])
-    for key in ("hidden", "epochs", "batch_size", "lr", "momentum", "l1", "l2"):
+    cfg.update(optimizer=args.optimizer, schedule=args.schedule)
+    if args.optimizer == "adam":
+        cfg["lr"] = ADAM_LR  # a preset's is SGD's
+    elif args.beta2 is not None:
+        parser.error("--beta2 is Adam's; give --optimizer adam with it")
+    for key in ("hidden", "epochs", "batch_size", "lr", "momentum", "l1", "l2", "beta2",
+                "warmup"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
+    if not cfg["lr"] > 0:
+        parser.error(f"--lr must be positive, got {cfg['lr']}")
+    if not 0 <= cfg["momentum"] < 1 or not 0 <= cfg["beta2"] < 1:
+        parser.error(f"--momentum and --beta2 must be in [0, 1), got {cfg['momentum']} and "
+                     f"{cfg['beta2']}")
+    if not 0 <= cfg["warmup"] <= cfg["epochs"]:
+        parser.error(f"--warmup must be 0 to --epochs ({cfg['epochs']}), got {cfg['warmup']}")
     for key in ("epochs", "batch_size", "sync_every"):
         value = cfg[key] if key in cfg else getattr(args, key)
         if value < 1:
@@ -827,8 +907,7 @@ def run(cfg, devices, port=None, quiet=False):
     from .launch import launch
     ds = data.load(cfg["data"])  # fail here, with the file's name, before any worker starts
     try:  # and a model that cannot be loaded or built, naming --model
-        model = models.build(cfg.get("model"), ds.n_in, cfg["hidden"], ds.n_classes,
-                             seed=MODEL_SEED)
+        model = build_model(cfg, ds)
     except models.ModelError as e:
         raise UsageError("--model", str(e)) from None
     if cfg["resume"]:  # a checkpoint of another model: said here, not by every worker
@@ -857,7 +936,9 @@ def run(cfg, devices, port=None, quiet=False):
                   f"{cfg['out']} would continue it)", file=sys.stderr, flush=True)
     where = (f"{len(devices)} CPU workers" if devices[0] is None
              else f"GPUs {devices}")
-    print(f"pympgu: {ds} | {model.describe()} | "
+    schedule = make_schedule(cfg, data.batches_per_epoch(ntrain, cfg["batch_size"], workers)
+                             // workers)
+    print(f"pympgu: {ds} | {model.describe()} | {model.optimizer}, {schedule} | "
           f"{where} | batch {cfg['batch_size']}/worker | sync every {cfg['sync_every']}"
           f"{' overlapped' if cfg['overlap'] else ''}"
           f"{'' if cfg['exchange_dtype'] == 'float32' else ', ' + cfg['exchange_dtype'] + ' wire'} | "

@@ -545,7 +545,7 @@ def average_results(fn, which, group, *args, algo="auto", max_blocks=None):
 
 
 def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), algo="auto",
-                      max_blocks=None, plan=None):
+                      max_blocks=None, plan=None, exact=True):
     """``fn(*args)``, a flat list of arrays, with its results at ``updated`` (a training
     step's new state) computed from the mean over every rank of what their update reads:
     DDP's average of the gradients, inside the step, with no pass over the parameters.
@@ -576,17 +576,21 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
     returns ``average_results(fn, which, group, *args)``: the results at ``which``
     averaged after they are computed. ``plan``, gradient_plan's result for these arguments,
     saves tracing ``fn`` again.
+
+    ``exact=False`` takes any elementwise update, at any size: an update not affine in its
+    gradients (Adam's) then is not the mean of the ranks' updates but the update of their
+    mean gradient, what DDP computes, the same on every rank.
     """
     if hasattr(group, "xla_average_gradients"):  # an Exchanger
         return group.xla_average_gradients(fn, updated, which, *args, shadow=shadow,
-                                           local=local)
+                                           local=local, exact=exact)
     import jax
     from jax import lax
 
     from . import jaxsplit
     flat = list(args)
     if plan is None:
-        plan = gradient_plan(fn, updated, group, flat, local, shadow, algo)
+        plan = gradient_plan(fn, updated, group, flat, local, shadow, algo, exact)
     tail = plan[0]
     if tail is None:
         return average_results(fn, which, group, *flat, algo=algo, max_blocks=max_blocks)
@@ -681,9 +685,10 @@ def _kernel_part(attrs, offsets, crossing, group, algo, max_blocks, split, part)
                 max_blocks=np.int32(blocks))
 
 
-def gradient_plan(fn, updated, group, args, local=(), shadow=None, algo="auto"):
+def gradient_plan(fn, updated, group, args, local=(), shadow=None, algo="auto", exact=True):
     """``(tail, None)`` when ``average_gradients`` takes ``fn``'s gradients on these flat
-    ``args`` (pympgu.jaxsplit.Tail, the update it feeds), else ``(None, why not)``."""
+    ``args`` (pympgu.jaxsplit.Tail, the update it feeds), else ``(None, why not)``;
+    ``exact`` as average_gradients takes it."""
     from . import jaxsplit
     if os.environ.get("PYMPGU_GRADIENTS", "1") == "0":
         return None, "PYMPGU_GRADIENTS=0"
@@ -701,6 +706,10 @@ def gradient_plan(fn, updated, group, args, local=(), shadow=None, algo="auto"):
         return None, "the update reads values other than float32 from before it"
     if tail.reads(local):
         return None, "the update reads a rank's own inputs (local=)"
+    if not exact:
+        # The mean gradient's update differs from the mean of the updates: take it at
+        # every size, so that what a run computes does not depend on its model's size.
+        return tail, None
     bad = tail.nonlinear()
     if bad is not None:
         return None, f"the update is not affine in its gradients ({bad.primitive.name})"

@@ -368,7 +368,7 @@ def xla_rounds(ctx, rounds, method="auto", big=1 << 23, shadow=False):
             "corrected": corrected_path}
 
 
-def gradient_rounds(ctx, rounds, big=1 << 23):
+def gradient_rounds(ctx, rounds, big=1 << 23, squared=False):
     """A training step's update fed the ranks' mean gradient inside XLA
     (Exchanger.xla_average_gradients), checked bit for bit against numpy each round. The
     state is W, b, a big vector, a matrix and their momentum, the same on every rank; each
@@ -377,7 +377,10 @@ def gradient_rounds(ctx, rounds, big=1 << 23):
     product, so that the others cross first and the step is cut (jaxsplit.Split). Where
     the plan does not apply (PYMPGU_GRADIENTS=0, say), the average of the parameters after
     the update is checked instead, each rank keeping its own momentum. Odd rounds average
-    the parameters after no step, through the same group."""
+    the parameters after no step, through the same group. ``squared``: the update reads
+    each gradient squared (exact here), an update not affine in its gradients as Adam's
+    is not, taken with ``exact=False``: the square of the mean gradient, not the mean of
+    the squares."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
     import jax.numpy as jnp
@@ -411,6 +414,8 @@ def gradient_rounds(ctx, rounds, big=1 << 23):
         work = jnp.sum((tiled @ tiled) @ tiled.T)
         xs[2] = xs[2] + np.float32(0) * work  # the big gradient waits for the product
         g = [jnp.sum(x, axis=0) for x in xs[:3]] + [xs[3].T @ xs[4]]
+        if squared:
+            g = [gi * gi for gi in g]
         new_v = [mu * vi - gi for vi, gi in zip(v, g)]
         return [pi + vi for pi, vi in zip(p, new_v)] + new_v + [work]
 
@@ -419,9 +424,11 @@ def gradient_rounds(ctx, rounds, big=1 << 23):
         shadow = ex.xla_shadow(correction=False)
         which, local = list(range(2 * n)), list(range(2 * n, 2 * n + 5))
         structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in start + data(0, 0)]
-        why = xla.gradient_plan(step, which, ex.backend.group, structs, local, shadow)[1]
+        why = xla.gradient_plan(step, which, ex.backend.group, structs, local, shadow,
+                                exact=not squared)[1]
         stepped = jax.jit(lambda flat, shadow: ex.xla_average_gradients(
-            step, which, which[:n], *flat, shadow=shadow, local=local)[:2 * n])
+            step, which, which[:n], *flat, shadow=shadow, local=local,
+            exact=not squared)[:2 * n])
         plain = jax.jit(lambda flat: ex.xla_average([a + np.float32(0) for a in flat[:n]]) +
                         list(flat[n:]))
         xs = [jax.device_put(a, dev) for a in start]
@@ -437,6 +444,8 @@ def gradient_rounds(ctx, rounds, big=1 << 23):
             if why is None:  # every rank's update of the mean gradient
                 sums = [[model_average([g[i].ravel() for g in sums], "float32").reshape(s)
                          for i, s in enumerate(shapes)]] * ctx.nranks
+            if squared:
+                sums = [[gi * gi for gi in g] for g in sums]
             for m, g in zip(models, sums):
                 m[n:] = [mu * v - gi for v, gi in zip(m[n:], g)]
                 m[:n] = [p + v for p, v in zip(m[:n], m[n:])]

@@ -102,9 +102,10 @@ def test_gpu_exchange_inside_xla(nranks, method, shadow, max_ranks, monkeypatch)
     assert all(r["corrected"].endswith("in the update") == in_update for r in results), results
 
 
-@pytest.mark.parametrize("gradients,nranks,max_ranks", [
-    ("1", 2, "2"), ("0", 2, "2"), ("1", 4, "4"), ("1", 4, "2"), ("1", 3, "2"), ("1", 2, "1")])
-def test_gpu_update_of_the_mean_gradient_inside_xla(gradients, nranks, max_ranks,
+@pytest.mark.parametrize("gradients,nranks,max_ranks,squared", [
+    ("1", 2, "2", False), ("0", 2, "2", False), ("1", 4, "4", False), ("1", 4, "2", False),
+    ("1", 3, "2", False), ("1", 2, "1", False), ("1", 2, "2", True), ("1", 3, "2", True)])
+def test_gpu_update_of_the_mean_gradient_inside_xla(gradients, nranks, max_ranks, squared,
                                                     monkeypatch):
     """Exchanger.xla_average_gradients: the step cut in two, its update fed the ranks' mean
     gradient, bit for bit against numpy and the same on every rank; with
@@ -112,12 +113,14 @@ def test_gpu_update_of_the_mean_gradient_inside_xla(gradients, nranks, max_ranks
     PYMPGU_SPLIT_MAX_RANKS ranks the gradients cross into the shadow (on 4 ranks each rank
     pushes to three peers and the update sums four gradients in rank order); above it the
     kernel averages each part ('twoshot' for the first, capped beside the late work, 'push'
-    for the last), on 3 ranks too, and the update reads the means."""
+    for the last), on 3 ranks too, and the update reads the means. ``squared``: an update
+    not affine in its gradients (as Adam's), taken with exact=False: it reads the square
+    of the mean gradient, by either road."""
     needs_xla()
     from runtime_targets import gradient_rounds
     monkeypatch.setenv("PYMPGU_GRADIENTS", gradients)  # the spawned workers read both
     monkeypatch.setenv("PYMPGU_SPLIT_MAX_RANKS", max_ranks)
-    results = launch(gradient_rounds, (7,), gpus=devices(nranks))
+    results = launch(gradient_rounds, (7, 1 << 23, squared), gpus=devices(nranks))
     assert len({r["digest"] for r in results}) == 1
     by_kernel = nranks > int(max_ranks)
     for r in results:
@@ -245,6 +248,26 @@ def test_gpu_training_your_own_model(monkeypatch):
     assert averaged["road"].endswith("PYMPGU_GRADIENTS=0"), averaged
     assert gradients["test_error"] < 0.25, gradients  # chance is 0.9
     assert abs(gradients["test_error"] - averaged["test_error"]) <= 0.01, (averaged, gradients)
+
+
+def test_gpu_training_adam(monkeypatch):
+    """--optimizer adam with a cosine schedule after a warm-up, on 2 GPUs: at --sync-every
+    1 the step takes the gradients' road at any size (the MLP here is far under
+    PYMPGU_SPLIT_MIN_BYTES) and every rank takes Adam's step on the mean gradient, as
+    DDP does; with PYMPGU_GRADIENTS=0 each rank takes its own and the whole state, both
+    moments too, is averaged after it. Both learn, and run() checks that the replicas end
+    identical."""
+    needs_xla()
+    from pympgu import train
+    cfg = dict(train.DEFAULTS, **JAX_TRAINING, hidden=[256, 128], optimizer="adam", lr=0.002,
+               schedule="cosine", warmup=0.25)
+    ddp = train.run(cfg, devices(2))[-1]
+    monkeypatch.setenv("PYMPGU_GRADIENTS", "0")  # the spawned workers read it
+    averaged = train.run(cfg, devices(2))[-1]
+    assert ddp["road"] == "the update of the mean gradients", ddp
+    assert averaged["road"].endswith("PYMPGU_GRADIENTS=0"), averaged
+    assert ddp["test_error"] < 0.2 and averaged["test_error"] < 0.2, (ddp, averaged)
+    assert abs(ddp["test_error"] - averaged["test_error"]) <= 0.03, (ddp, averaged)
 
 
 @pytest.mark.parametrize("max_ranks", ["4", "2"])

@@ -218,7 +218,7 @@ def test_tail_in_parts_and_the_gradients_plan():
         "    outs[which[0]] = w @ np.eye(w.shape[1], dtype=np.float32)\n"
         "    return outs\n"
         "assert 'not computed by an elementwise update' in plan(product)[1], plan(product)\n"
-        "mine = [k for k, c in st.shared if c is m.velocities[-1].container]\n"
+        "mine = [k for k, c in st.shared if c is m.slots[-1].container]\n"
         "assert 'own inputs' in plan(local=st.explicit + mine)[1]  # as if a rank's own\n"
         "four = SimpleNamespace(shadow_offset=4096, nranks=4, rank=0)\n"
         "assert xla.gradients_by_copies(group, object(), 'auto')  # into the shadow\n"
@@ -233,3 +233,45 @@ def test_tail_in_parts_and_the_gradients_plan():
         "print('parts', split.early, split.late)\n"
     )
     run_jax_on_cpu(code, "parts")
+
+
+def test_adams_update_takes_the_gradients_road_only_as_ddp():
+    """Adam's update squares its gradients: gradient_plan refuses it where the road must
+    give the replicas' average (exact), and takes it at any size with exact=False, where
+    the update reads the mean gradient as DDP's does. What crosses is one gradient per
+    parameter; the learning rate is an input the update reads, the same on every rank,
+    and the cut program computes what the program computes, bit for bit."""
+    pytest.importorskip("jax")
+    code = PRELUDE + (
+        "from types import SimpleNamespace; from pympgu import xla\n"
+        "m = models.MLP(ds.n_in, [32, 16], ds.n_classes)\n"
+        "m.set_optimizer('adam')\n"
+        "f = m.compile(ds, 64, 100, 1e-3, 0.9, 1e-5, 1e-4, 'JAX')[0]\n"
+        "st = JaxStep(f, m.state)\n"
+        "args = st.arguments(np.arange(64, dtype=np.int32))\n"
+        "fg = f.maker.fgraph\n"
+        "pos = {id(i.variable): k for k, i in enumerate(f.maker.inputs)}\n"
+        "out_of = {i: o for o, i in fg.update_mapping.items()}\n"
+        "which = [out_of[pos[id(s)]] for s in m.state]\n"
+        "compute = lambda *a: list(f.vm.jit_fn(*a))\n"
+        "group = SimpleNamespace(shadow_offset=4096, nranks=2, rank=0)\n"
+        "def plan(exact):\n"
+        "    return xla.gradient_plan(compute, which, group, args, st.explicit, object(),\n"
+        "                             exact=exact)\n"
+        "assert 'not affine in its gradients' in plan(True)[1], plan(True)\n"
+        "tail, why = plan(False)  # under PYMPGU_SPLIT_MIN_BYTES too\n"
+        "assert why is None and xla.SPLIT_MIN_BYTES > 0, why\n"
+        "assert len(tail.crossing) == len(m.params), tail.crossing\n"
+        "assert sorted(v.aval.size for v in tail.crossing) == sorted(\n"
+        "    p.get_value().size for p in m.params)\n"
+        "assert tail.nonlinear() is not None and sorted(tail.made()) == sorted(which)\n"
+        "lr = [k for k, c in st.shared if c is m.lr.container]\n"
+        "assert len(lr) == 1 and tail.reads(lr) and not tail.reads(st.explicit)\n"
+        "def run(*a):\n"
+        "    outs, _ = tail.run(list(a), lambda crossing: (crossing, None))\n"
+        "    return outs\n"
+        "for a, b in zip(jax.jit(run)(*args), compute(*args)):\n"
+        "    assert np.array_equal(np.asarray(a), np.asarray(b))\n"
+        "print('adam', len(tail.crossing))\n"
+    )
+    run_jax_on_cpu(code, "adam")

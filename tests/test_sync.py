@@ -40,11 +40,12 @@ class FakeRep:
     _adopt = Replica._adopt
     _start = Replica._start
 
-    def __init__(self, *values, params=None):
+    def __init__(self, *values, params=None, affine=True):
         self.np, self.jax, self.snapshot = np, None, None
         self.ctx = SimpleNamespace(is_cpu=True)
         self.state = [np.array([v], np.float32) for v in values]
-        self.model = SimpleNamespace(state=self.state, params=self.state[:params])
+        self.model = SimpleNamespace(state=self.state, params=self.state[:params],
+                                     affine_update=affine)
         self.calls = []
 
     def values(self):
@@ -172,8 +173,9 @@ def test_single_worker_never_exchanges():
     (4, True, "1", ["step"] * 3 + ["state overlapped", "step", "state"]),
     (4, True, "0", ["step"] * 3 + ["momentum overlapped", "params overlapped", "state"]),
 ])
+@pytest.mark.parametrize("affine", [True, False])
 def test_fused_steps_average_parameters_alone_only_when_exact(every, overlap, whole, expected,
-                                                             monkeypatch):
+                                                             affine, monkeypatch):
     monkeypatch.setenv("PYMPGU_OVERLAP_WHOLE", whole)
     class Rep(FakeRep):
         def step(self, idx, ex=None, part="state", overlap=False, gradients=False):
@@ -185,8 +187,12 @@ def test_fused_steps_average_parameters_alone_only_when_exact(every, overlap, wh
         def xla_unavailable(self):
             return None
 
-    rep = Rep(0.0, 0.0, params=1)
+    rep = Rep(0.0, 0.0, params=1, affine=affine)
     rep.jax = object()  # a JAX worker
+    if not affine:
+        # Adam's moments are never left to each rank: every exchange that would have sent
+        # the parameters alone sends the whole state (the road of the mean gradients stays).
+        expected = [c.replace("params", "state") if every == 1 else c for c in expected]
     sync = Sync(rep, Ex(lambda a: a), every, overlap=overlap)
     assert sync.fused
     for i in range(6):

@@ -63,7 +63,55 @@ def test_a_checkpoint_of_another_shape_is_refused_before_any_worker_starts(tmp_p
                   [None, None], quiet=True)
     assert info.value.flag == "--resume"
     assert ("cannot resume from it: 'W0' is (784, 16), this model's is (784, 32) (it holds "
-            "MLP 784-16-10; this run builds MLP 784-32-10)") in str(info.value), info.value
+            "MLP 784-16-10, trained by sgd; this run builds MLP 784-32-10, trained by sgd)"
+            ) in str(info.value), info.value
+    # SGD's momentum is not Adam's state.
+    with pytest.raises(train.UsageError) as info:
+        train.run(config(epochs=2, hidden=[16], optimizer="adam",
+                         resume=os.path.join(out, train.CHECKPOINT)), [None, None], quiet=True)
+    assert ("cannot resume from it: it has no 'm_W0' (it holds MLP 784-16-10, trained by sgd; "
+            "this run builds MLP 784-16-10, trained by adam)") in str(info.value), info.value
+
+
+def test_learning_rate_schedules():
+    from pympgu.models import MLP
+    from pympgu.schedule import Schedule
+    cos = Schedule(0.1, 100, "cosine", warmup=10)
+    assert [cos(t) for t in (0, 1, 9, 10)] == pytest.approx([0.01, 0.02, 0.1, 0.1])
+    assert cos(55) == pytest.approx(0.05) and 0 < cos(99) < 1e-4  # half-way; never zero
+    line = Schedule(0.1, 100, "linear")
+    assert [line(t) for t in (0, 50, 99)] == pytest.approx([0.1, 0.05, 0.001])
+    assert {Schedule(0.1, 100, warmup=2)(t) for t in range(2, 100)} == {0.1}
+    assert Schedule(0.1, 10, warmup=20)(9) == pytest.approx(0.05)  # to be resumed for more
+    assert str(cos) == "lr 0.1 cosine, 10 warm-up steps"
+    for bad in [dict(kind="step"), dict(lr=0), dict(total=0), dict(warmup=-1)]:
+        with pytest.raises(ValueError):
+            Schedule(**dict(dict(lr=0.1, total=10), **bad))
+    # Adam's bias correction, folded into the rate: sqrt(1 - beta2^t) / (1 - beta1^t).
+    m = MLP(8, [4], 2)
+    m.set_optimizer("adam", beta2=0.999)
+    m.beta1 = 0.9  # what compile sets from its momentum
+    assert m.step_size(1.0, 1) == pytest.approx(0.001 ** 0.5 / 0.1)
+    assert m.step_size(1.0, 10 ** 5) == pytest.approx(1.0)
+    assert MLP(8, [4], 2).step_size(0.5, 1) == 0.5  # SGD's is the rate itself
+
+
+def test_adam_resumed_goes_on_with_its_schedule_and_bias_correction(tmp_path):
+    """Adam, warmed up over one and a half epochs on 2 CPU workers: stopped after the first
+    epoch and resumed, it goes on from the run's step (its warm-up and its bias correction)
+    to the same numbers as a run that never stopped, and learns."""
+    opts = dict(optimizer="adam", lr=0.003, warmup=1.5, hidden=[32])
+    whole = train.run(config(epochs=2, **opts), [None, None], quiet=True)
+    out = str(tmp_path / "run")
+    train.run(config(epochs=1, out=out, **opts), [None, None], quiet=True)
+    resumed = train.run(config(epochs=2, resume=os.path.join(out, train.CHECKPOINT), **opts),
+                        [None, None], quiet=True)
+    keys = ("loss", "valid_error", "test_error", "lr")
+    assert [[h[k] for k in keys] for h in resumed] == [[h[k] for k in keys] for h in whole]
+    assert whole[0]["lr"] < 0.003 and whole[1]["lr"] == 0.003, whole  # ramped, then held
+    assert whole[-1]["test_error"] < 0.2, whole  # chance is 0.9
+    with np.load(os.path.join(out, train.CHECKPOINT)) as f:
+        assert str(f["__optimizer__"]) == "adam" and {"m_W0", "s_b1"} <= set(f.files)
 
 
 def test_cpu_runs_are_reproducible():
@@ -121,7 +169,8 @@ def run_jax_on_cpu(code, says):
     assert says in r.stdout
 
 
-def test_jax_graph_agrees_with_c_backend_on_one_step():
+@pytest.mark.parametrize("optimizer,lr", [("sgd", 0.1), ("adam", 0.003)])
+def test_jax_graph_agrees_with_c_backend_on_one_step(optimizer, lr):
     pytest.importorskip("jax")
     code = (
         "import os; os.environ['JAX_PLATFORMS']='cpu';"
@@ -129,7 +178,8 @@ def test_jax_graph_agrees_with_c_backend_on_one_step():
         "ds = data.load(); idx = np.arange(64, dtype=np.int32); out = {}\n"
         "for mode in ('FAST_RUN', 'JAX'):\n"
         "    m = models.MLP(ds.n_in, [32, 16], 10)\n"
-        "    tr, ev = m.compile(ds, 64, 100, 0.1, 0.9, 1e-5, 1e-4, mode)\n"
+        f"    m.set_optimizer({optimizer!r})\n"
+        f"    tr, ev = m.compile(ds, 64, 100, {lr}, 0.9, 1e-5, 1e-4, mode)\n"
         "    c = [float(tr(idx)) for _ in range(3)]\n"
         "    out[mode] = (c, [np.asarray(p.get_value()) for p in m.state],"
         "                 models.error_rates(ev, 1000, 1000, 100))\n"
@@ -291,12 +341,28 @@ def test_seed_pickle_format(tmp_path):
     (["--cpu", "2", "--data-dir", "/nonexistent/x"], "--data-dir /nonexistent/x"),
     (["--cpu", "2", "--resume", "/nonexistent"], "--resume /nonexistent"),
     (["--cpu", "2", "--exchange-blocks", "0"], "--exchange-blocks must be 1 to 512"),
+    (["--cpu", "2", "--beta2", "0.99"], "--beta2 is Adam's; give --optimizer adam"),
+    (["--cpu", "2", "--optimizer", "adam", "--beta2", "1"], "must be in [0, 1)"),
+    (["--cpu", "2", "--lr", "0"], "--lr must be positive"),
+    (["--cpu", "2", "--epochs", "2", "--warmup", "3"], "--warmup must be 0 to --epochs (2)"),
+    (["--cpu", "2", "--schedule", "step"], "invalid choice: 'step'"),
 ])
 def test_cli_rejects_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
         train.main(argv)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_cli_gives_adam_its_own_learning_rate():
+    """Adam's default rate is 1e-3, SGD's 0.05 (a preset's is SGD's too); --lr overrides
+    either, and the run's first line names the optimizer and the schedule."""
+    parser = train.build_parser()
+    for argv, lr in [([], 0.05), (["--optimizer", "adam"], 1e-3),
+                     (["--optimizer", "adam", "--preset", "dual_mlp"], 1e-3),
+                     (["--optimizer", "adam", "--lr", "0.01"], 0.01)]:
+        cfg, _, _ = train.resolve(parser.parse_args(["--cpu", "2", *argv]), parser)
+        assert cfg["lr"] == lr, (argv, cfg)
 
 
 def test_cli_refuses_a_batch_the_dataset_cannot_fill(capsys):
@@ -384,7 +450,8 @@ def test_help_explains_every_flag():
     assert r.returncode == 0
     for flag in ("--gpus", "--cpu", "--sync-every", "--preset", "--out", "--resume",
                  "--data-dir", "--hidden", "--method", "--overlap", "--exchange-dtype",
-                 "--exchange-blocks", "--model"):
+                 "--exchange-blocks", "--model", "--optimizer", "--schedule", "--warmup",
+                 "--beta2"):
         assert flag in r.stdout
 
 
@@ -540,8 +607,8 @@ def test_your_own_model_trains_as_the_mlp_does(tmp_path, capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert (f"--resume {os.path.join(mlp, train.CHECKPOINT)}: cannot resume from it: it has "
-            "no 'W_in' (it holds MLP 784-16-10; this run builds ResidualMLP (55,050 "
-            "parameters))") in err, err
+            "no 'W_in' (it holds MLP 784-16-10, trained by sgd; this run builds ResidualMLP "
+            "(55,050 parameters), trained by sgd)") in err, err
 
 
 BAD_MODELS = '''
@@ -656,17 +723,27 @@ def test_model_parameters_are_checked():
     m.parameter(np.ones((2, 3), np.float64), "W")
     assert m.params[0].get_value().dtype == np.float32 and m.weights == m.params
     m.parameter(np.zeros(3), "b", penalized=False)
-    assert [s.name for s in m.state] == ["W", "b", "v_W", "v_b"] and len(m.weights) == 1
+    # Names that an optimizer's state takes, either way round, are refused at once.
     for value, name, message in [(np.zeros(2), "W", "taken"), (np.zeros(2), "v_W", "taken"),
-                                 (np.zeros(2), "W_", None),
+                                 (np.zeros(2), "s_b", "taken"), (np.zeros(2), "W_", None),
+                                 (np.zeros(2), "m", None), (np.zeros(2), "q_", None),
+                                 (np.zeros(2), "s_q_", "taken"),
                                  (np.zeros(2), "__epoch__", "reserved"),
                                  (np.zeros(2, np.int32), "i", "give a float array"),
-                                 (np.float32(1), "s", "at least one dimension")]:
+                                 (np.float32(1), "x", "at least one dimension")]:
         if message is None:
             m.parameter(value, name)
         else:
             with pytest.raises(ValueError, match=message):
                 m.parameter(value, name)
+    m.set_optimizer("adam")
+    assert [s.name for s in m.state] == ["W", "b", "W_", "m", "q_", "m_W", "m_b", "m_W_", "m_m",
+                                         "m_q_", "s_W", "s_b", "s_W_", "s_m", "s_q_"]
+    assert len(m.weights) == 4 and not m.affine_update
+    with pytest.raises(TypeError, match="before the model's state is used"):
+        m.parameter(np.zeros(2), "late")
+    with pytest.raises(TypeError, match="call it first"):
+        m.set_optimizer("sgd")
     with pytest.raises(NotImplementedError, match="must define logits"):
         m.logits(None)
     # The MLP's state, names and order are what its checkpoints hold.
