@@ -60,6 +60,9 @@ import time
 import traceback
 
 from .exchange import ITEMSIZE, METHODS
+from .models import OPTIMIZERS
+from .schedule import SCHEDULES
+from .train import ADAM_LR
 
 MODELS = {
     "seed": dict(hidden=[500], lr=0.13, momentum=0.0, batch_size=5000, l1=0.0, l2=1e-4),
@@ -109,6 +112,7 @@ def pympgu_worker(ctx, cfg, steps, warmup, plain_jax):
     import numpy as np
 
     from .clocks import Clocks
+    from .schedule import Schedule
     from .train import Replica, Sync, _setup_backend, make_exchanger
     _setup_backend(ctx, "jax")
     rep = Replica(ctx, cfg)
@@ -119,12 +123,16 @@ def pympgu_worker(ctx, cfg, steps, warmup, plain_jax):
         batches = rep.device_batches([rng.integers(0, ntrain, cfg["batch_size"]).astype(np.int32)
                                       for _ in range(warmup + steps)])
         sync = Sync(rep, ex, cfg["sync_every"], cfg["overlap"], cfg.get("xla_exchange", True))
+        # The rate set before every step as the training loop sets it: nothing for a
+        # constant one and SGD, a scalar put on the device where it changes.
+        schedule = Schedule(cfg["lr"], warmup + steps, cfg.get("schedule", "constant"))
         if cfg.get("xla_exchange", True) and ex is not None and not ctx.is_cpu and not sync.fused \
                 and cfg["method"] != "copy":
             # A variant meant to run inside XLA (VARIANTS: float32) that cannot: say so,
             # rather than time the Python-queued exchange under its name.
             raise RuntimeError(f"the exchange cannot run inside XLA: {ex.xla_unavailable()}")
         for i, idx in enumerate(batches[:warmup]):
+            rep.apply_rate(schedule, i)
             sync.step(idx, i, last=i == warmup - 1)
         sync.drain()
         rep.wait()
@@ -135,6 +143,7 @@ def pympgu_worker(ctx, cfg, steps, warmup, plain_jax):
             t0 = time.perf_counter()
             for i, idx in enumerate(batches[warmup:]):
                 t1 = time.perf_counter()
+                rep.apply_rate(schedule, warmup + i)
                 sync.step(idx, i, last=i == steps - 1)
                 loop_s += time.perf_counter() - t1
             sync.drain()
@@ -239,16 +248,18 @@ def _time_rounds(calls, batches, rounds=5):
 
 
 def _plain_jax_step(rep, cfg):
-    """The same step written directly in JAX (grad of the same loss, one jitted function),
-    as ``(call, wait)`` for _time_rounds."""
+    """The same step written directly in JAX (grad of the same loss, one jitted function,
+    the same optimizer at a fixed rate), as ``(call, wait)`` for _time_rounds."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     model = rep.model
     params = [jnp.asarray(np.asarray(p.get_value())) for p in model.params]
-    vel = [jnp.zeros_like(p) for p in params]
+    adam = model.optimizer == "adam"
+    vel = [jnp.zeros_like(p) for p in params * (2 if adam else 1)]  # donated: distinct
     x_all, y_all = (jnp.asarray(np.asarray(v.get_value())) for v in model.data_vars[:2])
     lr, mu, l2 = (np.float32(cfg[k]) for k in ("lr", "momentum", "l2"))
+    b2, eps, k = np.float32(model.beta2), np.float32(model.eps), len(params)
 
     def loss(params, x, y):
         h = x
@@ -263,6 +274,11 @@ def _plain_jax_step(rep, cfg):
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params, vel, x_all, y_all, idx):
         cost, g = jax.value_and_grad(loss)(params, x_all[idx], y_all[idx])
+        if adam:
+            m = [mu * mi + (1 - mu) * gi for mi, gi in zip(vel[:k], g)]
+            v = [b2 * si + (1 - b2) * gi * gi for si, gi in zip(vel[k:], g)]
+            return ([p - lr * mi / (jnp.sqrt(vi) + eps) for p, mi, vi in zip(params, m, v)],
+                    m + v, cost)
         vel = [mu * v - lr * gi for v, gi in zip(vel, g)]
         return [p + v for p, v in zip(params, vel)], vel, cost
 
@@ -307,10 +323,16 @@ def ddp_rank(rank, world, devices, cfg, n_in, n_out, steps, warmup, init_file, g
             ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device])
             weights = [m.weight for m in model if isinstance(m, torch.nn.Linear)]
             biases = [m.bias for m in model if isinstance(m, torch.nn.Linear)]
-            # pympgu's cost has l2 * sum(W^2), whose gradient is 2 * l2 * W: weight decay 2 * l2.
-            opt = torch.optim.SGD([{"params": weights, "weight_decay": 2 * cfg["l2"]},
-                                   {"params": biases, "weight_decay": 0.0}],
-                                  lr=cfg["lr"], momentum=cfg["momentum"])
+            # pympgu's cost has l2 * sum(W^2), whose gradient is 2 * l2 * W: weight decay 2 * l2
+            # (Adam's, too, is added to the gradient).
+            groups = [{"params": weights, "weight_decay": 2 * cfg["l2"]},
+                      {"params": biases, "weight_decay": 0.0}]
+            if cfg.get("optimizer", "sgd") == "adam":
+                # Its step count on the GPU (capturable) where the step is a graph replayed.
+                opt = torch.optim.Adam(groups, lr=cfg["lr"], eps=1e-8, capturable=graph,
+                                       betas=(cfg["momentum"], cfg.get("beta2", 0.999)))
+            else:
+                opt = torch.optim.SGD(groups, lr=cfg["lr"], momentum=cfg["momentum"])
             # The default generator: a captured graph draws new indices at each replay.
             torch.cuda.manual_seed(rank)
             ntrain = 8000
@@ -499,13 +521,14 @@ def run_pympgu(devices, cfg, steps, warmup, plain_jax=False):
 
 def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print,
             exchange_blocks=None, method="auto", repeats=1, settings=({},), ranks=None,
-            hidden=None):
+            hidden=None, optimizer="sgd", schedule="constant"):
     """Every row of the benchmark, as a list of dicts; ``ddp``: the DDP_SYSTEMS to run;
     ``settings``: the environments (env_settings) each multi-GPU pympgu row runs under, one
     row each, its variant named with the setting and its ``env`` the setting; ``ranks``:
     the numbers of ranks of the multi-GPU rows, each on the first that many of ``gpus``
     (default: all of them); ``models``: names in MODELS, or models of one's own
-    (model_config), built with ``hidden``.
+    (model_config), built with ``hidden``; ``optimizer`` trains every row (Adam at
+    pympgu.train's ADAM_LR), and ``schedule`` sets pympgu's rate before every step.
 
     With ``repeats`` > 1 every run is made that many times, in rounds (each round runs
     every row once, so that a drift of the machine between process starts touches every
@@ -524,7 +547,10 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
     for name in models:
         base = dict(model_config(name, hidden), data=data, backend="jax", method=method,
                     seed=0, epochs=1, resume=None, out=None, sync_every=1, overlap=False,
-                    exchange_dtype="float32", exchange_blocks=exchange_blocks)
+                    exchange_dtype="float32", exchange_blocks=exchange_blocks,
+                    optimizer=optimizer, schedule=schedule)
+        if optimizer == "adam":
+            base["lr"] = ADAM_LR
         # A model of one's own has no plain JAX form and no PyTorch twin (DDP).
         runs = [("pympgu", gpus[:1], "-", base, "model" not in base, {})]
         if multi and gpus[0] is not None:  # each other GPU alone
@@ -575,6 +601,7 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
             median = sorted(kept, key=lambda r: r["ms_per_step"])[(len(kept) - 1) // 2]
             row = dict(kept[0], **median, model=model_label(name), system=system,
                        gpus=list(devs), variant=variant, batch=cfg["batch_size"],
+                       optimizer=optimizer, schedule=schedule if system == "pympgu" else None,
                        runs_ms=[r and r["ms_per_step"] for r in results],
                        runs_samples=[r and r["samples_per_s"] for r in results])
             if env:
@@ -735,6 +762,14 @@ def main(argv=None):
                              "the training loop's)")
     parser.add_argument("--method", choices=METHODS, default="auto",
                         help="as pympgu.train's flag: the GPU averaging algorithm (default: auto)")
+    parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="sgd",
+                        help="train every row with this optimizer, as pympgu.train's flag; "
+                             f"DDP's twin is torch.optim's (default: sgd; adam at lr {ADAM_LR})")
+    parser.add_argument("--schedule", choices=list(SCHEDULES), default="constant",
+                        help="set pympgu's learning rate before every step along this "
+                             "schedule, as the training loop does, to time what a changing "
+                             "rate costs; pympgu's rows alone, so it needs --no-ddp "
+                             "(default: constant)")
     parser.add_argument("--no-ddp", action="store_true", help="skip PyTorch DDP")
     parser.add_argument("--no-ddp-graph", action="store_true",
                         help="skip DDP with each step captured in a CUDA graph (a rank that "
@@ -756,6 +791,8 @@ def main(argv=None):
     except ValueError as e:
         parser.error(f"--env: {e}")
     from . import cuda
+    if args.schedule != "constant" and not args.no_ddp and args.cpu is None:
+        parser.error("--schedule times pympgu's rows alone: add --no-ddp")
     if args.steps < 1 or args.warmup < 1 or args.repeats < 1:
         parser.error("--steps, --warmup and --repeats must be at least 1")
     if args.cpu is not None:
@@ -793,8 +830,9 @@ def main(argv=None):
             print("pympgu.bench train: torch is not importable; no DDP rows", file=sys.stderr)
             use_ddp = False
     print(f"pympgu.bench train: {len(gpus)} ranks on {gpus} ({names}); {args.steps} steps after "
-          f"{args.warmup} warm-up" + (f", {args.repeats} runs of each row" if args.repeats > 1
-                                      else ""), flush=True)
+          f"{args.warmup} warm-up; {args.optimizer}" +
+          ("" if args.schedule == "constant" else f", {args.schedule} schedule") +
+          (f"; {args.repeats} runs of each row" if args.repeats > 1 else ""), flush=True)
     if len(gpus) == 1:
         print("  one GPU: only the 1-GPU rows (give two or more GPUs for scaling)", flush=True)
     ddp = (("DDP",) if args.no_ddp_graph else ("DDP", "DDP-graph")) if use_ddp else ()
@@ -804,7 +842,8 @@ def main(argv=None):
         rows = measure(gpus, models, args.variants, args.steps, args.warmup,
                        args.data_dir, ddp, exchange_blocks=args.exchange_blocks,
                        method=args.method, repeats=args.repeats, settings=settings,
-                       ranks=args.ranks, hidden=args.hidden)
+                       ranks=args.ranks, hidden=args.hidden, optimizer=args.optimizer,
+                       schedule=args.schedule)
     except DataError as e:
         parser.error(f"--data-dir: {e}")
     except ModelError as e:

@@ -137,6 +137,14 @@ class Replica:
             _assign(self.model.lr, self.np.asarray(value) if self.jax is None
                     else self.jax.device_put(value))
 
+    def apply_rate(self, schedule, t):
+        """Set the learning rate of the run's step ``t`` (from 0): ``schedule``'s, with the
+        optimizer's own factor (Adam's bias correction, Model.step_size); returns the
+        schedule's."""
+        rate = schedule(t)
+        self.set_lr(self.model.step_size(rate, t + 1))
+        return rate
+
     def _check_device(self, array):
         """Fail if JAX put the model on another GPU than this rank's.
 
@@ -602,9 +610,8 @@ def worker(ctx, cfg):
             t_epoch = time.perf_counter()
             for step, idx in enumerate(rep.device_batches(batches)):
                 last = step == len(batches) - 1
-                t = epoch * per_epoch + step  # the run's step: a resumed run goes on
-                rate = schedule(t)
-                rep.set_lr(rep.model.step_size(rate, t + 1))
+                # The run's step, from which a resumed run goes on.
+                rate = rep.apply_rate(schedule, epoch * per_epoch + step)
                 costs.append(sync.step(idx, step, last))
                 if ctx.rank == 0 and (step % report_every == 0 or last):
                     ctx.metric(kind="progress", epoch=epoch + 1, step=step + 1, steps=len(batches))

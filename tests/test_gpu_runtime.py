@@ -266,7 +266,7 @@ def test_gpu_training_adam(monkeypatch):
     averaged = train.run(cfg, devices(2))[-1]
     assert ddp["road"] == "the update of the mean gradients", ddp
     assert averaged["road"].endswith("PYMPGU_GRADIENTS=0"), averaged
-    assert ddp["test_error"] < 0.2 and averaged["test_error"] < 0.2, (ddp, averaged)
+    assert ddp["test_error"] < 0.25 and averaged["test_error"] < 0.25, (ddp, averaged)
     assert abs(ddp["test_error"] - averaged["test_error"]) <= 0.03, (ddp, averaged)
 
 
