@@ -31,6 +31,8 @@ DEFAULTS = dict(hidden=[500], lr=0.05, momentum=0.9, batch_size=128, l1=0.0, l2=
                 optimizer="sgd", beta2=0.999, schedule="constant", warmup=0.0)
 # Adam's learning rate when --lr is not given: SGD's would be far too large for it.
 ADAM_LR = 1e-3
+# How many steps' learning rates Replica.apply_rate puts on the device at once.
+RATES_AHEAD = 256
 # What every rank builds its model with (pympgu.models.Model): replicas start identical.
 MODEL_SEED = 1234
 CHECKPOINT = "checkpoint.npz"
@@ -107,7 +109,8 @@ class Replica:
         self.train_fn, self.eval_fn = self.model.compile(
             ds, cfg["batch_size"], self.eval_batch, cfg["lr"], cfg["momentum"], cfg["l1"],
             cfg["l2"], mode)
-        self.lr = self.np.float32(cfg["lr"])  # what model.lr holds (set_lr)
+        self.lr = self.np.float32(cfg["lr"])  # what model.lr holds (apply_rate)
+        self._rates = {}  # step: (schedule, rate, the rate on the device)
         self.jax = None
         self._jit_cache = {}
         self._steps = {}
@@ -127,23 +130,24 @@ class Replica:
             if ctx.device is not None:
                 self._check_device(self.model.state[0].get_value(borrow=True))
 
-    def set_lr(self, value):
-        """Make ``value`` the learning rate of the steps that follow. On a GPU only a new
-        value costs anything (one scalar put on the device), so a constant rate costs
-        nothing a step."""
-        value = self.np.float32(value)
-        if value != self.lr:  # the host's copy: reading the device's would wait for it
-            self.lr = value
-            _assign(self.model.lr, self.np.asarray(value) if self.jax is None
-                    else self.jax.device_put(value))
-
     def apply_rate(self, schedule, t):
         """Set the learning rate of the run's step ``t`` (from 0): ``schedule``'s, with the
         optimizer's own factor (Adam's bias correction, Model.step_size); returns the
-        schedule's."""
-        rate = schedule(t)
-        self.set_lr(self.model.step_size(rate, t + 1))
-        return rate
+        schedule's. Only a new value costs anything, so a constant rate costs nothing."""
+        if self._rates.get(t, (None,))[0] is not schedule:
+            # The next RATES_AHEAD steps' rates in one transfer: one scalar put on the device
+            # before each step made the wide MLP's step 0.005 ms slower on an H200 (0.583 ms
+            # against 0.578; docs/BENCHMARKS.md, session 29).
+            steps = range(t, t + RATES_AHEAD)
+            values = [self.np.float32(self.model.step_size(schedule(u), u + 1)) for u in steps]
+            put = (values if self.jax is None
+                   else self.jax.device_put([self.np.asarray(v) for v in values]))
+            self._rates = {u: (schedule, v, d) for u, v, d in zip(steps, values, put)}
+        _, value, put = self._rates[t]
+        if value != self.lr:  # the host's copy: reading the device's would wait for it
+            self.lr = value
+            _assign(self.model.lr, self.np.asarray(put) if self.jax is None else put)
+        return schedule(t)
 
     def _check_device(self, array):
         """Fail if JAX put the model on another GPU than this rank's.
