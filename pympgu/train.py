@@ -6,9 +6,9 @@
     python -m pympgu.train --model examples/residual_mlp.py:ResidualMLP   # your own model
 
 Each worker trains a replica on its own minibatches (disjoint shards of every epoch); every
---sync-every steps the replicas' parameters and momentum are averaged GPU to GPU by
-pympgu's fused kernel (CPU workers: through shared memory). Without --data-dir the MNIST
-test set shipped with pympgu is used, so it runs offline.
+--sync-every steps the replicas' parameters and momentum (or Adam's moments) are averaged
+GPU to GPU by pympgu's fused kernel (CPU workers: through shared memory). Without
+--data-dir the MNIST test set shipped with pympgu is used, so it runs offline.
 """
 import argparse
 import hashlib
