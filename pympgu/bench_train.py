@@ -123,8 +123,7 @@ def pympgu_worker(ctx, cfg, steps, warmup, plain_jax):
         batches = rep.device_batches([rng.integers(0, ntrain, cfg["batch_size"]).astype(np.int32)
                                       for _ in range(warmup + steps)])
         sync = Sync(rep, ex, cfg["sync_every"], cfg["overlap"], cfg.get("xla_exchange", True))
-        # The rate set before every step as the training loop sets it: nothing for a
-        # constant one and SGD, a scalar put on the device where it changes.
+        # The rate set before every step as the training loop sets it (Replica.apply_rate).
         schedule = Schedule(cfg["lr"], warmup + steps, cfg.get("schedule", "constant"))
         if cfg.get("xla_exchange", True) and ex is not None and not ctx.is_cpu and not sync.fused \
                 and cfg["method"] != "copy":

@@ -124,7 +124,8 @@ class Model:
         """The learning rate that step ``t`` (counted from 1) applies for a base ``lr``:
         ``lr`` itself for SGD; for Adam, with both moments' bias correction folded in,
         ``lr * sqrt(1 - beta2**t) / (1 - beta1**t)`` (Kingma and Ba's Algorithm 1 in its
-        efficient form: ``eps`` is added to the uncorrected square root)."""
+        efficient form: ``eps`` is added to the uncorrected square root). Adam's beta1 is
+        compile's ``momentum``: call it after compile."""
         if self.optimizer == "sgd":
             return lr
         return lr * math.sqrt(1.0 - self.beta2 ** t) / (1.0 - self.beta1 ** t)

@@ -140,7 +140,7 @@ class Replica:
             # against 0.578; docs/BENCHMARKS.md, session 29).
             steps = range(t, t + RATES_AHEAD)
             values = [self.np.float32(self.model.step_size(schedule(u), u + 1)) for u in steps]
-            put = (values if self.jax is None
+            put = (values if self.jax is None or all(v == self.lr for v in values)
                    else self.jax.device_put([self.np.asarray(v) for v in values]))
             self._rates = {u: (schedule, v, d) for u, v, d in zip(steps, values, put)}
         _, value, put = self._rates[t]
