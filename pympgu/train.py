@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import sys
 import time
 
@@ -36,6 +37,7 @@ RATES_AHEAD = 256
 # What every rank builds its model with (pympgu.models.Model): replicas start identical.
 MODEL_SEED = 1234
 CHECKPOINT = "checkpoint.npz"
+BEST = "best.npz"  # the checkpoint of the epoch of least validation error
 
 
 # ---------------------------------------------------------------- the worker
@@ -638,7 +640,13 @@ def worker(ctx, cfg):
                 history.append(record)
                 ctx.metric(kind="epoch", **record)
                 if cfg["out"]:
-                    rep.save(os.path.join(cfg["out"], CHECKPOINT), epoch + 1, history)
+                    path = os.path.join(cfg["out"], CHECKPOINT)
+                    rep.save(path, epoch + 1, history)
+                    if all(record["valid_error"] < h["valid_error"] for h in history[:-1]):
+                        # The best epoch so far by validation error, kept beside the last:
+                        # a copy of the file just written, replaced atomically too.
+                        shutil.copyfile(path, path + ".best.tmp")
+                        os.replace(path + ".best.tmp", os.path.join(cfg["out"], BEST))
         # Replicas must end identical: a digest per rank lets the launcher's caller check.
         digest = rep.digest()
     finally:
@@ -653,7 +661,7 @@ def worker(ctx, cfg):
 class Reporter:
     """Prints the progress bar and one line per epoch; appends metrics.jsonl."""
 
-    def __init__(self, out, epochs, stream=sys.stderr, quiet=False, resume=False):
+    def __init__(self, out, epochs, stream=sys.stderr, quiet=False, resume=False, rates=False):
         # A resumed run adds its epochs to the log; a fresh one starts it over, at its first
         # epoch, when its worker replaces the checkpoint too: until then the directory
         # still holds the earlier run whole.
@@ -663,6 +671,7 @@ class Reporter:
         self.epochs, self.stream, self.quiet = epochs, stream, quiet
         self.tty = stream.isatty()
         self.road = None  # the exchange's road last printed
+        self.rates = rates  # the learning rate changes: print each epoch's last
 
     def __call__(self, rank, data):
         kind = data.pop("kind", None)
@@ -680,7 +689,8 @@ class Reporter:
             share = "in the step" if share is None else f"{100 * share:5.1f}%"
             print(f"epoch {data['epoch']:3d}  loss {data['loss']:.4f}  "
                   f"valid {100 * data['valid_error']:6.2f}%  test {100 * data['test_error']:6.2f}%  "
-                  f"{data['samples_per_s']:9.0f} samples/s  exchange {share}", flush=True)
+                  f"{data['samples_per_s']:9.0f} samples/s  exchange {share}" +
+                  (f"  lr {data['lr']:.3g}" if self.rates else ""), flush=True)
             if data.get("road") and data["road"] != self.road:  # once, and if it changes
                 self.road = data["road"]
                 print(f"          exchange: {self.road}", flush=True)
@@ -813,7 +823,8 @@ def build_parser():
     m.add_argument("--seed", type=int, default=0, help="seed of the minibatch order (default: 0)")
     o = p.add_argument_group("output")
     o.add_argument("--out", default=None, metavar="DIR",
-                   help="write config.json, metrics.jsonl, checkpoint.npz and curves.png here")
+                   help="write config.json, metrics.jsonl, checkpoint.npz (the last epoch's), "
+                        "best.npz (the epoch of least validation error) and curves.png here")
     o.add_argument("--resume", default=None, metavar="PATH",
                    help="continue from a checkpoint (a file, or an --out directory)")
     o.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -943,7 +954,7 @@ def run(cfg, devices, port=None, quiet=False):
             raise UsageError("--out", f"--out {cfg['out']}: {e.strerror or e}") from e
         if not cfg["resume"] and os.path.exists(os.path.join(cfg["out"], CHECKPOINT)):
             print(f"pympgu: --out {cfg['out']} holds an earlier run; this run replaces its "
-                  f"checkpoint and metrics.jsonl after its first epoch (--resume "
+                  f"checkpoints and metrics.jsonl after its first epoch (--resume "
                   f"{cfg['out']} would continue it)", file=sys.stderr, flush=True)
     where = (f"{len(devices)} CPU workers" if devices[0] is None
              else f"GPUs {devices}")
@@ -954,7 +965,8 @@ def run(cfg, devices, port=None, quiet=False):
           f"{' overlapped' if cfg['overlap'] else ''}"
           f"{'' if cfg['exchange_dtype'] == 'float32' else ', ' + cfg['exchange_dtype'] + ' wire'} | "
           f"backend {cfg['backend']}", flush=True)
-    reporter = Reporter(cfg["out"], cfg["epochs"], quiet=quiet, resume=bool(cfg["resume"]))
+    reporter = Reporter(cfg["out"], cfg["epochs"], quiet=quiet, resume=bool(cfg["resume"]),
+                        rates=schedule.kind != "constant" or schedule.warmup > 0)
     t0 = time.perf_counter()
     try:
         if devices[0] is None:
@@ -971,8 +983,11 @@ def run(cfg, devices, port=None, quiet=False):
     if history:
         best = min(history, key=lambda h: h["valid_error"])
         mean_rate = sum(h["samples_per_s"] for h in history) / len(history)
+        kept = ""
+        if cfg["out"] and checkpoint_epoch(os.path.join(cfg["out"], BEST)) == best["epoch"]:
+            kept = f", its checkpoint {os.path.join(cfg['out'], BEST)}"
         print(f"done in {total:.1f} s: best validation error {100 * best['valid_error']:.2f}% "
-              f"(epoch {best['epoch']}), its test error {100 * best['test_error']:.2f}%, "
+              f"(epoch {best['epoch']}{kept}), its test error {100 * best['test_error']:.2f}%, "
               f"{mean_rate:.0f} samples/s")
         if cfg["out"]:
             plot(history, os.path.join(cfg["out"], "curves.png"))
@@ -987,17 +1002,25 @@ def saved(out, before):
     if not out:
         return "nothing was saved (--out DIR keeps a checkpoint after every epoch)"
     path = os.path.join(out, CHECKPOINT)
-    try:
-        import numpy as np
-        with np.load(path) as f:
-            epoch = int(f["__epoch__"])
-    except Exception:  # missing, or not a checkpoint: this runs on the error path, never fail
+    epoch = checkpoint_epoch(path)
+    if epoch is None:
         if os.path.exists(path):
             return f"{path} cannot be read as a checkpoint"
         return f"no epoch finished, so {out} holds no checkpoint"
     if checkpoint_stamp(out) == before:
         return f"no epoch of this run finished; {path} is an earlier run's (epoch {epoch})"
     return f"epoch {epoch}'s checkpoint is in {path}: continue with --resume {out}"
+
+
+def checkpoint_epoch(path):
+    """The epoch after which the checkpoint at ``path`` was written, or None where there is
+    none (or it cannot be read: this runs on the error path too, and never fails)."""
+    try:
+        import numpy as np
+        with np.load(path) as f:  # lazy: reads this one entry
+            return int(f["__epoch__"])
+    except Exception:
+        return None
 
 
 def checkpoint_stamp(out):

@@ -114,6 +114,25 @@ def test_adam_resumed_goes_on_with_its_schedule_and_bias_correction(tmp_path):
         assert str(f["__optimizer__"]) == "adam" and {"m_W0", "s_b1"} <= set(f.files)
 
 
+def test_out_keeps_the_best_epoch_beside_the_last(tmp_path, capsys):
+    """--out keeps best.npz, the epoch of least validation error (the first of equals), which
+    --resume takes as it takes checkpoint.npz; the run's last line names it, and with a
+    schedule every epoch's line shows its rate."""
+    out = str(tmp_path / "run")
+    hist = train.run(config(epochs=3, hidden=[16], out=out, schedule="cosine", warmup=0.5),
+                     [None, None], quiet=True)
+    best = min(hist, key=lambda h: h["valid_error"])
+    assert train.checkpoint_epoch(os.path.join(out, train.BEST)) == best["epoch"], hist
+    printed = capsys.readouterr().out
+    assert f"(epoch {best['epoch']}, its checkpoint {os.path.join(out, train.BEST)})" in printed
+    assert [line.split("  lr ")[-1] for line in printed.splitlines()
+            if line.startswith("epoch")] == [f"{h['lr']:.3g}" for h in hist], printed
+    more = train.run(config(epochs=4, hidden=[16], resume=os.path.join(out, train.BEST),
+                            schedule="cosine", warmup=0.5), [None, None], quiet=True)
+    assert [h["epoch"] for h in more] == list(range(1, best["epoch"] + 1)) + [best["epoch"] + 1]
+    assert train.checkpoint_epoch(os.path.join(out, "missing.npz")) is None
+
+
 def test_cpu_runs_are_reproducible():
     a = train.run(config(epochs=1, hidden=[64]), [None, None])
     b = train.run(config(epochs=1, hidden=[64]), [None, None])
