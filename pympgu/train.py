@@ -113,6 +113,7 @@ class Replica:
             cfg["l2"], mode)
         self.lr = self.np.float32(cfg["lr"])  # what model.lr holds (apply_rate)
         self._rates = {}  # step: (schedule, rate, the rate on the device)
+        self._split_rates = None  # jitted: an array of rates into scalars (apply_rate)
         self.jax = None
         self._jit_cache = {}
         self._steps = {}
@@ -137,13 +138,18 @@ class Replica:
         optimizer's own factor (Adam's bias correction, Model.step_size); returns the
         schedule's. Only a new value costs anything, so a constant rate costs nothing."""
         if self._rates.get(t, (None,))[0] is not schedule:
-            # The next RATES_AHEAD steps' rates in one transfer: one scalar put on the device
-            # before each step made the wide MLP's step 0.005 ms slower on an H200 (0.583 ms
-            # against 0.578; docs/BENCHMARKS.md, session 29).
+            # The next RATES_AHEAD steps' rates in one transfer of one array, split into
+            # scalars on the device by one jitted call. On an H200 the wide MLP's step took
+            # 0.583 ms against 0.578 with one scalar put before each step, and 0.596-0.606
+            # with a list of 256 scalars put at once (each its own transfer, the host held
+            # long enough for the GPU to run dry; docs/BENCHMARKS.md, session 29).
             steps = range(t, t + RATES_AHEAD)
             values = [self.np.float32(self.model.step_size(schedule(u), u + 1)) for u in steps]
-            put = (values if self.jax is None or all(v == self.lr for v in values)
-                   else self.jax.device_put([self.np.asarray(v) for v in values]))
+            put = values
+            if self.jax is not None and any(v != self.lr for v in values):
+                if self._split_rates is None:
+                    self._split_rates = self.jax.jit(lambda a: [a[i] for i in range(len(a))])
+                put = self._split_rates(self.jax.device_put(self.np.array(values)))
             self._rates = {u: (schedule, v, d) for u, v, d in zip(steps, values, put)}
         _, value, put = self._rates[t]
         if value != self.lr:  # the host's copy: reading the device's would wait for it
