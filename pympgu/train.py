@@ -460,8 +460,9 @@ class Sync:
     gradients (SGD with momentum) that is the same trajectory again, up to rounding; the
     parameters' own average after the update remains where it does not apply. Adam's
     update is not affine, and there the road changes what is computed: Adam's step on the
-    mean gradient, DDP's Adam, at every size of model (elsewhere, on CPU workers and with
-    every > 1, each replica takes its own Adam step and the whole state is averaged).
+    mean gradient, DDP's Adam, at every size of model (elsewhere: on CPU workers, outside
+    the step's XLA call, overlapped or with every > 1, each replica takes its own Adam step
+    and the whole state is averaged).
     """
 
     def __init__(self, rep, ex, every=1, overlap=False, fuse=True):

@@ -542,3 +542,53 @@ def test_python_m_pympgu_names_a_build_without_the_xla_operation(monkeypatch):
     monkeypatch.undo()
     if cuda._cuda.xla_handler() is not None:
         assert main._xla_state(False) == "built in; it needs a GPU"
+
+
+def test_xla_correction_inside_adams_update(monkeypatch):
+    # --optimizer adam --overlap: the whole state (parameters and both moments) is averaged
+    # while the step computes, and each result is corrected inside Adam's update, which
+    # squares, roots and divides: the wait still comes after the matrix products, and on the
+    # CPU, the start and the wait stood in for, every result is fresh + (mean - own).
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pympgu import xla
+
+    class Group(StandInGroup):
+        nbytes, nranks, rank, shadow_offset = 1 << 14, 2, 1, 1 << 14
+
+    b1, b2, eps, lr = np.float32(0.9), np.float32(0.999), np.float32(1e-8), np.float32(1e-3)
+
+    def adam(w, m, s, x):
+        g = x.T @ jnp.tanh(x @ w)
+        m_new = b1 * m + (np.float32(1) - b1) * g
+        s_new = b2 * s + (np.float32(1) - b2) * (g * g)
+        return [w - lr * m_new / (jnp.sqrt(s_new) + eps), m_new, s_new], None
+
+    monkeypatch.setattr(xla, "_register", lambda: None)
+    rng = np.random.default_rng(1)
+    w, m, x = (rng.standard_normal(s).astype(np.float32) for s in ((16, 8), (16, 8), (4, 16)))
+    s = np.abs(rng.standard_normal((16, 8))).astype(np.float32)
+    shadow = np.abs(rng.standard_normal(Group.nbytes // 4)).astype(np.float32)
+
+    def step(w, m, s, x, shadow):
+        return xla.correct_during([w, m, s], Group(), adam, w, m, s, x, shadow=shadow)
+
+    eqns = jax.make_jaxpr(step)(w, m, s, x, shadow).jaxpr.eqns
+    names = [e.primitive.name for e in eqns]
+    calls = [e.params["target_name"] for e in eqns if e.primitive.name == "ffi_call"]
+    assert calls == [xla.START, xla.WAIT], calls
+    wait = names.index("ffi_call", names.index("ffi_call") + 1)
+    assert "dot_general" not in names[wait:] and "sqrt" in names[wait:], names
+
+    monkeypatch.setattr(xla, "_start", lambda *a, **k: jnp.uint32(0))
+    monkeypatch.setattr(xla, "_wait", lambda token, after, attrs, k: after[k])
+    got, _ = jax.jit(lambda *a: step(*a))(w, m, s, x, shadow)  # traced anew
+    fresh, _ = adam(w, m, s, x)
+    attrs, _ = xla._attributes([w, m, s], Group(), "auto", None, overlapped=True)
+    for g, new, own, at in zip(got, fresh, (w, m, s), attrs["offsets"]):
+        peer = shadow[at:at + own.size].reshape(own.shape)  # rank 0's slot
+        mean = (peer + own) / np.float32(2)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(new) + (mean - own),
+                                   rtol=1e-5, atol=1e-6)
