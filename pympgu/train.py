@@ -112,7 +112,7 @@ class Replica:
             ds, cfg["batch_size"], self.eval_batch, cfg["lr"], cfg["momentum"], cfg["l1"],
             cfg["l2"], mode)
         self.lr = self.np.float32(cfg["lr"])  # what model.lr holds (apply_rate)
-        self._rates = {}  # step: (schedule, rate, the rate on the device)
+        self._rates = {}  # step: (schedule, its rate, the rate applied, that on the device)
         self._split_rates = None  # jitted: an array of rates into scalars (apply_rate)
         self.jax = None
         self._jit_cache = {}
@@ -144,18 +144,20 @@ class Replica:
             # with a list of 256 scalars put at once (each its own transfer, the host held
             # long enough for the GPU to run dry; docs/BENCHMARKS.md, session 29).
             steps = range(t, t + RATES_AHEAD)
-            values = [self.np.float32(self.model.step_size(schedule(u), u + 1)) for u in steps]
+            rates = [schedule(u) for u in steps]
+            values = [self.np.float32(self.model.step_size(r, u + 1))
+                      for u, r in zip(steps, rates)]
             put = values
             if self.jax is not None and any(v != self.lr for v in values):
                 if self._split_rates is None:
                     self._split_rates = self.jax.jit(lambda a: [a[i] for i in range(len(a))])
                 put = self._split_rates(self.jax.device_put(self.np.array(values)))
-            self._rates = {u: (schedule, v, d) for u, v, d in zip(steps, values, put)}
-        _, value, put = self._rates[t]
+            self._rates = {u: (schedule, r, v, d) for u, r, v, d in zip(steps, rates, values, put)}
+        _, rate, value, put = self._rates[t]
         if value != self.lr:  # the host's copy: reading the device's would wait for it
             self.lr = value
             _assign(self.model.lr, self.np.asarray(put) if self.jax is None else put)
-        return schedule(t)
+        return rate
 
     def _check_device(self, array):
         """Fail if JAX put the model on another GPU than this rank's.
@@ -560,10 +562,13 @@ def state_layout(rep):
     return [(s.name, list(s.get_value(borrow=True).shape), "float32") for s in rep.model.state]
 
 
-def make_schedule(cfg, per_epoch):
-    """The run's learning rates (pympgu.schedule.Schedule) for ``per_epoch`` steps an
-    epoch: --warmup is in epochs, and the decay spans --epochs."""
+def make_schedule(cfg, ntrain, nranks):
+    """The run's learning rates (pympgu.schedule.Schedule) for ``nranks`` workers sharing
+    ``ntrain`` examples (each takes as many steps an epoch, data.shard_batches): --warmup
+    is in epochs, and the decay spans --epochs."""
+    from . import data
     from .schedule import Schedule
+    per_epoch = data.batches_per_epoch(ntrain, cfg["batch_size"], nranks) // nranks
     return Schedule(cfg["lr"], cfg["epochs"] * per_epoch, cfg.get("schedule", "constant"),
                     round(cfg.get("warmup", 0.0) * per_epoch))
 
@@ -611,8 +616,7 @@ def worker(ctx, cfg):
                     rep.digest(each=True))
     ex = make_exchanger(ctx, rep, cfg)
     ntrain = len(rep.dataset.train[1])
-    per_epoch = data.batches_per_epoch(ntrain, cfg["batch_size"], ctx.nranks) // ctx.nranks
-    schedule = make_schedule(cfg, per_epoch)
+    schedule = make_schedule(cfg, ntrain, ctx.nranks)
     try:
         for epoch in range(start_epoch, cfg["epochs"]):
             batches = data.shard_batches(ntrain, cfg["batch_size"], ctx.nranks, ctx.rank,
@@ -624,7 +628,7 @@ def worker(ctx, cfg):
             for step, idx in enumerate(rep.device_batches(batches)):
                 last = step == len(batches) - 1
                 # The run's step, from which a resumed run goes on.
-                rate = rep.apply_rate(schedule, epoch * per_epoch + step)
+                rate = rep.apply_rate(schedule, epoch * len(batches) + step)
                 costs.append(sync.step(idx, step, last))
                 if ctx.rank == 0 and (step % report_every == 0 or last):
                     ctx.metric(kind="progress", epoch=epoch + 1, step=step + 1, steps=len(batches))
@@ -965,8 +969,7 @@ def run(cfg, devices, port=None, quiet=False):
                   f"{cfg['out']} would continue it)", file=sys.stderr, flush=True)
     where = (f"{len(devices)} CPU workers" if devices[0] is None
              else f"GPUs {devices}")
-    schedule = make_schedule(cfg, data.batches_per_epoch(ntrain, cfg["batch_size"], workers)
-                             // workers)
+    schedule = make_schedule(cfg, ntrain, workers)
     print(f"pympgu: {ds} | {model.describe()} | {model.optimizer}, {schedule} | "
           f"{where} | batch {cfg['batch_size']}/worker | sync every {cfg['sync_every']}"
           f"{' overlapped' if cfg['overlap'] else ''}"
