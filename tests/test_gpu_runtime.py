@@ -250,6 +250,26 @@ def test_gpu_training_your_own_model(monkeypatch):
     assert abs(gradients["test_error"] - averaged["test_error"]) <= 0.01, (averaged, gradients)
 
 
+def test_gpu_training_convnet(monkeypatch):
+    """examples/lenet.py, a convnet by pympgu.nnet's conv2d (XLA's convolution under the
+    JAX backend), on 2 GPUs: by the gradients' road (forced for its small size by
+    PYMPGU_SPLIT_MIN_BYTES=0), the step cut where its last layers' gradients are ready,
+    and with --overlap, the average beside the step. Both learn, and run() checks that the
+    replicas end identical."""
+    needs_xla()
+    import os
+    from pympgu import train
+    example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "examples", "lenet.py")
+    cfg = dict(train.DEFAULTS, **JAX_TRAINING, hidden=[500], model=f"{example}:LeNet")
+    monkeypatch.setenv("PYMPGU_SPLIT_MIN_BYTES", "0")  # the spawned workers read it
+    gradients = train.run(cfg, devices(2))[-1]
+    overlapped = train.run(dict(cfg, overlap=True), devices(2))[-1]
+    assert gradients["road"] == "the update of the mean gradients", gradients
+    assert gradients["test_error"] < 0.15 and overlapped["test_error"] < 0.15, \
+        (gradients, overlapped)  # one CPU run: 10.3% after its first epoch
+
+
 def test_gpu_training_adam(monkeypatch):
     """--optimizer adam with a cosine schedule after a warm-up, on 2 GPUs: at --sync-every
     1 the step takes the gradients' road at any size (the MLP here is far under

@@ -1,0 +1,113 @@
+"""pympgu.nnet's convolution and pooling: numpy's values against scipy, both gradients against
+finite differences, the JAX conversion against numpy, and the errors for bad input."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pympgu import nnet
+
+import pytensor  # noqa: E402  (after pympgu.nnet: it sets floatX)
+import pytensor.tensor as pt  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def scipy_correlate(x, w, padding):
+    signal = pytest.importorskip("scipy.signal")
+    ph, pw = padding
+    xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    return np.stack([np.stack([sum(signal.correlate(xp[b, c], w[f, c], mode="valid")
+                                   for c in range(x.shape[1])) for f in range(w.shape[0])])
+                     for b in range(x.shape[0])])
+
+
+@pytest.mark.parametrize("padding", [(0, 0), (2, 1), (1, 0)])
+def test_numpy_correlation_is_scipys(padding):
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((3, 2, 9, 7)), rng.standard_normal((4, 2, 5, 3))
+    y = nnet.correlate(x, w, padding)
+    assert y.shape == (3, 4, 9 + 2 * padding[0] - 4, 7 + 2 * padding[1] - 2)
+    assert np.allclose(y, scipy_correlate(x, w, padding), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("padding", [0, (2, 1)])
+def test_conv2d_gradients_are_the_finite_differences(padding):
+    """Both gradient Ops, in float64 through PyTensor's own checker; and the pooled layer
+    whose gradient goes through the reshape and the max."""
+    rng = np.random.default_rng(1)
+    x, w = rng.standard_normal((2, 3, 8, 7)), rng.standard_normal((4, 3, 3, 4))
+    pytensor.gradient.verify_grad(lambda x, w: nnet.conv2d(x, w, padding), [x, w], rng=rng,
+                                  mode="FAST_COMPILE")
+
+    def layer(x, w):
+        y = nnet.conv2d(pt.specify_shape(x, x_shape), pt.specify_shape(w, w.shape), padding)
+        return pt.tanh(nnet.max_pool_2d(y, 2))
+    x_shape = x.shape
+    pytensor.gradient.verify_grad(layer, [x, w], rng=rng, mode="FAST_COMPILE")
+
+
+def test_max_pool_keeps_each_blocks_maximum_and_drops_the_ragged_edge():
+    x = pt.tensor("x", dtype="float32", shape=(2, 3, 7, 6))
+    xv = np.random.default_rng(2).standard_normal((2, 3, 7, 6)).astype(np.float32)
+    got = pytensor.function([x], nnet.max_pool_2d(x, 3))(xv)
+    want = xv[:, :, :6, :6].reshape(2, 3, 2, 3, 2, 3).max(axis=(3, 5))
+    assert got.shape == (2, 3, 2, 2) and np.array_equal(got, want)
+
+
+def test_filters_of_a_shared_variable_give_static_output_sizes():
+    """A model's filters are shared variables, whose type leaves the shape open: conv2d
+    fixes it, so that max_pool_2d and reshapes to fixed sizes (JAX's need) can follow."""
+    x = pt.tensor("x", dtype="float32", shape=(None, 1, 28, 28))
+    w = pytensor.shared(np.zeros((20, 1, 5, 5), np.float32))
+    y = nnet.max_pool_2d(nnet.conv2d(x, w), 2)
+    assert y.type.shape == (None, 20, 12, 12)
+
+
+@pytest.mark.parametrize("build,message", [
+    (lambda: nnet.conv2d(pt.matrix("x"), pt.tensor4("w")), "the images x must be 4-d"),
+    (lambda: nnet.conv2d(pt.tensor("x", shape=(1, 3, 8, 8)), pt.tensor("w", shape=(2, 1, 3, 3))),
+     "the images have 3 channels, the filters 1"),
+    (lambda: nnet.conv2d(pt.tensor4("x", dtype="float32"), pt.tensor4("w", dtype="float64")),
+     "the filters w is float64 but the images are float32"),
+    (lambda: nnet.conv2d(pt.tensor4("x", dtype="int32"), pt.tensor4("w", dtype="int32")),
+     "the images x must be float"),
+    (lambda: nnet.conv2d(pt.tensor4("x"), pt.tensor4("w"), padding=-1), "non-negative"),
+    (lambda: nnet.max_pool_2d(pt.tensor4("x")), "static rows and columns"),
+    (lambda: nnet.max_pool_2d(pt.tensor("x", shape=(1, 1, 4, 4)), 5), "does not fit 4x4"),
+])
+def test_bad_layers_are_named(build, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        build()
+
+
+def test_jax_conversion_agrees_with_numpy():
+    """The same layer, its output and both gradients, by PyTensor's CPU backend (numpy's
+    perform) and by its JAX backend (XLA's convolution), in float32. A fresh interpreter,
+    since CPU JAX must be chosen before JAX is imported."""
+    pytest.importorskip("jax")
+    code = """
+import os; os.environ['JAX_PLATFORMS'] = 'cpu'
+import numpy as np
+from pympgu import nnet
+import pytensor, pytensor.tensor as pt
+rng = np.random.default_rng(3)
+for padding in [(0, 0), (2, 1)]:
+    x = pt.tensor('x', dtype='float32', shape=(4, 3, 11, 9))
+    w = pytensor.shared(rng.standard_normal((5, 3, 5, 3)).astype(np.float32))
+    y = nnet.conv2d(x, w, padding)
+    cost = (nnet.max_pool_2d(pt.tanh(y), 2) ** 2).sum()
+    outs = [y, *pytensor.grad(cost, [x, w])]
+    xv = rng.standard_normal((4, 3, 11, 9)).astype(np.float32)
+    a, b = ([np.asarray(o) for o in pytensor.function([x], outs, mode=m)(xv)]
+            for m in ('FAST_RUN', 'JAX'))
+    for name, u, v in zip(('y', 'gx', 'gw'), a, b):
+        assert u.shape == v.shape and np.allclose(u, v, rtol=1e-4, atol=1e-4 * abs(u).max()), \\
+            (padding, name, abs(u - v).max())
+print('agree')
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=250,
+                       env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert r.returncode == 0 and "agree" in r.stdout, r.stderr[-3000:]
