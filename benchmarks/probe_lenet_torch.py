@@ -1,0 +1,67 @@
+"""PyTorch's time for a step of examples/lenet.py's network on one GPU, the reference for
+pympgu's own (python -m pympgu.bench train --gpus 0 --model examples/lenet.py:LeNet).
+
+    python3 benchmarks/probe_lenet_torch.py [--batch 1024] [--steps 300]
+
+The same layers (two 5x5 convolutions of 20 and 50 filters, each followed by 2x2 max pooling
+and tanh, a tanh layer of 500 units, softmax cross-entropy), SGD with momentum 0.9, on a
+resident batch: eager, and the step captured in a CUDA graph (one launch a step). Prints
+ms per step. TF32 is as PyTorch leaves it (cuDNN's convolutions may use it, matrix products
+not), as a user would run it; the first line says so.
+"""
+import argparse
+import time
+
+import torch
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=300)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 20, 5), torch.nn.MaxPool2d(2), torch.nn.Tanh(),
+        torch.nn.Conv2d(20, 50, 5), torch.nn.MaxPool2d(2), torch.nn.Tanh(),
+        torch.nn.Flatten(), torch.nn.Linear(800, 500), torch.nn.Tanh(),
+        torch.nn.Linear(500, 10)).cuda()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=2e-4)
+    x = torch.randn(args.batch, 1, 28, 28, device="cuda")
+    y = torch.randint(0, 10, (args.batch,), device="cuda")
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        loss = loss_fn(net(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    def timed(fn):
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) / args.steps * 1e3
+
+    print(f"torch {torch.__version__}, cudnn.allow_tf32 {torch.backends.cudnn.allow_tf32}, "
+          f"matmul tf32 {torch.backends.cuda.matmul.allow_tf32}, batch {args.batch}")
+    print(f"eager:      {timed(step):.3f} ms/step")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    print(f"CUDA graph: {timed(graph.replay):.3f} ms/step")
+
+
+if __name__ == "__main__":
+    main()
