@@ -10,7 +10,8 @@ resident batch: eager, then with cuDNN's autotuner (cudnn.benchmark), then that 
 captured in a CUDA graph (one launch a step). Prints
 ms per step. TF32 is as PyTorch leaves it (cuDNN's convolutions may use it, matrix products
 not), as a user would run it; the first line says so. Plain JAX: the same step written
-with lax.conv_general_dilated and lax.reduce_window, jitted, its state donated.
+with lax.conv_general_dilated, pooling by lax.reduce_window and then as pympgu.nnet pools,
+jitted, its state donated.
 """
 import argparse
 import time
@@ -66,10 +67,13 @@ def main():
     with torch.cuda.graph(graph):
         step()
     print(f"CUDA graph, cudnn.benchmark: {timed(graph.replay):.3f} ms/step")
-    print(f"plain JAX:  {plain_jax(args.batch, args.steps):.3f} ms/step")
+    for pool in ("reduce_window", "reshape"):
+        print(f"plain JAX, {pool} pooling: {plain_jax(args.batch, args.steps, pool):.3f} ms/step")
 
 
-def plain_jax(batch, steps):
+def plain_jax(batch, steps, pool):
+    """ms per step of the jitted JAX step, pooling by lax.reduce_window (JAX's own way) or
+    by a reshape and max (pympgu.nnet.max_pool_2d's)."""
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -89,7 +93,11 @@ def plain_jax(batch, steps):
         for w, b in (params[0:2], params[2:4]):
             h = lax.conv_general_dilated(h, w, (1, 1), "VALID",
                                          dimension_numbers=("NCHW", "OIHW", "NCHW"))
-            h = lax.reduce_window(h, -jnp.inf, lax.max, (1, 1, 2, 2), (1, 1, 2, 2), "VALID")
+            if pool == "reshape":
+                n, c, r, s = h.shape
+                h = h.reshape(n, c, r // 2, 2, s // 2, 2).max(axis=(3, 5))
+            else:
+                h = lax.reduce_window(h, -jnp.inf, lax.max, (1, 1, 2, 2), (1, 1, 2, 2), "VALID")
             h = jnp.tanh(h + b[None, :, None, None])
         h = jnp.tanh(h.reshape(batch, -1) @ params[4] + params[5])
         logits = h @ params[6] + params[7]

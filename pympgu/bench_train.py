@@ -520,14 +520,15 @@ def run_pympgu(devices, cfg, steps, warmup, plain_jax=False):
 
 def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print,
             exchange_blocks=None, method="auto", repeats=1, settings=({},), ranks=None,
-            hidden=None, optimizer="sgd", schedule="constant"):
+            hidden=None, optimizer="sgd", schedule="constant", batch_size=None):
     """Every row of the benchmark, as a list of dicts; ``ddp``: the DDP_SYSTEMS to run;
     ``settings``: the environments (env_settings) each multi-GPU pympgu row runs under, one
     row each, its variant named with the setting and its ``env`` the setting; ``ranks``:
     the numbers of ranks of the multi-GPU rows, each on the first that many of ``gpus``
     (default: all of them); ``models``: names in MODELS, or models of one's own
     (model_config), built with ``hidden``; ``optimizer`` trains every row (Adam at
-    pympgu.train's ADAM_LR), and ``schedule`` sets pympgu's rate before every step.
+    pympgu.train's ADAM_LR), and ``schedule`` sets pympgu's rate before every step;
+    ``batch_size``, if given, is every row's batch per GPU instead of its model's.
 
     With ``repeats`` > 1 every run is made that many times, in rounds (each round runs
     every row once, so that a drift of the machine between process starts touches every
@@ -550,6 +551,8 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
                     optimizer=optimizer, schedule=schedule)
         if optimizer == "adam":
             base["lr"] = ADAM_LR
+        if batch_size is not None:
+            base["batch_size"] = batch_size
         # A model of one's own has no plain JAX form and no PyTorch twin (DDP).
         runs = [("pympgu", gpus[:1], "-", base, "model" not in base, {})]
         if multi and gpus[0] is not None:  # each other GPU alone
@@ -747,6 +750,10 @@ def main(argv=None):
                         help="pympgu variants for the multi-GPU rows (default: all)")
     # 100 steps of the wide MLP (65 ms) read 0.01-0.02 ms a step slower than 300 in the same
     # run (docs/BENCHMARKS.md, session 11).
+    parser.add_argument("--batch-size", type=int, default=None, metavar="B",
+                        help="every row's minibatch per GPU, drawn at random from the "
+                             "training set (default: each model's own: 5000 for the seed, "
+                             "1024 for the wide MLP and a model of one's own)")
     parser.add_argument("--steps", type=int, default=300, help="timed steps (default: 300)")
     parser.add_argument("--repeats", type=int, default=1, metavar="N",
                         help="run every row N times, in rounds, and show each row's median "
@@ -794,6 +801,8 @@ def main(argv=None):
         parser.error("--schedule times pympgu's rows alone: add --no-ddp")
     if args.steps < 1 or args.warmup < 1 or args.repeats < 1:
         parser.error("--steps, --warmup and --repeats must be at least 1")
+    if args.batch_size is not None and args.batch_size < 1:
+        parser.error(f"--batch-size must be at least 1, got {args.batch_size}")
     if args.cpu is not None:
         if args.gpus is not None or not 1 <= args.cpu <= 8:
             parser.error("--cpu takes 1 to 8 workers and excludes --gpus")
@@ -842,7 +851,7 @@ def main(argv=None):
                        args.data_dir, ddp, exchange_blocks=args.exchange_blocks,
                        method=args.method, repeats=args.repeats, settings=settings,
                        ranks=args.ranks, hidden=args.hidden, optimizer=args.optimizer,
-                       schedule=args.schedule)
+                       schedule=args.schedule, batch_size=args.batch_size)
     except DataError as e:
         parser.error(f"--data-dir: {e}")
     except ModelError as e:

@@ -73,6 +73,9 @@ def test_train_bench_rejects_bad_flags():
     r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "2",
                         "--repeats", "0"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--repeats must be at least 1" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "2",
+                        "--batch-size", "0"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--batch-size must be at least 1, got 0" in r.stderr
 
 
 def test_train_bench_names_a_bad_data_dir(capsys):
@@ -404,3 +407,20 @@ def test_train_bench_times_a_model_of_ones_own(tmp_path):
     r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "2", "--model",
                         "nocolon"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--model nocolon: give FILE.py:CLASS" in r.stderr, r.stderr
+
+
+def test_train_bench_times_a_convnet_at_the_batch_given(tmp_path):
+    """examples/lenet.py (pympgu.nnet's layers, XLA's convolution) at --batch-size 32 per
+    rank on 2 CPU workers: every row at that batch, the table's too."""
+    out = tmp_path / "rows.json"
+    example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "examples", "lenet.py")
+    r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "2", "--model",
+                        f"{example}:LeNet", "--hidden", "4", "8", "32", "--batch-size", "32",
+                        "--steps", "2", "--warmup", "1", "--variants", "sync1", "overlap",
+                        "--json", str(out)], capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(x["model"], len(x["gpus"]), x["variant"], x["batch"]) for x in rows] == [
+        ("LeNet", 1, "-", 32), ("LeNet", 2, "sync1", 32), ("LeNet", 2, "overlap", 32)], rows
+    assert all(x["samples_per_s"] > 0 for x in rows), rows
