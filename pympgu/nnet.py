@@ -3,8 +3,8 @@
 Theano's LeNet layer was ``nnet.conv2d``. PyTensor dropped it, and its own convolution
 (``pytensor.tensor.signal.convolve2d``, one channel at a time, by scipy) has no JAX conversion,
 so a convnet could not train on GPUs (``benchmarks/probe_conv.py``). ``conv2d`` here is one
-PyTensor Op, with its two gradients as Ops: numpy on PyTensor's C and Python backends (CPU
-workers), XLA's convolution (cuDNN on GPUs) under the JAX backend. ``max_pool_2d`` is built
+PyTensor Op, with its two gradients as Ops: numpy on PyTensor's own CPU backends (Numba,
+C, Python; CPU workers), XLA's convolution (cuDNN on GPUs) under the JAX backend. ``max_pool_2d`` is built
 from reshape and max, which every backend already has.
 
 Both work on NCHW images: (batch, channels, rows, columns).

@@ -750,8 +750,10 @@ def build_parser():
     where.add_argument("--cpu", type=int, metavar="N",
                        help="run N CPU workers instead of GPUs (default when no GPU is usable: 2)")
     where.add_argument("--backend", choices=["auto", "c", "jax"], default="auto",
-                       help="PyTensor backend: 'jax' (the default on GPUs) or 'c' (PyTensor's C "
-                            "backend, the default on CPUs); 'jax' on CPUs uses CPU JAX")
+                       help="PyTensor backend: 'jax' (the default on GPUs) or 'c' (PyTensor's "
+                            "own CPU backend, its FAST_RUN mode: compiled by Numba from "
+                            "PyTensor 3, by C before; the default on CPUs); 'jax' on CPUs "
+                            "uses CPU JAX, often the quicker for a convnet")
     where.add_argument("--method", choices=list(METHODS), default="auto",
                        help="GPU averaging algorithm: the kernels 'll' (buffers up to 256 KiB), "
                             "'oneshot', 'twoshot' and "
