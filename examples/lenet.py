@@ -25,15 +25,19 @@ def image_shape(n_in):
     raise ValueError(f"LeNet takes square images of 1 or 3 channels; {n_in} inputs are neither")
 
 
+def layout(hidden):
+    """(the two layers' filters, the units) that --hidden gives."""
+    if len(hidden) == 1:
+        return (20, 50), hidden[0]
+    if len(hidden) == 3:
+        return tuple(hidden[:2]), hidden[2]
+    raise ValueError(f"give --hidden H (units) or F1 F2 H (filters and units), not {hidden}")
+
+
 class LeNet(Model):
     def __init__(self, n_in, hidden, n_out, seed=1234):
         super().__init__()
-        if len(hidden) == 1:
-            filters, units = (20, 50), hidden[0]
-        elif len(hidden) == 3:
-            filters, units = tuple(hidden[:2]), hidden[2]
-        else:
-            raise ValueError(f"give --hidden H (units) or F1 F2 H (filters and units), not {hidden}")
+        filters, units = layout(hidden)
         self.channels, self.side = image_shape(n_in)
         side = self.side
         for _ in filters:  # each layer: a valid 5x5 convolution, then 2x2 pooling
@@ -81,3 +85,18 @@ class LeNet(Model):
             h = pt.tanh(max_pool_2d(conv2d(h, w), 2) + b.dimshuffle("x", 0, "x", "x"))
         h = pt.tanh(pt.dot(h.reshape((batch, self.flat)), self.w_hidden) + self.b_hidden)
         return pt.dot(h, self.w_out) + self.b_out
+
+    @staticmethod
+    def torch_twin(n_in, hidden, n_out):
+        """The same network in PyTorch, taking flat inputs, with PyTorch's own initial
+        values: python -m pympgu.bench train times it under DDP beside pympgu's rows."""
+        import torch
+        channels, side = image_shape(n_in)
+        filters, units = layout(hidden)
+        layers, c = [torch.nn.Unflatten(1, (channels, side, side))], channels
+        for f in filters:
+            layers += [torch.nn.Conv2d(c, f, 5), torch.nn.MaxPool2d(2), torch.nn.Tanh()]
+            c, side = f, (side - 4) // 2
+        layers += [torch.nn.Flatten(), torch.nn.Linear(c * side * side, units), torch.nn.Tanh(),
+                   torch.nn.Linear(units, n_out)]
+        return torch.nn.Sequential(*layers)

@@ -291,8 +291,34 @@ def _plain_jax_step(rep, cfg):
 
 # ---------------------------------------------------------------- DDP
 
+def has_torch_twin(cfg):
+    """Whether cfg's model has a PyTorch twin for the DDP rows: the MLP has; a model of one's
+    own has if its class defines ``torch_twin(n_in, hidden, n_out)`` (examples/lenet.py)."""
+    if "model" not in cfg:
+        return True
+    from .models import load
+    return callable(getattr(load(cfg["model"]), "torch_twin", None))
+
+
+def torch_twin(cfg, n_in, n_out):
+    """cfg's model in PyTorch (a torch.nn.Module on the CPU taking flat inputs (batch,
+    n_in)): the MLP's tanh layers, or what a model of one's own gives (has_torch_twin)."""
+    import torch
+    if "model" in cfg:
+        from .models import load
+        return load(cfg["model"]).torch_twin(n_in, list(cfg["hidden"]), n_out)
+    sizes = [n_in, *cfg["hidden"], n_out]
+    layers = []
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+        layers.append(torch.nn.Linear(a, b))
+        if i < len(sizes) - 2:
+            layers.append(torch.nn.Tanh())
+    return torch.nn.Sequential(*layers)
+
+
 def ddp_rank(rank, world, devices, cfg, n_in, n_out, steps, warmup, init_file, graph=False):
-    """One DDP rank: the same MLP, batch and optimiser in PyTorch; rank 0 returns timings.
+    """One DDP rank: the same model (torch_twin), batch and optimiser in PyTorch; rank 0
+    returns timings.
     With ``graph``, the whole step (forward, backward with DDP's all-reduces, optimiser) is
     captured once in a CUDA graph and replayed, PyTorch's recipe for a step whose host is
     slower than its GPU: one launch a step, so the GPU sets the pace."""
@@ -312,16 +338,11 @@ def ddp_rank(rank, world, devices, cfg, n_in, n_out, steps, warmup, init_file, g
         if side is not None:
             side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # no-op for None
-            sizes = [n_in, *cfg["hidden"], n_out]
-            layers = []
-            for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
-                layers.append(torch.nn.Linear(a, b))
-                if i < len(sizes) - 2:
-                    layers.append(torch.nn.Tanh())
-            model = torch.nn.Sequential(*layers).cuda()
+            model = torch_twin(cfg, n_in, n_out).cuda()
             ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device])
-            weights = [m.weight for m in model if isinstance(m, torch.nn.Linear)]
-            biases = [m.bias for m in model if isinstance(m, torch.nn.Linear)]
+            # The weights, as pympgu penalises them; biases (one dimension) are not.
+            weights = [p for p in model.parameters() if p.dim() > 1]
+            biases = [p for p in model.parameters() if p.dim() <= 1]
             # pympgu's cost has l2 * sum(W^2), whose gradient is 2 * l2 * W: weight decay 2 * l2
             # (Adam's, too, is added to the gradient).
             groups = [{"params": weights, "weight_decay": 2 * cfg["l2"]},
@@ -553,7 +574,8 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
             base["lr"] = ADAM_LR
         if batch_size is not None:
             base["batch_size"] = batch_size
-        # A model of one's own has no plain JAX form and no PyTorch twin (DDP).
+        # A model of one's own has no plain JAX form, and a PyTorch twin (DDP) only if its
+        # class gives one (has_torch_twin).
         runs = [("pympgu", gpus[:1], "-", base, "model" not in base, {})]
         if multi and gpus[0] is not None:  # each other GPU alone
             runs += [("pympgu", [g], "-", base, False, {})
@@ -566,7 +588,7 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
                 for env in settings:
                     label = " ".join([v, *(f"{n}={x}" for n, x in env.items())])
                     runs.append(("pympgu", group, label, cfg, False, env))
-        if gpus[0] is not None and "model" not in base:
+        if gpus[0] is not None and has_torch_twin(base):
             for system in ddp:
                 runs.append((system, gpus[:1], "-", base, False, {}))
                 runs += [(system, group, "-", base, False, {}) for group in groups
@@ -741,8 +763,9 @@ def main(argv=None):
                         help="models to time (default: both, or none with --model)")
     parser.add_argument("--model", default=None, metavar="FILE.py:CLASS",
                         help="also time a model of one's own, as pympgu.train's --model "
-                             "(docs/MODELS.md), at the wide MLP's batch and optimiser; its "
-                             "rows are pympgu's alone (no DDP or plain JAX twin)")
+                             "(docs/MODELS.md), at the wide MLP's batch and optimiser; DDP "
+                             "rows too if its class gives a PyTorch twin (torch_twin, as "
+                             "examples/lenet.py's); no plain JAX row")
     parser.add_argument("--hidden", type=int, nargs="+", default=None, metavar="H",
                         help="--model's hidden widths, as pympgu.train's flag (default: "
                              "4096 4096)")

@@ -424,3 +424,27 @@ def test_train_bench_times_a_convnet_at_the_batch_given(tmp_path):
     assert [(x["model"], len(x["gpus"]), x["variant"], x["batch"]) for x in rows] == [
         ("LeNet", 1, "-", 32), ("LeNet", 2, "sync1", 32), ("LeNet", 2, "overlap", 32)], rows
     assert all(x["samples_per_s"] > 0 for x in rows), rows
+
+
+def test_a_model_of_ones_own_gets_ddp_rows_when_it_gives_a_torch_twin():
+    from pympgu import bench_train
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    lenet = dict(bench_train.model_config(f"{here}/lenet.py:LeNet", [500]))
+    residual = bench_train.model_config(f"{here}/residual_mlp.py:ResidualMLP", [64, 64])
+    assert bench_train.has_torch_twin(bench_train.model_config("wide"))
+    assert bench_train.has_torch_twin(lenet) and not bench_train.has_torch_twin(residual)
+
+
+@pytest.mark.parametrize("hidden", [[500], [8, 16, 64]])
+def test_lenets_torch_twin_is_the_same_network(hidden):
+    """The twin that DDP trains has pympgu's LeNet's parameters, shape for shape, and gives
+    one score per class from flat inputs."""
+    torch = pytest.importorskip("torch")
+    from pympgu import bench_train, models
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    cfg = bench_train.model_config(f"{here}/lenet.py:LeNet", hidden)
+    twin = bench_train.torch_twin(cfg, 784, 10)
+    ours = models.build(cfg["model"], 784, hidden, 10)
+    assert sorted(tuple(p.shape) for p in twin.parameters()) == sorted(
+        p.get_value(borrow=True).shape for p in ours.params)
+    assert tuple(twin(torch.zeros(3, 784)).shape) == (3, 10)
