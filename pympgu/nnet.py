@@ -1,11 +1,11 @@
 """Convolution and pooling layers for pympgu models, on CPUs and on GPUs.
 
 Theano's LeNet layer was ``nnet.conv2d``. PyTensor dropped it, and its own convolution
-(``pytensor.tensor.signal.convolve2d``, one channel at a time, by scipy) has no JAX conversion,
-so a convnet could not train on GPUs (``benchmarks/probe_conv.py``). ``conv2d`` here is one
-PyTensor Op, with its two gradients as Ops: numpy on PyTensor's own CPU backends (Numba,
-C, Python; CPU workers), XLA's convolution (cuDNN on GPUs) under the JAX backend. ``max_pool_2d`` is built
-from reshape and max, which every backend already has.
+(``pytensor.tensor.signal.convolve2d``, one channel at a time, by scipy) has no JAX
+conversion, so a convnet could not train on GPUs (``benchmarks/probe_conv.py``). ``conv2d``
+here is one PyTensor Op, with its two gradients as Ops: numpy on PyTensor's own CPU
+backends (Numba, C, Python; CPU workers), XLA's convolution (cuDNN on GPUs) under the JAX
+backend. ``max_pool_2d`` is built from reshape and max, which every backend already has.
 
 Both work on NCHW images: (batch, channels, rows, columns).
 """
@@ -18,10 +18,10 @@ from pympgu.models import import_pytensor
 
 import_pytensor()  # floatX before PyTensor's first import
 import pytensor.tensor as pt  # noqa: E402
+from pytensor.compile.sharedvalue import SharedVariable  # noqa: E402
 from pytensor.gradient import grad_not_implemented  # noqa: E402
 from pytensor.graph.basic import Apply  # noqa: E402
 from pytensor.graph.op import Op  # noqa: E402
-from pytensor.compile.sharedvalue import SharedVariable  # noqa: E402
 
 
 # PyTensor's Numba backend (its default CPU linker in 3.x) runs perform in Numba's object
@@ -63,9 +63,9 @@ def correlate_grad_x(w, gy, image, padding=(0, 0)):
     # filters, whose windows numpy must copy.
     taps = np.tensordot(w, gy, axes=([0], [1]))
     gxp = np.zeros((w.shape[1], b, oh + kh - 1, ow + kw - 1), taps.dtype)
-    for k in range(kh):
-        for l in range(kw):
-            gxp[:, :, k:k + oh, l:l + ow] += taps[:, k, l]
+    for dy in range(kh):
+        for dx in range(kw):
+            gxp[:, :, dy:dy + oh, dx:dx + ow] += taps[:, dy, dx]
     gxp = gxp.transpose(1, 0, 2, 3)
     ph, pw = padding
     return np.ascontiguousarray(gxp[:, :, ph:ph + image[0], pw:pw + image[1]])
@@ -130,7 +130,7 @@ class Conv2d(Op):
         [gy] = cotangents
         return [Conv2dGrad(self.padding, "x")(x, w, gy), Conv2dGrad(self.padding, "w")(x, w, gy)]
 
-    # PyTensor before 2.32 (and Theano) asks for L_op; later ones for pullback.
+    # Older PyTensor (and Theano) asks an Op for L_op; PyTensor 3 for pullback.
     def L_op(self, inputs, outputs, output_grads):
         return self.pullback(inputs, outputs, output_grads)
 
