@@ -83,13 +83,17 @@ def test_bad_layers_are_named(build, message):
         build()
 
 
-def test_jax_conversion_agrees_with_numpy():
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_jax_conversion_agrees_with_numpy(platform):
     """The same layer, its output and both gradients, by PyTensor's CPU backend (numpy's
-    perform) and by its JAX backend (XLA's convolution), in float32. A fresh interpreter,
-    since CPU JAX must be chosen before JAX is imported."""
+    perform) and by its JAX backend (XLA's convolution; on a GPU cuDNN's, at full float32
+    precision rather than TF32, so that one tolerance fits both), in float32. A fresh
+    interpreter, since JAX's platform must be chosen before JAX is imported."""
     pytest.importorskip("jax")
-    code = """
-import os; os.environ['JAX_PLATFORMS'] = 'cpu'
+    code = f"""
+import os; os.environ['JAX_PLATFORMS'] = '{platform}'
+import jax; jax.config.update('jax_default_matmul_precision', 'highest')
+assert jax.devices()[0].platform == '{"gpu" if platform == "cuda" else "cpu"}', jax.devices()
 import numpy as np
 from pympgu import nnet
 import pytensor, pytensor.tensor as pt
