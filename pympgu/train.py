@@ -18,6 +18,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 
 from .models import OPTIMIZERS
 from .schedule import SCHEDULES
@@ -46,6 +47,12 @@ def _setup_backend(ctx, backend):
     """Environment for PyTensor and JAX in this worker; must run before they are imported."""
     if backend == "jax":
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        # PyTensor asks for float64 accumulators of float32 sums (and int64 indices); JAX,
+        # without x64, keeps 32 bits and warns at every compile, three times a worker,
+        # about what no user can change: the step is float32 on GPUs as intended.
+        warnings.filterwarnings("ignore", category=UserWarning,
+                                message=r"Explicitly requested dtype (float64|int64) "
+                                        r"requested in astype is not available")
         # On GPUs JAX sees every GPU, as pympgu's own CUDA context must (IPC to the peers),
         # and Replica makes this rank's GPU its default device. Restricting JAX to one GPU
         # (jax_cuda_visible_devices) would save it a context on each other GPU, but JAX
