@@ -426,10 +426,12 @@ def test_train_bench_times_a_convnet_at_the_batch_given(tmp_path):
     assert all(x["samples_per_s"] > 0 for x in rows), rows
 
 
-def test_a_model_of_ones_own_gets_ddp_rows_when_it_gives_a_torch_twin():
+def test_a_model_of_ones_own_has_a_torch_twin_if_its_class_gives_one():
+    """Which models bench train gives DDP rows: the MLPs, and LeNet, whose class has
+    torch_twin; not the residual MLP, which has none."""
     from pympgu import bench_train
     here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-    lenet = dict(bench_train.model_config(f"{here}/lenet.py:LeNet", [500]))
+    lenet = bench_train.model_config(f"{here}/lenet.py:LeNet", [500])
     residual = bench_train.model_config(f"{here}/residual_mlp.py:ResidualMLP", [64, 64])
     assert bench_train.has_torch_twin(bench_train.model_config("wide"))
     assert bench_train.has_torch_twin(lenet) and not bench_train.has_torch_twin(residual)
