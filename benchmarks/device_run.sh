@@ -76,6 +76,18 @@ for step in $steps; do
       [ -z "${TRAINBENCH:-}" ] && timeout 150 python3 -m pympgu.bench train --gpus 0 0 --models wide --steps 10 --warmup 3 --no-ddp 2>&1 | grep -v -i warn | tail -8 ;;
     variants) timeout 540 python3 benchmarks/accuracy_variants.py --data-dir ${DATA:-.data/fashion} --gpus ${VGPUS:-0 0} 2>&1 | grep -v -i warn | tail -10 ;;
     conv) timeout 200 python3 benchmarks/probe_conv.py 2>&1 | tail -8 ;;
+    # The convnet (examples/lenet.py): its GPU tests; its step against DDP's and PyTorch's
+    # (LENET="--gpus 0 1" on the 2-GPU kind, LENET_BATCH=128 for the small batch); each
+    # exchange variant's test error (VGPUS="0 1" there). Not yet run as one step: its parts
+    # took 1 to 3 minutes each on one GPU (docs/BENCHMARKS.md, session 30).
+    lenet)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_nnet.py tests/test_gpu_runtime.py -k "agrees or convnet" 2>&1 | tail -3
+      timeout 360 python3 -m pympgu.bench train ${LENET:---gpus 0} --model examples/lenet.py:LeNet --hidden 500 --repeats 2 \
+        --batch-size ${LENET_BATCH:-1024} --variants sync1 overlap sync4 overlap4 --json "$OUT/lenet_bench.json" 2>&1 \
+        | grep -v -i "warn\|return lax" | tail -16
+      timeout 60 python3 benchmarks/probe_lenet.py --batch ${LENET_BATCH:-1024} 2>&1 | tail -6
+      timeout 400 python3 benchmarks/accuracy_variants.py --data-dir ${DATA:-.data/fashion} --gpus ${VGPUS:-0 0} --epochs 10 \
+        --model examples/lenet.py:LeNet --hidden 500 --variants overlap "sync every 4" "overlap + sync every 4" 2>&1 | tail -5 ;;
     # BENCH="--gpus 0 1" on the 2-GPU kind; the default puts 2 ranks on one GPU.
     bench) timeout 500 python3 -m pympgu.bench ${BENCH:---gpus 0 --procs 2 --sizes 4K 64K 1M 64M} --json "$OUT/bench.json" 2>&1 | tail -25 ;;
     # The installed package, away from the source tree: it must train on its embedded data.
