@@ -452,3 +452,17 @@ def test_lenets_torch_twin_is_the_same_network(hidden):
     assert sorted(tuple(sorted(p.shape)) for p in twin.parameters()) == sorted(
         tuple(sorted(p.get_value(borrow=True).shape)) for p in ours.params)
     assert tuple(twin(torch.zeros(3, 784)).shape) == (3, 10)
+
+
+def test_the_mlps_torch_twin_is_the_same_network():
+    """DDP's MLP (bench train's own twin, no --model): pympgu's MLP's parameters, tanh
+    layers, one score per class."""
+    torch = pytest.importorskip("torch")
+    from pympgu import bench_train, models
+    cfg = bench_train.model_config("wide")
+    twin = bench_train.torch_twin(cfg, 784, 10)
+    ours = models.MLP(784, cfg["hidden"], 10)
+    assert [tuple(p.shape) for p in twin.parameters()] == [
+        tuple(reversed(p.get_value(borrow=True).shape)) for p in ours.params]
+    assert sum(isinstance(m, torch.nn.Tanh) for m in twin) == len(cfg["hidden"])
+    assert tuple(twin(torch.zeros(3, 784)).shape) == (3, 10)
