@@ -68,10 +68,10 @@ class LeNet(Model):
         self.flat = flat
 
     def describe(self):
-        n = sum(p.get_value(borrow=True).size for p in self.params)
         filters = "-".join(str(w.get_value(borrow=True).shape[0]) for w, _ in self.convs)
         return (f"LeNet {self.channels}x{self.side}x{self.side}, filters {filters}, "
-                f"{self.w_hidden.get_value(borrow=True).shape[1]} units ({n:,} parameters)")
+                f"{self.w_hidden.get_value(borrow=True).shape[1]} units ({self.parameter_count:,} "
+                "parameters)")
 
     def logits(self, x):
         import pytensor.tensor as pt

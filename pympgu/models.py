@@ -129,10 +129,14 @@ class Model:
             return lr
         return lr * math.sqrt(1.0 - self.beta2 ** t) / (1.0 - self.beta1 ** t)
 
+    @property
+    def parameter_count(self):
+        """How many numbers the parameters hold."""
+        return sum(int(np.prod(p.get_value(borrow=True).shape)) for p in self.params)
+
     def describe(self):
         """The model in a few words, for the run's first line."""
-        n = sum(int(np.prod(p.get_value(borrow=True).shape)) for p in self.params)
-        return f"{type(self).__name__} ({n:,} parameters)"
+        return f"{type(self).__name__} ({self.parameter_count:,} parameters)"
 
     def logits(self, x):
         """The unnormalised class scores (batch, n_out) of x (batch, n_in), in PyTensor."""

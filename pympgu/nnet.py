@@ -95,7 +95,15 @@ def _out_size(n, k, p):
     return None if n is None or k is None else n + 2 * p - k + 1
 
 
-class Conv2d(Op):
+class _Op(Op):
+    """An Op whose gradient is its pullback, under every PyTensor: older ones (and Theano)
+    ask an Op for L_op, PyTensor 3 for pullback."""
+
+    def L_op(self, inputs, outputs, output_grads):
+        return self.pullback(inputs, outputs, output_grads)
+
+
+class Conv2d(_Op):
     """y = conv2d(x, w): x (b, c, h, w) images, w (f, c, kh, kw) filters, y (b, f, h + 2 ph -
     kh + 1, w + 2 pw - kw + 1); stride 1. Cross-correlation, as cuDNN, PyTorch and JAX
     compute it (Theano's conv2d turned the filters half a turn first; learned filters do not
@@ -130,12 +138,8 @@ class Conv2d(Op):
         [gy] = cotangents
         return [Conv2dGrad(self.padding, "x")(x, w, gy), Conv2dGrad(self.padding, "w")(x, w, gy)]
 
-    # Older PyTensor (and Theano) asks an Op for L_op; PyTensor 3 for pullback.
-    def L_op(self, inputs, outputs, output_grads):
-        return self.pullback(inputs, outputs, output_grads)
 
-
-class Conv2dGrad(Op):
+class Conv2dGrad(_Op):
     """The gradient of Conv2d's output gy with respect to its images (``wrt='x'``) or its
     filters (``wrt='w'``). Both take (x, w, gy), so that each knows every shape."""
 
@@ -165,9 +169,6 @@ class Conv2dGrad(Op):
     def pullback(self, inputs, outputs, cotangents):
         return [grad_not_implemented(self, i, v, "conv2d has no second derivative")
                 for i, v in enumerate(inputs)]
-
-    def L_op(self, inputs, outputs, output_grads):
-        return self.pullback(inputs, outputs, output_grads)
 
 
 def _register_jax():

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 pytestmark = pytest.mark.timeout(300)
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 
 def test_train_bench_smoke_on_cpu_workers(tmp_path):
@@ -384,8 +385,7 @@ def test_train_bench_times_a_model_of_ones_own(tmp_path):
     MLP unless --models names one; it has no DDP or plain JAX twin, and the table names it
     by its class, its columns aligned."""
     out = tmp_path / "rows.json"
-    example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                           "examples", "residual_mlp.py")
+    example = os.path.join(EXAMPLES, "residual_mlp.py")
     r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "2", "--model",
                         f"{example}:ResidualMLP", "--hidden", "32", "32", "--steps", "2",
                         "--warmup", "1", "--variants", "sync1", "--json", str(out)],
@@ -413,8 +413,7 @@ def test_train_bench_times_a_convnet_at_the_batch_given(tmp_path):
     """examples/lenet.py (pympgu.nnet's layers, XLA's convolution) at --batch-size 32 per
     rank on 2 CPU workers: every row at that batch, the table's too."""
     out = tmp_path / "rows.json"
-    example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                           "examples", "lenet.py")
+    example = os.path.join(EXAMPLES, "lenet.py")
     r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "2", "--model",
                         f"{example}:LeNet", "--hidden", "4", "8", "32", "--batch-size", "32",
                         "--steps", "2", "--warmup", "1", "--variants", "sync1", "overlap",
@@ -430,9 +429,8 @@ def test_a_model_of_ones_own_has_a_torch_twin_if_its_class_gives_one():
     """Which models bench train gives DDP rows: the MLPs, and LeNet, whose class has
     torch_twin; not the residual MLP, which has none."""
     from pympgu import bench_train
-    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-    lenet = bench_train.model_config(f"{here}/lenet.py:LeNet", [500])
-    residual = bench_train.model_config(f"{here}/residual_mlp.py:ResidualMLP", [64, 64])
+    lenet = bench_train.model_config(f"{EXAMPLES}/lenet.py:LeNet", [500])
+    residual = bench_train.model_config(f"{EXAMPLES}/residual_mlp.py:ResidualMLP", [64, 64])
     assert bench_train.has_torch_twin(bench_train.model_config("wide"))
     assert bench_train.has_torch_twin(lenet) and not bench_train.has_torch_twin(residual)
 
@@ -443,8 +441,7 @@ def test_lenets_torch_twin_is_the_same_network(hidden):
     class from flat inputs."""
     torch = pytest.importorskip("torch")
     from pympgu import bench_train, models
-    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-    cfg = bench_train.model_config(f"{here}/lenet.py:LeNet", hidden)
+    cfg = bench_train.model_config(f"{EXAMPLES}/lenet.py:LeNet", hidden)
     twin = bench_train.torch_twin(cfg, 784, 10)
     ours = models.build(cfg["model"], 784, hidden, 10)
     # Shape for shape, but for the order of a dense layer's dimensions (PyTorch's Linear
