@@ -15,7 +15,7 @@ the epoch of least validation error (the checkpoint --out keeps as best.npz).
 import argparse
 import sys
 
-from pympgu import train
+from pympgu import models, train
 
 VARIANTS = {"plain": {}, "overlap": dict(overlap=True),
             # GPU workers average inside the step's XLA call; this is the exchange queued
@@ -38,8 +38,9 @@ def main():
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--model", default=None, metavar="FILE.py:CLASS",
                    help="a model of one's own, as pympgu.train's --model (default: the MLP)")
-    p.add_argument("--hidden", type=int, nargs="+", default=[256], metavar="H",
-                   help="--hidden, as pympgu.train's (default: 256)")
+    p.add_argument("--hidden", type=int, nargs="+", default=None, metavar="H",
+                   help="--hidden, as pympgu.train's (default: 256 for the MLP, a --model's "
+                        "default_hidden)")
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
                    metavar="NAME", help="the variants to train, quoted, of: " +
                    ", ".join(f"'{v}'" for v in VARIANTS) + " (default: all; 'plain' is "
@@ -48,9 +49,10 @@ def main():
     devices = [None] * args.cpu if args.cpu else args.gpus
     if not devices:
         p.error("give --gpus or --cpu")
+    hidden = args.hidden or (models.load(args.model).default_hidden if args.model else [256])
     base = dict(train.DEFAULTS, data=args.data_dir, backend="c" if args.cpu else "jax",
                 method="auto", seed=0, out=None, resume=None, epochs=args.epochs,
-                batch_size=128, hidden=args.hidden, model=args.model, sync_every=1,
+                batch_size=128, hidden=list(hidden), model=args.model, sync_every=1,
                 overlap=False, exchange_dtype="float32", devices=devices)
     errors = {}  # variant: (last epoch's test error, the best validation epoch's, that epoch)
     for name in dict.fromkeys(["plain", *args.variants]):

@@ -9,20 +9,10 @@ the softmax (deeplearning.net's "Convolutional Neural Networks (LeNet)": 20 and 
 default, 500) the units alone. Images are square, of 1 channel (784 inputs: 28x28) or 3
 (3 x side x side, channels first). pympgu.nnet's conv2d runs on CPU workers and on GPUs.
 """
-import math
-
 import numpy as np
 
 from pympgu.models import Model  # first: it sets PyTensor's floatX to float32
-
-
-def image_shape(n_in):
-    """(channels, side) of square images of n_in values, 1 channel or 3."""
-    for channels in (1, 3):
-        side = math.isqrt(n_in // channels)
-        if n_in % channels == 0 and side * side * channels == n_in:
-            return channels, side
-    raise ValueError(f"LeNet takes square images of 1 or 3 channels; {n_in} inputs are neither")
+from pympgu.nnet import square_images
 
 
 def layout(hidden):
@@ -38,7 +28,7 @@ class LeNet(Model):
     def __init__(self, n_in, hidden, n_out, seed=1234):
         super().__init__()
         filters, units = layout(hidden)
-        self.channels, self.side = image_shape(n_in)
+        self.channels, self.side = square_images(n_in, "LeNet")
         side = self.side
         for _ in filters:  # each layer: a valid 5x5 convolution, then 2x2 pooling
             side = (side - 4) // 2
@@ -91,7 +81,7 @@ class LeNet(Model):
         """The same network in PyTorch, taking flat inputs, with PyTorch's own initial
         values: python -m pympgu.bench train times it under DDP beside pympgu's rows."""
         import torch
-        channels, side = image_shape(n_in)
+        channels, side = square_images(n_in)
         filters, units = layout(hidden)
         layers, c = [torch.nn.Unflatten(1, (channels, side, side))], channels
         for f in filters:

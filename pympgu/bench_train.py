@@ -73,10 +73,14 @@ MODELS = {
 def model_config(name, hidden=None):
     """The configuration of a model to time: MODELS[name], or, for a model of one's own
     (``FILE.py:CLASS`` or ``MODULE:CLASS``, as pympgu.train's --model), the wide MLP's batch
-    and optimiser with ``hidden`` (default: the wide MLP's) passed to it."""
+    and optimiser with ``hidden`` (default: the model's default_hidden, as pympgu.train's)
+    passed to it."""
     if name in MODELS:
         return dict(MODELS[name])
-    return dict(MODELS["wide"], hidden=list(hidden or MODELS["wide"]["hidden"]), model=name)
+    if not hidden:
+        from .models import load
+        hidden = load(name).default_hidden
+    return dict(MODELS["wide"], hidden=list(hidden), model=name)
 
 
 def model_label(name):
@@ -768,7 +772,7 @@ def main(argv=None):
                              "examples/lenet.py's); no plain JAX row")
     parser.add_argument("--hidden", type=int, nargs="+", default=None, metavar="H",
                         help="--model's hidden widths, as pympgu.train's flag (default: "
-                             "4096 4096)")
+                             "the model's default_hidden)")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
                         help="pympgu variants for the multi-GPU rows (default: all)")
     # 100 steps of the wide MLP (65 ms) read 0.01-0.02 ms a step slower than 300 in the same

@@ -46,7 +46,10 @@ class Model:
     made with ``penalized=True``. Every worker must build the same initial values: draw
     them from ``seed`` (the training loop checks that the replicas start identical).
     ``python -m pympgu.train --model FILE.py:NAME`` trains one (docs/MODELS.md).
+    ``default_hidden`` is what ``hidden`` is when ``--hidden`` is not given.
     """
+
+    default_hidden = (500,)  # the seed's one layer of 500 units
 
     def __init__(self):
         self.params, self.weights = [], []

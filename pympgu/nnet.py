@@ -10,6 +10,7 @@ backend. ``max_pool_2d`` is built from reshape and max, which every backend alre
 Both work on NCHW images: (batch, channels, rows, columns).
 """
 import importlib.util
+import math
 import warnings
 
 import numpy as np
@@ -35,46 +36,54 @@ def _pad(x, padding):
     return np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw))) if ph or pw else x
 
 
-def _windows(x, kh, kw):
-    """Every (kh, kw) window of x (b, c, h, w), as a view (b, c, oh, ow, kh, kw)."""
-    return np.lib.stride_tricks.sliding_window_view(x, (kh, kw), axis=(2, 3))
+def _windows(x, kernel, stride=(1, 1), dilation=(1, 1)):
+    """Every window of x (b, c, h, w) that a (kh, kw) filter reads, moved by ``stride`` and
+    with its taps ``dilation`` apart, as a view (b, c, oh, ow, kh, kw)."""
+    (kh, kw), (sh, sw), (dh, dw) = kernel, stride, dilation
+    span = ((kh - 1) * dh + 1, (kw - 1) * dw + 1)
+    return np.lib.stride_tricks.sliding_window_view(x, span, axis=(2, 3))[
+        :, :, ::sh, ::sw, ::dh, ::dw]
 
 
-def correlate(x, w, padding=(0, 0)):
-    """numpy's y[b, f, i, j] = sum over c, k, l of xp[b, c, i + k, j + l] * w[f, c, k, l],
-    xp being x zero-padded by ``padding`` (rows, columns) on each side."""
-    y = np.tensordot(_windows(_pad(x, padding), *w.shape[2:]), w, axes=([1, 4, 5], [1, 2, 3]))
+def correlate(x, w, padding=(0, 0), stride=(1, 1), dilation=(1, 1)):
+    """numpy's y[b, f, i, j] = sum over c, k, l of xp[b, c, sh i + dh k, sw j + dw l] *
+    w[f, c, k, l], xp being x zero-padded by ``padding`` (rows, columns) on each side."""
+    windows = _windows(_pad(x, padding), w.shape[2:], stride, dilation)
+    y = np.tensordot(windows, w, axes=([1, 4, 5], [1, 2, 3]))
     return np.ascontiguousarray(y.transpose(0, 3, 1, 2))
 
 
-def correlate_grad_w(x, gy, kernel, padding=(0, 0)):
+def correlate_grad_w(x, gy, kernel, padding=(0, 0), stride=(1, 1), dilation=(1, 1)):
     """The gradient of correlate's w, (f, c, kh, kw), for the gradient gy of its output."""
-    return np.tensordot(gy, _windows(_pad(x, padding), *kernel), axes=([0, 2, 3], [0, 2, 3]))
+    windows = _windows(_pad(x, padding), kernel, stride, dilation)
+    return np.tensordot(gy, windows, axes=([0, 2, 3], [0, 2, 3]))
 
 
-def correlate_grad_x(w, gy, image, padding=(0, 0)):
+def correlate_grad_x(w, gy, image, padding=(0, 0), stride=(1, 1), dilation=(1, 1)):
     """The gradient of correlate's x, (b, c, h, w), for the gradient gy of its output: each
     output's share of every filter tap, added back where that tap read (col2im), less the
     padding."""
     kh, kw = w.shape[2:]
     b, _, oh, ow = gy.shape
-    # (c, kh, kw, b, oh, ow): one product for every tap, then kh * kw sums of contiguous
-    # slabs, several times quicker than correlating the padded gy with the turned
-    # filters, whose windows numpy must copy.
+    (ph, pw), (sh, sw), (dh, dw) = padding, stride, dilation
+    # (c, kh, kw, b, oh, ow): one product for every tap, then kh * kw sums of slabs, several
+    # times quicker than correlating the padded gy with the turned filters, whose windows
+    # numpy must copy. Rows and columns that no window reaches (a stride that does not
+    # divide the image) keep a zero gradient.
     taps = np.tensordot(w, gy, axes=([0], [1]))
-    gxp = np.zeros((w.shape[1], b, oh + kh - 1, ow + kw - 1), taps.dtype)
-    for dy in range(kh):
-        for dx in range(kw):
-            gxp[:, :, dy:dy + oh, dx:dx + ow] += taps[:, dy, dx]
+    gxp = np.zeros((w.shape[1], b, image[0] + 2 * ph, image[1] + 2 * pw), taps.dtype)
+    for ky in range(kh):
+        for kx in range(kw):
+            y0, x0 = ky * dh, kx * dw
+            gxp[:, :, y0:y0 + sh * (oh - 1) + 1:sh, x0:x0 + sw * (ow - 1) + 1:sw] += taps[:, ky, kx]
     gxp = gxp.transpose(1, 0, 2, 3)
-    ph, pw = padding
     return np.ascontiguousarray(gxp[:, :, ph:ph + image[0], pw:pw + image[1]])
 
 
-def _correlate_jax(x, w, padding):
+def _correlate_jax(x, w, padding, stride, dilation):
     from jax import lax
     ph, pw = padding
-    return lax.conv_general_dilated(x, w, (1, 1), ((ph, ph), (pw, pw)),
+    return lax.conv_general_dilated(x, w, stride, ((ph, ph), (pw, pw)), rhs_dilation=dilation,
                                     dimension_numbers=("NCHW", "OIHW", "NCHW"))
 
 
@@ -91,8 +100,19 @@ def _as_images(name, v, dtype=None):
     return v
 
 
-def _out_size(n, k, p):
-    return None if n is None or k is None else n + 2 * p - k + 1
+def _out_size(n, k, p, s, d):
+    """Outputs along one axis of n inputs, padded by p, for a filter of k taps d apart
+    moved by s (the windows that fit)."""
+    return None if n is None or k is None else (n + 2 * p - d * (k - 1) - 1) // s + 1
+
+
+def _pairs(name, value, least):
+    """One int, or (rows, columns), as a pair of ints each at least ``least``."""
+    pair = (value, value) if np.ndim(value) == 0 else tuple(value)
+    if len(pair) != 2 or any(int(v) != v or v < least for v in pair):
+        what = "non-negative" if least == 0 else "positive"
+        raise ValueError(f"conv2d: {name} must be one or two {what} ints, got {value!r}")
+    return tuple(int(v) for v in pair)
 
 
 class _Op(Op):
@@ -103,16 +123,30 @@ class _Op(Op):
         return self.pullback(inputs, outputs, output_grads)
 
 
-class Conv2d(_Op):
-    """y = conv2d(x, w): x (b, c, h, w) images, w (f, c, kh, kw) filters, y (b, f, h + 2 ph -
-    kh + 1, w + 2 pw - kw + 1); stride 1. Cross-correlation, as cuDNN, PyTorch and JAX
-    compute it (Theano's conv2d turned the filters half a turn first; learned filters do not
-    care)."""
+class _Geometry(_Op):
+    """What a convolution's Ops share: its padding, stride and filter dilation, each a pair
+    (rows, columns)."""
 
-    __props__ = ("padding",)
+    def _geometry(self, padding, stride, dilation):
+        self.padding = _pairs("padding", padding, 0)
+        self.stride = _pairs("stride", stride, 1)
+        self.dilation = _pairs("dilation", dilation, 1)
 
-    def __init__(self, padding=(0, 0)):
-        self.padding = tuple(int(p) for p in padding)
+    @property
+    def geometry(self):
+        return self.padding, self.stride, self.dilation
+
+
+class Conv2d(_Geometry):
+    """y = conv2d(x, w): x (b, c, h, w) images, w (f, c, kh, kw) filters, y (b, f, oh, ow)
+    with oh = (h + 2 ph - dh (kh - 1) - 1) // sh + 1 (and ow alike): padding p, stride s,
+    dilation d. Cross-correlation, as cuDNN, PyTorch and JAX compute it (Theano's conv2d
+    turned the filters half a turn first; learned filters do not care)."""
+
+    __props__ = ("padding", "stride", "dilation")
+
+    def __init__(self, padding=(0, 0), stride=(1, 1), dilation=(1, 1)):
+        self._geometry(padding, stride, dilation)
 
     def make_node(self, x, w):
         x = _as_images("the images x", x)
@@ -120,35 +154,40 @@ class Conv2d(_Op):
         (b, c, h, wd), (f, c2, kh, kw) = x.type.shape, w.type.shape
         if c is not None and c2 is not None and c != c2:
             raise ValueError(f"conv2d: the images have {c} channels, the filters {c2}")
-        out = pt.tensor(dtype=x.type.dtype, shape=(b, f, _out_size(h, kh, self.padding[0]),
-                                                   _out_size(wd, kw, self.padding[1])))
+        rows, cols = (_out_size(n, k, *g) for n, k, g in
+                      zip((h, wd), (kh, kw), zip(self.padding, self.stride, self.dilation)))
+        if (rows is not None and rows < 1) or (cols is not None and cols < 1):
+            raise ValueError(f"conv2d: {kh}x{kw} filters (dilation {self.dilation}) do not "
+                             f"fit {h}x{wd} images padded by {self.padding}")
+        out = pt.tensor(dtype=x.type.dtype, shape=(b, f, rows, cols))
         return Apply(self, [x, w], [out])
 
     def infer_shape(self, fgraph, node, shapes):
         (b, _, h, wd), (f, _, kh, kw) = shapes
-        ph, pw = self.padding
-        return [(b, f, h + 2 * ph - kh + 1, wd + 2 * pw - kw + 1)]
+        return [(b, f) + tuple(_out_size(n, k, *g) for n, k, g in
+                               zip((h, wd), (kh, kw), zip(*self.geometry)))]
 
     def perform(self, node, inputs, outputs):
         x, w = inputs
-        outputs[0][0] = correlate(x, w, self.padding).astype(x.dtype, copy=False)
+        outputs[0][0] = correlate(x, w, *self.geometry).astype(x.dtype, copy=False)
 
     def pullback(self, inputs, outputs, cotangents):
         x, w = inputs
         [gy] = cotangents
-        return [Conv2dGrad(self.padding, "x")(x, w, gy), Conv2dGrad(self.padding, "w")(x, w, gy)]
+        return [Conv2dGrad(*self.geometry, wrt=wrt)(x, w, gy) for wrt in ("x", "w")]
 
 
-class Conv2dGrad(_Op):
+class Conv2dGrad(_Geometry):
     """The gradient of Conv2d's output gy with respect to its images (``wrt='x'``) or its
     filters (``wrt='w'``). Both take (x, w, gy), so that each knows every shape."""
 
-    __props__ = ("padding", "wrt")
+    __props__ = ("padding", "stride", "dilation", "wrt")
 
-    def __init__(self, padding, wrt):
+    def __init__(self, padding=(0, 0), stride=(1, 1), dilation=(1, 1), wrt="x"):
         if wrt not in ("x", "w"):
             raise ValueError(f"wrt must be 'x' or 'w', got {wrt!r}")
-        self.padding, self.wrt = tuple(int(p) for p in padding), wrt
+        self._geometry(padding, stride, dilation)
+        self.wrt = wrt
 
     def make_node(self, x, w, gy):
         x, w, gy = (pt.as_tensor_variable(v) for v in (x, w, gy))
@@ -161,9 +200,9 @@ class Conv2dGrad(_Op):
     def perform(self, node, inputs, outputs):
         x, w, gy = inputs
         if self.wrt == "x":
-            g = correlate_grad_x(w, gy, x.shape[2:], self.padding)
+            g = correlate_grad_x(w, gy, x.shape[2:], *self.geometry)
         else:
-            g = correlate_grad_w(x, gy, w.shape[2:], self.padding)
+            g = correlate_grad_w(x, gy, w.shape[2:], *self.geometry)
         outputs[0][0] = g.astype(x.dtype, copy=False)
 
     def pullback(self, inputs, outputs, cotangents):
@@ -183,7 +222,7 @@ def _register_jax():
     @jax_funcify.register(Conv2d)
     def _conv2d(op, **kwargs):
         def conv2d(x, w):
-            return _correlate_jax(x, w, op.padding)
+            return _correlate_jax(x, w, *op.geometry)
         return conv2d
 
     @jax_funcify.register(Conv2dGrad)
@@ -193,7 +232,7 @@ def _register_jax():
         def conv2d_grad(x, w, gy):
             # XLA differentiates its own convolution (cuDNN's backward kernels on GPUs);
             # the gradient left unused is removed when the step is compiled.
-            _, vjp = jax.vjp(lambda x, w: _correlate_jax(x, w, op.padding), x, w)
+            _, vjp = jax.vjp(lambda x, w: _correlate_jax(x, w, *op.geometry), x, w)
             return vjp(gy)[wrt]
         return conv2d_grad
 
@@ -201,22 +240,32 @@ def _register_jax():
 _register_jax()
 
 
-def conv2d(x, w, padding=0):
+def conv2d(x, w, padding=0, stride=1, dilation=1):
     """The 2-d cross-correlation of images x (batch, channels, rows, columns) with filters w
-    (filters, channels, kh, kw), stride 1, after zero-padding x by ``padding`` (an int, or
-    (rows, columns)) on each side: 0 gives 'valid', k // 2 'same' for odd k. Differentiable
-    in x and w; runs on CPU workers and, under the JAX backend, on GPUs."""
-    if np.ndim(padding) == 0:
-        padding = (padding, padding)
-    padding = tuple(int(p) for p in padding)
-    if len(padding) != 2 or min(padding) < 0:
-        raise ValueError(f"conv2d: padding must be one or two non-negative ints, got {padding}")
+    (filters, channels, kh, kw), after zero-padding x by ``padding`` on each side: 0 gives
+    'valid', d (k - 1) // 2 'same' for odd k and stride 1. ``stride`` moves the filter that
+    many pixels between outputs (2 halves the image, as a ResNet's downsampling does);
+    ``dilation`` spaces its taps that far apart. Each is an int or (rows, columns).
+    Differentiable in x and w; runs on CPU workers and, under the JAX backend, on GPUs."""
+    op = Conv2d(padding, stride, dilation)  # checks them, naming the one at fault
     if isinstance(w, SharedVariable) and None in w.type.shape:
         # A shared variable's type leaves its shape open (set_value may change it); a
         # model's filters keep theirs, and saying so gives the output static rows and
         # columns, which max_pool_2d and a reshape to fixed sizes need under JAX.
         w = pt.specify_shape(w, w.get_value(borrow=True).shape)
-    return Conv2d(padding)(x, w)
+    return op(x, w)
+
+
+def square_images(n_in, model="the model"):
+    """(channels, side) of square images of ``n_in`` values, of 1 channel or 3 (an RGB
+    image, channels first): how a convnet reshapes the flat rows pympgu's datasets give
+    (MNIST's 784 are 1x28x28, CIFAR's 3072 3x32x32)."""
+    for channels in (1, 3):
+        side = math.isqrt(n_in // channels)
+        if n_in % channels == 0 and side * side * channels == n_in:
+            return channels, side
+    raise ValueError(f"{model} takes square images of 1 or 3 channels; {n_in} inputs are "
+                     "neither")
 
 
 def max_pool_2d(x, size=2):

@@ -789,7 +789,8 @@ def build_parser():
                         "every worker as CLASS(n_in, hidden, n_out, seed=...), trained as the "
                         "MLP is (docs/MODELS.md; default: the MLP of --hidden)")
     m.add_argument("--hidden", type=int, nargs="+", metavar="H",
-                   help=f"hidden layer widths, e.g. 4096 4096 (default: {DEFAULTS['hidden'][0]})")
+                   help=f"hidden layer widths, e.g. 4096 4096 (default: {DEFAULTS['hidden'][0]}, or "
+                        "--model's default_hidden)")
     m.add_argument("--epochs", type=int, help=f"epochs (default: {DEFAULTS['epochs']})")
     m.add_argument("--batch-size", type=int, help="minibatch per worker "
                    f"(default: {DEFAULTS['batch_size']})")
@@ -883,6 +884,12 @@ def resolve(args, parser):
         parser.error(str(e))
     if args.exchange_blocks is not None and not 1 <= args.exchange_blocks <= 512:
         parser.error(f"--exchange-blocks must be 1 to 512, got {args.exchange_blocks}")
+    if args.hidden is None and args.model and not args.preset:
+        from . import models
+        try:  # the model's own widths (a convnet's channels are not the MLP's 500 units)
+            cfg["hidden"] = list(models.load(args.model).default_hidden)
+        except models.ModelError as e:
+            parser.error(str(e))
     if any(h < 1 for h in cfg["hidden"]):
         parser.error(f"--hidden widths must be positive, got {cfg['hidden']}")
     if args.gpus is not None and args.cpu is not None:

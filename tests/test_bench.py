@@ -429,19 +429,22 @@ def test_a_model_of_ones_own_has_a_torch_twin_if_its_class_gives_one():
     """Which models bench train gives DDP rows: the MLPs, and LeNet, whose class has
     torch_twin; not the residual MLP, which has none."""
     from pympgu import bench_train
-    lenet = bench_train.model_config(f"{EXAMPLES}/lenet.py:LeNet", [500])
+    lenet = bench_train.model_config(f"{EXAMPLES}/lenet.py:LeNet")
     residual = bench_train.model_config(f"{EXAMPLES}/residual_mlp.py:ResidualMLP", [64, 64])
     assert bench_train.has_torch_twin(bench_train.model_config("wide"))
     assert bench_train.has_torch_twin(lenet) and not bench_train.has_torch_twin(residual)
 
 
-@pytest.mark.parametrize("hidden", [[500], [8, 16, 64]])
-def test_lenets_torch_twin_is_the_same_network(hidden):
-    """The twin that DDP trains has pympgu's LeNet's parameters and gives one score per
-    class from flat inputs."""
+@pytest.mark.parametrize("example,hidden", [("lenet.py:LeNet", None), ("lenet.py:LeNet", [8, 16, 64]),
+                                            ("strided.py:StridedConvNet", None),
+                                            ("strided.py:StridedConvNet", [8, 16, 16])])
+def test_a_convnets_torch_twin_is_the_same_network(example, hidden):
+    """The twin that DDP trains has pympgu's convnet's parameters (at the model's own
+    default_hidden when none is given) and gives one score per class from flat inputs."""
     torch = pytest.importorskip("torch")
     from pympgu import bench_train, models
-    cfg = bench_train.model_config(f"{EXAMPLES}/lenet.py:LeNet", hidden)
+    cfg = bench_train.model_config(f"{EXAMPLES}/{example}", hidden)
+    hidden = cfg["hidden"]
     twin = bench_train.torch_twin(cfg, 784, 10)
     ours = models.build(cfg["model"], 784, hidden, 10)
     # Shape for shape, but for the order of a dense layer's dimensions (PyTorch's Linear

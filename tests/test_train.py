@@ -630,22 +630,46 @@ def test_your_own_model_trains_as_the_mlp_does(tmp_path, capsys):
             "(55,050 parameters), trained by sgd)") in err, err
 
 
-def test_a_convnet_trains_on_cpu_jax(tmp_path, capfd):
-    """examples/lenet.py (pympgu.nnet's conv2d and max_pool_2d) on 2 CPU workers under the
-    JAX backend, the programs GPU workers compile: the run names it and learns, and run()
-    checks that the replicas end identical; the workers do not repeat JAX's warning about
-    PyTensor's float64 accumulators. (tests/test_nnet.py checks the layers against numpy,
-    which the C backend runs.)"""
+@pytest.mark.parametrize("example,hidden,described", [
+    ("lenet.py:LeNet", ["--hidden", "8", "16", "64"],
+     "LeNet 1x28x28, filters 8-16, 64 units (20,522 parameters)"),
+    # No --hidden: the class's default_hidden, two stages of 32 and 64 channels.
+    ("strided.py:StridedConvNet", [],
+     "StridedConvNet 1x28x28, channels 32-64, 7x7 maps (96,362 parameters)")])
+def test_a_convnet_trains_on_cpu_jax(tmp_path, capfd, example, hidden, described):
+    """examples/lenet.py (pympgu.nnet's conv2d and max_pool_2d) and examples/strided.py
+    (conv2d's padding and stride 2) on 2 CPU workers under the JAX backend, the programs
+    GPU workers compile: the run names the model and learns, and run() checks that the
+    replicas end identical; the workers do not repeat JAX's warning about PyTensor's
+    float64 accumulators. (tests/test_nnet.py checks the layers against numpy, which the C
+    backend runs.)"""
     pytest.importorskip("jax")
-    lenet = os.path.join(os.path.dirname(EXAMPLE), "lenet.py")
-    argv = ["--cpu", "2", "--backend", "jax", "--model", f"{lenet}:LeNet",
-            "--hidden", "8", "16", "64", "--epochs", "1", "--out", str(tmp_path), "--quiet"]
+    path = os.path.join(os.path.dirname(EXAMPLE), example)
+    argv = ["--cpu", "2", "--backend", "jax", "--model", path, *hidden, "--epochs", "1",
+            "--out", str(tmp_path), "--quiet"]
     assert train.main(argv) == 0
     out, err = capfd.readouterr()
-    assert "LeNet 1x28x28, filters 8-16, 64 units (20,522 parameters)" in out
+    assert described in out, out
     assert "Explicitly requested dtype" not in err, err[-2000:]
     lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     assert lines[-1]["test_error"] < 0.3, lines  # chance is 0.9
+
+
+def test_hidden_defaults_to_the_models_own():
+    """Without --hidden a model of one's own gets its class's default_hidden (a convnet's
+    channels are not the MLP's 500 units); --hidden and a preset's widths still win, and a
+    --model that cannot be loaded is named by the parser."""
+    parser = train.build_parser()
+    strided = os.path.join(os.path.dirname(EXAMPLE), "strided.py:StridedConvNet")
+
+    def hidden(*argv):
+        return train.resolve(parser.parse_args(["--cpu", "2", *argv]), parser)[0]["hidden"]
+    assert hidden() == [500] and hidden("--model", f"{EXAMPLE}:ResidualMLP") == [500]
+    assert hidden("--model", strided) == [32, 64]
+    assert hidden("--model", strided, "--hidden", "8") == [8]
+    assert hidden("--model", strided, "--preset", "dual_mlp") == [500]
+    with pytest.raises(SystemExit):
+        hidden("--model", "nowhere.py:Net")
 
 
 BAD_MODELS = '''
