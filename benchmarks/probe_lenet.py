@@ -2,7 +2,7 @@
 references for pympgu's own (python -m pympgu.bench train --gpus 0 --model
 examples/lenet.py:LeNet).
 
-    python3 benchmarks/probe_lenet.py [--batch 1024] [--steps 300]
+    python3 benchmarks/probe_lenet.py [--batch 1024] [--steps 300] [--jax-only]
 
 The same layers (two 5x5 convolutions of 20 and 50 filters, each followed by 2x2 max pooling
 and tanh, a tanh layer of 500 units, softmax cross-entropy), SGD with momentum 0.9, on a
@@ -11,7 +11,8 @@ captured in a CUDA graph (one launch a step). Prints
 ms per step. TF32 is as PyTorch leaves it (cuDNN's convolutions may use it, matrix products
 not), as a user would run it; the first line says so. Plain JAX: the same step written
 with lax.conv_general_dilated, pooling by lax.reduce_window and then as pympgu.nnet pools,
-jitted, its state donated.
+jitted, its state donated; with the host's time to issue the steps, which is the step's
+own where the host sets the pace (at batch 128, docs/BENCHMARKS.md, session 31).
 """
 import argparse
 import time
@@ -21,7 +22,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--jax-only", action="store_true", help="plain JAX's rows alone")
     args = ap.parse_args()
+    if args.jax_only:
+        return jax_rows(args)
     import torch
     torch.manual_seed(0)
     net = torch.nn.Sequential(
@@ -67,13 +71,18 @@ def main():
     with torch.cuda.graph(graph):
         step()
     print(f"CUDA graph, cudnn.benchmark: {timed(graph.replay):.3f} ms/step")
+    jax_rows(args)
+
+
+def jax_rows(args):
     for pool in ("reduce_window", "reshape"):
-        print(f"plain JAX, {pool} pooling: {plain_jax(args.batch, args.steps, pool):.3f} ms/step")
+        ms, issued = plain_jax(args.batch, args.steps, pool)
+        print(f"plain JAX, {pool} pooling: {ms:.3f} ms/step (issued in {issued:.3f})")
 
 
 def plain_jax(batch, steps, pool):
-    """ms per step of the jitted JAX step, pooling by lax.reduce_window (JAX's own way) or
-    by a reshape and max (pympgu.nnet.max_pool_2d's)."""
+    """(ms per step, ms of the host's per step to issue it) of the jitted JAX step, pooling
+    by lax.reduce_window (JAX's own way) or by a reshape and max (pympgu.nnet.max_pool_2d's)."""
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -115,8 +124,9 @@ def plain_jax(batch, steps, pool):
     t = time.perf_counter()
     for _ in range(steps):
         params, vel = step(params, vel)
+    issued = time.perf_counter() - t
     jax.block_until_ready(params)
-    return (time.perf_counter() - t) / steps * 1e3
+    return (time.perf_counter() - t) / steps * 1e3, issued / steps * 1e3
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """A convnet for pympgu: LeNet-5 as in the Theano tutorial of the seed's days.
 
     python -m pympgu.train --gpus 0 1 --model examples/lenet.py:LeNet --data-dir fashion
-    python -m pympgu.train --cpu 2 --backend jax --model examples/lenet.py:LeNet   # no GPU
+    python -m pympgu.train --cpu 2 --model examples/lenet.py:LeNet   # no GPU: CPU JAX
 
 Two layers of 5x5 filters, each followed by 2x2 max pooling and tanh, then a tanh layer and
 the softmax (deeplearning.net's "Convolutional Neural Networks (LeNet)": 20 and 50 filters,

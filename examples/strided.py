@@ -1,7 +1,7 @@
 """A convnet for pympgu that halves its images by strided convolutions, where LeNet pools.
 
     python -m pympgu.train --gpus 0 1 --model examples/strided.py:StridedConvNet --data-dir fashion
-    python -m pympgu.train --cpu 2 --backend jax --model examples/strided.py:StridedConvNet
+    python -m pympgu.train --cpu 2 --model examples/strided.py:StridedConvNet   # no GPU: CPU JAX
 
 Each stage is a 3x3 convolution, then a 3x3 convolution of stride 2 that halves the image,
 each followed by ReLU, as in ResNet's and the all-convolutional net's downsampling

@@ -384,6 +384,24 @@ def test_cli_gives_adam_its_own_learning_rate():
         assert cfg["lr"] == lr, (argv, cfg)
 
 
+def test_cli_backend_auto_is_jax_wherever_jax_is_installed(monkeypatch):
+    """CPU workers compile with CPU JAX when it is installed (quicker than PyTensor's own
+    backend for every model measured), else with PyTensor's; --backend says otherwise."""
+    import importlib.util
+    parser = train.build_parser()
+
+    def backend(*argv):
+        return train.resolve(parser.parse_args(["--cpu", "2", *argv]), parser)[0]["backend"]
+    assert backend("--backend", "c") == "c" and backend("--backend", "jax") == "jax"
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "jax" else find_spec(name, *a))
+    assert backend() == "c"
+    monkeypatch.undo()
+    if find_spec("jax") is not None:
+        assert backend() == "jax"
+
+
 def test_cli_refuses_a_batch_the_dataset_cannot_fill(capsys):
     """A batch larger than the training set allows, for the workers given, is a flag
     error before any worker starts, naming the flag and the largest batch that fits."""
