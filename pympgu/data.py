@@ -1,14 +1,16 @@
-"""Datasets: the seed's mnist.pkl.gz, MNIST-format IDX files, Fashion-MNIST, a .npz of one's
-own, and an embedded default (the MNIST test set shipped inside pympgu) so training runs
-offline.
+"""Datasets: the seed's mnist.pkl.gz, MNIST-format IDX files, Fashion-MNIST, CIFAR-10 and
+CIFAR-100 as their authors ship them for Python, a .npz of one's own, and an embedded default
+(the MNIST test set shipped inside pympgu) so training runs offline.
 
 Every loader returns a :class:`Dataset` of float32 inputs (flattened; images in [0, 1]) and
 int32 labels, split into train, valid and test. A missing, truncated or corrupt file raises
 :class:`DataError` naming the file.
 """
 import gzip
+import io
 import os
 import pickle
+import tarfile
 
 import numpy as np
 
@@ -193,13 +195,105 @@ def load_npz(path, valid_share=0.1):
     return Dataset(os.path.basename(path), out["train"], out["valid"], out["test"], n_classes)
 
 
+# CIFAR's "python version" (https://www.cs.toronto.edu/~kriz/cifar.html): pickled dicts of
+# b"data", uint8 rows of 3072 (the red 32x32 plane, then green, then blue: channels first,
+# as pympgu.nnet.square_images reads them) and b"labels" (CIFAR-100: b"fine_labels").
+CIFAR = {"cifar-10": ("cifar-10-batches-py", [f"data_batch_{k}" for k in range(1, 6)],
+                      "test_batch", b"labels", 10),
+         "cifar-100": ("cifar-100-python", ["train"], "test", b"fine_labels", 100)}
+
+
+def _cifar_kind(names):
+    """Which CIFAR a set of file names (a directory's, an archive's) holds, or None."""
+    for kind, (_, train, test, _, _) in CIFAR.items():
+        if test in names and all(t in names for t in train):
+            return kind
+    return None
+
+
+def _find_cifar(path):
+    """The CIFAR archive or directory of batches at ``path`` or just inside it, or None."""
+    if path.endswith((".tar.gz", ".tgz", ".tar")):
+        return path
+    if not os.path.isdir(path):
+        return None
+    if _cifar_kind(set(os.listdir(path))):
+        return path
+    for kind, (unpacked, *_) in CIFAR.items():
+        for inner in (os.path.join(path, unpacked), os.path.join(path, f"{kind}-python.tar.gz")):
+            if os.path.exists(inner):
+                return inner
+    return None
+
+
+def _cifar_files(path):
+    """(which CIFAR, read(name) -> bytes) of an archive or a directory of batches."""
+    if os.path.isdir(path):
+        kind = _cifar_kind(set(os.listdir(path)))
+        if kind is None:
+            raise DataError(f"{path}: no CIFAR-10 or CIFAR-100 files (data_batch_1 to 5 and "
+                            "test_batch, or train and test) and no archive of them")
+
+        def read(name):
+            with open(os.path.join(path, name), "rb") as f:
+                return f.read()
+        return kind, read
+    try:
+        archive = tarfile.open(path, "r:*")
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    except (tarfile.TarError, OSError) as e:
+        raise DataError(f"{path}: not a readable CIFAR archive ({e})") from None
+    with archive:
+        members = {os.path.basename(m.name): m for m in archive.getmembers() if m.isfile()}
+        kind = _cifar_kind(set(members))
+        if kind is None:
+            raise DataError(f"{path}: holds no CIFAR-10 or CIFAR-100 files")
+        _, train_files, test_file, _, _ = CIFAR[kind]
+        blobs = {name: archive.extractfile(members[name]).read()
+                 for name in train_files + [test_file]}
+    return kind, blobs.__getitem__
+
+
+def load_cifar(path):
+    """CIFAR-10 or CIFAR-100 as downloaded: the archive (cifar-10-python.tar.gz), the
+    directory it unpacks to (cifar-10-batches-py), or a directory holding either. The last
+    tenth of the training images become the validation split (5,000 of 50,000). The files
+    are Python pickles, which can run code when read: give only files you trust, as for
+    the seed's mnist.pkl.gz."""
+    path = _find_cifar(path) or path
+    kind, read = _cifar_files(path)
+    _, train_files, test_file, label_key, n_classes = CIFAR[kind]
+
+    def split(name):
+        where = f"{path}: {name}"
+        try:
+            batch = pickle.load(io.BytesIO(read(name)), encoding="bytes")
+            x, y = np.asarray(batch[b"data"]), np.asarray(batch[label_key])
+        except Exception as e:
+            raise DataError(f"{where}: not a CIFAR batch ({type(e).__name__}: {e})") from None
+        if x.dtype != np.uint8 or x.ndim != 2 or x.shape[1] != 3072 or y.shape != (len(x),):
+            raise DataError(f"{where}: expected uint8 images of 3072 values and a label "
+                            f"each, got {x.dtype} {x.shape} and {y.shape} labels")
+        if len(y) and not 0 <= y.min() <= y.max() < n_classes:
+            raise DataError(f"{where}: labels outside 0 to {n_classes - 1}")
+        return x.astype(np.float32) / 255.0, y.astype(np.int32)
+    parts = [split(name) for name in train_files]
+    x, y = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+    n_valid = len(y) // 10
+    if not 0 < n_valid < len(y):
+        raise DataError(f"{path}: {len(y)} training images are too few for a validation split")
+    return Dataset(kind, (x[:-n_valid], y[:-n_valid]), (x[-n_valid:], y[-n_valid:]),
+                   split(test_file), n_classes)
+
+
 def load(spec=None):
     """Load a dataset by name or path.
 
     None or 'embedded': the MNIST test set shipped with pympgu; 'fashion': Debian's
     Fashion-MNIST; 'digits': scikit-learn's 8x8 digits; a path ending in .pkl or .pkl.gz:
-    the seed's pickle; in .npz: a dataset of one's own (load_npz); any other path: a
-    directory of IDX files.
+    the seed's pickle; in .npz: a dataset of one's own (load_npz); CIFAR-10 or CIFAR-100's
+    archive or directories (load_cifar); any other path: a directory of IDX files.
     """
     if spec in (None, "embedded"):
         return load_idx_dir(EMBEDDED_DIR, "embedded MNIST")
@@ -223,6 +317,8 @@ def load(spec=None):
         return load_pickle(spec)
     if spec.endswith(".npz"):
         return load_npz(spec)
+    if _find_cifar(spec):
+        return load_cifar(spec)
     return load_idx_dir(spec)
 
 

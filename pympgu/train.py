@@ -777,9 +777,11 @@ def build_parser():
     d.add_argument("--data-dir", default=None,
                    help="MNIST-format IDX files (gzipped or not), or a path to the seed's "
                         "mnist.pkl.gz; 'fashion' for Debian's Fashion-MNIST; 'digits' for "
-                        "scikit-learn's 8x8 digits; a .npz of one's own with x_train, "
-                        "y_train, x_test, y_test (and optionally x_valid, y_valid; "
-                        "docs/MODELS.md) (default: the embedded MNIST test set)")
+                        "scikit-learn's 8x8 digits; CIFAR-10 or CIFAR-100's python version "
+                        "(cifar-10-python.tar.gz, the directory it unpacks to, or one "
+                        "holding either; 3x32x32 images for a convnet); a .npz of one's "
+                        "own with x_train, y_train, x_test, y_test (and optionally x_valid, "
+                        "y_valid; docs/MODELS.md) (default: the embedded MNIST test set)")
     m = p.add_argument_group("model and optimiser")
     m.add_argument("--preset", choices=sorted(PRESETS),
                    help="dual_mlp: the 2014 seed's run (MLP 500, lr 0.13, batch 5000, L2 1e-4, "

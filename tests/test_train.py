@@ -3,6 +3,7 @@ import gzip
 import io
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -300,6 +301,92 @@ def test_a_dataset_of_ones_own_trains_from_npz(tmp_path, capsys):
     np.savez(path, x_train=x, y_train=y, x_valid=xt[:100], y_valid=yt[:100], x_test=xt,
              y_test=yt)
     assert len(data.load(str(path)).valid[1]) == 100
+
+
+def fake_cifar(directory, kind="cifar-10", n=40, seed=0):
+    """CIFAR's python files, as its authors pickle them (bytes keys, uint8 rows of 3072
+    values, plane by plane), of n images a batch whose class sets one colour plane's
+    brightness (learnable from the channels alone); returns every batch's (data, labels)."""
+    unpacked, train_files, test_file, label_key, n_classes = data.CIFAR[kind]
+    rng = np.random.default_rng(seed)
+    os.makedirs(directory, exist_ok=True)
+    out = {}
+    for name in train_files + [test_file]:
+        y = rng.integers(0, n_classes, n)
+        x = rng.integers(0, 64, (n, 3, 1024))
+        x[np.arange(n), y % 3] += (64 + 60 * (y // 3 % 3))[:, None]  # class: plane, level
+        batch = {b"data": x.reshape(n, 3072).astype(np.uint8), label_key: list(map(int, y)),
+                 b"batch_label": name.encode()}
+        with open(os.path.join(directory, name), "wb") as f:
+            pickle.dump(batch, f, protocol=2)
+        out[name] = batch[b"data"], y
+    return out
+
+
+def test_cifar_loads_from_its_directory_its_archive_or_a_directory_holding_them(tmp_path):
+    """CIFAR-10's python version as downloaded: its five training batches in order, the
+    last tenth of them kept for validation, the test batch, images scaled to [0, 1] with
+    the colour planes first (as conv2d's NCHW reshape reads them); from the unpacked
+    directory, the .tar.gz, or the directory either lies in. CIFAR-100 has 100 classes."""
+    import tarfile
+    batches = fake_cifar(tmp_path / "cifar-10-batches-py")
+    ds = data.load(str(tmp_path / "cifar-10-batches-py"))
+    assert (ds.name, ds.n_in, ds.n_classes) == ("cifar-10", 3072, 10)
+    assert [len(s[1]) for s in (ds.train, ds.valid, ds.test)] == [180, 20, 40]
+    x = np.concatenate([batches[f"data_batch_{k}"][0] for k in range(1, 6)])
+    assert np.array_equal(ds.train[0], x[:180].astype(np.float32) / 255)
+    assert np.array_equal(ds.valid[1], batches["data_batch_5"][1][20:])
+    assert np.array_equal(ds.test[1], batches["test_batch"][1])
+    # Red plane first: the first 1024 values of a red image (class 0) are its brightest.
+    red = ds.test[0][ds.test[1] == 0].reshape(-1, 3, 1024).mean(axis=(0, 2))
+    assert red[0] > red[1] and red[0] > red[2], red
+    with tarfile.open(tmp_path / "cifar-10-python.tar.gz", "w:gz") as t:
+        t.add(tmp_path / "cifar-10-batches-py", arcname="cifar-10-batches-py")
+    (tmp_path / "elsewhere").mkdir()
+    os.rename(tmp_path / "cifar-10-python.tar.gz", tmp_path / "elsewhere" / "cifar-10-python.tar.gz")
+    for where in (tmp_path, tmp_path / "elsewhere", tmp_path / "elsewhere" / "cifar-10-python.tar.gz"):
+        again = data.load(str(where))
+        assert np.array_equal(again.train[0], ds.train[0]) and again.n_classes == 10, where
+    fake_cifar(tmp_path / "c100" / "cifar-100-python", "cifar-100", n=50)
+    hundred = data.load(str(tmp_path / "c100"))
+    assert (hundred.name, hundred.n_classes, len(hundred.train[1])) == ("cifar-100", 100, 45)
+
+
+def test_cifar_errors_name_the_file(tmp_path):
+    fake_cifar(tmp_path / "c")
+    (tmp_path / "c" / "data_batch_3").write_bytes(b"garbage")
+    with pytest.raises(data.DataError, match=r"c: data_batch_3: not a CIFAR batch"):
+        data.load(str(tmp_path / "c"))
+    with open(tmp_path / "c" / "data_batch_3", "wb") as f:
+        pickle.dump({b"data": np.zeros((4, 784), np.uint8), b"labels": [0] * 4}, f)
+    with pytest.raises(data.DataError, match=r"data_batch_3: expected uint8 images of 3072 "
+                                             r"values and a label each, got uint8 \(4, 784\)"):
+        data.load(str(tmp_path / "c"))
+    with open(tmp_path / "c" / "data_batch_3", "wb") as f:
+        pickle.dump({b"data": np.zeros((4, 3072), np.uint8), b"labels": [0, 1, 2, 10]}, f)
+    with pytest.raises(data.DataError, match="data_batch_3: labels outside 0 to 9"):
+        data.load(str(tmp_path / "c"))
+    with pytest.raises(data.DataError, match="missing.tar.gz: no such file"):
+        data.load(str(tmp_path / "missing.tar.gz"))
+    (tmp_path / "bad.tar.gz").write_bytes(b"not an archive")
+    with pytest.raises(data.DataError, match="bad.tar.gz: not a readable CIFAR archive"):
+        data.load(str(tmp_path / "bad.tar.gz"))
+
+
+def test_a_convnet_trains_on_cifar_shaped_images(tmp_path, capsys):
+    """3-channel 32x32 images from CIFAR's files through examples/strided.py on 2 CPU
+    workers (CPU JAX, as GPU workers compile it): the model reads them as 3x32x32, and
+    learns classes set by colour far better than chance."""
+    pytest.importorskip("jax")
+    fake_cifar(tmp_path / "cifar-10-batches-py", n=200)
+    strided = os.path.join(os.path.dirname(EXAMPLE), "strided.py:StridedConvNet")
+    assert train.main(["--cpu", "2", "--data-dir", str(tmp_path), "--model", strided,
+                       "--hidden", "8", "16", "--batch-size", "50", "--epochs", "4",
+                       "--optimizer", "adam", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "cifar-10 (900/100/200 train/valid/test, 3072 inputs) | StridedConvNet 3x32x32" in out
+    test_error = float(out.split("its test error ")[1].split("%")[0])
+    assert test_error < 50, out  # chance is 90%; two runs here: 20.0%
 
 
 @pytest.mark.parametrize("arrays,message", [
