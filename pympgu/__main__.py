@@ -10,6 +10,7 @@ import sys
 
 COMMANDS = """commands:
   python -m pympgu.train --help         train a network on several GPUs (or CPU workers)
+  python -m pympgu.evaluate --help      a trained run's errors, class by class
   python -m pympgu.bench --help         the exchange against NCCL and the seed's copy method
   python -m pympgu.bench train --help   training speed against PyTorch DDP"""
 

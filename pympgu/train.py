@@ -387,9 +387,10 @@ class Replica:
         return epoch, history
 
 
-def read_checkpoint(path, model):
+def read_checkpoint(path, model, use="--resume {path}: cannot resume from it"):
     """(epoch, history, values of ``model``'s state) from a checkpoint that Replica.save
-    wrote, or a ValueError naming --resume and what does not fit this model."""
+    wrote, or a ValueError, ``use`` (formatted with the path) and what does not fit this
+    model."""
     import numpy as np
     made = None
     try:
@@ -413,7 +414,7 @@ def read_checkpoint(path, model):
         # Checkpoints since session 28 say which model made them.
         builds = f"{model.describe()}, trained by {model.optimizer}"
         other = f" (it holds {made}; this run builds {builds})" if made and made != builds else ""
-        raise ValueError(f"--resume {path}: cannot resume from it: {e}{other}") from None
+        raise ValueError(f"{use.format(path=path)}: {e}{other}") from None
     return epoch, history, values
 
 

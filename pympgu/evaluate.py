@@ -1,0 +1,225 @@
+"""Evaluate a trained run: its error on a split, class by class, and where it errs.
+
+    python -m pympgu.evaluate runs/fashion                       # best.npz, the test split
+    python -m pympgu.evaluate runs/fashion --checkpoint last --split valid
+    python -m pympgu.evaluate runs/fashion --data-dir other.npz  # the same model, other data
+
+A run is what ``pympgu.train --out DIR`` wrote: config.json names the model, its widths and
+the data, best.npz (the epoch of least validation error) and checkpoint.npz (the last) hold
+its values. From Python::
+
+    from pympgu import evaluate
+    run = evaluate.load("runs/fashion")
+    probabilities = run.predict(x)        # (n, classes), for float32 rows x as the data's
+    report = run.evaluate("test")         # error, per class, and the confusion matrix
+
+It runs on the CPU (CPU JAX where it is installed, as pympgu.train's CPU workers do; else
+PyTensor's own backend): evaluating needs no GPU, and should not take one from a training
+run.
+"""
+import argparse
+import json
+import os
+import sys
+import types
+
+import numpy as np
+
+from .data import DataError
+from .train import BEST, CHECKPOINT, build_model, read_checkpoint
+
+CHECKPOINTS = {"best": BEST, "last": CHECKPOINT}
+SPLITS = ("test", "valid", "train")
+
+
+class EvaluateError(ValueError):
+    """A run that cannot be evaluated; the message names the file at fault."""
+
+
+class Trained:
+    """A trained model with a checkpoint's values, and the data it was trained on."""
+
+    def __init__(self, model, config, dataset, checkpoint, epoch, backend, batch_size):
+        self.model, self.config, self.dataset = model, config, dataset
+        self.checkpoint, self.epoch, self.backend = checkpoint, epoch, backend
+        self.batch_size = batch_size
+        self._fn = None
+
+    def _function(self):
+        # Compiled once, for a batch of static size: under JAX every size must be known
+        # when the graph is traced (a convnet's reshapes), so the last batch is padded.
+        if self._fn is None:
+            from .models import import_pytensor
+            pytensor = import_pytensor()
+            import pytensor.tensor as pt
+            from pytensor.tensor.special import softmax
+            x = pt.tensor("x", dtype="float32", shape=(self.batch_size, self.dataset.n_in))
+            self._fn = pytensor.function(
+                [x], softmax(self.model.logits(x), axis=1),
+                mode="JAX" if self.backend == "jax" else "FAST_RUN")
+        return self._fn
+
+    def predict(self, x):
+        """Class probabilities (n, classes) of ``x``: n examples, each of the data's
+        ``n_in`` values (any shape that flattens to it), scaled as the data the model was
+        trained on (pympgu's loaders give pixels in [0, 1])."""
+        x = np.asarray(x, np.float32)
+        x = x.reshape(len(x), -1) if x.size else x.reshape(0, self.dataset.n_in)
+        if x.shape[1] != self.dataset.n_in:
+            raise ValueError(f"the model takes {self.dataset.n_in} values an example "
+                             f"({self.dataset.name}), got {x.shape[1]}")
+        fn, b = self._function(), self.batch_size
+        out = []
+        for start in range(0, len(x), b):
+            chunk = x[start:start + b]
+            padded = np.zeros((b, x.shape[1]), np.float32)
+            padded[:len(chunk)] = chunk
+            out.append(np.asarray(fn(padded))[:len(chunk)])
+        return np.concatenate(out) if out else np.zeros((0, self.dataset.n_classes),
+                                                        np.float32)
+
+    def evaluate(self, split="test"):
+        """The model's errors on a split of its data ('test', 'valid' or 'train'): a dict
+        of the split, its size, the error rate, each class's examples, error rate and the
+        class it is most often taken for, and the confusion matrix (rows: the true class,
+        columns: the predicted one)."""
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+        x, y = getattr(self.dataset, split)
+        predicted = self.predict(x).argmax(axis=1)
+        k = self.dataset.n_classes
+        confusion = np.zeros((k, k), np.int64)
+        np.add.at(confusion, (y, predicted), 1)
+        classes = []
+        for c in range(k):
+            row = confusion[c].copy()
+            n = int(row.sum())
+            right = int(row[c])
+            row[c] = -1
+            classes.append({"class": c, "examples": n,
+                            "error": (n - right) / n if n else None,
+                            "taken_for": int(row.argmax()) if n > right else None,
+                            "taken_for_share": float(row.max()) / n if n > right else 0.0})
+        wrong = int((predicted != y).sum())
+        return {"split": split, "examples": len(y), "wrong": wrong,
+                "error": wrong / len(y) if len(y) else None, "classes": classes,
+                "confusion": confusion.tolist()}
+
+
+def _resolve(run, checkpoint):
+    """(the run's directory, the checkpoint file) for a run directory or a checkpoint."""
+    if os.path.isdir(run):
+        path = CHECKPOINTS.get(checkpoint, checkpoint)
+        path = path if os.path.isabs(path) else os.path.join(run, path)
+        if not os.path.isfile(path):
+            other = [n for n in CHECKPOINTS.values() if os.path.isfile(os.path.join(run, n))]
+            raise EvaluateError(f"{path}: no such checkpoint" + (
+                f" (the run has {', '.join(other)})" if other else
+                " (the run finished no epoch)"))
+        return run, path
+    if not os.path.isfile(run):
+        raise EvaluateError(f"{run}: no such run directory or checkpoint")
+    return os.path.dirname(os.path.abspath(run)), run
+
+
+def load(run, checkpoint="best", data=None, backend="auto", batch_size=500):
+    """The model of ``run`` (a ``pympgu.train --out`` directory, or a checkpoint in one)
+    with the values of ``checkpoint`` ('best', 'last', or a file), on the run's data or
+    ``data`` (a --data-dir), ready to predict: a :class:`Trained`. Raises EvaluateError (or
+    pympgu.data.DataError) naming the file at fault."""
+    import importlib.util
+    directory, path = _resolve(run, checkpoint)
+    config_path = os.path.join(directory, "config.json")
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise EvaluateError(f"{config_path}: no such file (pympgu.train --out writes it "
+                            "beside the checkpoints, and the model is built from it)") from None
+    except (OSError, ValueError) as e:
+        raise EvaluateError(f"{config_path}: cannot be read ({e})") from None
+    if backend == "auto":
+        backend = "jax" if importlib.util.find_spec("jax") is not None else "c"
+    # Before PyTensor and JAX are imported: JAX on the CPU, its warnings as a worker's.
+    from .train import _setup_backend
+    _setup_backend(types.SimpleNamespace(device=None, nranks=1, rank=0), backend)
+    from . import data as datamod
+    dataset = datamod.load(data if data is not None else config.get("data"))
+    from .models import ModelError
+    try:
+        model = build_model(config, dataset)
+        epoch, _, values = read_checkpoint(path, model, use=f"{path}: cannot evaluate it")
+    except (ModelError, ValueError) as e:
+        raise EvaluateError(str(e)) from None
+    for var, value in zip(model.state, values):
+        var.set_value(value)
+    return Trained(model, config, dataset, path, epoch, backend, batch_size)
+
+
+def format_report(run, report):
+    """The lines ``python -m pympgu.evaluate`` prints for ``report`` (Trained.evaluate)."""
+    ds = run.dataset
+    lines = [f"pympgu: {run.checkpoint}: {run.model.describe()} after epoch {run.epoch} | "
+             f"{ds.name}, {report['split']} split ({report['examples']:,} examples) | "
+             f"backend {run.backend}",
+             f"{report['split']} error {100 * report['error']:.2f}% ({report['wrong']:,} of "
+             f"{report['examples']:,})"]
+    classes = [c for c in report["classes"] if c["examples"]]
+    worst = len(classes) > 20  # CIFAR-100: the ten worst classes, not a hundred lines
+    if worst:
+        classes = sorted(classes, key=lambda c: -c["error"])[:10]
+        lines.append("the ten classes of most error:")
+    lines.append(f"{'class':>6} {'examples':>9} {'error':>8}  most often taken for")
+    for c in classes:
+        taken = (f"{c['taken_for']} ({100 * c['taken_for_share']:.1f}%)"
+                 if c["taken_for"] is not None else "-")
+        lines.append(f"{c['class']:>6} {c['examples']:>9,} {100 * c['error']:>7.2f}%  {taken}")
+    k = ds.n_classes
+    if k <= 10:
+        lines.append("confusion (rows: true class, columns: predicted):")
+        width = max(5, len(str(max(max(r) for r in report["confusion"]))) + 1)
+        lines.append(" " * 6 + "".join(f"{c:>{width}}" for c in range(k)))
+        lines += [f"{c:>6}" + "".join(f"{n:>{width}}" for n in row)
+                  for c, row in enumerate(report["confusion"])]
+    return lines
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="python -m pympgu.evaluate", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__.split("\n\nA run is")[0])
+    p.add_argument("run", help="a pympgu.train --out directory, or a checkpoint (.npz) in one")
+    p.add_argument("--checkpoint", default="best",
+                   help="'best' (best.npz, the epoch of least validation error), 'last' "
+                        "(checkpoint.npz) or a file name in the run (default: best)")
+    p.add_argument("--split", choices=SPLITS, default="test",
+                   help="the split of the data to evaluate (default: test)")
+    p.add_argument("--data-dir", default=None,
+                   help="other data of the same shape, as pympgu.train's --data-dir "
+                        "(default: the run's own, from its config.json)")
+    p.add_argument("--backend", choices=["auto", "c", "jax"], default="auto",
+                   help="PyTensor backend, on the CPU (default: 'jax' where JAX is "
+                        "installed, else 'c')")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="also write the report (per class, the confusion matrix) here")
+    return p
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        run = load(args.run, args.checkpoint, args.data_dir, args.backend)
+        report = run.evaluate(args.split)
+    except (EvaluateError, DataError) as e:
+        parser.error(str(e))
+    print("\n".join(format_report(run, report)), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(report, checkpoint=run.checkpoint, epoch=run.epoch,
+                           data=run.dataset.name), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

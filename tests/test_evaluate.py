@@ -1,0 +1,102 @@
+"""python -m pympgu.evaluate: a finished run's checkpoints give back the errors training
+printed, class by class; predict gives probabilities; a bad run or checkpoint is named."""
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from pympgu import evaluate, train
+
+pytestmark = pytest.mark.timeout(300)
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """An MLP trained for 2 epochs on 2 CPU workers, its --out directory."""
+    out = str(tmp_path_factory.mktemp("run"))
+    assert train.main(["--cpu", "2", "--hidden", "32", "--epochs", "2", "--out", out,
+                       "--quiet"]) == 0
+    return out
+
+
+def metrics(out):
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def test_the_best_checkpoint_gives_the_test_error_training_printed(run_dir, capsys):
+    """best.npz on the test split: the test error of the epoch of least validation error,
+    exactly (the test images fall into the same batches of 500 as in training, whose
+    evaluation batches run through the validation split's 1,000 first); the per-class
+    counts add up, and the confusion matrix's diagonal is what is right."""
+    lines = metrics(run_dir)
+    best = min(lines, key=lambda h: h["valid_error"])
+    assert evaluate.main([run_dir, "--json", os.path.join(run_dir, "eval.json")]) == 0
+    out = capsys.readouterr().out
+    report = json.load(open(os.path.join(run_dir, "eval.json")))
+    assert report["epoch"] == best["epoch"] and report["error"] == pytest.approx(best["test_error"])
+    assert f"test error {100 * best['test_error']:.2f}% ({report['wrong']} of 1,000)" in out, out
+    assert "MLP 784-32-10 after epoch" in out and "confusion (rows: true class" in out
+    confusion = np.array(report["confusion"])
+    assert confusion.sum() == 1000 and confusion.trace() == 1000 - report["wrong"]
+    assert [c["examples"] for c in report["classes"]] == list(confusion.sum(axis=1))
+
+
+def test_last_checkpoint_and_the_validation_split(run_dir):
+    last = metrics(run_dir)[-1]
+    run = evaluate.load(run_dir, checkpoint="last")
+    assert run.epoch == last["epoch"]
+    assert run.evaluate("valid")["error"] == pytest.approx(last["valid_error"])
+    assert run.evaluate("test")["error"] == pytest.approx(last["test_error"])
+
+
+def test_predict_gives_each_examples_class_probabilities(run_dir):
+    run = evaluate.load(run_dir)
+    x, y = run.dataset.test
+    p = run.predict(x[:7].reshape(7, 28, 28))  # any shape that flattens to the inputs
+    assert p.shape == (7, 10) and np.allclose(p.sum(axis=1), 1, atol=1e-5)
+    assert np.array_equal(run.predict(x)[:7].argmax(axis=1), p.argmax(axis=1))
+    assert run.predict(x[:0]).shape == (0, 10)
+    with pytest.raises(ValueError, match="the model takes 784 values an example"):
+        run.predict(np.zeros((2, 64)))
+
+
+def test_a_convnet_run_is_evaluated_in_padded_batches(tmp_path):
+    """A convnet's graph needs a static batch under JAX: the last, short batch is padded,
+    and the error is training's (the same to the example here, in batches of another
+    size)."""
+    pytest.importorskip("jax")
+    out = str(tmp_path)
+    assert train.main(["--cpu", "2", "--backend", "jax", "--model",
+                       f"{EXAMPLES}/strided.py:StridedConvNet", "--hidden", "4", "8",
+                       "--epochs", "1", "--out", out, "--quiet"]) == 0
+    run = evaluate.load(out, backend="jax", batch_size=300)  # 1,000 = 3 x 300 + 100
+    assert run.evaluate("test")["error"] == pytest.approx(metrics(out)[-1]["test_error"])
+
+
+def test_bad_runs_are_named(run_dir, tmp_path, capsys):
+    with pytest.raises(evaluate.EvaluateError, match="nowhere: no such run directory"):
+        evaluate.load(str(tmp_path / "nowhere"))
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    with pytest.raises(evaluate.EvaluateError, match="best.npz: no such checkpoint "
+                                                     r"\(the run finished no epoch\)"):
+        evaluate.load(str(bare))
+    shutil.copy(os.path.join(run_dir, train.CHECKPOINT), bare)
+    with pytest.raises(evaluate.EvaluateError, match=r"\(the run has checkpoint.npz\)"):
+        evaluate.load(str(bare))
+    with pytest.raises(evaluate.EvaluateError, match="config.json: no such file"):
+        evaluate.load(str(bare / train.CHECKPOINT))
+    # Another model's widths in config.json: the checkpoint does not fit, and says so.
+    config = json.load(open(os.path.join(run_dir, "config.json")))
+    json.dump(dict(config, hidden=[16]), open(bare / "config.json", "w"))
+    with pytest.raises(evaluate.EvaluateError, match=r"checkpoint.npz: cannot evaluate it: "
+                                                     r".* is \(784, 32\), this model's is"):
+        evaluate.load(str(bare), checkpoint="last")
+    with pytest.raises(SystemExit):  # the CLI: a parser error naming it
+        evaluate.main([str(bare), "--checkpoint", "last", "--data-dir",
+                       str(tmp_path / "missing.npz")])
+    assert "missing.npz: no such file" in capsys.readouterr().err
