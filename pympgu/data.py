@@ -16,6 +16,9 @@ import numpy as np
 
 EMBEDDED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "datasets")
 FASHION_DIR = "/usr/share/datasets/fashion-mnist"  # Debian's dataset-fashion-mnist
+# Fashion-MNIST's labels 0 to 9 (Zalando's README); its IDX files do not carry them.
+FASHION_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
+                   "Sneaker", "Bag", "Ankle boot")
 IMAGE_MAGIC, LABEL_MAGIC = 2051, 2049
 
 
@@ -24,12 +27,16 @@ class DataError(ValueError):
 
 
 class Dataset:
-    """Three splits of (images float32 [n, d], labels int32 [n]) and a name."""
+    """Three splits of (images float32 [n, d], labels int32 [n]), a name, and the classes'
+    names where the data has them (None: a class is its number)."""
 
-    def __init__(self, name, train, valid, test, n_classes=10):
+    def __init__(self, name, train, valid, test, n_classes=10, class_names=None):
         self.name, self.train, self.valid, self.test = name, train, valid, test
         self.n_classes = n_classes
         self.n_in = train[0].shape[1]
+        if class_names is not None and len(class_names) != n_classes:
+            raise DataError(f"{name}: {len(class_names)} class names for {n_classes} classes")
+        self.class_names = class_names
 
     def __repr__(self):
         sizes = "/".join(str(len(s[1])) for s in (self.train, self.valid, self.test))
@@ -103,16 +110,19 @@ def load_idx_dir(directory, name=None, n_valid=10000):
     name = name or os.path.basename(os.path.normpath(directory))
     if not os.path.isdir(directory):
         raise DataError(f"{directory}: no such directory")
+    # IDX files hold numbers only: a directory named for Fashion-MNIST gets its classes'
+    # names (for pympgu.evaluate's report), any other a class's number.
+    names = FASHION_CLASSES if "fashion" in name.lower() else None
     has_train = os.path.exists(_find(directory, "train-images-idx3-ubyte"))
     test = load_idx_pair(directory, "t10k")
     if not has_train:
         n = len(test[1])
         order = np.random.RandomState(0).permutation(n)
         train, valid, test = _split(test[0][order], test[1][order], n // 10, n // 10)
-        return Dataset(name + " (t10k, shuffled 8:1:1)", train, valid, test)
+        return Dataset(name + " (t10k, shuffled 8:1:1)", train, valid, test, class_names=names)
     x, y = load_idx_pair(directory, "train")
     train, valid = (x[:-n_valid], y[:-n_valid]), (x[-n_valid:], y[-n_valid:])
-    return Dataset(name, train, valid, test)
+    return Dataset(name, train, valid, test, class_names=names)
 
 
 def load_pickle(path):
@@ -201,6 +211,9 @@ def load_npz(path, valid_share=0.1):
 CIFAR = {"cifar-10": ("cifar-10-batches-py", [f"data_batch_{k}" for k in range(1, 6)],
                       "test_batch", b"labels", 10),
          "cifar-100": ("cifar-100-python", ["train"], "test", b"fine_labels", 100)}
+# The file of each CIFAR that names its classes, and the key of the names.
+CIFAR_META = {"cifar-10": ("batches.meta", b"label_names"),
+              "cifar-100": ("meta", b"fine_label_names")}
 
 
 def _cifar_kind(names):
@@ -227,7 +240,8 @@ def _find_cifar(path):
 
 
 def _cifar_files(path):
-    """(which CIFAR, read(name) -> bytes) of an archive or a directory of batches."""
+    """(which CIFAR, read(name) -> bytes, KeyError for a file it lacks) of an archive or a
+    directory of batches."""
     if os.path.isdir(path):
         kind = _cifar_kind(set(os.listdir(path)))
         if kind is None:
@@ -235,8 +249,11 @@ def _cifar_files(path):
                             "test_batch, or train and test) and no archive of them")
 
         def read(name):
-            with open(os.path.join(path, name), "rb") as f:
-                return f.read()
+            try:
+                with open(os.path.join(path, name), "rb") as f:
+                    return f.read()
+            except FileNotFoundError:
+                raise KeyError(name) from None
         return kind, read
     try:
         archive = tarfile.open(path, "r:*")
@@ -251,7 +268,7 @@ def _cifar_files(path):
             raise DataError(f"{path}: holds no CIFAR-10 or CIFAR-100 files")
         _, train_files, test_file, _, _ = CIFAR[kind]
         blobs = {name: archive.extractfile(members[name]).read()
-                 for name in train_files + [test_file]}
+                 for name in train_files + [test_file, CIFAR_META[kind][0]] if name in members}
     return kind, blobs.__getitem__
 
 
@@ -284,7 +301,19 @@ def load_cifar(path):
     if not 0 < n_valid < len(y):
         raise DataError(f"{path}: {len(y)} training images are too few for a validation split")
     return Dataset(kind, (x[:-n_valid], y[:-n_valid]), (x[-n_valid:], y[-n_valid:]),
-                   split(test_file), n_classes)
+                   split(test_file), n_classes, _cifar_names(kind, read, n_classes))
+
+
+def _cifar_names(kind, read, n_classes):
+    """The classes' names from CIFAR's meta file, or None where it is missing or odd (the
+    names only label pympgu.evaluate's report)."""
+    meta, key = CIFAR_META[kind]
+    try:
+        names = [n.decode() if isinstance(n, bytes) else str(n)
+                 for n in pickle.load(io.BytesIO(read(meta)), encoding="bytes")[key]]
+    except Exception:  # no meta file, or not the one expected
+        return None
+    return names if len(names) == n_classes else None
 
 
 def load(spec=None):

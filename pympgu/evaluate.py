@@ -80,14 +80,14 @@ class Trained:
 
     def evaluate(self, split="test"):
         """The model's errors on a split of its data ('test', 'valid' or 'train'): a dict
-        of the split, its size, the error rate, each class's examples, error rate and the
-        class it is most often taken for, and the confusion matrix (rows: the true class,
-        columns: the predicted one)."""
+        of the split, its size, the error rate, each class's name (the data's, else its
+        number), examples, error rate and the class it is most often taken for, and the
+        confusion matrix (rows: the true class, columns: the predicted one)."""
         if split not in SPLITS:
             raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
         x, y = getattr(self.dataset, split)
         predicted = self.predict(x).argmax(axis=1)
-        k = self.dataset.n_classes
+        k, names = self.dataset.n_classes, self.dataset.class_names
         confusion = np.zeros((k, k), np.int64)
         np.add.at(confusion, (y, predicted), 1)
         classes = []
@@ -96,9 +96,11 @@ class Trained:
             n = int(row.sum())
             right = int(row[c])
             row[c] = -1
-            classes.append({"class": c, "examples": n,
-                            "error": (n - right) / n if n else None,
-                            "taken_for": int(row.argmax()) if n > right else None,
+            taken = int(row.argmax()) if n > right else None
+            classes.append({"class": c, "name": names[c] if names else str(c), "examples": n,
+                            "error": (n - right) / n if n else None, "taken_for": taken,
+                            "taken_for_name": None if taken is None else
+                            names[taken] if names else str(taken),
                             "taken_for_share": float(row.max()) / n if n > right else 0.0})
         wrong = int((predicted != y).sum())
         return {"split": split, "examples": len(y), "wrong": wrong,
@@ -169,11 +171,18 @@ def format_report(run, report):
     if worst:
         classes = sorted(classes, key=lambda c: -c["error"])[:10]
         lines.append("the ten classes of most error:")
-    lines.append(f"{'class':>6} {'examples':>9} {'error':>8}  most often taken for")
+    named = ds.class_names is not None
+    width = max([len(c["name"]) for c in classes] + [5]) if named else 0
+
+    def label(number, name):
+        return f"{number:>3} {name:<{width}}" if named else f"{number:>5}"
+    lines.append(f"{label('', 'class') if named else 'class'} {'examples':>9} {'error':>8}  "
+                 "most often taken for")
     for c in classes:
-        taken = (f"{c['taken_for']} ({100 * c['taken_for_share']:.1f}%)"
-                 if c["taken_for"] is not None else "-")
-        lines.append(f"{c['class']:>6} {c['examples']:>9,} {100 * c['error']:>7.2f}%  {taken}")
+        taken = (f"{label(c['taken_for'], c['taken_for_name']).strip()} "
+                 f"({100 * c['taken_for_share']:.1f}%)" if c["taken_for"] is not None else "-")
+        lines.append(f"{label(c['class'], c['name'])} {c['examples']:>9,} "
+                     f"{100 * c['error']:>7.2f}%  {taken}")
     k = ds.n_classes
     if k <= 10:
         lines.append("confusion (rows: true class, columns: predicted):")

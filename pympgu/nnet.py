@@ -75,7 +75,9 @@ def correlate_grad_x(w, gy, image, padding=(0, 0), stride=(1, 1), dilation=(1, 1
     for ky in range(kh):
         for kx in range(kw):
             y0, x0 = ky * dh, kx * dw
-            gxp[:, :, y0:y0 + sh * (oh - 1) + 1:sh, x0:x0 + sw * (ow - 1) + 1:sw] += taps[:, ky, kx]
+            rows = slice(y0, y0 + sh * (oh - 1) + 1, sh)
+            cols = slice(x0, x0 + sw * (ow - 1) + 1, sw)
+            gxp[:, :, rows, cols] += taps[:, ky, kx]
     gxp = gxp.transpose(1, 0, 2, 3)
     return np.ascontiguousarray(gxp[:, :, ph:ph + image[0], pw:pw + image[1]])
 
@@ -108,8 +110,12 @@ def _out_size(n, k, p, s, d):
 
 def _pairs(name, value, least):
     """One int, or (rows, columns), as a pair of ints each at least ``least``."""
-    pair = (value, value) if np.ndim(value) == 0 else tuple(value)
-    if len(pair) != 2 or any(int(v) != v or v < least for v in pair):
+    try:
+        pair = (value, value) if np.ndim(value) == 0 else tuple(value)
+        valid = len(pair) == 2 and all(int(v) == v >= least for v in pair)
+    except (TypeError, ValueError):
+        valid = False
+    if not valid:
         what = "non-negative" if least == 0 else "positive"
         raise ValueError(f"conv2d: {name} must be one or two {what} ints, got {value!r}")
     return tuple(int(v) for v in pair)
@@ -155,7 +161,7 @@ class Conv2d(_Geometry):
         if c is not None and c2 is not None and c != c2:
             raise ValueError(f"conv2d: the images have {c} channels, the filters {c2}")
         rows, cols = (_out_size(n, k, *g) for n, k, g in
-                      zip((h, wd), (kh, kw), zip(self.padding, self.stride, self.dilation)))
+                      zip((h, wd), (kh, kw), zip(*self.geometry)))
         if (rows is not None and rows < 1) or (cols is not None and cols < 1):
             raise ValueError(f"conv2d: {kh}x{kw} filters (dilation {self.dilation}) do not "
                              f"fit {h}x{wd} images padded by {self.padding}")

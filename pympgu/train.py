@@ -793,8 +793,8 @@ def build_parser():
                         "every worker as CLASS(n_in, hidden, n_out, seed=...), trained as the "
                         "MLP is (docs/MODELS.md; default: the MLP of --hidden)")
     m.add_argument("--hidden", type=int, nargs="+", metavar="H",
-                   help=f"hidden layer widths, e.g. 4096 4096 (default: {DEFAULTS['hidden'][0]}, or "
-                        "--model's default_hidden)")
+                   help="hidden layer widths, e.g. 4096 4096 (default: "
+                        f"{DEFAULTS['hidden'][0]}, or --model's default_hidden)")
     m.add_argument("--epochs", type=int, help=f"epochs (default: {DEFAULTS['epochs']})")
     m.add_argument("--batch-size", type=int, help="minibatch per worker "
                    f"(default: {DEFAULTS['batch_size']})")
@@ -925,7 +925,8 @@ def resolve(args, parser):
     backend = args.backend
     if backend == "auto":
         # JAX wherever it is installed: on CPU workers too, where XLA ran the MLP 1.4 times
-        # and the convnets 8 to 10 times as fast as PyTensor's own backend (docs/MODELS.md).
+        # and the convnets 8 to 10 times as fast as PyTensor's own backend (docs/MODELS.md,
+        # "On CPU workers").
         import importlib.util
         backend = "jax" if not cpu or importlib.util.find_spec("jax") is not None else "c"
     if not cpu and backend != "jax":

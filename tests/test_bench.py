@@ -435,9 +435,9 @@ def test_a_model_of_ones_own_has_a_torch_twin_if_its_class_gives_one():
     assert bench_train.has_torch_twin(lenet) and not bench_train.has_torch_twin(residual)
 
 
-@pytest.mark.parametrize("example,hidden", [("lenet.py:LeNet", None), ("lenet.py:LeNet", [8, 16, 64]),
-                                            ("strided.py:StridedConvNet", None),
-                                            ("strided.py:StridedConvNet", [8, 16, 16])])
+@pytest.mark.parametrize("example,hidden", [
+    ("lenet.py:LeNet", None), ("lenet.py:LeNet", [8, 16, 64]),
+    ("strided.py:StridedConvNet", None), ("strided.py:StridedConvNet", [8, 16, 16])])
 def test_a_convnets_torch_twin_is_the_same_network(example, hidden):
     """The twin that DDP trains has pympgu's convnet's parameters (at the model's own
     default_hidden when none is given) and gives one score per class from flat inputs."""

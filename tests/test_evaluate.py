@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 
-from pympgu import evaluate, train
+from pympgu import data, evaluate, train
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -43,6 +43,18 @@ def test_the_best_checkpoint_gives_the_test_error_training_printed(run_dir, caps
     confusion = np.array(report["confusion"])
     assert confusion.sum() == 1000 and confusion.trace() == 1000 - report["wrong"]
     assert [c["examples"] for c in report["classes"]] == list(confusion.sum(axis=1))
+
+
+def test_a_report_names_the_classes_where_the_data_does(run_dir, capsys):
+    """Fashion-MNIST's classes by name (its IDX files hold numbers only), in the table and
+    in what each is taken for; the MNIST model evaluated on other data of its shape."""
+    if not os.path.isdir(data.FASHION_DIR):
+        pytest.skip(f"{data.FASHION_DIR}: apt-get install dataset-fashion-mnist")
+    assert evaluate.main([run_dir, "--data-dir", "fashion"]) == 0
+    out = capsys.readouterr().out
+    assert "fashion-mnist, test split (10,000 examples)" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("  9 Ankle boot")]
+    assert len(rows) == 1 and rows[0][3] == "1,000", out
 
 
 def test_last_checkpoint_and_the_validation_split(run_dir):

@@ -118,9 +118,10 @@ def test_bad_layers_are_named(build, message):
 @pytest.mark.parametrize("platform", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_jax_conversion_agrees_with_numpy(platform):
     """The same layer, its output and both gradients, with padding, strides and dilation,
-    by PyTensor's CPU backend (numpy's perform) and by its JAX backend (XLA's convolution; on a GPU cuDNN's, at full float32
-    precision rather than TF32, so that one tolerance fits both), in float32. A fresh
-    interpreter, since JAX's platform must be chosen before JAX is imported."""
+    by PyTensor's CPU backend (numpy's perform) and by its JAX backend (XLA's convolution;
+    on a GPU cuDNN's, at full float32 precision rather than TF32, so that one tolerance
+    fits both), in float32. A fresh interpreter, since JAX's platform must be chosen
+    before JAX is imported."""
     pytest.importorskip("jax")
     code = f"""
 import os; os.environ['JAX_PLATFORMS'] = '{platform}'

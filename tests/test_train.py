@@ -320,6 +320,9 @@ def fake_cifar(directory, kind="cifar-10", n=40, seed=0):
         with open(os.path.join(directory, name), "wb") as f:
             pickle.dump(batch, f, protocol=2)
         out[name] = batch[b"data"], y
+    meta, key = data.CIFAR_META[kind]
+    with open(os.path.join(directory, meta), "wb") as f:
+        pickle.dump({key: [f"class {c}".encode() for c in range(n_classes)]}, f, protocol=2)
     return out
 
 
@@ -332,6 +335,7 @@ def test_cifar_loads_from_its_directory_its_archive_or_a_directory_holding_them(
     batches = fake_cifar(tmp_path / "cifar-10-batches-py")
     ds = data.load(str(tmp_path / "cifar-10-batches-py"))
     assert (ds.name, ds.n_in, ds.n_classes) == ("cifar-10", 3072, 10)
+    assert ds.class_names == [f"class {c}" for c in range(10)]  # from batches.meta
     assert [len(s[1]) for s in (ds.train, ds.valid, ds.test)] == [180, 20, 40]
     x = np.concatenate([batches[f"data_batch_{k}"][0] for k in range(1, 6)])
     assert np.array_equal(ds.train[0], x[:180].astype(np.float32) / 255)
@@ -347,9 +351,13 @@ def test_cifar_loads_from_its_directory_its_archive_or_a_directory_holding_them(
     for where in (tmp_path, tmp_path / "elsewhere", tmp_path / "elsewhere" / "cifar-10-python.tar.gz"):
         again = data.load(str(where))
         assert np.array_equal(again.train[0], ds.train[0]) and again.n_classes == 10, where
+        assert again.class_names == ds.class_names, where
     fake_cifar(tmp_path / "c100" / "cifar-100-python", "cifar-100", n=50)
     hundred = data.load(str(tmp_path / "c100"))
     assert (hundred.name, hundred.n_classes, len(hundred.train[1])) == ("cifar-100", 100, 45)
+    assert hundred.class_names[99] == "class 99"
+    os.remove(tmp_path / "c100" / "cifar-100-python" / "meta")  # the names are optional
+    assert data.load(str(tmp_path / "c100")).class_names is None
 
 
 def test_cifar_errors_name_the_file(tmp_path):
