@@ -1027,6 +1027,8 @@ def run(cfg, devices, port=None, quiet=False):
               f"{mean_rate:.0f} samples/s")
         if cfg["out"]:
             plot(history, os.path.join(cfg["out"], "curves.png"))
+            if kept:
+                print(f"its errors class by class: python -m pympgu.evaluate {cfg['out']}")
     return history
 
 

@@ -126,6 +126,7 @@ def test_out_keeps_the_best_epoch_beside_the_last(tmp_path, capsys):
     assert train.checkpoint_epoch(os.path.join(out, train.BEST)) == best["epoch"], hist
     printed = capsys.readouterr().out
     assert f"(epoch {best['epoch']}, its checkpoint {os.path.join(out, train.BEST)})" in printed
+    assert f"class by class: python -m pympgu.evaluate {out}" in printed
     assert [line.split("  lr ")[-1] for line in printed.splitlines()
             if line.startswith("epoch")] == [f"{h['lr']:.3g}" for h in hist], printed
     more = train.run(config(epochs=4, hidden=[16], resume=os.path.join(out, train.BEST),
