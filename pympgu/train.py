@@ -4,6 +4,7 @@
     python -m pympgu.train --cpu 2               # two CPU workers, no GPU needed
     python -m pympgu.train                       # every visible GPU, else 2 CPU workers
     python -m pympgu.train --model examples/residual_mlp.py:ResidualMLP   # your own model
+    python -m pympgu.train --out runs/a && python -m pympgu.evaluate runs/a   # then its errors
 
 Each worker trains a replica on its own minibatches (disjoint shards of every epoch); every
 --sync-every steps the replicas' parameters and momentum (or Adam's moments) are averaged
@@ -933,7 +934,12 @@ def resolve(args, parser):
         parser.error("--backend c runs on CPUs only; GPU workers use --backend jax")
     data = args.data_dir
     if data is not None and data not in ("fashion", "digits") and not os.path.exists(data):
-        parser.error(f"--data-dir {data}: no such file or directory")
+        hint = ""
+        if "cifar" in data.lower():  # a name, as 'fashion' is: CIFAR must be downloaded
+            hint = (" (pympgu reads CIFAR as its authors ship it: download "
+                    "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz, or "
+                    "cifar-100-python.tar.gz, and give its path)")
+        parser.error(f"--data-dir {data}: no such file or directory{hint}")
     resume = args.resume
     if resume:
         if os.path.isdir(resume):

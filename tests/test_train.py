@@ -361,7 +361,12 @@ def test_cifar_loads_from_its_directory_its_archive_or_a_directory_holding_them(
     assert data.load(str(tmp_path / "c100")).class_names is None
 
 
-def test_cifar_errors_name_the_file(tmp_path):
+def test_cifar_errors_name_the_file(tmp_path, capsys):
+    with pytest.raises(SystemExit):  # a name, not a path: where to get it
+        train.main(["--cpu", "2", "--data-dir", "cifar10"])
+    assert "--data-dir cifar10: no such file or directory (pympgu reads CIFAR as its " \
+        "authors ship it: download https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz" \
+        in capsys.readouterr().err
     fake_cifar(tmp_path / "c")
     (tmp_path / "c" / "data_batch_3").write_bytes(b"garbage")
     with pytest.raises(data.DataError, match=r"c: data_batch_3: not a CIFAR batch"):
