@@ -946,7 +946,15 @@ def resolve(args, parser):
             resume = os.path.join(resume, CHECKPOINT)
         if not os.path.isfile(resume):
             parser.error(f"--resume {args.resume}: no checkpoint there")
-    cfg.update(model=args.model, data=data, backend=backend, method=args.method,
+    # Paths made absolute in config.json, so that pympgu.evaluate (and --resume) find the
+    # model's file and the data from any directory.
+    model = args.model
+    if model and model.rpartition(":")[0].endswith(".py"):
+        where, _, name = model.rpartition(":")
+        model = f"{os.path.abspath(where)}:{name}"
+    if data is not None and data not in ("fashion", "digits"):
+        data = os.path.abspath(data)
+    cfg.update(model=model, data=data, backend=backend, method=args.method,
                sync_every=args.sync_every, overlap=args.overlap,
                exchange_dtype=args.exchange_dtype, exchange_blocks=args.exchange_blocks,
                # An escape hatch, not a flag: the exchange queued from Python, as before

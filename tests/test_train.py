@@ -774,6 +774,21 @@ def test_a_convnet_trains_on_cpu_jax(tmp_path, capfd, example, hidden, described
     assert lines[-1]["test_error"] < 0.3, lines  # chance is 0.9
 
 
+def test_config_keeps_the_models_file_and_the_data_by_absolute_path(tmp_path, monkeypatch):
+    """config.json's --model file and --data-dir are absolute, so that pympgu.evaluate and
+    --resume find them from any directory; names ('fashion') and modules stay as given."""
+    parser = train.build_parser()
+    (tmp_path / "d.npz").write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    relative = os.path.relpath(EXAMPLE)
+    cfg = train.resolve(parser.parse_args(["--cpu", "2", "--model", f"{relative}:ResidualMLP",
+                                           "--data-dir", "d.npz"]), parser)[0]
+    assert cfg["model"] == f"{EXAMPLE}:ResidualMLP" and cfg["data"] == str(tmp_path / "d.npz")
+    cfg = train.resolve(parser.parse_args(["--cpu", "2", "--model", "pympgu.models:MLP",
+                                           "--data-dir", "digits"]), parser)[0]
+    assert (cfg["model"], cfg["data"]) == ("pympgu.models:MLP", "digits")
+
+
 def test_hidden_defaults_to_the_models_own():
     """Without --hidden a model of one's own gets its class's default_hidden (a convnet's
     channels are not the MLP's 500 units); --hidden and a preset's widths still win, and a
