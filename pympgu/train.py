@@ -767,7 +767,7 @@ def build_parser():
                        help="PyTensor backend: 'jax' (XLA; GPUs need it) or 'c' (PyTensor's "
                             "own CPU backend, its FAST_RUN mode: compiled by Numba from "
                             "PyTensor 3, by C before) (default: 'jax' wherever JAX is "
-                            "installed, CPU workers too, where it ran the MLP 1.4 times and "
+                            "installed, CPU workers too, where it ran the MLP about twice and "
                             "the convnets 8 to 10 times as fast as 'c'; else 'c')")
     where.add_argument("--method", choices=list(METHODS), default="auto",
                        help="GPU averaging algorithm: the kernels 'll' (buffers up to 256 KiB), "
@@ -930,7 +930,7 @@ def resolve(args, parser):
     cpu = devices[0] is None
     backend = args.backend
     if backend == "auto":
-        # JAX wherever it is installed: on CPU workers too, where XLA ran the MLP 1.4 times
+        # JAX wherever it is installed: on CPU workers too, where XLA ran the MLP about twice
         # and the convnets 8 to 10 times as fast as PyTensor's own backend (docs/MODELS.md,
         # "On CPU workers").
         import importlib.util
