@@ -88,6 +88,21 @@ for step in $steps; do
       timeout 60 python3 benchmarks/probe_lenet.py --batch ${LENET_BATCH:-1024} 2>&1 | tail -6
       timeout 400 python3 benchmarks/accuracy_variants.py --data-dir ${DATA:-.data/fashion} --gpus ${VGPUS:-0 0} --epochs 10 \
         --model examples/lenet.py:LeNet --hidden 500 --variants overlap "sync every 4" "overlap + sync every 4" 2>&1 | tail -5 ;;
+    # The convnets' scaling against DDP's, on the GPUs of CONVNETS (default "--gpus 0 1":
+    # the 2-GPU kind), the variants whose speed the issue asks about. Up to 4.5 minutes a
+    # model: CONVNET_MODELS=examples/lenet.py:LeNet runs one, to fit a 10-minute call.
+    convnets)
+      for model in ${CONVNET_MODELS:-examples/lenet.py:LeNet examples/strided.py:StridedConvNet}; do
+        echo "--- $model"
+        timeout 270 python3 -m pympgu.bench train ${CONVNETS:---gpus 0 1} --model $model --repeats 2 \
+          --variants sync1 sync4 overlap4 --json "$OUT/$(basename ${model%%.py*})_bench.json" 2>&1 \
+          | grep -v -i "warn\|return lax\|delay kernel" | tail -14
+      done ;;
+    # Adam on 2 GPUs: its GPU test, and its scaling against DDP's Adam (session 29's Next).
+    adam2)
+      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_runtime.py -k adam 2>&1 | tail -3
+      timeout 400 python3 -m pympgu.bench train --gpus 0 1 --models wide --variants sync1 sync4 overlap4 \
+        --optimizer adam --repeats 2 --json "$OUT/adam2.json" 2>&1 | grep -v -i "warn\|delay kernel" | tail -14 ;;
     # BENCH="--gpus 0 1" on the 2-GPU kind; the default puts 2 ranks on one GPU.
     bench) timeout 500 python3 -m pympgu.bench ${BENCH:---gpus 0 --procs 2 --sizes 4K 64K 1M 64M} --json "$OUT/bench.json" 2>&1 | tail -25 ;;
     # The installed package, away from the source tree: it must train on its embedded data.
