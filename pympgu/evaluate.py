@@ -150,8 +150,11 @@ def load(run, checkpoint="best", data=None, backend="auto", batch_size=500):
     from .models import ModelError
     try:
         model = build_model(config, dataset)
+    except ModelError as e:  # its file moved, say: the message names it, as --model's
+        raise EvaluateError(f"{config_path}: its model cannot be built ({e})") from None
+    try:
         epoch, _, values = read_checkpoint(path, model, use=f"{path}: cannot evaluate it")
-    except (ModelError, ValueError) as e:
+    except ValueError as e:
         raise EvaluateError(str(e)) from None
     for var, value in zip(model.state, values):
         var.set_value(value)

@@ -110,6 +110,10 @@ def test_bad_runs_are_named(run_dir, tmp_path, capsys):
     with pytest.raises(evaluate.EvaluateError, match=r"checkpoint.npz: cannot evaluate it: "
                                                      r".* is \(784, 32\), this model's is"):
         evaluate.load(str(bare), checkpoint="last")
+    json.dump(dict(config, model="/moved/net.py:Net"), open(bare / "config.json", "w"))
+    with pytest.raises(evaluate.EvaluateError, match=r"config.json: its model cannot be built "
+                                                     r"\(--model /moved/net.py:Net: no such file"):
+        evaluate.load(str(bare), checkpoint="last")
     with pytest.raises(SystemExit):  # the CLI: a parser error naming it
         evaluate.main([str(bare), "--checkpoint", "last", "--data-dir",
                        str(tmp_path / "missing.npz")])
