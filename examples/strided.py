@@ -18,9 +18,11 @@ from pympgu.models import Model  # first: it sets PyTensor's floatX to float32
 from pympgu.nnet import square_images
 
 
-def halved(side):
-    """The side of the image after a 3x3 convolution of stride 2 padded by 1."""
-    return (side - 1) // 2 + 1
+def halved(side, times=1):
+    """The side of the image after ``times`` 3x3 convolutions of stride 2 padded by 1."""
+    for _ in range(times):
+        side = (side - 1) // 2 + 1
+    return side
 
 
 class StridedConvNet(Model):
@@ -48,9 +50,7 @@ class StridedConvNet(Model):
                 layers.append((w, b, stride))
             self.stages.append(layers)
             c = f
-        self.out_side = self.side
-        for _ in hidden:
-            self.out_side = halved(self.out_side)
+        self.out_side = halved(self.side, len(hidden))
         self.flat = c * self.out_side ** 2
         self.w_out = self.parameter(np.zeros((self.flat, n_out)), "W_out")
         self.b_out = self.parameter(np.zeros(n_out), "b_out", penalized=False)
@@ -89,7 +89,6 @@ class StridedConvNet(Model):
             layers += [torch.nn.Conv2d(c, f, 3, padding=1), torch.nn.ReLU(),
                        torch.nn.Conv2d(f, f, 3, stride=2, padding=1), torch.nn.ReLU()]
             c = f
-        for _ in hidden:
-            side = halved(side)
+        side = halved(side, len(hidden))
         layers += [torch.nn.Flatten(), torch.nn.Linear(c * side * side, n_out)]
         return torch.nn.Sequential(*layers)

@@ -346,8 +346,9 @@ def load(spec=None):
         return load_pickle(spec)
     if spec.endswith(".npz"):
         return load_npz(spec)
-    if _find_cifar(spec):
-        return load_cifar(spec)
+    cifar = _find_cifar(spec)
+    if cifar:
+        return load_cifar(cifar)
     return load_idx_dir(spec)
 
 

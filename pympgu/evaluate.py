@@ -26,7 +26,7 @@ import types
 import numpy as np
 
 from .data import DataError
-from .train import BEST, CHECKPOINT, build_model, read_checkpoint
+from .train import BEST, CHECKPOINT, auto_backend, build_model, read_checkpoint
 
 CHECKPOINTS = {"best": BEST, "last": CHECKPOINT}
 SPLITS = ("test", "valid", "train")
@@ -129,7 +129,6 @@ def load(run, checkpoint="best", data=None, backend="auto", batch_size=500):
     with the values of ``checkpoint`` ('best', 'last', or a file), on the run's data or
     ``data`` (a --data-dir), ready to predict: a :class:`Trained`. Raises EvaluateError (or
     pympgu.data.DataError) naming the file at fault."""
-    import importlib.util
     directory, path = _resolve(run, checkpoint)
     config_path = os.path.join(directory, "config.json")
     try:
@@ -141,7 +140,7 @@ def load(run, checkpoint="best", data=None, backend="auto", batch_size=500):
     except (OSError, ValueError) as e:
         raise EvaluateError(f"{config_path}: cannot be read ({e})") from None
     if backend == "auto":
-        backend = "jax" if importlib.util.find_spec("jax") is not None else "c"
+        backend = auto_backend(cpu=True)
     # Before PyTensor and JAX are imported: JAX on the CPU, its warnings as a worker's.
     from .train import _setup_backend
     _setup_backend(types.SimpleNamespace(device=None, nranks=1, rank=0), backend)

@@ -928,13 +928,7 @@ def resolve(args, parser):
             devices = [None, None]
             note = f"no usable GPU ({info}); running 2 CPU workers"
     cpu = devices[0] is None
-    backend = args.backend
-    if backend == "auto":
-        # JAX wherever it is installed: on CPU workers too, where XLA ran the MLP about twice
-        # and the convnets 8 to 10 times as fast as PyTensor's own backend (docs/MODELS.md,
-        # "On CPU workers").
-        import importlib.util
-        backend = "jax" if not cpu or importlib.util.find_spec("jax") is not None else "c"
+    backend = args.backend if args.backend != "auto" else auto_backend(cpu)
     if not cpu and backend != "jax":
         parser.error("--backend c runs on CPUs only; GPU workers use --backend jax")
     data = args.data_dir
@@ -968,6 +962,14 @@ def resolve(args, parser):
                seed=args.seed, out=args.out, resume=resume,
                devices=["cpu" if d is None else d for d in devices])
     return cfg, devices, note
+
+
+def auto_backend(cpu):
+    """What --backend auto means: JAX on GPUs, and on CPU workers wherever it is installed,
+    where XLA ran the MLP about twice and the convnets 8 to 10 times as fast as PyTensor's
+    own backend (docs/MODELS.md, "On CPU workers"); else 'c'."""
+    import importlib.util
+    return "jax" if not cpu or importlib.util.find_spec("jax") is not None else "c"
 
 
 class UsageError(ValueError):
