@@ -74,7 +74,7 @@ class LeNet(Model):
         for w, b in self.convs:
             h = pt.tanh(max_pool_2d(conv2d(h, w), 2) + b.dimshuffle("x", 0, "x", "x"))
         h = pt.tanh(pt.dot(h.reshape((batch, self.flat)), self.w_hidden) + self.b_hidden)
-        return pt.dot(h, self.w_out) + self.b_out
+        return pt.dot(self.dropout(h), self.w_out) + self.b_out  # --dropout's layer
 
     @staticmethod
     def torch_twin(n_in, hidden, n_out):

@@ -36,5 +36,6 @@ class ResidualMLP(Model):
         import pytensor.tensor as pt
         h = pt.maximum(pt.dot(x, self.w_in) + self.b_in, 0)
         for w, b in self.blocks:
-            h = h + pt.maximum(pt.dot(h, w) + b, 0)
+            # --dropout drops within each block's branch; the identity path keeps every unit.
+            h = h + self.dropout(pt.maximum(pt.dot(h, w) + b, 0))
         return pt.dot(h, self.w_out) + self.b_out

@@ -76,7 +76,7 @@ class StridedConvNet(Model):
         for layers in self.stages:
             for w, b, stride in layers:
                 h = pt.maximum(conv2d(h, w, padding=1, stride=stride) + bias(b), 0)
-        return pt.dot(h.reshape((batch, self.flat)), self.w_out) + self.b_out
+        return pt.dot(self.dropout(h.reshape((batch, self.flat))), self.w_out) + self.b_out
 
     @staticmethod
     def torch_twin(n_in, hidden, n_out):

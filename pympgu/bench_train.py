@@ -120,6 +120,7 @@ def pympgu_worker(ctx, cfg, steps, warmup, plain_jax):
     from .train import Replica, Sync, _setup_backend, make_exchanger
     _setup_backend(ctx, "jax")
     rep = Replica(ctx, cfg)
+    rep.seed_noise(0)  # each rank its own masks, as in training (--dropout)
     ex = make_exchanger(ctx, rep, cfg)
     try:
         ntrain = len(rep.dataset.train[1])
@@ -545,7 +546,7 @@ def run_pympgu(devices, cfg, steps, warmup, plain_jax=False):
 
 def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print,
             exchange_blocks=None, method="auto", repeats=1, settings=({},), ranks=None,
-            hidden=None, optimizer="sgd", schedule="constant", batch_size=None):
+            hidden=None, optimizer="sgd", schedule="constant", batch_size=None, dropout=0.0):
     """Every row of the benchmark, as a list of dicts; ``ddp``: the DDP_SYSTEMS to run;
     ``settings``: the environments (env_settings) each multi-GPU pympgu row runs under, one
     row each, its variant named with the setting and its ``env`` the setting; ``ranks``:
@@ -553,7 +554,8 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
     (default: all of them); ``models``: names in MODELS, or models of one's own
     (model_config), built with ``hidden``; ``optimizer`` trains every row (Adam at
     pympgu.train's ADAM_LR), and ``schedule`` sets pympgu's rate before every step;
-    ``batch_size``, if given, is every row's batch per GPU instead of its model's.
+    ``batch_size``, if given, is every row's batch per GPU instead of its model's;
+    ``dropout`` is pympgu's --dropout, for its rows alone (no plain JAX step, no DDP).
 
     With ``repeats`` > 1 every run is made that many times, in rounds (each round runs
     every row once, so that a drift of the machine between process starts touches every
@@ -573,14 +575,14 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
         base = dict(model_config(name, hidden), data=data, backend="jax", method=method,
                     seed=0, epochs=1, resume=None, out=None, sync_every=1, overlap=False,
                     exchange_dtype="float32", exchange_blocks=exchange_blocks,
-                    optimizer=optimizer, schedule=schedule)
+                    optimizer=optimizer, schedule=schedule, dropout=dropout)
         if optimizer == "adam":
             base["lr"] = ADAM_LR
         if batch_size is not None:
             base["batch_size"] = batch_size
         # A model of one's own has no plain JAX form, and a PyTorch twin (DDP) only if its
         # class gives one (has_torch_twin).
-        runs = [("pympgu", gpus[:1], "-", base, "model" not in base, {})]
+        runs = [("pympgu", gpus[:1], "-", base, "model" not in base and not dropout, {})]
         if multi and gpus[0] is not None:  # each other GPU alone
             runs += [("pympgu", [g], "-", base, False, {})
                      for g in dict.fromkeys(gpus[1:]) if g != gpus[0]]
@@ -630,6 +632,7 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
             row = dict(kept[0], **median, model=model_label(name), system=system,
                        gpus=list(devs), variant=variant, batch=cfg["batch_size"],
                        optimizer=optimizer, schedule=schedule if system == "pympgu" else None,
+                       dropout=dropout if system == "pympgu" else None,
                        runs_ms=[r and r["ms_per_step"] for r in results],
                        runs_samples=[r and r["samples_per_s"] for r in results])
             if env:
@@ -803,6 +806,10 @@ def main(argv=None):
                              "schedule, as the training loop does, to time what a changing "
                              "rate costs; pympgu's rows alone, so it needs --no-ddp "
                              "(default: constant)")
+    parser.add_argument("--dropout", type=float, default=0.0, metavar="RATE",
+                        help="pympgu.train's --dropout in pympgu's rows, to time what drawing "
+                             "the masks costs; pympgu's rows alone, so it needs --no-ddp "
+                             "(default: 0)")
     parser.add_argument("--no-ddp", action="store_true", help="skip PyTorch DDP")
     parser.add_argument("--no-ddp-graph", action="store_true",
                         help="skip DDP with each step captured in a CUDA graph (a rank that "
@@ -826,6 +833,10 @@ def main(argv=None):
     from . import cuda
     if args.schedule != "constant" and not args.no_ddp and args.cpu is None:
         parser.error("--schedule times pympgu's rows alone: add --no-ddp")
+    if args.dropout and not args.no_ddp and args.cpu is None:
+        parser.error("--dropout times pympgu's rows alone: add --no-ddp")
+    if not 0 <= args.dropout < 1:
+        parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
     if args.steps < 1 or args.warmup < 1 or args.repeats < 1:
         parser.error("--steps, --warmup and --repeats must be at least 1")
     if args.batch_size is not None and args.batch_size < 1:
@@ -867,6 +878,7 @@ def main(argv=None):
     print(f"pympgu.bench train: {len(gpus)} ranks on {gpus} ({names}); {args.steps} steps after "
           f"{args.warmup} warm-up; {args.optimizer}" +
           ("" if args.schedule == "constant" else f", {args.schedule} schedule") +
+          (f", dropout {args.dropout}" if args.dropout else "") +
           (f"; {args.repeats} runs of each row" if args.repeats > 1 else ""), flush=True)
     if len(gpus) == 1:
         print("  one GPU: only the 1-GPU rows (give two or more GPUs for scaling)", flush=True)
@@ -878,7 +890,8 @@ def main(argv=None):
                        args.data_dir, ddp, exchange_blocks=args.exchange_blocks,
                        method=args.method, repeats=args.repeats, settings=settings,
                        ranks=args.ranks, hidden=args.hidden, optimizer=args.optimizer,
-                       schedule=args.schedule, batch_size=args.batch_size)
+                       schedule=args.schedule, batch_size=args.batch_size,
+                       dropout=args.dropout)
     except DataError as e:
         parser.error(f"--data-dir: {e}")
     except ModelError as e:

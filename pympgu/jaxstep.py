@@ -14,6 +14,7 @@ step computes, and the step's result is corrected by what the average changed (t
 one-step-delayed correction of ``--overlap``). (The bookkeeping itself is
 small: about 13 µs a step for the seed MLP on an H200, docs/BENCHMARKS.md.)
 """
+import itertools
 
 
 class JaxStep:
@@ -35,25 +36,36 @@ class JaxStep:
     at every call, since closed over they would be copied into it as constants, and hands
     them to ``during`` or ``exchange`` as the keyword ``inputs`` (when there are any).
     Calling returns ``fn``'s outputs: the value itself when there is one, else a list.
+    A random generator that ``fn`` draws from (Model.dropout's) is a rank's own input,
+    like the minibatch: ``exchange`` is given it in ``local``, as the arrays of its key.
     """
 
     def __init__(self, fn, state, exchange=None, during=None, inputs=()):
         import jax
         from pytensor.compile.sharedvalue import SharedVariable
+        from pytensor.tensor.random.type import RandomType
 
         program = getattr(fn.vm, "jit_fn", None)
         if program is None:
             raise TypeError(f"PyTensor function {fn.name!r} was not compiled with mode='JAX'")
         fgraph = fn.maker.fgraph
         variables = [i.variable for i in fn.maker.inputs]  # the program's inputs, in order
+        # Generators differ between ranks (Model.dropout draws each rank's own masks): like
+        # the minibatch, they are a rank's own inputs.
+        noise = [k for k, v in enumerate(variables) if isinstance(v.type, RandomType)]
+        # Each shared variable's container, but a generator's: PyTensor's JAX linker gives
+        # the function a copy of its own, which holds a JAX key (a dict of arrays).
+        containers = [fn.input_storage[k] if k in noise else getattr(v, "container", None)
+                      for k, v in enumerate(variables)]
         self.explicit = [k for k, v in enumerate(variables) if not isinstance(v, SharedVariable)]
-        self.shared = [(k, v.container) for k, v in enumerate(variables)
+        self.shared = [(k, containers[k]) for k, v in enumerate(variables)
                        if isinstance(v, SharedVariable)]
         self.nargs = len(variables)
         # update_mapping: program output index -> the input index it updates.
-        self.updates = [(out, variables[inp].container)
+        self.updates = [(out, containers[inp])
                         for out, inp in sorted(fgraph.update_mapping.items())]
         self.nout = len(fgraph.outputs) - len(self.updates)
+        nouts = len(fgraph.outputs)
         out_of = {inp: out for out, inp in fgraph.update_mapping.items()}
         position = {id(v): k for k, v in enumerate(variables)}
         missing = [s.name for s in state if out_of.get(position.get(id(s))) is None]
@@ -67,23 +79,53 @@ class JaxStep:
 
         def run(*args):
             args, more = args[:nargs], args[nargs:]
-            if during is not None:
-                def compute(*args):
-                    outs = list(program(*args))
-                    return [outs[o] for o in state_outs], outs
+            compiled, outs_in, args_in, local = program, state_outs, state_ins, self.explicit
+            if noise:
+                # A generator's key is a dict of arrays. The exchange traces and cuts the
+                # program by the positions of its arrays, so it is shown a program of
+                # arrays alone: each argument's leaves in turn, each output's likewise.
+                leaves, arg_tree = jax.tree.flatten(list(args))
+                first = list(itertools.accumulate(
+                    (len(jax.tree.leaves(a)) for a in args), initial=0))
+                # An update's result has the structure of what it updates; other results
+                # are arrays.
+                like = [args[fgraph.update_mapping[o]] if o in fgraph.update_mapping else 0
+                        for o in range(nouts)]
+                out_tree = jax.tree.structure(like)
+                out_first = list(itertools.accumulate(
+                    (len(jax.tree.leaves(x)) for x in like), initial=0))
 
-                given = {"inputs": list(more)} if more else {}
-                values, outs = during([args[k] for k in state_ins], compute, *args, **given)
-                for out, value in zip(state_outs, values):
-                    outs[out] = value
-                return outs
-            if exchange is not None:
-                given = {"inputs": list(more)} if more else {}
-                return list(exchange(lambda *a: list(program(*a)), state_outs, *args,
-                                     local=self.explicit, **given))
-            return list(program(*args))
+                def compiled(*flat):
+                    return jax.tree.leaves(list(program(*jax.tree.unflatten(arg_tree, flat))))
+
+                outs_in = [out_first[o] for o in state_outs]
+                args_in = [first[k] for k in state_ins]
+                local = [i for k in self.explicit + noise for i in range(first[k], first[k + 1])]
+                args = leaves
+            outs = self._run(compiled, outs_in, args_in, local, args, more, exchange, during)
+            return jax.tree.unflatten(out_tree, outs) if noise else outs
 
         self.jitted = jax.jit(run)
+
+    @staticmethod
+    def _run(program, state_outs, state_ins, local, args, more, exchange, during):
+        """The program's outputs, a list of arrays, for ``args``, arrays, with the exchange
+        of __init__'s ``exchange`` or ``during`` fused in."""
+        if during is not None:
+            def compute(*args):
+                outs = list(program(*args))
+                return [outs[o] for o in state_outs], outs
+
+            given = {"inputs": list(more)} if more else {}
+            values, outs = during([args[k] for k in state_ins], compute, *args, **given)
+            for out, value in zip(state_outs, values):
+                outs[out] = value
+            return outs
+        if exchange is not None:
+            given = {"inputs": list(more)} if more else {}
+            return list(exchange(lambda *a: list(program(*a)), state_outs, *args,
+                                 local=local, **given))
+        return list(program(*args))
 
     def arguments(self, *inputs):
         """The jitted program's arguments for these explicit inputs (``jitted.lower`` takes

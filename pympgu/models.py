@@ -50,11 +50,16 @@ class Model:
     """
 
     default_hidden = (500,)  # the seed's one layer of 500 units
+    # True while compile builds the training step's graph, so that logits can tell it from
+    # evaluation's (Model.dropout does).
+    training = False
 
     def __init__(self):
         self.params, self.weights = [], []
         self.optimizer, self.beta2, self.eps = "sgd", 0.999, 1e-8
         self._slots = None
+        self.dropout_rate, self._dropped = 0.0, False
+        self.noise_rng, self.noise_updates = None, []
 
     def parameter(self, value, name, penalized=True):
         """A new float32 parameter (a PyTensor shared variable) holding ``value``. ``name``
@@ -132,6 +137,30 @@ class Model:
             return lr
         return lr * math.sqrt(1.0 - self.beta2 ** t) / (1.0 - self.beta1 ** t)
 
+    def dropout(self, x, rate=None):
+        """``x`` with each value zeroed with probability ``rate`` in the training step, the
+        others scaled by 1 / (1 - rate) (inverted dropout, so that evaluation, which takes
+        ``x`` as it is, sees the same expected values). ``rate`` defaults to the run's
+        ``--dropout`` (``dropout_rate``); at 0 the graph is ``x`` itself."""
+        import pytensor.tensor as pt
+        rate = self.dropout_rate if rate is None else float(rate)
+        if not 0 <= rate < 1:
+            raise ValueError(f"dropout rate must be in [0, 1), got {rate}")
+        self._dropped = True
+        if not self.training or rate == 0:
+            return x
+        from pytensor.tensor.random import uniform
+        # The size as constants where the parameters' shapes give it: x.shape would put
+        # the graph's shape checks (a bias's width against its weights') into the step.
+        static = self._static_shape(x)
+        size = tuple(x.shape[i] if d is None else d for i, d in enumerate(static))
+        # Each draw takes the generator the previous one left (training_logits makes the
+        # last one the step's update of noise_rng).
+        u = uniform(size=size, rng=self._drawn[-1])
+        self._drawn.append(u.owner.outputs[0])
+        keep = np.float32(1 - rate)
+        return pt.switch(u < keep, x / keep, pt.zeros_like(x))
+
     @property
     def parameter_count(self):
         """How many numbers the parameters hold."""
@@ -144,6 +173,28 @@ class Model:
     def logits(self, x):
         """The unnormalised class scores (batch, n_out) of x (batch, n_in), in PyTensor."""
         raise NotImplementedError(f"{type(self).__name__} must define logits(x)")
+
+    def training_logits(self, x):
+        """``logits(x)`` as the training step computes them (``training`` set, so that
+        Model.dropout draws its masks). Raises NoDropout if the run asks for dropout
+        (``dropout_rate``) and logits has none to apply it."""
+        pytensor = import_pytensor()
+        if self.noise_rng is None:
+            # One generator for the whole step, which pympgu.train seeds for each rank and
+            # epoch (Replica.seed_noise): ranks draw different masks, and a run resumed at
+            # an epoch draws what the run it continues would have.
+            self.noise_rng = pytensor.shared(np.random.default_rng(0), name="__noise")
+        self._dropped, self.training, self._drawn = False, True, [self.noise_rng]
+        try:
+            logits = self.logits(x)
+        finally:
+            self.training = False
+        # The update that compile adds to the step's, when the step draws anything.
+        self.noise_updates = [(self.noise_rng, self._drawn[-1])] if len(self._drawn) > 1 else []
+        if self.dropout_rate and not self._dropped:
+            raise NoDropout(f"--dropout {self.dropout_rate}: {type(self).__name__}.logits has "
+                            "no dropout (it calls no self.dropout; docs/MODELS.md)")
+        return logits
 
     def _static_shape(self, out):
         """``out``'s shape as far as PyTensor can tell before running it. Shared variables
@@ -183,7 +234,7 @@ class Model:
 
         idx = pt.tensor("idx", dtype="int32", shape=(batch_size,))
         x, y = train_x[idx], train_y[idx]
-        logits = self.logits(x)
+        logits = self.training_logits(x)
         shape = self._static_shape(logits)
         if len(shape) != 2 or any(d not in (None, want)
                                   for d, want in zip(shape, (batch_size, n_classes))):
@@ -217,6 +268,7 @@ class Model:
                 s_new = b2 * s + (np.float32(1) - b2) * (g * g)
                 updates += [(m, m_new), (s, s_new),
                             (p, p - self.lr * m_new / (pt.sqrt(s_new) + eps))]
+        updates += self.noise_updates
         train = pytensor.function([idx], cost, updates=updates, mode=mode, name="train")
 
         eidx = pt.tensor("eidx", dtype="int32", shape=(eval_batch,))
@@ -257,12 +309,16 @@ class MLP(Model):
         import pytensor.tensor as pt
         h = x
         for i in range(0, len(self.params) - 2, 2):
-            h = pt.tanh(pt.dot(h, self.params[i]) + self.params[i + 1])
+            h = self.dropout(pt.tanh(pt.dot(h, self.params[i]) + self.params[i + 1]))
         return pt.dot(h, self.params[-2]) + self.params[-1]
 
 
 class ModelError(ValueError):
     """A --model that cannot be loaded or built; the message names it."""
+
+
+class NoDropout(ValueError):
+    """A dropout rate for a model whose logits call no Model.dropout."""
 
 
 def load(spec):
@@ -310,10 +366,10 @@ def load(spec):
     return cls
 
 
-def build(spec, n_in, hidden, n_out, seed=1234, optimizer="sgd", beta2=0.999):
+def build(spec, n_in, hidden, n_out, seed=1234, optimizer="sgd", beta2=0.999, dropout=0.0):
     """The model that ``spec`` names (load), built for this data: ``cls(n_in, hidden,
-    n_out, seed=seed)``, trained by ``optimizer`` (Model.set_optimizer), with its
-    parameters and state checked."""
+    n_out, seed=seed)``, trained by ``optimizer`` (Model.set_optimizer) with its dropout
+    layers at ``dropout`` (Model.dropout), with its parameters and state checked."""
     cls = load(spec)
     try:
         model = cls(n_in, list(hidden), n_out, seed=seed)
@@ -325,6 +381,7 @@ def build(spec, n_in, hidden, n_out, seed=1234, optimizer="sgd", beta2=0.999):
         raise ModelError(f"--model {spec}: {cls.__name__} made no parameters (its __init__ "
                          "must call super().__init__() and then self.parameter(...))")
     model.set_optimizer(optimizer, beta2=beta2)
+    model.dropout_rate = float(dropout)
     return model
 
 

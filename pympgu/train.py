@@ -31,7 +31,7 @@ PRESETS = {
                      epochs=10),
 }
 DEFAULTS = dict(hidden=[500], lr=0.05, momentum=0.9, batch_size=128, l1=0.0, l2=1e-4, epochs=5,
-                optimizer="sgd", beta2=0.999, schedule="constant", warmup=0.0)
+                optimizer="sgd", beta2=0.999, schedule="constant", warmup=0.0, dropout=0.0)
 # Adam's learning rate when --lr is not given: SGD's would be far too large for it.
 ADAM_LR = 1e-3
 # How many steps' learning rates Replica.apply_rate puts on the device at once.
@@ -54,6 +54,10 @@ def _setup_backend(ctx, backend):
         warnings.filterwarnings("ignore", category=UserWarning,
                                 message=r"Explicitly requested dtype (float64|int64) "
                                         r"requested in astype is not available")
+        # Said once per compile of a step that draws (Model.dropout): Replica.seed_noise
+        # seeds the copy that the JAX program reads, as intended.
+        warnings.filterwarnings("ignore", category=UserWarning,
+                                message=r"The RandomType SharedVariables .* will not be used")
         # On GPUs JAX sees every GPU, as pympgu's own CUDA context must (IPC to the peers),
         # and Replica makes this rank's GPU its default device. Restricting JAX to one GPU
         # (jax_cuda_visible_devices) would save it a context on each other GPU, but JAX
@@ -100,7 +104,8 @@ def build_model(cfg, ds):
     """The run's model for the dataset ``ds`` (pympgu.models.build), with its optimizer."""
     from . import models
     return models.build(cfg.get("model"), ds.n_in, cfg["hidden"], ds.n_classes, seed=MODEL_SEED,
-                        optimizer=cfg.get("optimizer", "sgd"), beta2=cfg.get("beta2", 0.999))
+                        optimizer=cfg.get("optimizer", "sgd"), beta2=cfg.get("beta2", 0.999),
+                        dropout=cfg.get("dropout", 0.0))
 
 
 class Replica:
@@ -166,6 +171,26 @@ class Replica:
             self.lr = value
             _assign(self.model.lr, self.np.asarray(put) if self.jax is None else put)
         return rate
+
+    def seed_noise(self, epoch):
+        """Seed the generators the training step draws from (Model.dropout's) for this
+        rank and ``epoch``, from --seed: ranks draw different masks, and a run resumed at
+        an epoch draws the same ones as the run it continues."""
+        from pytensor.tensor.random.type import RandomType
+        np = self.np
+        for k, (i, container) in enumerate(zip(self.train_fn.maker.inputs,
+                                                self.train_fn.input_storage)):
+            if not isinstance(i.variable.type, RandomType):
+                continue
+            seeds = np.random.SeedSequence([self.cfg["seed"], self.ctx.rank, epoch, k])
+            if self.jax is None:
+                container.storage[0] = np.random.default_rng(seeds)
+            else:
+                # PyTensor's JAX program draws from the key alone ('jax_state', two
+                # uint32s); its other entries are the numpy generator's, carried along.
+                key = dict(container.storage[0])
+                key["jax_state"] = self.jax.device_put(seeds.generate_state(2, np.uint32))
+                container.storage[0] = key
 
     def _check_device(self, array):
         """Fail if JAX put the model on another GPU than this rank's.
@@ -635,6 +660,7 @@ def worker(ctx, cfg):
         for epoch in range(start_epoch, cfg["epochs"]):
             batches = data.shard_batches(ntrain, cfg["batch_size"], ctx.nranks, ctx.rank,
                                          cfg["seed"], epoch)
+            rep.seed_noise(epoch)
             sync = Sync(rep, ex, cfg["sync_every"], cfg["overlap"], cfg.get("xla_exchange", True))
             costs = []
             report_every = max(1, len(batches) // 20)
@@ -823,6 +849,12 @@ def build_parser():
                    f"{DEFAULTS['momentum']})")
     m.add_argument("--beta2", type=float, help=f"Adam's beta2, the decay of its second moment "
                    f"(default: {DEFAULTS['beta2']})")
+    m.add_argument("--dropout", type=float, metavar="RATE",
+                   help="drop each hidden unit with probability RATE at every training step, "
+                        "scaling the rest by 1/(1-RATE); evaluation drops none. The MLP and "
+                        "the example convnets drop after their hidden layers, a model of "
+                        "one's own where its logits call self.dropout. Each rank draws its "
+                        "own masks, from --seed, its rank and the epoch (default: 0, off)")
     m.add_argument("--l1", type=float, help="L1 weight penalty (default: 0)")
     m.add_argument("--l2", type=float, help=f"L2 weight penalty (default: {DEFAULTS['l2']})")
     m.add_argument("--sync-every", type=int, default=1, metavar="K",
@@ -874,7 +906,7 @@ def resolve(args, parser):
     elif args.beta2 is not None:
         parser.error("--beta2 is Adam's; give --optimizer adam with it")
     for key in ("hidden", "epochs", "batch_size", "lr", "momentum", "l1", "l2", "beta2",
-                "warmup"):
+                "warmup", "dropout"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     if not cfg["lr"] > 0:
@@ -882,6 +914,8 @@ def resolve(args, parser):
     if not 0 <= cfg["momentum"] < 1 or not 0 <= cfg["beta2"] < 1:
         parser.error(f"--momentum and --beta2 must be in [0, 1), got {cfg['momentum']} and "
                      f"{cfg['beta2']}")
+    if not 0 <= cfg["dropout"] < 1:
+        parser.error(f"--dropout must be in [0, 1), got {cfg['dropout']}")
     if not 0 <= cfg["warmup"] <= cfg["epochs"]:
         parser.error(f"--warmup must be 0 to --epochs ({cfg['epochs']}), got {cfg['warmup']}")
     for key in ("epochs", "batch_size", "sync_every"):
@@ -990,6 +1024,13 @@ def run(cfg, devices, port=None, quiet=False):
         model = build_model(cfg, ds)
     except models.ModelError as e:
         raise UsageError("--model", str(e)) from None
+    if cfg.get("dropout"):  # said here, not by every worker after it loads the data
+        import pytensor.tensor as pt
+        try:
+            model.training_logits(pt.tensor("x", dtype="float32",
+                                            shape=(cfg["batch_size"], ds.n_in)))
+        except models.NoDropout as e:
+            raise UsageError("--dropout", str(e)) from None
     if cfg["resume"]:  # a checkpoint of another model: said here, not by every worker
         try:
             read_checkpoint(cfg["resume"], model)
