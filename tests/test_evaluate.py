@@ -16,10 +16,11 @@ EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """An MLP trained for 2 epochs on 2 CPU workers, its --out directory."""
+    """An MLP trained for 2 epochs on 2 CPU workers, its --out directory. Trained with
+    dropout, which evaluation, here as in training, must not apply."""
     out = str(tmp_path_factory.mktemp("run"))
-    assert train.main(["--cpu", "2", "--hidden", "32", "--epochs", "2", "--out", out,
-                       "--quiet"]) == 0
+    assert train.main(["--cpu", "2", "--hidden", "32", "--epochs", "2", "--dropout", "0.2",
+                       "--out", out, "--quiet"]) == 0
     return out
 
 
