@@ -43,7 +43,8 @@ class Model:
     ``--hidden`` widths, which a model may ignore) in every worker, and trains it by
     minibatch SGD with momentum (or Adam: set_optimizer) on the mean softmax
     cross-entropy, with the L1 and L2 terms of ``--l1`` and ``--l2`` on the parameters
-    made with ``penalized=True``. Every worker must build the same initial values: draw
+    made with ``penalized=True``, and ``--dropout`` where ``logits`` calls
+    ``self.dropout``. Every worker must build the same initial values: draw
     them from ``seed`` (the training loop checks that the replicas start identical).
     ``python -m pympgu.train --model FILE.py:NAME`` trains one (docs/MODELS.md).
     ``default_hidden`` is what ``hidden`` is when ``--hidden`` is not given.

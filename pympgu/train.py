@@ -851,10 +851,11 @@ def build_parser():
                    f"(default: {DEFAULTS['beta2']})")
     m.add_argument("--dropout", type=float, metavar="RATE",
                    help="drop each hidden unit with probability RATE at every training step, "
-                        "scaling the rest by 1/(1-RATE); evaluation drops none. The MLP and "
-                        "the example convnets drop after their hidden layers, a model of "
-                        "one's own where its logits call self.dropout. Each rank draws its "
-                        "own masks, from --seed, its rank and the epoch (default: 0, off)")
+                        "scaling the rest by 1/(1-RATE); evaluation drops none. The MLP "
+                        "drops after each hidden layer, the examples where docs/MODELS.md "
+                        "says, a model of one's own where its logits call self.dropout. "
+                        "Each rank draws its own masks, from --seed, its rank and the epoch "
+                        "(default: 0, off)")
     m.add_argument("--l1", type=float, help="L1 weight penalty (default: 0)")
     m.add_argument("--l2", type=float, help=f"L2 weight penalty (default: {DEFAULTS['l2']})")
     m.add_argument("--sync-every", type=int, default=1, metavar="K",
@@ -1058,7 +1059,8 @@ def run(cfg, devices, port=None, quiet=False):
     where = (f"{len(devices)} CPU workers" if devices[0] is None
              else f"GPUs {devices}")
     schedule = make_schedule(cfg, ntrain, workers)
-    print(f"pympgu: {ds} | {model.describe()} | {model.optimizer}, {schedule} | "
+    dropout = f", dropout {cfg['dropout']:g}" if cfg.get("dropout") else ""
+    print(f"pympgu: {ds} | {model.describe()} | {model.optimizer}, {schedule}{dropout} | "
           f"{where} | batch {cfg['batch_size']}/worker | sync every {cfg['sync_every']}"
           f"{' overlapped' if cfg['overlap'] else ''}"
           f"{'' if cfg['exchange_dtype'] == 'float32' else ', ' + cfg['exchange_dtype'] + ' wire'} | "

@@ -131,14 +131,15 @@ def test_each_rank_and_epoch_draws_its_own_masks(backend, dropout):
 
 
 @pytest.mark.parametrize("backend", ["c", "jax"])
-def test_a_run_with_dropout_resumes_to_the_same_numbers(tmp_path, backend):
+def test_a_run_with_dropout_resumes_to_the_same_numbers(tmp_path, backend, capsys):
     """2 CPU workers with --dropout 0.5: stopped after the first epoch and resumed, the run
     draws the masks the run that never stopped drew, to the same numbers; the replicas end
-    identical (train.run checks); and dropout changed the run."""
+    identical (train.run checks); dropout changed the run, and its first line says so."""
     if backend == "jax":
         pytest.importorskip("jax")
     opts = dict(dropout=0.5, backend=backend, hidden=[64])
     whole = train.run(config(epochs=2, **opts), [None, None], quiet=True)
+    assert "sgd, lr 0.05 constant, dropout 0.5 |" in capsys.readouterr().out
     out = str(tmp_path / "run")
     train.run(config(epochs=1, out=out, **opts), [None, None], quiet=True)
     resumed = train.run(config(epochs=2, resume=os.path.join(out, train.CHECKPOINT), **opts),
