@@ -386,6 +386,29 @@ def build(spec, n_in, hidden, n_out, seed=1234, optimizer="sgd", beta2=0.999, dr
     return model
 
 
+def seed_noise(fn, *entropy):
+    """Seed the random generators that the compiled function ``fn`` draws from
+    (Model.dropout's) from the integers ``entropy`` (pympgu.train gives --seed, the rank
+    and the epoch): the same integers, the same draws, on every backend's function alike.
+    A generator is seeded in the function itself, since PyTensor's JAX linker gives the
+    function a copy of its own: setting the shared variable would not reach it."""
+    from pytensor.tensor.random.type import RandomType
+    for k, (i, container) in enumerate(zip(fn.maker.inputs, fn.input_storage)):
+        if not isinstance(i.variable.type, RandomType):
+            continue
+        seeds = np.random.SeedSequence([*entropy, k])
+        value = container.storage[0]
+        if isinstance(value, np.random.Generator):
+            container.storage[0] = np.random.default_rng(seeds)
+        else:
+            # A JAX key, as PyTensor keeps one: its program draws from 'jax_state' (two
+            # uint32s) alone; the other entries are the numpy generator's, carried along.
+            import jax
+            value = dict(value)
+            value["jax_state"] = jax.device_put(seeds.generate_state(2, np.uint32))
+            container.storage[0] = value
+
+
 def error_rates(evaluate, n_valid, n_test, eval_batch):
     """(validation error, test error) in [0, 1], evaluated in fixed-size batches.
 

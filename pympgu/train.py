@@ -176,21 +176,8 @@ class Replica:
         """Seed the generators the training step draws from (Model.dropout's) for this
         rank and ``epoch``, from --seed: ranks draw different masks, and a run resumed at
         an epoch draws the same ones as the run it continues."""
-        from pytensor.tensor.random.type import RandomType
-        np = self.np
-        for k, (i, container) in enumerate(zip(self.train_fn.maker.inputs,
-                                                self.train_fn.input_storage)):
-            if not isinstance(i.variable.type, RandomType):
-                continue
-            seeds = np.random.SeedSequence([self.cfg["seed"], self.ctx.rank, epoch, k])
-            if self.jax is None:
-                container.storage[0] = np.random.default_rng(seeds)
-            else:
-                # PyTensor's JAX program draws from the key alone ('jax_state', two
-                # uint32s); its other entries are the numpy generator's, carried along.
-                key = dict(container.storage[0])
-                key["jax_state"] = self.jax.device_put(seeds.generate_state(2, np.uint32))
-                container.storage[0] = key
+        from .models import seed_noise
+        seed_noise(self.train_fn, self.cfg["seed"], self.ctx.rank, epoch)
 
     def _check_device(self, array):
         """Fail if JAX put the model on another GPU than this rank's.
