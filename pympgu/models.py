@@ -60,6 +60,7 @@ class Model:
         self.optimizer, self.beta2, self.eps = "sgd", 0.999, 1e-8
         self._slots = None
         self.dropout_rate, self._dropped = 0.0, False
+        self.flip, self.shift = False, 0  # --flip, --shift: training images varied
         self.noise_rng, self.noise_updates = None, []
 
     def parameter(self, value, name, penalized=True):
@@ -155,12 +156,37 @@ class Model:
         # the graph's shape checks (a bias's width against its weights') into the step.
         static = self._static_shape(x)
         size = tuple(x.shape[i] if d is None else d for i, d in enumerate(static))
-        # Each draw takes the generator the previous one left (training_logits makes the
-        # last one the step's update of noise_rng).
+        keep = np.float32(1 - rate)
+        return pt.switch(self._uniform(size) < keep, x / keep, pt.zeros_like(x))
+
+    def _uniform(self, size):
+        """Uniform numbers in [0, 1) of ``size``, drawn in the training step from the
+        generator that the previous draw left (training_logits makes the last one the
+        step's update of noise_rng)."""
+        from pytensor.tensor.random import uniform
         u = uniform(size=size, rng=self._drawn[-1])
         self._drawn.append(u.owner.outputs[0])
-        keep = np.float32(1 - rate)
-        return pt.switch(u < keep, x / keep, pt.zeros_like(x))
+        return u
+
+    def _augmented(self, x):
+        """The training minibatch x (batch, n_in), static sizes, with each image flipped
+        and shifted as --flip and --shift say (pympgu.nnet.augment), flat again."""
+        if not (self.flip or self.shift):
+            return x
+        from .nnet import augment, square_images
+        batch, n_in = x.type.shape
+        flag = "--flip" if self.flip else "--shift"
+        try:
+            channels, side = square_images(n_in, flag)
+        except ValueError as e:
+            raise FlagError(flag, str(e)) from None
+        if not 0 <= self.shift < side:
+            raise FlagError("--shift", f"--shift {self.shift}: give 0 to {side - 1} pixels for "
+                            f"images of {side}x{side}")
+        images = augment(x.reshape((batch, channels, side, side)),
+                         flip=self._uniform((batch,)) if self.flip else None, shift=self.shift,
+                         offsets=self._uniform((batch, 2)) if self.shift else None)
+        return images.reshape((batch, n_in))
 
     @property
     def parameter_count(self):
@@ -176,9 +202,11 @@ class Model:
         raise NotImplementedError(f"{type(self).__name__} must define logits(x)")
 
     def training_logits(self, x):
-        """``logits(x)`` as the training step computes them (``training`` set, so that
-        Model.dropout draws its masks). Raises NoDropout if the run asks for dropout
-        (``dropout_rate``) and logits has none to apply it."""
+        """``logits(x)`` as the training step computes them: of x's images flipped and
+        shifted as ``flip`` and ``shift`` say (x's sizes static then), with ``training``
+        set, so that Model.dropout draws its masks. Raises FlagError if the run asks for
+        dropout (``dropout_rate``) and logits has none to apply it, or asks to vary images
+        that x does not hold."""
         pytensor = import_pytensor()
         if self.noise_rng is None:
             # One generator for the whole step, which pympgu.train seeds for each rank and
@@ -187,14 +215,14 @@ class Model:
             self.noise_rng = pytensor.shared(np.random.default_rng(0), name="__noise")
         self._dropped, self.training, self._drawn = False, True, [self.noise_rng]
         try:
-            logits = self.logits(x)
+            logits = self.logits(self._augmented(x))
         finally:
             self.training = False
         # The update that compile adds to the step's, when the step draws anything.
         self.noise_updates = [(self.noise_rng, self._drawn[-1])] if len(self._drawn) > 1 else []
         if self.dropout_rate and not self._dropped:
-            raise NoDropout(f"--dropout {self.dropout_rate}: {type(self).__name__}.logits has "
-                            "no dropout (it calls no self.dropout; docs/MODELS.md)")
+            raise FlagError("--dropout", f"--dropout {self.dropout_rate}: {type(self).__name__}"
+                            ".logits has no dropout (it calls no self.dropout; docs/MODELS.md)")
         return logits
 
     def _static_shape(self, out):
@@ -235,6 +263,8 @@ class Model:
 
         idx = pt.tensor("idx", dtype="int32", shape=(batch_size,))
         x, y = train_x[idx], train_y[idx]
+        if self.flip or self.shift:  # images of known sizes, to reshape (_augmented)
+            x = pt.specify_shape(x, (batch_size, dataset.n_in))
         logits = self.training_logits(x)
         shape = self._static_shape(logits)
         if len(shape) != 2 or any(d not in (None, want)
@@ -318,8 +348,14 @@ class ModelError(ValueError):
     """A --model that cannot be loaded or built; the message names it."""
 
 
-class NoDropout(ValueError):
-    """A dropout rate for a model whose logits call no Model.dropout."""
+class FlagError(ValueError):
+    """A training option that the model or its data cannot take (a --dropout rate for
+    logits without dropout, --flip or --shift for data that are not images); ``flag``
+    names it."""
+
+    def __init__(self, flag, message):
+        super().__init__(message)
+        self.flag = flag
 
 
 def load(spec):
@@ -367,10 +403,13 @@ def load(spec):
     return cls
 
 
-def build(spec, n_in, hidden, n_out, seed=1234, optimizer="sgd", beta2=0.999, dropout=0.0):
+def build(spec, n_in, hidden, n_out, seed=1234, optimizer="sgd", beta2=0.999, dropout=0.0,
+          flip=False, shift=0):
     """The model that ``spec`` names (load), built for this data: ``cls(n_in, hidden,
     n_out, seed=seed)``, trained by ``optimizer`` (Model.set_optimizer) with its dropout
-    layers at ``dropout`` (Model.dropout), with its parameters and state checked."""
+    layers at ``dropout`` (Model.dropout) and its training images flipped and shifted as
+    ``flip`` and ``shift`` say (pympgu.nnet.augment), with its parameters and state
+    checked."""
     cls = load(spec)
     try:
         model = cls(n_in, list(hidden), n_out, seed=seed)
@@ -383,6 +422,7 @@ def build(spec, n_in, hidden, n_out, seed=1234, optimizer="sgd", beta2=0.999, dr
                          "must call super().__init__() and then self.parameter(...))")
     model.set_optimizer(optimizer, beta2=beta2)
     model.dropout_rate = float(dropout)
+    model.flip, model.shift = bool(flip), int(shift)
     return model
 
 

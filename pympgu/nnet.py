@@ -292,3 +292,35 @@ def max_pool_2d(x, size=2):
     # reshapes back) as a constant.
     batch, channels = (s if s is not None else x.shape[i] for i, s in enumerate(x.type.shape[:2]))
     return x.reshape((batch, channels, r, size, c, size)).max(axis=(3, 5))
+
+
+def augment(x, flip=None, shift=0, offsets=None):
+    """Training images varied as the usual augmentations vary them, each image its own way:
+    x (batch, channels, rows, columns), static sizes. ``flip``, uniform numbers in [0, 1)
+    of shape (batch,): an image whose number is under 1/2 is mirrored left to right.
+    ``shift`` pixels with ``offsets``, uniform numbers of shape (batch, 2): each image is
+    moved by up to ``shift`` pixels down or up and right or left, what moves out is lost
+    and what comes in is zero (a random crop of the image padded by ``shift``, as CIFAR's
+    pad-4 crop is). Inputs, not parameters: no gradient is needed through it."""
+    x = pt.as_tensor_variable(x)
+    batch, channels, rows, cols = x.type.shape if x.type.ndim == 4 else (None,) * 4
+    if None in (batch, channels, rows, cols):
+        raise ValueError(f"augment: x must be 4-d with static sizes, got {x.type}")
+    if flip is not None:
+        x = pt.switch((flip < 0.5)[:, None, None, None], x[:, :, :, ::-1], x)
+    if shift:
+        if offsets is None or not 0 < shift < min(rows, cols):
+            raise ValueError(f"augment: a shift of 1 to {min(rows, cols) - 1} pixels with "
+                             f"its offsets, got {shift}")
+        padded = pt.set_subtensor(
+            pt.zeros((batch, channels, rows + 2 * shift, cols + 2 * shift), dtype=x.dtype)[
+                :, :, shift:shift + rows, shift:shift + cols], x)
+        # Each image's window into its padded copy starts at 0 to 2 shift, a row and a
+        # column: gathered by four index arrays that broadcast to the image's shape.
+        start = pt.cast(pt.floor(offsets * (2 * shift + 1)), "int32")
+        row = start[:, 0][:, None] + pt.arange(rows, dtype="int32")[None, :]
+        col = start[:, 1][:, None] + pt.arange(cols, dtype="int32")[None, :]
+        x = padded[pt.arange(batch, dtype="int32")[:, None, None, None],
+                   pt.arange(channels, dtype="int32")[None, :, None, None],
+                   row[:, None, :, None], col[:, None, None, :]]
+    return x

@@ -31,7 +31,8 @@ PRESETS = {
                      epochs=10),
 }
 DEFAULTS = dict(hidden=[500], lr=0.05, momentum=0.9, batch_size=128, l1=0.0, l2=1e-4, epochs=5,
-                optimizer="sgd", beta2=0.999, schedule="constant", warmup=0.0, dropout=0.0)
+                optimizer="sgd", beta2=0.999, schedule="constant", warmup=0.0, dropout=0.0,
+                flip=False, shift=0)
 # Adam's learning rate when --lr is not given: SGD's would be far too large for it.
 ADAM_LR = 1e-3
 # How many steps' learning rates Replica.apply_rate puts on the device at once.
@@ -105,7 +106,8 @@ def build_model(cfg, ds):
     from . import models
     return models.build(cfg.get("model"), ds.n_in, cfg["hidden"], ds.n_classes, seed=MODEL_SEED,
                         optimizer=cfg.get("optimizer", "sgd"), beta2=cfg.get("beta2", 0.999),
-                        dropout=cfg.get("dropout", 0.0))
+                        dropout=cfg.get("dropout", 0.0), flip=cfg.get("flip", False),
+                        shift=cfg.get("shift", 0))
 
 
 class Replica:
@@ -843,6 +845,16 @@ def build_parser():
                         "says, a model of one's own where its logits call self.dropout. "
                         "Each rank draws its own masks, from --seed, its rank and the epoch "
                         "(default: 0, off)")
+    m.add_argument("--flip", action="store_true",
+                   help="mirror each training image left to right with probability 1/2, "
+                        "every step anew (images of 1 or 3 channels; not digits, whose "
+                        "mirror is another glyph) (default: off)")
+    m.add_argument("--shift", type=int, metavar="PIXELS",
+                   help="move each training image by up to PIXELS pixels each way, every "
+                        "step anew, zeros filling in: a random crop of the image padded by "
+                        "PIXELS (CIFAR's usual is 4) (default: 0, off). Evaluation sees the "
+                        "images as they are; masks and moves are each rank's own, as "
+                        "--dropout's")
     m.add_argument("--l1", type=float, help="L1 weight penalty (default: 0)")
     m.add_argument("--l2", type=float, help=f"L2 weight penalty (default: {DEFAULTS['l2']})")
     m.add_argument("--sync-every", type=int, default=1, metavar="K",
@@ -894,7 +906,7 @@ def resolve(args, parser):
     elif args.beta2 is not None:
         parser.error("--beta2 is Adam's; give --optimizer adam with it")
     for key in ("hidden", "epochs", "batch_size", "lr", "momentum", "l1", "l2", "beta2",
-                "warmup", "dropout"):
+                "warmup", "dropout", "flip", "shift"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     if not cfg["lr"] > 0:
@@ -904,6 +916,8 @@ def resolve(args, parser):
                      f"{cfg['beta2']}")
     if not 0 <= cfg["dropout"] < 1:
         parser.error(f"--dropout must be in [0, 1), got {cfg['dropout']}")
+    if cfg["shift"] < 0:
+        parser.error(f"--shift must be 0 or more pixels, got {cfg['shift']}")
     if not 0 <= cfg["warmup"] <= cfg["epochs"]:
         parser.error(f"--warmup must be 0 to --epochs ({cfg['epochs']}), got {cfg['warmup']}")
     for key in ("epochs", "batch_size", "sync_every"):
@@ -1012,13 +1026,14 @@ def run(cfg, devices, port=None, quiet=False):
         model = build_model(cfg, ds)
     except models.ModelError as e:
         raise UsageError("--model", str(e)) from None
-    if cfg.get("dropout"):  # said here, not by every worker after it loads the data
+    if cfg.get("dropout") or cfg.get("flip") or cfg.get("shift"):
+        # Said here, not by every worker after it loads the data.
         import pytensor.tensor as pt
         try:
             model.training_logits(pt.tensor("x", dtype="float32",
                                             shape=(cfg["batch_size"], ds.n_in)))
-        except models.NoDropout as e:
-            raise UsageError("--dropout", str(e)) from None
+        except models.FlagError as e:
+            raise UsageError(e.flag, str(e)) from None
     if cfg["resume"]:  # a checkpoint of another model: said here, not by every worker
         try:
             read_checkpoint(cfg["resume"], model)
@@ -1046,7 +1061,9 @@ def run(cfg, devices, port=None, quiet=False):
     where = (f"{len(devices)} CPU workers" if devices[0] is None
              else f"GPUs {devices}")
     schedule = make_schedule(cfg, ntrain, workers)
-    dropout = f", dropout {cfg['dropout']:g}" if cfg.get("dropout") else ""
+    dropout = "".join([f", dropout {cfg['dropout']:g}" if cfg.get("dropout") else "",
+                       ", flipped" if cfg.get("flip") else "",
+                       f", shifted by {cfg['shift']}" if cfg.get("shift") else ""])
     print(f"pympgu: {ds} | {model.describe()} | {model.optimizer}, {schedule}{dropout} | "
           f"{where} | batch {cfg['batch_size']}/worker | sync every {cfg['sync_every']}"
           f"{' overlapped' if cfg['overlap'] else ''}"

@@ -339,3 +339,16 @@ def test_gpu_training_dropout(road, monkeypatch):
     assert dropped["test_error"] < 0.25, dropped  # chance is 0.9
     assert dropped["loss"] != plain["loss"], (plain, dropped)  # it dropped
     assert abs(dropped["test_error"] - plain["test_error"]) <= 0.03, (plain, dropped)
+
+
+def test_gpu_training_augmented(monkeypatch):
+    """--flip --shift 2 on 2 GPUs: each rank varies its own images inside the step's XLA
+    call (pympgu.nnet.augment's gather) by the gradients' road, learns, and run() checks
+    that the replicas end identical."""
+    needs_xla()
+    from pympgu import train
+    cfg = dict(train.DEFAULTS, **JAX_TRAINING, hidden=[256, 128], flip=True, shift=2)
+    monkeypatch.setenv("PYMPGU_SPLIT_MIN_BYTES", "0")  # the spawned workers read it
+    varied = train.run(cfg, devices(2))[-1]
+    assert varied["road"] == "the update of the mean gradients", varied
+    assert varied["test_error"] < 0.4, varied  # chance is 0.9; mirrored digits are harder
