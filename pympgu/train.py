@@ -852,9 +852,9 @@ def build_parser():
     m.add_argument("--shift", type=int, metavar="PIXELS",
                    help="move each training image by up to PIXELS pixels each way, every "
                         "step anew, zeros filling in: a random crop of the image padded by "
-                        "PIXELS (CIFAR's usual is 4) (default: 0, off). Evaluation sees the "
-                        "images as they are; masks and moves are each rank's own, as "
-                        "--dropout's")
+                        "PIXELS (CIFAR's usual is 4) (default: 0, off). With either, "
+                        "evaluation sees the images unvaried, and each rank varies its own, "
+                        "reseeded every epoch as --dropout's masks are")
     m.add_argument("--l1", type=float, help="L1 weight penalty (default: 0)")
     m.add_argument("--l2", type=float, help=f"L2 weight penalty (default: {DEFAULTS['l2']})")
     m.add_argument("--sync-every", type=int, default=1, metavar="K",
