@@ -151,7 +151,6 @@ class Model:
         self._dropped = True
         if not self.training or rate == 0:
             return x
-        from pytensor.tensor.random import uniform
         # The size as constants where the parameters' shapes give it: x.shape would put
         # the graph's shape checks (a bias's width against its weights') into the step.
         static = self._static_shape(x)
@@ -210,8 +209,8 @@ class Model:
         pytensor = import_pytensor()
         if self.noise_rng is None:
             # One generator for the whole step, which pympgu.train seeds for each rank and
-            # epoch (Replica.seed_noise): ranks draw different masks, and a run resumed at
-            # an epoch draws what the run it continues would have.
+            # epoch (seed_noise): ranks draw different masks, and a run resumed at an epoch
+            # draws what the run it continues would have.
             self.noise_rng = pytensor.shared(np.random.default_rng(0), name="__noise")
         self._dropped, self.training, self._drawn = False, True, [self.noise_rng]
         try:

@@ -55,7 +55,7 @@ def _setup_backend(ctx, backend):
         warnings.filterwarnings("ignore", category=UserWarning,
                                 message=r"Explicitly requested dtype (float64|int64) "
                                         r"requested in astype is not available")
-        # Said once per compile of a step that draws (Model.dropout): Replica.seed_noise
+        # Said once per compile of a step that draws (Model.dropout): models.seed_noise
         # seeds the copy that the JAX program reads, as intended.
         warnings.filterwarnings("ignore", category=UserWarning,
                                 message=r"The RandomType SharedVariables .* will not be used")
@@ -1061,10 +1061,10 @@ def run(cfg, devices, port=None, quiet=False):
     where = (f"{len(devices)} CPU workers" if devices[0] is None
              else f"GPUs {devices}")
     schedule = make_schedule(cfg, ntrain, workers)
-    dropout = "".join([f", dropout {cfg['dropout']:g}" if cfg.get("dropout") else "",
-                       ", flipped" if cfg.get("flip") else "",
-                       f", shifted by {cfg['shift']}" if cfg.get("shift") else ""])
-    print(f"pympgu: {ds} | {model.describe()} | {model.optimizer}, {schedule}{dropout} | "
+    noise = "".join([f", dropout {cfg['dropout']:g}" if cfg.get("dropout") else "",
+                     ", flipped" if cfg.get("flip") else "",
+                     f", shifted by {cfg['shift']}" if cfg.get("shift") else ""])
+    print(f"pympgu: {ds} | {model.describe()} | {model.optimizer}, {schedule}{noise} | "
           f"{where} | batch {cfg['batch_size']}/worker | sync every {cfg['sync_every']}"
           f"{' overlapped' if cfg['overlap'] else ''}"
           f"{'' if cfg['exchange_dtype'] == 'float32' else ', ' + cfg['exchange_dtype'] + ' wire'} | "
