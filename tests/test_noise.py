@@ -65,22 +65,14 @@ class Linear(models.Model):
         return x.dot(self.w)
 
 
-def test_a_model_without_dropout_refuses_a_rate(tmp_path, capsys):
+def test_a_model_without_dropout_refuses_a_rate(capsys):
     import pytensor.tensor as pt
     m = models.build(f"{__name__}:Linear", 4, [1], 3, dropout=0.5)
     with pytest.raises(models.FlagError, match=r"--dropout 0.5: Linear.logits has no dropout"):
         m.training_logits(pt.tensor("x", dtype="float32", shape=(2, 4)))
     # From the command line it is a flag error, before any worker starts.
-    path = tmp_path / "linear.py"
-    path.write_text("import numpy as np\nfrom pympgu.models import Model\n"
-                    "class Linear(Model):\n"
-                    "    def __init__(self, n_in, hidden, n_out, seed=1234):\n"
-                    "        super().__init__()\n"
-                    "        self.w = self.parameter(np.zeros((n_in, n_out)), 'w')\n"
-                    "    def logits(self, x):\n"
-                    "        return x.dot(self.w)\n")
     with pytest.raises(SystemExit) as info:
-        train.main(["--cpu", "2", "--dropout", "0.5", "--model", f"{path}:Linear"])
+        train.main(["--cpu", "2", "--dropout", "0.5", "--model", f"{__file__}:Linear"])
     assert info.value.code == 2
     assert "--dropout 0.5: Linear.logits has no dropout" in capsys.readouterr().err
 
