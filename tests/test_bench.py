@@ -67,6 +67,24 @@ def test_train_bench_times_adam_with_a_schedule(tmp_path):
     assert r.returncode == 2 and "add --no-ddp" in r.stderr, r.stderr
 
 
+def test_train_bench_times_dropout_in_pympgus_rows(tmp_path):
+    """--dropout 0.5 on CPU workers: pympgu's rows train with it, with no plain JAX twin
+    (which has no dropout) to set beside them; with DDP rows, or out of range, refused."""
+    out = tmp_path / "rows.json"
+    r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "2", "--models",
+                        "seed", "--steps", "2", "--warmup", "1", "--variants", "sync4",
+                        "--dropout", "0.5", "--json", str(out)],
+                       capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [x["dropout"] for x in json.loads(out.read_text())["rows"]] == [0.5, 0.5]
+    assert "sgd, dropout 0.5" in r.stdout and "plain JAX step" not in r.stdout, r.stdout
+    for argv, says in ((["--dropout", "0.5"], "add --no-ddp"),
+                       (["--cpu", "2", "--dropout", "1"], "--dropout must be in [0, 1)")):
+        r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", *argv],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and says in r.stderr, r.stderr
+
+
 def test_train_bench_rejects_bad_flags():
     r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "9"],
                        capture_output=True, text=True, timeout=60)
