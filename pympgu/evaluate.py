@@ -152,10 +152,14 @@ def load(run, checkpoint="best", data=None, backend="auto", batch_size=500):
     except ModelError as e:  # its file moved, say: the message names it, as --model's
         raise EvaluateError(f"{config_path}: its model cannot be built ({e})") from None
     try:
-        epoch, _, values = read_checkpoint(path, model, use=f"{path}: cannot evaluate it")
+        # The batch norms' population statistics too, which the run estimated before the
+        # epoch's evaluation (Model.estimate_statistics).
+        variables = model.state + model.statistics
+        epoch, _, values = read_checkpoint(path, model, use=f"{path}: cannot evaluate it",
+                                           variables=variables)
     except ValueError as e:
         raise EvaluateError(str(e)) from None
-    for var, value in zip(model.state, values):
+    for var, value in zip(variables, values):
         var.set_value(value)
     return Trained(model, config, dataset, path, epoch, backend, batch_size)
 

@@ -28,6 +28,11 @@ def import_pytensor():
 # Each optimizer's state per parameter, by the prefix of its arrays' names.
 OPTIMIZERS = {"sgd": ("v",), "adam": ("m", "s")}
 
+# How many training examples a batch norm's population mean and variance are estimated
+# from before each evaluation (Model.estimate_statistics): Wu and Johnson ("Rethinking
+# 'Batch' in BatchNorm", 2021) found about 10,000 enough for ImageNet's convnets.
+STATISTICS_EXAMPLES = 8192
+
 
 def one_hot(labels, n_classes):
     out = np.zeros((len(labels), n_classes), np.float32)
@@ -62,6 +67,9 @@ class Model:
         self.dropout_rate, self._dropped = 0.0, False
         self.flip, self.shift = False, 0  # --flip, --shift: training images varied
         self.noise_rng, self.noise_updates = None, []
+        self.norms = []  # BatchNorm layers, in the order batch_norm made them
+        self._recorded = None  # name: (mean, var) while compile traces the statistics
+        self.statistics_fn = None  # compile's, where the model has norms
 
     def parameter(self, value, name, penalized=True):
         """A new float32 parameter (a PyTensor shared variable) holding ``value``. ``name``
@@ -115,6 +123,54 @@ class Model:
                                            name=f"{kind}_{p.name}")
                            for kind in OPTIMIZERS[self.optimizer] for p in self.params]
         return self._slots
+
+    def batch_norm(self, channels, name, gamma=1.0):
+        """A batch normalisation layer (Ioffe and Szegedy 2015) of ``channels``: call it
+        in ``logits`` on x (batch, channels, ...) to normalise each channel (a dense
+        layer's unit, a convolution's map) over the batch and every other axis, then scale
+        by a parameter ``gamma_<name>`` and shift by ``beta_<name>`` (neither penalized).
+        ``gamma`` is the scale's first value (0 starts a residual branch at nothing).
+
+        The training step normalises by each minibatch's own mean and variance, as each
+        rank sees it. Evaluation normalises by the population's, which are not trained
+        state: before each evaluation they are estimated from STATISTICS_EXAMPLES training
+        examples with the parameters as they are (estimate_statistics), so the replicas
+        stay identical and nothing but the parameters and the optimizer's state is averaged
+        (docs/MODELS.md, "Batch normalisation")."""
+        norm = BatchNorm(self, int(channels), name, gamma)
+        self.norms.append(norm)
+        return norm
+
+    @property
+    def statistics(self):
+        """Every norm's population mean and variance (shared variables ``__mean_<name>``
+        and ``__var_<name>``): saved in checkpoints, neither trained nor averaged."""
+        return [v for norm in self.norms for v in (norm.mean, norm.var)]
+
+    def estimate_statistics(self, batches):
+        """Set every norm's population mean and variance to those of its input over the
+        training examples of ``batches`` (index arrays of compile's batch size), computed
+        as training computes them, each minibatch normalised by its own statistics at
+        every norm, but with no dropout and the images unvaried, as evaluation sees them
+        (Wu and Johnson's 'precise BN'). The mean is the mean of the batches' means, the
+        variance the mean of their variances plus the variance of their means: the
+        variance over every example. Does nothing for a model without norms."""
+        if self.statistics_fn is None:
+            return
+        sums, n = None, 0
+        for idx in batches:
+            n += 1
+            out = [np.asarray(v, np.float64) for v in self.statistics_fn(idx)]
+            # Per norm: its batch mean, variance and mean squared, summed over batches.
+            rows = [(m, v, m * m) for m, v in zip(out[::2], out[1::2])]
+            sums = rows if sums is None else [tuple(a + b for a, b in zip(r, s))
+                                              for r, s in zip(rows, sums)]
+        if sums is None:
+            raise ValueError("estimate_statistics: no batches")
+        for norm, (m, v, mm) in zip(self.norms, sums):
+            mean = m / n
+            norm.mean.set_value(mean.astype(np.float32))
+            norm.var.set_value((v / n + np.maximum(mm / n - mean * mean, 0)).astype(np.float32))
 
     @property
     def state(self):
@@ -271,6 +327,21 @@ class Model:
             raise ValueError(f"{type(self).__name__}.logits gives shape {shape} for a batch "
                              f"of {batch_size}; it must be ({batch_size}, {n_classes}), one "
                              "score per class")
+        if self.norms:
+            # The norms' batch statistics as the step computes them, but with no dropout
+            # and the images unvaried (estimate_statistics' batches); traced before the
+            # gradients, which would fail first, and less plainly, on a norm never used.
+            sidx = pt.tensor("sidx", dtype="int32", shape=(batch_size,))
+            self._recorded = {}
+            try:
+                self.logits(train_x[sidx])
+                recorded = self._recorded
+            finally:
+                self._recorded = None
+            unused = [n.name for n in self.norms if n.name not in recorded]
+            if unused:
+                raise ValueError(f"{type(self).__name__}.logits never calls the batch norms "
+                                 f"{unused} that __init__ made")
         nll = -pt.mean(pt.sum(y * log_softmax(logits, axis=1), axis=1))
         cost = nll
         if l1:
@@ -301,6 +372,12 @@ class Model:
         updates += self.noise_updates
         train = pytensor.function([idx], cost, updates=updates, mode=mode, name="train")
 
+        if self.norms:
+            self.statistics_fn = pytensor.function(
+                [sidx], [v for n in self.norms for v in recorded[n.name]], mode=mode,
+                name="statistics")
+            self.statistics_fn.trust_input = True
+
         eidx = pt.tensor("eidx", dtype="int32", shape=(eval_batch,))
         wrong = pt.neq(pt.argmax(self.logits(eval_x[eidx]), axis=1),
                        pt.argmax(eval_y[eidx], axis=1))
@@ -309,6 +386,48 @@ class Model:
         # checks saves host time on every call (about 50 µs a call on a CPU).
         train.trust_input = evaluate.trust_input = True
         return train, evaluate
+
+
+class BatchNorm:
+    """One batch normalisation layer of a Model (Model.batch_norm makes it): call it on
+    x (batch, channels, ...) in ``logits``."""
+
+    EPS = 1e-5  # added to the variance, as cuDNN's and PyTorch's default
+
+    def __init__(self, model, channels, name, gamma):
+        pytensor = import_pytensor()
+        if channels < 1:
+            raise ValueError(f"batch norm {name!r}: give at least 1 channel, got {channels}")
+        self.model, self.name, self.channels = model, name, channels
+        self.gamma = model.parameter(np.full(channels, gamma), f"gamma_{name}", penalized=False)
+        self.beta = model.parameter(np.zeros(channels), f"beta_{name}", penalized=False)
+        # "__" names: a parameter cannot take them (Model.parameter), so checkpoints keep
+        # them apart.
+        self.mean = pytensor.shared(np.zeros(channels, np.float32), name=f"__mean_{name}")
+        self.var = pytensor.shared(np.ones(channels, np.float32), name=f"__var_{name}")
+
+    def __call__(self, x):
+        import pytensor.tensor as pt
+        x = pt.as_tensor_variable(x)
+        if x.type.ndim < 2 or x.type.shape[1] not in (None, self.channels):
+            raise ValueError(f"batch norm {self.name!r} of {self.channels} channels: x must "
+                             f"be (batch, {self.channels}, ...), got shape {x.type.shape}")
+        axes = (0, *range(2, x.type.ndim))
+        spread = ["x", 0] + ["x"] * (x.type.ndim - 2)  # (channels,) against x's axis 1
+        recording = self.model._recorded is not None
+        if self.model.training or recording:
+            mean = pt.mean(x, axis=axes)
+            var = pt.mean(pt.sqr(x - mean.dimshuffle(spread)), axis=axes)
+            if recording:
+                if self.name in self.model._recorded:
+                    raise ValueError(f"batch norm {self.name!r} is called twice in logits: "
+                                     "make one for each place (Model.batch_norm)")
+                self.model._recorded[self.name] = (mean, var)
+        else:
+            mean, var = self.mean, self.var
+        scale = self.gamma / pt.sqrt(var + np.float32(self.EPS))
+        return (x - mean.dimshuffle(spread)) * scale.dimshuffle(spread) + \
+            self.beta.dimshuffle(spread)
 
 
 class MLP(Model):
@@ -446,6 +565,17 @@ def seed_noise(fn, *entropy):
             value = dict(value)
             value["jax_state"] = jax.device_put(seeds.generate_state(2, np.uint32))
             container.storage[0] = value
+
+
+def statistics_batches(n_train, batch_size, examples=STATISTICS_EXAMPLES):
+    """The index arrays (int32, batch_size each) that estimate_statistics reads: the first
+    ``examples`` training examples (rounded up to whole batches, at most every one, at
+    least one batch) of a fixed shuffle, so that every evaluation of a run, and
+    pympgu.evaluate's, draws the same ones."""
+    order = np.random.default_rng(0).permutation(n_train).astype(np.int32)
+    count = max(1, min(math.ceil(examples / batch_size), n_train // batch_size))
+    order = np.resize(order, count * batch_size)  # repeats only where n_train < batch_size
+    return [order[i * batch_size:(i + 1) * batch_size] for i in range(count)]
 
 
 def error_rates(evaluate, n_valid, n_test, eval_batch):

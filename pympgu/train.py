@@ -380,13 +380,18 @@ class Replica:
         return fn
 
     def errors(self):
-        from .models import error_rates
+        from .models import error_rates, statistics_batches
+        # Batch norms' population statistics, from the parameters as they now are.
+        self.model.estimate_statistics(statistics_batches(len(self.dataset.train[1]),
+                                                          self.cfg["batch_size"]))
         return error_rates(self.eval_fn, len(self.dataset.valid[1]), len(self.dataset.test[1]),
                            self.eval_batch)
 
     def save(self, path, epoch, history):
         np = self.np
         arrays = {s.name: np.asarray(v) for s, v in zip(self.model.state, self.values())}
+        # The norms' population statistics that the epoch's errors were evaluated with.
+        arrays.update({s.name: s.get_value() for s in self.model.statistics})
         tmp = path + ".tmp"
         with open(tmp, "wb") as f:
             np.savez(f, __epoch__=epoch, __history__=json.dumps(history),
@@ -402,10 +407,10 @@ class Replica:
         return epoch, history
 
 
-def read_checkpoint(path, model, use="--resume {path}: cannot resume from it"):
-    """(epoch, history, values of ``model``'s state) from a checkpoint that Replica.save
-    wrote, or a ValueError, ``use`` (formatted with the path) and what does not fit this
-    model."""
+def read_checkpoint(path, model, use="--resume {path}: cannot resume from it", variables=None):
+    """(epoch, history, values of ``variables``: ``model``'s state by default) from a
+    checkpoint that Replica.save wrote, or a ValueError, ``use`` (formatted with the path)
+    and what does not fit this model."""
     import numpy as np
     made = None
     try:
@@ -417,7 +422,7 @@ def read_checkpoint(path, model, use="--resume {path}: cannot resume from it"):
                 made += (f", trained by "
                          f"{f['__optimizer__'] if '__optimizer__' in f.files else 'sgd'}")
             values = []
-            for s in model.state:
+            for s in model.state if variables is None else variables:
                 if s.name not in f.files:
                     raise ValueError(f"it has no {s.name!r}")
                 v = f[s.name]
