@@ -3,6 +3,7 @@ references for pympgu's own (python -m pympgu.bench train --gpus 0 --model
 examples/lenet.py:LeNet).
 
     python3 benchmarks/probe_lenet.py [--batch 1024] [--steps 300] [--jax-only]
+    python3 benchmarks/probe_lenet.py --model examples/resnet.py:ResNet   # its torch_twin
 
 The same layers (two 5x5 convolutions of 20 and 50 filters, each followed by 2x2 max pooling
 and tanh, a tanh layer of 500 units, softmax cross-entropy), SGD with momentum 0.9, on a
@@ -23,18 +24,28 @@ def main():
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--jax-only", action="store_true", help="plain JAX's rows alone")
+    ap.add_argument("--model", metavar="FILE.py:CLASS",
+                    help="the PyTorch rows of another model's torch_twin (python -m "
+                         "pympgu.bench train's), at its default_hidden, on 1x28x28 images; "
+                         "no JAX rows")
     args = ap.parse_args()
     if args.jax_only:
         return jax_rows(args)
     import torch
     torch.manual_seed(0)
-    net = torch.nn.Sequential(
-        torch.nn.Conv2d(1, 20, 5), torch.nn.MaxPool2d(2), torch.nn.Tanh(),
-        torch.nn.Conv2d(20, 50, 5), torch.nn.MaxPool2d(2), torch.nn.Tanh(),
-        torch.nn.Flatten(), torch.nn.Linear(800, 500), torch.nn.Tanh(),
-        torch.nn.Linear(500, 10)).cuda()
+    if args.model:
+        from pympgu.models import load
+        cls = load(args.model)
+        net = cls.torch_twin(784, list(cls.default_hidden), 10).cuda()
+        x = torch.randn(args.batch, 784, device="cuda")
+    else:
+        net = torch.nn.Sequential(
+            torch.nn.Conv2d(1, 20, 5), torch.nn.MaxPool2d(2), torch.nn.Tanh(),
+            torch.nn.Conv2d(20, 50, 5), torch.nn.MaxPool2d(2), torch.nn.Tanh(),
+            torch.nn.Flatten(), torch.nn.Linear(800, 500), torch.nn.Tanh(),
+            torch.nn.Linear(500, 10)).cuda()
+        x = torch.randn(args.batch, 1, 28, 28, device="cuda")
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=2e-4)
-    x = torch.randn(args.batch, 1, 28, 28, device="cuda")
     y = torch.randint(0, 10, (args.batch,), device="cuda")
     loss_fn = torch.nn.CrossEntropyLoss()
 
@@ -71,7 +82,8 @@ def main():
     with torch.cuda.graph(graph):
         step()
     print(f"CUDA graph, cudnn.benchmark: {timed(graph.replay):.3f} ms/step")
-    jax_rows(args)
+    if not args.model:
+        jax_rows(args)
 
 
 def jax_rows(args):

@@ -60,7 +60,7 @@ class Split:
     ``early`` is empty when nothing is worth cutting. ``flops`` is the work of each phase.
     """
 
-    def __init__(self, closed, which):
+    def __init__(self, closed, which, finish=False):
         jaxpr, consts = _unwrap(closed)
         self.jaxpr, self.consts, self.which = jaxpr, consts, list(which)
         eqns = jaxpr.eqns
@@ -151,6 +151,20 @@ ELEMENTWISE = frozenset("""
 AFFINE = frozenset("""
     add sub neg copy copy_p reshape squeeze expand_dims broadcast_in_dim
 """.split())
+# Primitives that only reshape the one array they read (Tail._gradient_work).
+SHAPING = frozenset("copy copy_p reshape squeeze expand_dims broadcast_in_dim".split())
+
+
+def _affine(eqn, hit):
+    """Whether ``eqn``'s result is affine in the operands that ``hit`` marks (a list of
+    bools, one an operand)."""
+    name = eqn.primitive.name
+    return (name in AFFINE
+            or (name == "convert_element_type"
+                and np.issubdtype(eqn.params["new_dtype"], np.floating))
+            or (name == "mul" and sum(hit) == 1)
+            or (name == "div" and hit == [True, False])
+            or (name == "select_n" and not hit[0]))
 
 
 class Tail:
@@ -162,9 +176,15 @@ class Tail:
     equations only, whose values nothing outside the tail needs. ``crossing`` lists what
     the tail reads from the work before it (the gradients). pympgu.xla.correct_during adds
     the one-step-delayed correction to the tail, so that XLA fuses it into the update.
+
+    With ``finish``, work in that tail that reads values from before it alone and is not
+    affine in them (the division that ends a batch norm scale's gradient) goes before it,
+    so that the tail is affine in what it reads wherever the update is affine in its
+    gradients. Without, ``finishing`` lists such work that reads two values or more: there
+    what crosses may be parts of a gradient rather than the gradient.
     """
 
-    def __init__(self, closed, which):
+    def __init__(self, closed, which, finish=False):
         jaxpr, consts = _unwrap(closed)
         self.jaxpr, self.consts = jaxpr, consts
         eqns = jaxpr.eqns
@@ -184,12 +204,18 @@ class Tail:
             tail.add(k)
             todo += eqns[k].invars
         # An equation whose values work outside the tail reads must come before it, and so
-        # must what it reads.
-        leaving = True
-        while leaving:
+        # must what it reads; with ``finish``, so must the work that may finish a gradient.
+        while True:
             leaving = {k for k in tail
                        if any(users.get(v, set()) - tail for v in eqns[k].outvars)}
+            if finish and not leaving:
+                leaving = self._gradient_work(tail, producer, every=True)
+            if not leaving:
+                break
             tail -= leaving
+        # Where the gradients' road must feed the update the mean gradients, not averages
+        # that make them (pympgu.xla.gradient_plan).
+        self.finishing = [eqns[k] for k in sorted(self._gradient_work(tail, producer, False))]
         self.before = [e for k, e in enumerate(eqns) if k not in tail]
         self.tail = [e for k, e in enumerate(eqns) if k in tail]
         made = {v for e in self.before for v in e.outvars}
@@ -197,6 +223,52 @@ class Tail:
             v for e in self.tail for v in e.invars if _is_var(v) and v in made))
         made = {v for e in self.tail for v in e.outvars}
         self._made = [i for i, v in enumerate(jaxpr.outvars) if _is_var(v) and v in made]
+
+    def _gradient_work(self, tail, producer, every):
+        """The tail's equations that may finish computing a gradient rather than apply
+        one: equations not affine in what they read that read values from before the tail
+        alone (and constants), two or more of them, or any number with ``every``, and the
+        tail's equations they read. Values from before that one shapes from another
+        (squeeze, reshape) count as one. A batch norm's scale gets its gradient so, after
+        PyTensor's rewrites: a sum over the batch divided by another."""
+        eqns, jaxpr = self.jaxpr.eqns, self.jaxpr
+        inputs, constants = set(jaxpr.invars), set(jaxpr.constvars)
+
+        def root(v):  # the value from before that v is a reshaping of
+            while producer.get(v) is not None and producer[v] not in tail:
+                e = eqns[producer[v]]
+                if e.primitive.name not in SHAPING or len(e.invars) != 1:
+                    break
+                v = e.invars[0]
+            return v
+
+        sources, taken = {}, set()  # a tail value: the values from before that it reads
+        for k in sorted(tail):
+            e, read = eqns[k], set()
+            for v in e.invars:
+                if not _is_var(v) or v in constants:
+                    continue
+                v = v if producer.get(v) in tail else root(v)
+                if v in inputs or (producer.get(v) in tail and v not in sources):
+                    read = None  # it reads the state (squeezed, say), or what reads it
+                    break
+                read |= sources[v] if producer.get(v) in tail else {v}
+            if read is None:
+                continue
+            sources.update((v, read) for v in e.outvars)
+            if (every or len(read) >= 2) and not _affine(e, [_is_var(v) and v not in constants
+                                                             for v in e.invars]):
+                taken.add(k)
+        def read_in_tail(k):
+            return [v for v in eqns[k].invars if _is_var(v) and producer.get(v) in tail]
+
+        todo = [v for k in taken for v in read_in_tail(k)]
+        while todo:
+            k = producer[todo.pop()]
+            if k not in taken:
+                taken.add(k)
+                todo += read_in_tail(k)
+        return taken
 
     def nonlinear(self):
         """The first tail equation at which the tail's results stop being affine in the
@@ -210,13 +282,7 @@ class Tail:
             hit = [_is_var(v) and v in depends for v in e.invars]
             if not any(hit):
                 continue
-            name = e.primitive.name
-            if not (name in AFFINE
-                    or (name == "convert_element_type"
-                        and np.issubdtype(e.params["new_dtype"], np.floating))
-                    or (name == "mul" and sum(hit) == 1)
-                    or (name == "div" and hit == [True, False])
-                    or (name == "select_n" and not hit[0])):
+            if not _affine(e, hit):
                 return e
             depends.update(e.outvars)
         return None

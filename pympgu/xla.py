@@ -694,7 +694,10 @@ def gradient_plan(fn, updated, group, args, local=(), shadow=None, algo="auto", 
         return None, "PYMPGU_GRADIENTS=0"
     if algo == "gather":
         return None, "the gather algorithm averages parameters only"
-    tail = jaxsplit.Tail(jaxsplit.trace(fn, list(args), inline=True), list(updated))
+    # Exact, the tail need only be affine in what crosses, and any work on gradients alone
+    # may go before it; else what crosses must be the gradients themselves.
+    tail = jaxsplit.Tail(jaxsplit.trace(fn, list(args), inline=True), list(updated),
+                         finish=exact)
     if not tail.crossing:
         return None, "the results have no elementwise update"
     # A new value the update does not compute must be the same on every rank: an input
@@ -707,6 +710,9 @@ def gradient_plan(fn, updated, group, args, local=(), shadow=None, algo="auto", 
     if tail.reads(local):
         return None, "the update reads a rank's own inputs (local=)"
     if not exact:
+        if tail.finishing:
+            return None, ("the update reads parts of its gradients, not the gradients "
+                          f"({tail.finishing[0].primitive.name} of two)")
         # The mean gradient's update differs from the mean of the updates: take it at
         # every size, so that what a run computes does not depend on its model's size.
         return tail, None

@@ -262,3 +262,76 @@ def test_adams_update_takes_the_gradients_road_only_as_ddp():
         "print('adam', len(tail.crossing))\n"
     )
     run_jax_on_cpu(code, "adam")
+
+
+def test_work_on_gradients_alone_goes_before_the_tail_where_the_update_is_affine():
+    """A gradient that the step finishes in the update's elementwise tail, as a batch norm's
+    scale's is (one sum over the batch divided by another): with ``finish`` the division
+    goes before the tail, and so does the square of a sum, so that the tail is affine in
+    what crosses; without, ``finishing`` names the division but not the square of one
+    value (Adam's work). The work on a squeezed parameter (an L2 term's) stays the tail's
+    either way."""
+    pytest.importorskip("jax")
+    code = PRELUDE + (
+        "import jax.numpy as jnp\n"
+        "def step(p, x, y):\n"
+        "    g = (x * y).sum(axis=0) / jnp.sqrt((y * y).sum(axis=0) + 1e-5)\n"
+        "    q = p[:, None].squeeze(1)\n"
+        "    return [p - 0.1 * g - 0.01 * q, p - 0.1 * (x.sum(axis=0) ** 2)]\n"
+        "args = [np.ones(3, np.float32), np.ones((4, 3), np.float32), np.ones((4, 3), np.float32)]\n"
+        "closed = jaxsplit.trace(step, args)\n"
+        "plain, finished = jaxsplit.Tail(closed, [0, 1]), jaxsplit.Tail(closed, [0, 1], True)\n"
+        "kinds = lambda t: sorted(e.primitive.name for e in t.before if set(e.outvars) & set(t.crossing))\n"
+        "names = [e.primitive.name for e in plain.finishing]\n"
+        "assert 'div' in names and 'integer_pow' not in names, names\n"
+        "assert plain.nonlinear() is not None and finished.nonlinear() is None\n"
+        "assert finished.finishing == []\n"
+        "assert kinds(plain) == ['reduce_sum'] * 3, kinds(plain)\n"
+        "assert kinds(finished) == ['div', 'integer_pow'], kinds(finished)\n"
+        "for t in (plain, finished):\n"
+        "    outs, _ = jax.jit(lambda *a: t.run(list(a), lambda c: (c, None)))(*args)\n"
+        "    for a, b in zip(outs, step(*args)):\n"
+        "        assert np.array_equal(np.asarray(a), np.asarray(b))\n"
+        "print('finish', kinds(plain), kinds(finished))\n"
+    )
+    run_jax_on_cpu(code, "finish")
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_batch_norms_gradients_cross_whole(optimizer):
+    """examples/resnet.py, whose batch norms' scales get their gradients as one sum over the
+    batch divided by another (after PyTensor's rewrites): for SGD's update, affine in its
+    gradients, that division goes before the update (jaxsplit.Tail's ``finish``), so the
+    gradients' road takes it and gives the replicas' average, and the cut program computes
+    what the program computes, bit for bit. Adam's road, which must feed its update the
+    mean gradients themselves, is refused and named."""
+    pytest.importorskip("jax")
+    code = PRELUDE + (
+        "import os; from types import SimpleNamespace; from pympgu import xla\n"
+        "m = models.build(os.path.join('examples', 'resnet.py:ResNet'), ds.n_in, [4, 8],\n"
+        f"                 ds.n_classes, optimizer={optimizer!r})\n"
+        "f = m.compile(ds, 32, 100, 0.05, 0.9, 0, 1e-4, 'JAX')[0]\n"
+        "st = JaxStep(f, m.state)\n"
+        "args = st.arguments(np.arange(32, dtype=np.int32))\n"
+        "pos = {id(i.variable): k for k, i in enumerate(f.maker.inputs)}\n"
+        "out_of = {i: o for o, i in f.maker.fgraph.update_mapping.items()}\n"
+        "which = [out_of[pos[id(s)]] for s in m.state]\n"
+        "compute = lambda *a: list(f.vm.jit_fn(*a))\n"
+        "group = SimpleNamespace(shadow_offset=4096, nranks=2, rank=0)\n"
+        "xla.SPLIT_MIN_BYTES = 0\n"
+        "tail, why = xla.gradient_plan(compute, which, group, args, st.explicit, object(),\n"
+        f"                              exact={optimizer == 'sgd'})\n"
+        f"if {optimizer == 'adam'}:\n"
+        "    assert why == 'the update reads parts of its gradients, not the gradients (div of two)', why\n"
+        "    raise SystemExit(print('norms refused'))\n"
+        "assert why is None and tail.nonlinear() is None and not tail.finishing, why\n"
+        "made = {v: e.primitive.name for e in tail.before for v in e.outvars}\n"
+        "assert 'div' in {made[v] for v in tail.crossing}, tail.crossing\n"
+        "def run(*a):\n"
+        "    outs, _ = tail.run(list(a), lambda crossing: (crossing, None))\n"
+        "    return outs\n"
+        "for a, b in zip(jax.jit(run)(*args), compute(*args)):\n"
+        "    assert np.array_equal(np.asarray(a), np.asarray(b))\n"
+        "print('norms', len(tail.crossing))\n"
+    )
+    run_jax_on_cpu(code, "norms")
