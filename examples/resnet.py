@@ -18,7 +18,7 @@ al. 2017), so that every block starts as the identity. Images are square, of 1 c
 import numpy as np
 
 from pympgu.models import Model  # first: it sets PyTensor's floatX to float32
-from pympgu.nnet import square_images
+from pympgu.nnet import he_normal, square_images
 
 
 class ResNet(Model):
@@ -33,13 +33,9 @@ class ResNet(Model):
         # replicas start identical (pympgu refuses them otherwise).
         rng = np.random.default_rng(seed)
 
-        def he(shape):  # He et al.'s normal, for ReLU
-            fan_in = int(np.prod(shape[1:]))
-            return rng.normal(0.0, np.sqrt(2.0 / fan_in), shape)
-
         # Convolutions carry no bias: the batch norm after each one shifts by its own.
         c = hidden[0]
-        self.stem = (self.parameter(he((c, self.channels, 3, 3)), "W_stem"),
+        self.stem = (self.parameter(he_normal(rng, (c, self.channels, 3, 3)), "W_stem"),
                      self.batch_norm(c, "stem"))
         self.blocks, self.out_side = [], self.side
         for k, f in enumerate(hidden):
@@ -47,13 +43,14 @@ class ResNet(Model):
             if stride == 2:
                 self.out_side = (self.out_side - 1) // 2 + 1
             block = {"stride": stride,
-                     "w1": self.parameter(he((f, c, 3, 3)), f"W_block{k}_1"),
+                     "w1": self.parameter(he_normal(rng, (f, c, 3, 3)), f"W_block{k}_1"),
                      "norm1": self.batch_norm(f, f"block{k}_1"),
-                     "w2": self.parameter(he((f, f, 3, 3)), f"W_block{k}_2"),
+                     "w2": self.parameter(he_normal(rng, (f, f, 3, 3)), f"W_block{k}_2"),
                      "norm2": self.batch_norm(f, f"block{k}_2", gamma=0.0)}
             if f != c:
-                block["shortcut"] = (self.parameter(he((f, c, 1, 1)), f"W_block{k}_shortcut"),
-                                     self.batch_norm(f, f"block{k}_shortcut"))
+                block["shortcut"] = (
+                    self.parameter(he_normal(rng, (f, c, 1, 1)), f"W_block{k}_shortcut"),
+                    self.batch_norm(f, f"block{k}_shortcut"))
             self.blocks.append(block)
             c = f
         self.width = c

@@ -15,7 +15,7 @@ CPU workers, 79.5% test error by SGD and 58.8% by Adam, against this network's 4
 import numpy as np
 
 from pympgu.models import Model  # first: it sets PyTensor's floatX to float32
-from pympgu.nnet import square_images
+from pympgu.nnet import he_normal, square_images
 
 
 def halved(side, times=1):
@@ -37,15 +37,11 @@ class StridedConvNet(Model):
         # replicas start identical (pympgu refuses them otherwise).
         rng = np.random.default_rng(seed)
 
-        def he(shape):  # He et al.'s normal, for ReLU
-            fan_in = int(np.prod(shape[1:]))
-            return rng.normal(0.0, np.sqrt(2.0 / fan_in), shape)
-
         self.stages, c = [], self.channels
         for k, f in enumerate(hidden):
             layers = []
             for j, (c_in, stride) in enumerate(((c, 1), (f, 2))):
-                w = self.parameter(he((f, c_in, 3, 3)), f"W_stage{k}_{j}")
+                w = self.parameter(he_normal(rng, (f, c_in, 3, 3)), f"W_stage{k}_{j}")
                 b = self.parameter(np.zeros(f), f"b_stage{k}_{j}", penalized=False)
                 layers.append((w, b, stride))
             self.stages.append(layers)

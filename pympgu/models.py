@@ -29,8 +29,9 @@ def import_pytensor():
 OPTIMIZERS = {"sgd": ("v",), "adam": ("m", "s")}
 
 # How many training examples a batch norm's population mean and variance are estimated
-# from before each evaluation (Model.estimate_statistics): Wu and Johnson ("Rethinking
-# 'Batch' in BatchNorm", 2021) found about 10,000 enough for ImageNet's convnets.
+# from before each evaluation (Model.estimate_statistics; Wu and Johnson's PreciseBN in
+# "Rethinking 'Batch' in BatchNorm", 2021): as many as MMClassification's PreciseBNHook
+# takes by default.
 STATISTICS_EXAMPLES = 8192
 
 

@@ -262,6 +262,15 @@ def conv2d(x, w, padding=0, stride=1, dilation=1):
     return op(x, w)
 
 
+def he_normal(rng, shape):
+    """Filters of ``shape`` (filters, channels, kh, kw) drawn from He et al.'s normal for
+    layers followed by ReLU (2015): mean 0, variance 2 / fan-in, the fan-in being a filter's
+    taps (channels x kh x kw). ``rng``: a numpy Generator seeded as the model is, so that
+    every worker draws the same values."""
+    fan_in = int(np.prod(shape[1:]))
+    return rng.normal(0.0, np.sqrt(2.0 / fan_in), shape)
+
+
 def square_images(n_in, model="the model"):
     """(channels, side) of square images of ``n_in`` values, of 1 channel or 3 (an RGB
     image, channels first): how a convnet reshapes the flat rows pympgu's datasets give
