@@ -146,6 +146,23 @@ def test_a_resnet_learns_and_evaluate_gives_back_its_errors(resnet_run, capsys):
     assert report["error"] == pytest.approx(best["test_error"]), (report["error"], best)
 
 
+def test_a_resumed_resnet_goes_on_as_the_run_it_continues(resnet_run, tmp_path):
+    """One epoch, then --resume for the second: the same losses and errors as the 2-epoch
+    run, since the statistics are estimated afresh from the parameters at every evaluation
+    and nothing else of them is carried."""
+    out = str(tmp_path / "resumed")
+    argv = ["--cpu", "2", "--backend", "jax", "--model", f"{RESNET}:ResNet", "--hidden", "4",
+            "8", "--batch-size", "32", "--lr", "0.1", "--dropout", "0.1", "--out", out,
+            "--quiet"]
+    assert train.main(argv + ["--epochs", "1"]) == 0
+    assert train.main(argv + ["--epochs", "2", "--resume", out]) == 0
+
+    def read(run):
+        return [{k: h[k] for k in ("epoch", "loss", "valid_error", "test_error")}
+                for h in map(json.loads, open(os.path.join(run, "metrics.jsonl")))]
+    assert read(out) == read(resnet_run)
+
+
 def test_evaluation_uses_the_estimated_statistics(resnet_run):
     """The population statistics matter: the network evaluated with the initial ones (mean
     0, variance 1) errs far more than with the checkpoint's."""
