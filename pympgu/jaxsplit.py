@@ -60,7 +60,7 @@ class Split:
     ``early`` is empty when nothing is worth cutting. ``flops`` is the work of each phase.
     """
 
-    def __init__(self, closed, which, finish=False):
+    def __init__(self, closed, which):
         jaxpr, consts = _unwrap(closed)
         self.jaxpr, self.consts, self.which = jaxpr, consts, list(which)
         eqns = jaxpr.eqns
@@ -256,9 +256,10 @@ class Tail:
             if read is None:
                 continue
             sources.update((v, read) for v in e.outvars)
-            if (every or len(read) >= 2) and not _affine(e, [_is_var(v) and v not in constants
-                                                             for v in e.invars]):
+            hit = [_is_var(v) and v not in constants for v in e.invars]
+            if (every or len(read) >= 2) and not _affine(e, hit):
                 taken.add(k)
+
         def read_in_tail(k):
             return [v for v in eqns[k].invars if _is_var(v) and producer.get(v) in tail]
 
