@@ -53,7 +53,6 @@ class ResNet(Model):
                     self.batch_norm(f, f"block{k}_shortcut"))
             self.blocks.append(block)
             c = f
-        self.width = c
         self.w_out = self.parameter(np.zeros((c, n_out)), "W_out")
         self.b_out = self.parameter(np.zeros(n_out), "b_out", penalized=False)
 
