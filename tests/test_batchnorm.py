@@ -122,12 +122,14 @@ def test_a_model_without_norms_compiles_no_statistics():
 @pytest.fixture(scope="module")
 def resnet_run(tmp_path_factory):
     """examples/resnet.py trained for 2 epochs on 2 CPU workers under JAX (the programs GPU
-    workers compile), with dropout, which the statistics must not see."""
+    workers compile), with dropout, which the statistics must not see, and its statistics
+    estimated from 2,048 examples (--bn-examples), as pympgu.evaluate then reads them."""
     pytest.importorskip("jax")
     out = str(tmp_path_factory.mktemp("resnet"))
     assert train.main(["--cpu", "2", "--backend", "jax", "--model", f"{RESNET}:ResNet",
                        "--hidden", "4", "8", "--batch-size", "32", "--lr", "0.1", "--epochs",
-                       "2", "--dropout", "0.1", "--out", out, "--quiet"]) == 0
+                       "2", "--dropout", "0.1", "--bn-examples", "2048", "--out", out,
+                       "--quiet"]) == 0
     return out
 
 
@@ -152,8 +154,8 @@ def test_a_resumed_resnet_goes_on_as_the_run_it_continues(resnet_run, tmp_path):
     and nothing else of them is carried."""
     out = str(tmp_path / "resumed")
     argv = ["--cpu", "2", "--backend", "jax", "--model", f"{RESNET}:ResNet", "--hidden", "4",
-            "8", "--batch-size", "32", "--lr", "0.1", "--dropout", "0.1", "--out", out,
-            "--quiet"]
+            "8", "--batch-size", "32", "--lr", "0.1", "--dropout", "0.1", "--bn-examples",
+            "2048", "--out", out, "--quiet"]
     assert train.main(argv + ["--epochs", "1"]) == 0
     assert train.main(argv + ["--epochs", "2", "--resume", out]) == 0
 
@@ -174,6 +176,16 @@ def test_evaluation_uses_the_estimated_statistics(resnet_run):
     trained._fn = None
     assert evaluate.load(resnet_run).evaluate("test")["error"] == error
     assert trained.evaluate("test")["error"] > error + 0.1
+
+
+def test_bn_examples_is_refused_out_of_range_or_for_a_model_without_norms(capsys):
+    for argv, message in ((["--bn-examples", "0"], "--bn-examples must be at least 1, got 0"),
+                          (["--bn-examples", "64"], "--bn-examples 64: MLP has no batch "
+                                                    "norms (Model.batch_norm)")):
+        with pytest.raises(SystemExit) as info:
+            train.main(["--cpu", "2", *argv])
+        assert info.value.code == 2
+        assert message in capsys.readouterr().err
 
 
 def test_a_checkpoint_without_statistics_is_named(resnet_run, tmp_path):

@@ -589,7 +589,7 @@ def test_help_explains_every_flag():
     for flag in ("--gpus", "--cpu", "--sync-every", "--preset", "--out", "--resume",
                  "--data-dir", "--hidden", "--method", "--overlap", "--exchange-dtype",
                  "--exchange-blocks", "--model", "--optimizer", "--schedule", "--warmup",
-                 "--beta2"):
+                 "--beta2", "--dropout", "--flip", "--shift", "--bn-examples"):
         assert flag in r.stdout
 
 
