@@ -158,20 +158,15 @@ class Model:
         variance over every example. Does nothing for a model without norms."""
         if self.statistics_fn is None:
             return
-        sums, n = None, 0
-        for idx in batches:
-            n += 1
-            out = [np.asarray(v, np.float64) for v in self.statistics_fn(idx)]
-            # Per norm: its batch mean, variance and mean squared, summed over batches.
-            rows = [(m, v, m * m) for m, v in zip(out[::2], out[1::2])]
-            sums = rows if sums is None else [tuple(a + b for a, b in zip(r, s))
-                                              for r, s in zip(rows, sums)]
-        if sums is None:
+        # Per batch, every norm's mean and variance in turn (statistics_fn's outputs).
+        outs = [[np.asarray(v, np.float64) for v in self.statistics_fn(idx)] for idx in batches]
+        if not outs:
             raise ValueError("estimate_statistics: no batches")
-        for norm, (m, v, mm) in zip(self.norms, sums):
-            mean = m / n
-            norm.mean.set_value(mean.astype(np.float32))
-            norm.var.set_value((v / n + np.maximum(mm / n - mean * mean, 0)).astype(np.float32))
+        for k, norm in enumerate(self.norms):
+            means = np.stack([o[2 * k] for o in outs])
+            variances = np.stack([o[2 * k + 1] for o in outs])
+            norm.mean.set_value(means.mean(axis=0).astype(np.float32))
+            norm.var.set_value((variances.mean(axis=0) + means.var(axis=0)).astype(np.float32))
 
     @property
     def state(self):
