@@ -26,7 +26,12 @@ VARIANTS = {"plain": {}, "overlap": dict(overlap=True),
             "overlap + bf16": dict(overlap=True, exchange_dtype="bfloat16"),
             "overlap + sync every 4": dict(overlap=True, sync_every=4),
             "overlap + sync every 4, from Python": dict(overlap=True, sync_every=4,
-                                                        xla_exchange=False)}
+                                                        xla_exchange=False),
+            # Not an exchange variant: --compute-dtype bfloat16 (JAX's backend, CPU workers
+            # too), against the same float32 reference.
+            "bf16 products": dict(compute_dtype="bfloat16"),
+            "bf16 products + overlap + sync every 4": dict(compute_dtype="bfloat16",
+                                                           overlap=True, sync_every=4)}
 
 
 def main():
@@ -57,7 +62,10 @@ def main():
     errors = {}  # variant: (last epoch's test error, the best validation epoch's, that epoch)
     for name in dict.fromkeys(["plain", *args.variants]):
         over = VARIANTS[name]
-        hist = train.run(dict(base, **over), devices, quiet=True)
+        cfg = dict(base, **over)
+        if cfg.get("compute_dtype", "float32") != "float32":
+            cfg["backend"] = "jax"  # PyTensor's own backend has no bfloat16 products
+        hist = train.run(cfg, devices, quiet=True)
         best = min(hist, key=lambda h: h["valid_error"])
         errors[name] = (hist[-1]["test_error"], best["test_error"], best["epoch"])
     width = max(map(len, errors))

@@ -15,10 +15,11 @@ For each model (the seed's MLP 784-500-10 at batch 5000, plain SGD; the wide MLP
   average on a side stream while the step computes; '-py' queued from Python) and a
   bfloat16 wire;
 - PyTorch DistributedDataParallel on the same architecture, batch and optimiser (when
-  torch is importable and every rank has its own GPU), with TF32 matmuls as JAX uses: eager
-  ('DDP', as most scripts run it; it also reports the GPU time of its step alone) and with
-  each step captured in a CUDA graph ('DDP-graph', its fastest form here; --no-ddp-graph
-  skips it);
+  torch is importable and every rank has its own GPU), with TF32 matmuls as JAX uses (with
+  ``--compute-dtype bfloat16``, under torch.autocast to bfloat16) and a convnet's images
+  channels last (``--ddp-layout``): eager ('DDP', as most scripts run it; it also reports
+  the GPU time of its step alone) and with each step captured in a CUDA graph
+  ('DDP-graph', its fastest form here; --no-ddp-graph skips it);
 - a plain JAX step (jax.grad of the same loss, jitted) against the PyTensor-compiled call,
   on one GPU: the per-step cost of PyTensor's wrapper.
 
@@ -61,6 +62,7 @@ import traceback
 
 from .exchange import ITEMSIZE, METHODS
 from .models import OPTIMIZERS
+from .precision import DTYPES as COMPUTE_DTYPES
 from .schedule import SCHEDULES
 from .train import ADAM_LR
 
@@ -104,6 +106,9 @@ VARIANTS = {  # name: (sync_every, overlap, exchange dtype, exchange inside the 
 # the host (0.78 to 1.00 on the same machine, docs/BENCHMARKS.md, sessions 12 and 17).
 # name: captured in a graph.
 DDP_SYSTEMS = {"DDP": False, "DDP-graph": True}
+# How DDP's twin lays out a convolution's images: channels last by default, the layout a
+# PyTorch user tuning for speed picks (PyTorch's performance guide), or its default NCHW.
+DDP_LAYOUTS = ("channels-last", "nchw")
 # Eager DDP steps queued behind a held GPU to time them on the GPU alone: few enough that
 # their kernels fit CUDA's launch queue (about 40 a step), so the host never waits.
 GPU_TIMED_STEPS = 10
@@ -262,6 +267,7 @@ def _plain_jax_step(rep, cfg):
     adam = model.optimizer == "adam"
     vel = [jnp.zeros_like(p) for p in params * (2 if adam else 1)]  # donated: distinct
     x_all, y_all = (jnp.asarray(np.asarray(v.get_value())) for v in model.data_vars[:2])
+    from .precision import autocast
     lr, mu, l2 = (np.float32(cfg[k]) for k in ("lr", "momentum", "l2"))
     b2, eps, k = np.float32(model.beta2), np.float32(model.eps), len(params)
 
@@ -277,7 +283,10 @@ def _plain_jax_step(rep, cfg):
     # a JAX user would write it.
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params, vel, x_all, y_all, idx):
-        cost, g = jax.value_and_grad(loss)(params, x_all[idx], y_all[idx])
+        # Autocast around the gradient, not inside it: the backward pass's products are
+        # then in the traced program too, and read bfloat16 as pympgu's do.
+        cost, g = autocast(jax.value_and_grad(loss), cfg.get("compute_dtype"))(
+            params, x_all[idx], y_all[idx])
         if adam:
             m = [mu * mi + (1 - mu) * gi for mi, gi in zip(vel[:k], g)]
             v = [b2 * si + (1 - b2) * gi * gi for si, gi in zip(vel[k:], g)]
@@ -321,6 +330,26 @@ def torch_twin(cfg, n_in, n_out):
     return torch.nn.Sequential(*layers)
 
 
+def lay_out(model, layout):
+    """Lay out the convolutions of ``model`` (a torch module) as ``layout`` (DDP_LAYOUTS)
+    says; returns ``layout``, or None for a model without convolutions."""
+    import torch
+    convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    if not convs:
+        return None
+    if layout == "channels-last":
+        # The layout cuDNN's fastest convolutions take on tensor cores (2.4 times as fast
+        # as NCHW for the ResNet's step, docs/BENCHMARKS.md, session 33): the filters
+        # stored so, and each convolution's input made so, which costs a copy at the first
+        # and nothing after.
+        model.to(memory_format=torch.channels_last)
+        for conv in convs:
+            conv.register_forward_pre_hook(
+                lambda _, args: (args[0].contiguous(memory_format=torch.channels_last),
+                                 *args[1:]))
+    return layout
+
+
 def ddp_rank(rank, world, devices, cfg, n_in, n_out, steps, warmup, init_file, graph=False):
     """One DDP rank: the same model (torch_twin), batch and optimiser in PyTorch; rank 0
     returns timings.
@@ -344,6 +373,7 @@ def ddp_rank(rank, world, devices, cfg, n_in, n_out, steps, warmup, init_file, g
             side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # no-op for None
             model = torch_twin(cfg, n_in, n_out).cuda()
+            layout = lay_out(model, cfg.get("ddp_layout", DDP_LAYOUTS[0]))
             ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device])
             # The weights, as pympgu penalises them; biases (one dimension) are not.
             weights = [p for p in model.parameters() if p.dim() > 1]
@@ -364,9 +394,14 @@ def ddp_rank(rank, world, devices, cfg, n_in, n_out, steps, warmup, init_file, g
             x_all = torch.randn(ntrain, n_in, device="cuda")
             y_all = torch.randint(0, n_out, (ntrain,), device="cuda")
 
+            low = cfg.get("compute_dtype", "float32") != "float32"
+
             def body():
                 idx = torch.randint(0, ntrain, (cfg["batch_size"],), device="cuda")
-                loss = torch.nn.functional.cross_entropy(ddp(x_all[idx]), y_all[idx])
+                # pympgu's --compute-dtype bfloat16 in PyTorch's idiom: autocast, which
+                # multiplies in bfloat16 (and keeps the products' results so).
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=low):
+                    loss = torch.nn.functional.cross_entropy(ddp(x_all[idx]), y_all[idx])
                 loss.backward()
                 opt.step()
 
@@ -401,7 +436,8 @@ def ddp_rank(rank, world, devices, cfg, n_in, n_out, steps, warmup, init_file, g
         wall = time.perf_counter() - t0
         out = {"samples_per_s": world * cfg["batch_size"] * steps / wall,
                "ms_per_step": 1e3 * wall / steps, "host_ms": 1e3 * issued / steps,
-               "tf32": bool(torch.backends.cuda.matmul.allow_tf32)}
+               "tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+               "layout": layout}
         if not graph:
             # What the GPUs alone take a step: a sleeping kernel holds each GPU while the
             # host queues a few steps behind it, and events time them back to back. That is
@@ -546,7 +582,8 @@ def run_pympgu(devices, cfg, steps, warmup, plain_jax=False):
 
 def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print,
             exchange_blocks=None, method="auto", repeats=1, settings=({},), ranks=None,
-            hidden=None, optimizer="sgd", schedule="constant", batch_size=None, dropout=0.0):
+            hidden=None, optimizer="sgd", schedule="constant", batch_size=None, dropout=0.0,
+            compute_dtype="float32", ddp_layout=DDP_LAYOUTS[0]):
     """Every row of the benchmark, as a list of dicts; ``ddp``: the DDP_SYSTEMS to run;
     ``settings``: the environments (env_settings) each multi-GPU pympgu row runs under, one
     row each, its variant named with the setting and its ``env`` the setting; ``ranks``:
@@ -555,7 +592,9 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
     (model_config), built with ``hidden``; ``optimizer`` trains every row (Adam at
     pympgu.train's ADAM_LR), and ``schedule`` sets pympgu's rate before every step;
     ``batch_size``, if given, is every row's batch per GPU instead of its model's;
-    ``dropout`` is pympgu's --dropout, for its rows alone (no plain JAX step, no DDP).
+    ``dropout`` is pympgu's --dropout, for its rows alone (no plain JAX step, no DDP);
+    ``compute_dtype`` is pympgu.train's --compute-dtype, for every row (DDP's by
+    torch.autocast); ``ddp_layout`` is the memory layout of DDP's convolutions (DDP_LAYOUTS).
 
     With ``repeats`` > 1 every run is made that many times, in rounds (each round runs
     every row once, so that a drift of the machine between process starts touches every
@@ -575,7 +614,8 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
         base = dict(model_config(name, hidden), data=data, backend="jax", method=method,
                     seed=0, epochs=1, resume=None, out=None, sync_every=1, overlap=False,
                     exchange_dtype="float32", exchange_blocks=exchange_blocks,
-                    optimizer=optimizer, schedule=schedule, dropout=dropout)
+                    optimizer=optimizer, schedule=schedule, dropout=dropout,
+                    compute_dtype=compute_dtype, ddp_layout=ddp_layout)
         if optimizer == "adam":
             base["lr"] = ADAM_LR
         if batch_size is not None:
@@ -631,7 +671,8 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
             median = sorted(kept, key=lambda r: r["ms_per_step"])[(len(kept) - 1) // 2]
             row = dict(kept[0], **median, model=model_label(name), system=system,
                        gpus=list(devs), variant=variant, batch=cfg["batch_size"],
-                       optimizer=optimizer, schedule=schedule if system == "pympgu" else None,
+                       optimizer=optimizer, compute_dtype=compute_dtype,
+                       schedule=schedule if system == "pympgu" else None,
                        dropout=dropout if system == "pympgu" else None,
                        runs_ms=[r and r["ms_per_step"] for r in results],
                        runs_samples=[r and r["samples_per_s"] for r in results])
@@ -729,7 +770,8 @@ def table(rows):
                    if "gpu_ms" in r else "")
             lines.append(f"{r['model']}: {r['system']} on GPUs {r['gpus']}: the host issues a "
                          f"step in {r['host_ms']:.3f} ms of its {r['ms_per_step']:.3f} ms{gpu} "
-                         f"(TF32 matmuls {'on' if r['tf32'] else 'off'})")
+                         f"(TF32 matmuls {'on' if r['tf32'] else 'off'}" +
+                         (f", convolutions {r['layout']}" if r.get("layout") else "") + ")")
         runs = [m for m in r.get("runs_ms", []) if m is not None]
         if len(r.get("runs_ms", [])) > 1:
             scalings = _run_by_run(r.get("run_scalings", []))
@@ -810,6 +852,15 @@ def main(argv=None):
                         help="pympgu.train's --dropout in pympgu's rows, to time what drawing "
                              "the masks costs; pympgu's rows alone, so it needs --no-ddp "
                              "(default: 0)")
+    parser.add_argument("--compute-dtype", choices=list(COMPUTE_DTYPES), default="float32",
+                        help="as pympgu.train's flag: bfloat16 multiplies in bfloat16, "
+                             "accumulating in float32; DDP's rows then run under "
+                             "torch.autocast(bfloat16), the plain JAX step autocast as "
+                             "pympgu's (default: float32, TF32 on GPUs, DDP's too)")
+    parser.add_argument("--ddp-layout", choices=DDP_LAYOUTS, default=DDP_LAYOUTS[0],
+                        help="memory layout of the convolutions in DDP's twin of a convnet: "
+                             "channels-last (NHWC, the fast one on tensor cores) or PyTorch's "
+                             "default nchw (default: channels-last)")
     parser.add_argument("--no-ddp", action="store_true", help="skip PyTorch DDP")
     parser.add_argument("--no-ddp-graph", action="store_true",
                         help="skip DDP with each step captured in a CUDA graph (a rank that "
@@ -879,6 +930,7 @@ def main(argv=None):
           f"{args.warmup} warm-up; {args.optimizer}" +
           ("" if args.schedule == "constant" else f", {args.schedule} schedule") +
           (f", dropout {args.dropout}" if args.dropout else "") +
+          ("" if args.compute_dtype == "float32" else f", {args.compute_dtype} products") +
           (f"; {args.repeats} runs of each row" if args.repeats > 1 else ""), flush=True)
     if len(gpus) == 1:
         print("  one GPU: only the 1-GPU rows (give two or more GPUs for scaling)", flush=True)
@@ -891,7 +943,8 @@ def main(argv=None):
                        method=args.method, repeats=args.repeats, settings=settings,
                        ranks=args.ranks, hidden=args.hidden, optimizer=args.optimizer,
                        schedule=args.schedule, batch_size=args.batch_size,
-                       dropout=args.dropout)
+                       dropout=args.dropout, compute_dtype=args.compute_dtype,
+                       ddp_layout=args.ddp_layout)
     except DataError as e:
         parser.error(f"--data-dir: {e}")
     except ModelError as e:

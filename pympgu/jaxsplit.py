@@ -369,18 +369,24 @@ def _read(env, v):
 def _evaluate(eqns, env):
     """Bind each equation in turn, as jax.core.eval_jaxpr does for a whole program."""
     for eqn in eqns:
-        params = eqn.primitive.get_bind_params(eqn.params)
-        subfuns = ()
-        if isinstance(params, tuple):  # JAX before 0.7 returned (subfuns, params)
-            subfuns, params = params
-        manager = getattr(getattr(eqn, "ctx", None), "manager", None)
-        if manager is not None:
-            with manager:
-                out = eqn.primitive.bind(*subfuns, *(_read(env, v) for v in eqn.invars), **params)
-        else:
-            out = eqn.primitive.bind(*subfuns, *(_read(env, v) for v in eqn.invars), **params)
-        outs = out if eqn.primitive.multiple_results else [out]
-        env.update(zip(eqn.outvars, outs))
+        env.update(zip(eqn.outvars, bind(eqn, [_read(env, v) for v in eqn.invars])))
+
+
+def bind(eqn, values, **changed):
+    """The results (a list) of ``eqn``'s primitive on ``values``, with its parameters, as
+    tracing gave them but for those in ``changed``."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns = ()
+    if isinstance(params, tuple):  # JAX before 0.7 returned (subfuns, params)
+        subfuns, params = params
+    params = {**params, **changed}
+    manager = getattr(getattr(eqn, "ctx", None), "manager", None)
+    if manager is not None:
+        with manager:
+            out = eqn.primitive.bind(*subfuns, *values, **params)
+    else:
+        out = eqn.primitive.bind(*subfuns, *values, **params)
+    return out if eqn.primitive.multiple_results else [out]
 
 
 def trace(fn, args, inline=False):

@@ -21,6 +21,7 @@ import sys
 import time
 import warnings
 
+from .precision import DTYPES as COMPUTE_DTYPES
 from .models import OPTIMIZERS, STATISTICS_EXAMPLES
 from .schedule import SCHEDULES
 from .xla import BESIDE_BLOCKS, copies_to_every_peer, overlap_whole
@@ -116,12 +117,13 @@ class Replica:
     def __init__(self, ctx, cfg):
         import numpy as np
 
-        from . import data
+        from . import data, precision
         self.np, self.ctx, self.cfg = np, ctx, cfg
         self.dataset = data.load(cfg["data"])
         ds = self.dataset
         self.model = build_model(cfg, ds)
-        mode = "JAX" if cfg["backend"] == "jax" else "FAST_RUN"
+        mode = (precision.mode(cfg.get("compute_dtype", "float32"))
+                if cfg["backend"] == "jax" else "FAST_RUN")
         self.eval_batch = min(500, len(ds.valid[1]) + len(ds.test[1]))
         self.train_fn, self.eval_fn = self.model.compile(
             ds, cfg["batch_size"], self.eval_batch, cfg["lr"], cfg["momentum"], cfg["l1"],
@@ -868,6 +870,15 @@ def build_parser():
                         "on a 2-core CPU a small ResNet took 10 s for 8,192, and 512 gave "
                         "the same test error within 0.16 points (default: "
                         f"{STATISTICS_EXAMPLES})")
+    m.add_argument("--compute-dtype", choices=list(COMPUTE_DTYPES), default="float32",
+                   help="the dtype of matrix products and convolutions: bfloat16 rounds "
+                        "their operands and results to bfloat16 and accumulates in float32, "
+                        "as torch.autocast does (mixed precision: the tensor cores' "
+                        "bfloat16 rate, against TF32's for float32 on GPUs, and half the "
+                        "bytes between a product and the work after it); parameters, the "
+                        "optimizer's state, the update and the exchange stay float32 "
+                        "(--backend jax only; default: float32; docs/TRAINING.md, "
+                        "\"Mixed precision\")")
     m.add_argument("--l1", type=float, help="L1 weight penalty (default: 0)")
     m.add_argument("--l2", type=float, help=f"L2 weight penalty (default: {DEFAULTS['l2']})")
     m.add_argument("--sync-every", type=int, default=1, metavar="K",
@@ -980,6 +991,9 @@ def resolve(args, parser):
     backend = args.backend if args.backend != "auto" else auto_backend(cpu)
     if not cpu and backend != "jax":
         parser.error("--backend c runs on CPUs only; GPU workers use --backend jax")
+    if args.compute_dtype != "float32" and backend != "jax":
+        parser.error(f"--compute-dtype {args.compute_dtype} needs --backend jax (PyTensor's "
+                     "own backend multiplies in its variables' dtype)")
     data = args.data_dir
     if data is not None and data not in ("fashion", "digits") and not os.path.exists(data):
         hint = ""
@@ -1005,6 +1019,7 @@ def resolve(args, parser):
     cfg.update(model=model, data=data, backend=backend, method=args.method,
                sync_every=args.sync_every, overlap=args.overlap,
                exchange_dtype=args.exchange_dtype, exchange_blocks=args.exchange_blocks,
+               compute_dtype=args.compute_dtype,
                # An escape hatch, not a flag: the exchange queued from Python, as before
                # it ran inside the step's XLA program.
                xla_exchange=os.environ.get("PYMPGU_XLA_EXCHANGE", "1") != "0",
@@ -1084,6 +1099,7 @@ def run(cfg, devices, port=None, quiet=False):
           f"{where} | batch {cfg['batch_size']}/worker | sync every {cfg['sync_every']}"
           f"{' overlapped' if cfg['overlap'] else ''}"
           f"{'' if cfg['exchange_dtype'] == 'float32' else ', ' + cfg['exchange_dtype'] + ' wire'} | "
+          f"{'' if cfg.get('compute_dtype', 'float32') == 'float32' else cfg['compute_dtype'] + ' products, '}"
           f"backend {cfg['backend']}", flush=True)
     reporter = Reporter(cfg["out"], cfg["epochs"], quiet=quiet, resume=bool(cfg["resume"]),
                         rates=schedule.kind != "constant" or schedule.warmup > 0)

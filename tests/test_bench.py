@@ -484,3 +484,51 @@ def test_the_mlps_torch_twin_is_the_same_network():
         tuple(reversed(p.get_value(borrow=True).shape)) for p in ours.params]
     assert sum(isinstance(m, torch.nn.Tanh) for m in twin) == len(cfg["hidden"])
     assert tuple(twin(torch.zeros(3, 784)).shape) == (3, 10)
+
+
+@pytest.mark.parametrize("layout", ["channels-last", "nchw"])
+def test_ddp_lays_out_a_convnets_twin_as_asked(layout):
+    """--ddp-layout: channels-last stores the twin's filters so and makes every
+    convolution's input so, nchw leaves PyTorch's default; either gives the same scores.
+    A twin without convolutions (the MLP's) has no layout to set."""
+    torch = pytest.importorskip("torch")
+    from pympgu import bench_train
+    cfg = bench_train.model_config(f"{EXAMPLES}/resnet.py:ResNet", [4, 8])
+    torch.manual_seed(0)
+    twin = bench_train.torch_twin(cfg, 784, 10).eval()
+    x = torch.randn(3, 784)
+    before = twin(x)
+    seen = []
+    convs = [m for m in twin.modules() if isinstance(m, torch.nn.Conv2d)]
+    for conv in convs:
+        # One channel is laid out alike both ways: the images' own convolution says nothing.
+        conv.register_forward_hook(lambda m, args, out: seen.append(
+            args[0].is_contiguous(memory_format=torch.channels_last)) if m.in_channels > 1
+            else None)
+    assert bench_train.lay_out(twin, layout) == layout
+    after = twin(x)
+    fast = layout == "channels-last"
+    assert len(seen) == len(convs) - 1 and all(s == fast for s in seen), seen
+    assert all(c.weight.is_contiguous(memory_format=torch.channels_last) == fast for c in convs
+               if c.in_channels > 1 and c.kernel_size != (1, 1))  # others are alike both ways
+    torch.testing.assert_close(after, before)
+    assert bench_train.lay_out(bench_train.torch_twin(bench_train.model_config("wide"), 784, 10),
+                               layout) is None
+
+
+def test_train_bench_times_bfloat16_products(tmp_path):
+    """--compute-dtype bfloat16 on CPU workers: pympgu's rows and the plain JAX twin
+    multiply in bfloat16 (the rows say so); the table's DDP lines name the layout."""
+    from pympgu.bench_train import table
+    out = tmp_path / "rows.json"
+    r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "2", "--models",
+                        "seed", "--steps", "2", "--warmup", "1", "--variants", "sync1",
+                        "--compute-dtype", "bfloat16", "--batch-size", "64",
+                        "--json", str(out)], capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [x["compute_dtype"] for x in rows] == ["bfloat16", "bfloat16"]
+    assert "sgd, bfloat16 products" in r.stdout and "plain JAX step" in r.stdout, r.stdout
+    row = dict(model="ResNet", system="DDP-graph", gpus=[0], variant="-", batch=1024,
+               samples_per_s=1e5, ms_per_step=6.3, host_ms=5.7, tf32=True, layout="nchw")
+    assert "(TF32 matmuls on, convolutions nchw)" in table([row])

@@ -304,6 +304,28 @@ def test_gpu_training_batch_norm(monkeypatch, tmp_path):
     assert abs(json.loads(report.read_text())["error"] - best["test_error"]) <= 0.002, best
 
 
+@pytest.mark.parametrize("example", [None, "strided.py:StridedConvNet"])
+def test_gpu_training_bfloat16(monkeypatch, example):
+    """--compute-dtype bfloat16 on 2 GPUs, the MLP and a convnet: the step's products and
+    convolutions read bfloat16 (pympgu.precision) and its mean gradients still take the
+    gradients' road into the float32 update. It learns as float32 does on the same data
+    and seed, within a point, and run() checks that the replicas end identical."""
+    needs_xla()
+    import os
+    from pympgu import models, train
+    cfg = dict(train.DEFAULTS, **JAX_TRAINING)
+    if example:
+        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            "examples", example)
+        cfg.update(model=path, hidden=list(models.load(path).default_hidden))
+    monkeypatch.setenv("PYMPGU_SPLIT_MIN_BYTES", "0")  # the spawned workers read it
+    low = train.run(dict(cfg, compute_dtype="bfloat16"), devices(2))[-1]
+    full = train.run(cfg, devices(2))[-1]
+    assert low["road"] == "the update of the mean gradients", low
+    assert low["test_error"] < 0.15, low  # the CPU's, after one epoch: 9 to 11%
+    assert abs(low["test_error"] - full["test_error"]) <= 0.01, (low, full)
+
+
 def test_gpu_training_adam(monkeypatch):
     """--optimizer adam with a cosine schedule after a warm-up, on 2 GPUs: at --sync-every
     1 the step takes the gradients' road at any size (the MLP here is far under
