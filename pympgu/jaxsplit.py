@@ -167,6 +167,17 @@ def _affine(eqn, hit):
             or (name == "select_n" and not hit[0]))
 
 
+def _widens(eqn, producer, tail):
+    """Whether ``eqn`` converts a value made outside ``tail`` (the program's equations
+    there) from a narrower float to float32, exactly."""
+    if eqn.primitive.name != "convert_element_type" or not _is_var(eqn.invars[0]):
+        return False
+    import jax.numpy as jnp
+    src, dst = eqn.invars[0].aval.dtype, eqn.params["new_dtype"]
+    return (producer.get(eqn.invars[0]) not in tail and np.dtype(dst) == np.float32
+            and jnp.issubdtype(src, jnp.floating) and np.dtype(src).itemsize < 4)
+
+
 class Tail:
     """A traced program, cut before the elementwise tail of its results at ``which``.
 
@@ -181,7 +192,9 @@ class Tail:
     affine in them (the division that ends a batch norm scale's gradient) goes before it,
     so that the tail is affine in what it reads wherever the update is affine in its
     gradients. Without, ``finishing`` lists such work that reads two values or more: there
-    what crosses may be parts of a gradient rather than the gradient.
+    what crosses may be parts of a gradient rather than the gradient. A value from before
+    that the tail only widens to float32 (a bfloat16 product's result) is widened before
+    it, so that what crosses is float32.
     """
 
     def __init__(self, closed, which, finish=False):
@@ -208,6 +221,11 @@ class Tail:
         while True:
             leaving = {k for k in tail
                        if any(users.get(v, set()) - tail for v in eqns[k].outvars)}
+            if not leaving:
+                # A value from before that the tail widens (a bfloat16 product's result,
+                # pympgu.precision) crosses widened: exactly the same values, in the
+                # float32 that the exchange moves and averages.
+                leaving = {k for k in tail if _widens(eqns[k], producer, tail)}
             if finish and not leaving:
                 leaving = self._gradient_work(tail, producer, every=True)
             if not leaving:

@@ -299,20 +299,23 @@ def test_work_on_gradients_alone_goes_before_the_tail_where_the_update_is_affine
     run_jax_on_cpu(code, "finish")
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_a_batch_norms_gradients_cross_whole(optimizer):
+@pytest.mark.parametrize("optimizer,dtype", [("sgd", "float32"), ("adam", "float32"),
+                                             ("sgd", "bfloat16")])
+def test_a_batch_norms_gradients_cross_whole(optimizer, dtype):
     """examples/resnet.py, whose batch norms' scales get their gradients as one sum over the
     batch divided by another (after PyTensor's rewrites): for SGD's update, affine in its
     gradients, that division goes before the update (jaxsplit.Tail's ``finish``), so the
     gradients' road takes it and gives the replicas' average, and the cut program computes
     what the program computes, bit for bit. Adam's road, which must feed its update the
-    mean gradients themselves, is refused and named."""
+    mean gradients themselves, is refused and named. With bfloat16 products
+    (pympgu.precision), whose results the update reads widened, the widening goes before
+    the update too: what crosses is float32."""
     pytest.importorskip("jax")
     code = PRELUDE + (
-        "import os; from types import SimpleNamespace; from pympgu import xla\n"
+        "import os; from types import SimpleNamespace; from pympgu import xla, precision\n"
         "m = models.build(os.path.join('examples', 'resnet.py:ResNet'), ds.n_in, [4, 8],\n"
         f"                 ds.n_classes, optimizer={optimizer!r})\n"
-        "f = m.compile(ds, 32, 100, 0.05, 0.9, 0, 1e-4, 'JAX')[0]\n"
+        f"f = m.compile(ds, 32, 100, 0.05, 0.9, 0, 1e-4, precision.mode({dtype!r}))[0]\n"
         "st = JaxStep(f, m.state)\n"
         "args = st.arguments(np.arange(32, dtype=np.int32))\n"
         "pos = {id(i.variable): k for k, i in enumerate(f.maker.inputs)}\n"
@@ -328,7 +331,10 @@ def test_a_batch_norms_gradients_cross_whole(optimizer):
         "                   '(div of two)'), why\n"
         "    raise SystemExit(print('norms refused'))\n"
         "assert why is None and tail.nonlinear() is None and not tail.finishing, why\n"
+        "assert {str(v.aval.dtype) for v in tail.crossing} == {'float32'}\n"
         "made = {v: e.primitive.name for e in tail.before for v in e.outvars}\n"
+        f"if {dtype == 'bfloat16'}:\n"
+        "    assert 'convert_element_type' in made.values(), made\n"
         "assert 'div' in {made[v] for v in tail.crossing}, tail.crossing\n"
         "def run(*a):\n"
         "    outs, _ = tail.run(list(a), lambda crossing: (crossing, None))\n"
