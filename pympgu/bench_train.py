@@ -63,6 +63,7 @@ import traceback
 from .exchange import ITEMSIZE, METHODS
 from .models import OPTIMIZERS
 from .precision import DTYPES as COMPUTE_DTYPES
+from .precision import autocast
 from .schedule import SCHEDULES
 from .train import ADAM_LR
 
@@ -267,7 +268,6 @@ def _plain_jax_step(rep, cfg):
     adam = model.optimizer == "adam"
     vel = [jnp.zeros_like(p) for p in params * (2 if adam else 1)]  # donated: distinct
     x_all, y_all = (jnp.asarray(np.asarray(v.get_value())) for v in model.data_vars[:2])
-    from .precision import autocast
     lr, mu, l2 = (np.float32(cfg[k]) for k in ("lr", "momentum", "l2"))
     b2, eps, k = np.float32(model.beta2), np.float32(model.eps), len(params)
 
