@@ -15,7 +15,9 @@ its values. From Python::
 
 It runs on the CPU (CPU JAX where it is installed, as pympgu.train's CPU workers do; else
 PyTensor's own backend): evaluating needs no GPU, and should not take one from a training
-run.
+run. A run trained with ``--compute-dtype bfloat16`` is evaluated so too, under JAX (its
+products rounded as training's were); PyTensor's own backend evaluates it in float32, and
+says so.
 """
 import argparse
 import json
@@ -43,12 +45,16 @@ class Trained:
         self.model, self.config, self.dataset = model, config, dataset
         self.checkpoint, self.epoch, self.backend = checkpoint, epoch, backend
         self.batch_size = batch_size
+        # The run's products, where the backend can compute them so (precision.mode).
+        self.compute_dtype = config.get("compute_dtype", "float32") if backend == "jax" \
+            else "float32"
         self._fn = None
 
     def _function(self):
         # Compiled once, for a batch of static size: under JAX every size must be known
         # when the graph is traced (a convnet's reshapes), so the last batch is padded.
         if self._fn is None:
+            from . import precision
             from .models import import_pytensor
             pytensor = import_pytensor()
             import pytensor.tensor as pt
@@ -56,7 +62,8 @@ class Trained:
             x = pt.tensor("x", dtype="float32", shape=(self.batch_size, self.dataset.n_in))
             self._fn = pytensor.function(
                 [x], softmax(self.model.logits(x), axis=1),
-                mode="JAX" if self.backend == "jax" else "FAST_RUN")
+                mode=precision.mode(self.compute_dtype) if self.backend == "jax"
+                else "FAST_RUN")
         return self._fn
 
     def predict(self, x):
@@ -164,12 +171,22 @@ def load(run, checkpoint="best", data=None, backend="auto", batch_size=500):
     return Trained(model, config, dataset, path, epoch, backend, batch_size)
 
 
+def _products(run):
+    """What the report's first line says of the products' dtype: nothing for float32."""
+    trained = run.config.get("compute_dtype", "float32")
+    if run.compute_dtype != "float32":
+        return f", {run.compute_dtype} products as trained"
+    if trained != "float32":
+        return f", float32 products (trained with {trained}'s: --backend jax evaluates so)"
+    return ""
+
+
 def format_report(run, report):
     """The lines ``python -m pympgu.evaluate`` prints for ``report`` (Trained.evaluate)."""
     ds = run.dataset
     lines = [f"pympgu: {run.checkpoint}: {run.model.describe()} after epoch {run.epoch} | "
              f"{ds.name}, {report['split']} split ({report['examples']:,} examples) | "
-             f"backend {run.backend}",
+             f"backend {run.backend}{_products(run)}",
              f"{report['split']} error {100 * report['error']:.2f}% ({report['wrong']:,} of "
              f"{report['examples']:,})"]
     classes = [c for c in report["classes"] if c["examples"]]

@@ -11,7 +11,11 @@ reads widened. That is what PyTorch's ``torch.autocast(dtype=torch.bfloat16)`` d
 matrix products and convolutions, and bfloat16 keeps float32's exponent range, so no loss
 scaling is needed. Rounding the results matters for speed where the step moves more bytes
 than it multiplies (a convnet's narrow layers): the products write half the bytes, and the
-elementwise work after them reads half.
+elementwise work after them reads half. XLA may leave a result unrounded where it fuses
+the product with the work after it (its ``xla_allow_excess_precision`` rule, on by
+default), so two programs of one model, the step's evaluation and pympgu.evaluate's, can
+differ by that rounding: an example or two in a thousand, on the CPU. ``XLA_FLAGS=
+--xla_allow_excess_precision=false`` rounds every result.
 
 The change is made on the traced program (a jaxpr), not on PyTensor's graph: ``autocast``
 traces a function, rewrites those two primitives, and evaluates the rest unchanged, looking
