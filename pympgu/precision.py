@@ -20,10 +20,10 @@ differ by that rounding: an example or two in a thousand, on the CPU. ``XLA_FLAG
 The change is made on the traced program (a jaxpr), not on PyTensor's graph: ``autocast``
 traces a function, rewrites those two primitives, and evaluates the rest unchanged, looking
 inside the jitted functions and custom derivatives a program calls (jax.numpy's functions
-are jitted). Loops and conditionals (``scan``, ``while``, ``cond``) are evaluated as they
-are, so a product inside one stays float32. ``mode(dtype)`` is a PyTensor mode whose
-compiled functions are so rewritten: the training step, the batch norms' statistics and the
-evaluation alike.
+are jitted), and rewriting the programs of its loops and conditionals (``scan``, which a
+``pytensor.scan`` recurrence becomes, ``while``, ``cond``). ``mode(dtype)`` is a PyTensor
+mode whose compiled functions are so rewritten: the training step, the batch norms'
+statistics and the evaluation alike.
 """
 import numpy as np
 
@@ -43,7 +43,9 @@ def autocast(fn, dtype, static_argnums=()):
     """``fn`` with its float32 matrix products and convolutions computed in ``dtype``, their
     results widened back to float32 (see the module); ``fn`` itself when ``dtype`` is
     float32. ``static_argnums`` as jax.jit's: arguments that are Python values to trace
-    with, not arrays."""
+    with, not arrays. Custom derivatives are evaluated as the functions they belong to:
+    put autocast around jax.grad, not inside it, so that the backward pass's products are
+    in the traced program too, rewritten, and a custom rule is kept."""
     if dtype in (None, "float32"):
         return fn
     if dtype not in DTYPES:
@@ -76,11 +78,15 @@ def _run(jaxpr, consts, args, low):
             body, body_consts = (inner.jaxpr, inner.consts) if hasattr(inner, "consts") \
                 else (inner, ())
             outs = _run(body, body_consts, values, low)
+        elif any(_programs(p) for p in eqn.params.values()):
+            # A loop or a conditional: its programs rewritten, its operands as they were.
+            outs = bind(eqn, values, **{k: _rewritten(p, low) for k, p in eqn.params.items()
+                                        if _programs(p)})
         elif name in _PRODUCTS and all(np.dtype(v.aval.dtype) == np.float32
                                        for v in eqn.invars):
             # The result rounded as well, then widened for the float32 work after it: XLA
             # fuses the widening into that work, so the product writes, and that work
-            # reads, half the bytes (the ResNet's step took 4.84 ms so on an H200, 6.12
+            # reads, half the bytes (the ResNet's step took 3.73 ms so on an H200, 6.09
             # with float32 results, docs/BENCHMARKS.md, session 34).
             outs = [o.astype(np.float32) for o in bind(
                 eqn, [x.astype(low) for x in values], preferred_element_type=low)]
@@ -88,6 +94,26 @@ def _run(jaxpr, consts, args, low):
             outs = bind(eqn, values)
         env.update(zip(eqn.outvars, outs))
     return [_read(env, v) for v in jaxpr.outvars]
+
+
+def _programs(param):
+    """The programs (ClosedJaxprs) that an equation's parameter holds: itself, or those of
+    a tuple (``cond``'s branches)."""
+    items = param if isinstance(param, tuple) else (param,)
+    return [p for p in items if hasattr(p, "jaxpr") and hasattr(p, "consts")]
+
+
+def _rewritten(param, low):
+    """``param``, a program or a tuple of them, with each program's products in ``low``:
+    the same operands and results, so the equation binds as before."""
+    import jax
+
+    def one(closed):
+        specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+        return jax.make_jaxpr(lambda *a: _run(closed.jaxpr, closed.consts, a, low))(*specs)
+    if isinstance(param, tuple):
+        return tuple(one(p) if _programs(p) else p for p in param)
+    return one(param)
 
 
 def mode(dtype):

@@ -33,10 +33,11 @@ def dtypes_of(fn, *args):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
                 found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
-            for p in eqn.params.values():
-                inner = getattr(p, "jaxpr", p)
-                if hasattr(inner, "eqns"):
-                    walk(inner)
+            for param in eqn.params.values():
+                for p in param if isinstance(param, tuple) else (param,):  # cond's branches
+                    inner = getattr(p, "jaxpr", p)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
     return found
 
@@ -72,6 +73,70 @@ def test_products_inside_jitted_functions_custom_derivatives_and_gradients_are_r
     assert grad.dtype == np.float32 and value.dtype == np.float32
     np.testing.assert_allclose(np.asarray(grad), np.asarray(want_grad), rtol=0.05, atol=0.05)
     assert not np.array_equal(np.asarray(grad), np.asarray(want_grad))
+
+
+def test_products_inside_loops_and_conditionals_are_rewritten():
+    """lax.scan (a constant closed over too), fori_loop (a while) and cond: every product
+    inside reads bfloat16, and the function computes what it computes with its products
+    so rounded, jitted and differentiated as well."""
+    w, xs = data((4, 4), (5, 4), seed=2)
+    w = w / 2
+    bias = np.linspace(-1, 1, 4).astype(np.float32)  # a constant of the loop's program
+
+    def fn(w, xs):
+        def body(h, x):
+            h = jnp.tanh(h @ w + x + bias)
+            return h, h.sum()
+        h, ys = jax.lax.scan(body, jnp.zeros(4, jnp.float32), xs)
+        z = jax.lax.cond(ys.sum() > 0, lambda: h @ w, lambda: h @ w.T)
+        return jax.lax.fori_loop(0, 3, lambda i, c: jnp.tanh(c @ w), z)
+
+    cast = precision.autocast(fn, "bfloat16")
+    found = dtypes_of(cast, w, xs)
+    assert len(found) == 4 and set(found) == {("bfloat16", "bfloat16")}, found
+
+    def by_hand(w, xs):  # the same, rounding each product's operands and result
+        def mm(a, b):
+            return jnp.dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
+                           preferred_element_type=jnp.bfloat16).astype(jnp.float32)
+        h = jnp.zeros(4, jnp.float32)
+        ys = []
+        for x in xs:
+            h = jnp.tanh(mm(h, w) + x + bias)
+            ys.append(h.sum())
+        z = mm(h, w) if sum(ys) > 0 else mm(h, w.T)
+        for _ in range(3):
+            z = jnp.tanh(mm(z, w))
+        return z
+
+    got = np.asarray(cast(w, xs))
+    np.testing.assert_allclose(got, np.asarray(by_hand(w, xs)), rtol=1e-2, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(jax.jit(cast)(w, xs)), got, rtol=1e-2, atol=1e-3)
+    assert np.abs(got - np.asarray(fn(w, xs))).max() > 1e-4  # not the float32 function
+    grad = jax.grad(lambda w: cast(w, xs).sum())(w)
+    np.testing.assert_allclose(np.asarray(grad),
+                               np.asarray(jax.grad(lambda w: fn(w, xs).sum())(w)),
+                               rtol=0.1, atol=0.05)
+
+
+def test_a_pytensor_scan_multiplies_in_bfloat16():
+    """A Theano-style recurrence (pytensor.scan) compiled by precision.mode: its product
+    inside the loop, and its gradient's, read bfloat16."""
+    import pytensor
+    import pytensor.tensor as pt
+    w0, x0 = data((3, 3), (6, 3), seed=3)
+    w = pytensor.shared(w0 / 2, name="w")
+    xs = pt.tensor("xs", dtype="float32", shape=(6, 3))
+    hs = pytensor.scan(lambda x, h: pt.tanh(pt.dot(h, w) + x), sequences=[xs],
+                       outputs_info=[pt.zeros(3, dtype="float32")], return_updates=False)
+    cost = hs[-1].sum()
+    fn = pytensor.function([xs], [cost, pytensor.grad(cost, w)],
+                           mode=precision.mode("bfloat16"))
+    found = dtypes_of(fn.vm.jit_fn, x0, w0 / 2)
+    assert len(found) >= 2 and set(found) == {("bfloat16", "bfloat16")}, found
+    full = pytensor.function([xs], [cost, pytensor.grad(cost, w)], mode="JAX")
+    for a, b in zip(fn(x0), full(x0)):
+        np.testing.assert_allclose(a, b, rtol=0.05, atol=0.02)
 
 
 def test_float32_is_the_function_itself_and_other_dtypes_are_left_alone():
