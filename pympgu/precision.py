@@ -15,9 +15,9 @@ elementwise work after them reads half. XLA may leave a result unrounded where i
 the product with the work after it (its ``xla_allow_excess_precision`` rule, on by
 default), so two programs of one model, the step's evaluation and pympgu.evaluate's, can
 differ by that rounding: an example or two in a thousand, on the CPU. ``XLA_FLAGS=
---xla_allow_excess_precision=false`` rounds every result. On CPUs, whose XLA widens a
-bfloat16 convolution to float32 to compute it, the same rule drops its operands' rounding
-too: LeNet's step on CPU workers trained to the same loss as in float32, to four digits
+--xla_allow_excess_precision=false`` rounds every result. On CPUs, whose XLA widens
+bfloat16 products and convolutions to float32 to compute them, the same rule may drop the
+operands' rounding too: LeNet's step on CPU workers trained to the same loss as in float32, to four digits
 (and not with the rule off). CPU runs check the mechanism; bfloat16's numbers and speed
 are the GPU's.
 
