@@ -17,9 +17,9 @@ default), so two programs of one model, the step's evaluation and pympgu.evaluat
 differ by that rounding: an example or two in a thousand, on the CPU. ``XLA_FLAGS=
 --xla_allow_excess_precision=false`` rounds every result. On CPUs, whose XLA widens
 bfloat16 products and convolutions to float32 to compute them, the same rule may drop the
-operands' rounding too: LeNet's step on CPU workers trained to the same loss as in float32, to four digits
-(and not with the rule off). CPU runs check the mechanism; bfloat16's numbers and speed
-are the GPU's.
+operands' rounding too: LeNet's step on CPU workers trained to the same loss as in
+float32, to four digits (and not with the rule off). CPU runs check the mechanism;
+bfloat16's numbers and speed are the GPU's.
 
 The change is made on the traced program (a jaxpr), not on PyTensor's graph: ``autocast``
 traces a function, rewrites those two primitives, and evaluates the rest unchanged, looking
