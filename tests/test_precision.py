@@ -1,8 +1,6 @@
 """--compute-dtype bfloat16 (pympgu.precision): the traced program's products and convolutions
 rewritten to bfloat16, on CPU JAX; training with it on CPU workers, and its flag's checks
 (the GPU's run is in test_gpu_runtime)."""
-import os
-
 import numpy as np
 import pytest
 
