@@ -62,8 +62,7 @@ class Trained:
             x = pt.tensor("x", dtype="float32", shape=(self.batch_size, self.dataset.n_in))
             self._fn = pytensor.function(
                 [x], softmax(self.model.logits(x), axis=1),
-                mode=precision.mode(self.compute_dtype) if self.backend == "jax"
-                else "FAST_RUN")
+                mode=precision.mode(self.compute_dtype, self.backend))
         return self._fn
 
     def predict(self, x):

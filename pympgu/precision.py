@@ -43,6 +43,16 @@ _CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
 _PRODUCTS = ("dot_general", "conv_general_dilated")
 
 
+def _low(dtype):
+    """Whether ``dtype`` asks for a rewrite: False for float32 (or None), True for another
+    of DTYPES; ValueError for anything else."""
+    if dtype in (None, "float32"):
+        return False
+    if dtype not in DTYPES:
+        raise ValueError(f"compute dtype must be one of {DTYPES}, got {dtype!r}")
+    return True
+
+
 def autocast(fn, dtype, static_argnums=()):
     """``fn`` with its float32 matrix products and convolutions computed in ``dtype``, their
     results widened back to float32 (see the module); ``fn`` itself when ``dtype`` is
@@ -50,10 +60,8 @@ def autocast(fn, dtype, static_argnums=()):
     with, not arrays. Custom derivatives are evaluated as the functions they belong to:
     put autocast around jax.grad, not inside it, so that the backward pass's products are
     in the traced program too, rewritten, and a custom rule is kept."""
-    if dtype in (None, "float32"):
+    if not _low(dtype):
         return fn
-    if dtype not in DTYPES:
-        raise ValueError(f"compute dtype must be one of {DTYPES}, got {dtype!r}")
     import functools
 
     import jax
@@ -82,10 +90,9 @@ def _run(jaxpr, consts, args, low):
             body, body_consts = (inner.jaxpr, inner.consts) if hasattr(inner, "consts") \
                 else (inner, ())
             outs = _run(body, body_consts, values, low)
-        elif any(_programs(p) for p in eqn.params.values()):
+        elif programs := {k: p for k, p in eqn.params.items() if _programs(p)}:
             # A loop or a conditional: its programs rewritten, its operands as they were.
-            outs = bind(eqn, values, **{k: _rewritten(p, low) for k, p in eqn.params.items()
-                                        if _programs(p)})
+            outs = bind(eqn, values, **{k: _rewritten(p, low) for k, p in programs.items()})
         elif name in _PRODUCTS and all(np.dtype(v.aval.dtype) == np.float32
                                        for v in eqn.invars):
             # The result rounded as well, then widened for the float32 work after it: XLA
@@ -120,13 +127,15 @@ def _rewritten(param, low):
     return one(param)
 
 
-def mode(dtype):
-    """The PyTensor mode to compile a model's functions with for its JAX backend: 'JAX'
-    itself for float32, else JAX's mode with its programs autocast to ``dtype``."""
-    if dtype in (None, "float32"):
+def mode(dtype, backend="jax"):
+    """The PyTensor mode to compile a model's functions with: for PyTensor's own backend
+    ('c') its FAST_RUN, in float32 whatever ``dtype`` says (it has no bfloat16 products);
+    for JAX's, 'JAX' itself for float32, else JAX's mode with its programs autocast to
+    ``dtype``."""
+    if backend != "jax":
+        return "FAST_RUN"
+    if not _low(dtype):
         return "JAX"
-    if dtype not in DTYPES:
-        raise ValueError(f"compute dtype must be one of {DTYPES}, got {dtype!r}")
     from pytensor.compile.mode import Mode, get_mode
     from pytensor.link.jax.linker import JAXLinker
 

@@ -122,8 +122,7 @@ class Replica:
         self.dataset = data.load(cfg["data"])
         ds = self.dataset
         self.model = build_model(cfg, ds)
-        mode = (precision.mode(cfg.get("compute_dtype", "float32"))
-                if cfg["backend"] == "jax" else "FAST_RUN")
+        mode = precision.mode(cfg.get("compute_dtype"), cfg["backend"])
         self.eval_batch = min(500, len(ds.valid[1]) + len(ds.test[1]))
         self.train_fn, self.eval_fn = self.model.compile(
             ds, cfg["batch_size"], self.eval_batch, cfg["lr"], cfg["momentum"], cfg["l1"],
