@@ -284,18 +284,23 @@ ffi::Error pack(const char *op, const pmg_group &g, const std::vector<Array> &in
 }
 
 // The gather algorithm averages float32 only (pmg_mean_list), from a registered shadow.
-ffi::Error gather_ready(const char *op, const pmg_group &g, int32_t algo, int dtype) {
-  if (algo != PMG_ALGO_GATHER || (dtype == PMG_FLOAT32 && (g.shadow || g.nranks == 1)))
+// Pushed (`pushed`: straight into the peers' shared shadow), it only moves bytes, and XLA's
+// own arithmetic may read any float dtype there (pympgu.xla.average_gradients' half-precision
+// wire); a done operation then never averages them.
+ffi::Error gather_ready(const char *op, const pmg_group &g, int32_t algo, int dtype,
+                        bool pushed = false) {
+  if (algo != PMG_ALGO_GATHER || (pushed && g.shadow_offset) ||
+      (dtype == PMG_FLOAT32 && (g.shadow || g.nranks == 1)))
     return ffi::Error::Success();
   return ffi::Error::InvalidArgument(std::string(op) +
                                      ": the gather algorithm needs float32 arrays and a shadow");
 }
 
-// Elements each shadow slot holds: total rounded up to 64 (within the buffer), so that the
-// slots stay 16-byte aligned for pmg_mean_list's vector loads.
-size_t gather_elems(const pmg_group &g, int64_t total) {
+// Elements of esize bytes each shadow slot holds: total rounded up to 64 (within the
+// buffer), so that the slots stay 16-byte aligned for pmg_mean_list's vector loads.
+size_t gather_elems(const pmg_group &g, int64_t total, size_t esize = sizeof(float)) {
   const size_t rounded = (size_t(total) + 63) / 64 * 64;
-  return std::min(rounded, g.nbytes / sizeof(float));
+  return std::min(rounded, g.nbytes / esize);
 }
 
 constexpr const char *kAverage = "pympgu_average";
@@ -395,7 +400,7 @@ ffi::Error average_start(cudaStream_t stream, ffi::RemainingArgs args, ffi::Rema
   int dtype;
   if (auto e = collect(args, skip, args.size() - skip, &in); e.failure()) return e;
   if (auto e = place(kStart, g, in, offsets, total, &at, &dtype); e.failure()) return e;
-  if (auto e = gather_ready(kStart, g, algo, dtype); e.failure()) return e;
+  if (auto e = gather_ready(kStart, g, algo, dtype, push); e.failure()) return e;
   OnGroupDevice on(kStart, g, in[0].data);
   if (on.error().failure()) return on.error();
   int status;
@@ -422,13 +427,14 @@ ffi::Error average_start(cudaStream_t stream, ffi::RemainingArgs args, ffi::Rema
     std::vector<const void *> src;
     std::vector<size_t> nbytes;
     for (const Array &a : in) src.push_back(a.data), nbytes.push_back(a.nbytes);
+    const size_t esize = pmg_dtype_size(dtype), slot_bytes = gather_elems(g, total, esize) * esize;
     if ((first && !barrier_on_xla &&
          (status = barrier(g, g.side))) ||
         (first && (status = mark(g, {PMG_MARK_SIDE_BEGIN}, g.side))) ||
         (phase == kLast && (status = first_landed(g))) ||
-        (status = pmg_push_peers(&g.peers, g.shadow_offset, gather_elems(g, total) * sizeof(float),
-                                 g.rank, g.nranks, src.data(), at.data(), nbytes.data(),
-                                 int(in.size()), g.side)) ||
+        (status = pmg_push_peers(&g.peers, g.shadow_offset, slot_bytes, g.rank, g.nranks,
+                                 src.data(), at.data(), nbytes.data(), int(in.size()),
+                                 g.side)) ||
         (first && (status = mark(g, {PMG_MARK_FIRST_SENT}, g.side))) ||
         (last && (status = mark(g, {PMG_MARK_LAST_SENT}, g.side))) ||
         (last && (status = barrier(g, g.side))))

@@ -1231,13 +1231,14 @@ cdef class PeerGroup:
     def data_ptr(self):
         return self.block.ptr + self.data_offset
 
-    def shadow_view(self):
-        """A float32 DeviceArray over the shared shadow (nranks - 1 slots; the XLA pair's
-        peers push into it), or None without one. pympgu.xla.shadow_array gives it to JAX."""
+    def shadow_view(self, dtype="float32"):
+        """A DeviceArray of ``dtype`` over the shared shadow (nranks - 1 slots; the XLA
+        pair's peers push into it), or None without one. pympgu.xla.shadow_array gives it
+        to JAX."""
         if not self.shadow_offset:
             return None
-        n = (self.nranks - 1) * _align(self.nbytes, _PAGE) // 4
-        return self.block.view("float32", (n,), self.data_offset + self.shadow_offset)
+        n = (self.nranks - 1) * _align(self.nbytes, _PAGE) // _ITEMSIZE[dtype]
+        return self.block.view(dtype, (n,), self.data_offset + self.shadow_offset)
 
     def connect(self, handles, max_blocks=None):
         """Map every peer's block; handles[r] is rank r's handle (ours is skipped).

@@ -13,13 +13,15 @@ For each model (the seed's MLP 784-500-10 at batch 5000, plain SGD; the wide MLP
   exchange inside the step's jitted XLA call, as pympgu.train runs it; the '-py' variants
   queue it from Python after the step instead), --overlap (inside the step's XLA call, the
   average on a side stream while the step computes; '-py' queued from Python) and a
-  bfloat16 wire;
+  bfloat16 wire ('sync1-bf16': the gradients rounded to it inside the step; 'bf16-py': the
+  change since the last exchange, queued from Python);
 - PyTorch DistributedDataParallel on the same architecture, batch and optimiser (when
   torch is importable and every rank has its own GPU), with TF32 matmuls as JAX uses (with
   ``--compute-dtype bfloat16``, under torch.autocast to bfloat16) and a convnet's images
   channels last (``--ddp-layout``): eager ('DDP', as most scripts run it; it also reports
   the GPU time of its step alone) and with each step captured in a CUDA graph
-  ('DDP-graph', its fastest form here; --no-ddp-graph skips it);
+  ('DDP-graph', its fastest form here; --no-ddp-graph skips it), and, with 'sync1-bf16',
+  eager with PyTorch's bf16_compress_hook ('DDP-bf16');
 - a plain JAX step (jax.grad of the same loss, jitted) against the PyTensor-compiled call,
   on one GPU: the per-step cost of PyTensor's wrapper.
 
@@ -99,14 +101,20 @@ VARIANTS = {  # name: (sync_every, overlap, exchange dtype, exchange inside the 
     "overlap": (1, True, "float32", True),
     "overlap-py": (1, True, "float32", False),
     "overlap4": (4, True, "float32", True),
-    "bf16": (1, False, "bfloat16", False),
+    # The gradients in bfloat16 inside the step (DDP-bf16's counterpart), and the wire's
+    # change since the last exchange queued from Python after the step.
+    "sync1-bf16": (1, False, "bfloat16", True),
+    "bf16-py": (1, False, "bfloat16", False),
 }
 # The PyTorch baselines: DDP as most scripts run it (eager), and with each step captured in
 # a CUDA graph (one launch a step), its fastest form for a small model whose host is slower
 # than its GPU: eager DDP's host takes all of each step to issue it, so its scaling measures
 # the host (0.78 to 1.00 on the same machine, docs/BENCHMARKS.md, sessions 12 and 17).
-# name: captured in a graph.
-DDP_SYSTEMS = {"DDP": False, "DDP-graph": True}
+# 'DDP-bf16' is eager DDP with PyTorch's bf16_compress_hook, the gradients all-reduced in
+# bfloat16: the counterpart of pympgu's 'sync1-bf16', and run with it.
+# name: (captured in a graph, the gradients' dtype on the wire).
+DDP_SYSTEMS = {"DDP": (False, "float32"), "DDP-graph": (True, "float32"),
+               "DDP-bf16": (False, "bfloat16")}
 # How DDP's twin lays out a convolution's images: channels last by default, the layout a
 # PyTorch user tuning for speed picks (PyTorch's performance guide), or its default NCHW.
 DDP_LAYOUTS = ("channels-last", "nchw")
@@ -375,6 +383,9 @@ def ddp_rank(rank, world, devices, cfg, n_in, n_out, steps, warmup, init_file, g
             model = torch_twin(cfg, n_in, n_out).cuda()
             layout = lay_out(model, cfg.get("ddp_layout", DDP_LAYOUTS[0]))
             ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device])
+            if cfg["exchange_dtype"] == "bfloat16":  # DDP-bf16
+                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+                ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
             # The weights, as pympgu penalises them; biases (one dimension) are not.
             weights = [p for p in model.parameters() if p.dim() > 1]
             biases = [p for p in model.parameters() if p.dim() <= 1]
@@ -652,8 +663,9 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
                         r = run_pympgu(devs, cfg, steps, warmup, plain and k == 0)
                 else:
                     try:
-                        r = run_ddp(devs, cfg, ds.n_in, ds.n_classes, steps, warmup,
-                                    graph=DDP_SYSTEMS[system])
+                        graph, wire = DDP_SYSTEMS[system]
+                        r = run_ddp(devs, dict(cfg, exchange_dtype=wire), ds.n_in,
+                                    ds.n_classes, steps, warmup, graph=graph)
                     except RuntimeError as e:  # a baseline that fails leaves the others
                         log(f"  {what} failed, no row: {e}", flush=True)
                         r = None
@@ -935,6 +947,8 @@ def main(argv=None):
     if len(gpus) == 1:
         print("  one GPU: only the 1-GPU rows (give two or more GPUs for scaling)", flush=True)
     ddp = (("DDP",) if args.no_ddp_graph else ("DDP", "DDP-graph")) if use_ddp else ()
+    if use_ddp and "sync1-bf16" in args.variants:
+        ddp += ("DDP-bf16",)
     from .data import DataError
     from .models import ModelError
     try:  # measure loads the dataset and builds a --model before any worker starts

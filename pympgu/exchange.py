@@ -29,7 +29,9 @@ the link. The parameters stay float32: every rank keeps ``ref``, the float32 res
 last exchange (identical on every rank), sends round(x - ref) in the wire dtype, and adds
 the averaged wire back to ref in float32. Rounding then costs a fraction of the change since
 the last exchange, not of the parameter, and replicas stay bit-identical. The first exchange
-is exact (float32 on the wire) to set ref.
+is exact (float32 on the wire) to set ref. Inside XLA the wire takes one road alone, where
+no ``ref`` is needed: ``xla_average_gradients``, whose gradients cross rounded to it (DDP's
+bf16_compress_hook), summed in float32.
 
 Layouts (names, shapes, dtypes) must be identical on every rank; the launcher compares them
 before any training and names both layouts if they differ.
@@ -202,12 +204,15 @@ class Exchanger:
         self.start(arrays)
         return self.finish()
 
-    def xla_unavailable(self):
-        """None when ``xla_average`` can run here, else why it cannot."""
+    def xla_unavailable(self, gradients=False):
+        """None when ``xla_average`` can run here, else why it cannot; ``gradients``: when
+        ``xla_average_gradients`` can, the one XLA road a low-precision wire takes (its
+        gradients cross rounded, and need no ``ref``)."""
         if self.ctx.is_cpu:
             return "CPU workers exchange through shared memory"
-        if self.wire_dtype:
-            return f"the {self.wire_dtype} wire keeps state outside XLA"
+        if self.wire_dtype and not gradients:
+            return (f"the {self.wire_dtype} wire keeps state outside XLA (inside it, only "
+                    "--sync-every 1's gradients cross in it)")
         if self.method == "copy" or not self.backend.peer_ok:
             return "the copy method with host barriers runs outside XLA"
         from . import xla
@@ -245,23 +250,28 @@ class Exchanger:
         ``updated`` computed from every rank's mean gradient, or, where that does not apply,
         its results at ``which`` (the layout's first entries, in its order) averaged.
         ``shadow`` is ``xla_shadow(correction=False)``'s array, or None; ``exact`` as
-        average_gradients takes it. ``xla_road`` then says which was traced."""
+        average_gradients takes it. A low-precision wire is the gradients' (``wire``);
+        where they do not cross, the results are averaged in float32. ``xla_road`` then
+        says which was traced."""
         import jax
 
         from . import xla
         shapes = jax.eval_shape(lambda *a: list(fn(*a)), *args)
-        group = self._xla_group([shapes[i] for i in which])
-        plan = xla.gradient_plan(fn, updated, group, args, local, shadow, self.method, exact)
+        group = self._xla_group([shapes[i] for i in which], gradients=True)
+        plan = xla.gradient_plan(fn, updated, group, args, local, shadow, self.method, exact,
+                                 self.wire_dtype)
+        wire = f", sent in {self.wire_dtype}" if self.wire_dtype else ""
         if plan[1] is not None:
-            self.xla_road = f"the new values averaged after the update: {plan[1]}"
+            self.xla_road = ("the new values averaged after the update"
+                             f"{', in float32' if wire else ''}: {plan[1]}")
         elif xla.gradients_by_copies(group, shadow, self.method):
-            self.xla_road = "the update of the mean gradients"
+            self.xla_road = f"the update of the mean gradients{wire}"
         else:
-            self.xla_road = ("the update of the mean gradients, averaged by the kernel "
-                             f"({group.nranks} ranks)")
+            self.xla_road = (f"the update of the mean gradients{wire}, averaged by the "
+                             f"kernel ({group.nranks} ranks)")
         return xla.average_gradients(fn, updated, which, group, *args, shadow=shadow,
                                      local=local, algo=self.method, max_blocks=self.max_blocks,
-                                     plan=plan, exact=exact)
+                                     plan=plan, exact=exact, wire=self.wire_dtype)
 
     def xla_average_during(self, arrays, fn, *args):
         """``xla_average(arrays)`` taken while ``fn(*args)`` computes; returns both
@@ -285,17 +295,19 @@ class Exchanger:
         two or is above PYMPGU_SPLIT_MAX_RANKS (pympgu.xla.shadow_array), a method other
         than 'auto', or other arrays than float32. For the correction,
         PYMPGU_FUSED_CORRECTION=0 also says None, which leaves it to pympgu's own pass (to
-        compare the two)."""
+        compare the two). For the gradients it is of the wire's dtype."""
         from . import xla
         if ((correction and os.environ.get("PYMPGU_FUSED_CORRECTION", "1") == "0")
-                or self.method != "auto" or self.xla_unavailable()
+                or self.method != "auto" or self.xla_unavailable(gradients=not correction)
                 or any(d != "float32" for _, _, d in self.layout)):
             return None
-        return xla.shadow_array(self.backend.group)
+        wire = "float32" if correction else self.wire_dtype or "float32"
+        return xla.shadow_array(self.backend.group, wire)
 
-    def _xla_group(self, arrays):
-        """The PeerGroup for an XLA exchange of ``arrays``, after checking both."""
-        why = self.xla_unavailable()
+    def _xla_group(self, arrays, gradients=False):
+        """The PeerGroup for an XLA exchange of ``arrays``, after checking both
+        (``gradients``: for xla_average_gradients)."""
+        why = self.xla_unavailable(gradients)
         if why:
             raise RuntimeError(f"rank {self.ctx.rank}: cannot average inside XLA: {why}")
         shapes = [tuple(a.shape) for a in arrays]

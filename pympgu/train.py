@@ -468,8 +468,9 @@ class Sync:
     Exchanges of JAX workers are ``fused``: the average runs inside the step's own jitted
     call (Exchanger.xla_average_results, xla_correct_during), so no separate exchange is
     queued at all and its host time is part of the step's; an overlapped one spans the step
-    whose call it is in. The fp32 wire and the kernel methods allow fusing; fuse=False
-    (PYMPGU_XLA_EXCHANGE=0 in pympgu.train) turns it off.
+    whose call it is in. The fp32 wire and the kernel methods allow fusing, and a
+    half-precision wire does with every=1, not overlapped, where the gradients cross in it
+    (below); fuse=False (PYMPGU_XLA_EXCHANGE=0 in pympgu.train) turns it off.
 
     Fused with every=1, an exchange averages the parameters alone (half the bytes) and each
     rank keeps its own momentum, except at the epoch's last step, which averages everything
@@ -502,7 +503,7 @@ class Sync:
         self.seconds = 0.0
         self.stepped = False  # a step was taken since the pending exchange started
         self.fused = (fuse and ex is not None and rep.jax is not None
-                      and ex.xla_unavailable() is None)
+                      and ex.xla_unavailable(gradients=every == 1 and not overlap) is None)
         self.whole = overlap_whole()
         # SGD's momentum may stay local (below), Adam's moments may not.
         self.params_only = (self.fused and every == 1  # but the epoch's last exchange
@@ -621,9 +622,11 @@ def make_exchanger(ctx, rep, cfg):
     # A shared shadow lets the exchanges inside the step's XLA call start as soon as the
     # last layers are computed, and spares the overlapped one its pack ('gather'). It costs
     # nranks - 1 copies of the state on each GPU: only where one of the two will use it.
+    # A half-precision wire enters the step's XLA call by the gradients' road alone.
+    gradients = cfg["sync_every"] == 1 and not cfg.get("overlap")
     shadow = (rep.jax is not None and not ctx.is_cpu and cfg.get("xla_exchange", True)
-              and cfg["method"] == "auto" and cfg["exchange_dtype"] in (None, "float32")
-              and copies_to_every_peer(ctx.nranks))
+              and cfg["method"] == "auto" and copies_to_every_peer(ctx.nranks)
+              and (cfg["exchange_dtype"] in (None, "float32") or gradients))
     ex = Exchanger(ctx, state_layout(rep), method=cfg["method"], wire_dtype=cfg["exchange_dtype"],
                    max_blocks=blocks, shadow=shadow)
     try:
@@ -895,11 +898,12 @@ def build_parser():
                         "same test error (docs/BENCHMARKS.md, docs/TRAINING.md)")
     m.add_argument("--exchange-dtype", choices=["float32", "bfloat16", "float16"],
                    default="float32",
-                   help="dtype on the wire: bfloat16 or float16 send each sync's change in "
-                        "half the bytes; parameters and accumulation stay float32 "
-                        "(default: float32, exact). A half-precision wire is queued from "
-                        "Python, outside the step's XLA call, and on 2 H200s is slower than "
-                        "the default")
+                   help="dtype on the wire, in half the bytes; parameters and sums stay "
+                        "float32 (default: float32, exact). On GPUs with --sync-every 1 the "
+                        "gradients cross rounded to it inside the step's XLA call (DDP's "
+                        "bf16_compress_hook); otherwise each sync's change crosses in it, "
+                        "queued from Python outside the step's XLA call, which on 2 H200s is "
+                        "slower than the default")
     m.add_argument("--exchange-blocks", type=int, default=None, metavar="B",
                    help="cap the GPU averaging kernel at B thread blocks (1-512). Fewer blocks "
                         "leave SMs to the training step that runs beside an overlapped "

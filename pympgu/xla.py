@@ -140,10 +140,12 @@ def _register():
     _registered = True
 
 
-def _attributes(arrays, group, algo, max_blocks, overlapped=False):
+def _attributes(arrays, group, algo, max_blocks, overlapped=False, pushed=False):
     """The operation's attributes for averaging ``arrays`` over ``group`` (checked here, so
     that a bad call fails when traced rather than when run), and the algorithm's name.
-    overlapped: for the start/done pair, where 'auto' means 'gather' for float32."""
+    overlapped: for the start/done pair, where 'auto' means 'gather' for float32. pushed:
+    the arrays are only pushed into the peers' shared shadow, where XLA's own arithmetic
+    reads them (average_gradients), so 'gather' takes any float dtype."""
     from ._cuda import ALGORITHM_CODES, ce_chunk_bytes
     from .exchange import ITEMSIZE, plan_layout
     layout = [(str(i), list(a.shape), str(a.dtype)) for i, a in enumerate(arrays)]
@@ -152,11 +154,11 @@ def _attributes(arrays, group, algo, max_blocks, overlapped=False):
     if nbytes > group.nbytes:
         raise ValueError(f"the arrays need {nbytes} bytes in the group's buffer, which holds "
                          f"{group.nbytes}")
-    if algo == "gather" and not (overlapped and dtype == "float32"):
+    moves = dtype == "float32" or pushed  # what the gather algorithm may take
+    if algo == "gather" and not (overlapped and moves):
         raise ValueError("algo 'gather' is for float32 arrays averaged during other work "
                          "(average_during, correct_during)")
-    if (overlapped and algo == "auto" and dtype == "float32"
-            and copies_to_every_peer(group.nranks)):
+    if overlapped and algo == "auto" and moves and copies_to_every_peer(group.nranks):
         # Beside XLA's work the copy engines move the bytes and no SM is taken from it. On
         # more ranks they move R - 1 copies, and a kernel capped at the group's grid
         # ('push', two-shot) takes less of the step than they do.
@@ -244,9 +246,9 @@ def correct_during(arrays, group, fn, *args, algo="auto", max_blocks=None, shado
                        shadow=shadow, ready=ready)
 
 
-def shadow_array(group):
-    """``correct_during``'s ``shadow`` for ``group``: a JAX array over its shared shadow,
-    without a copy. Pass it into the jitted function as an argument: closed over, JAX would
+def shadow_array(group, dtype="float32"):
+    """``correct_during``'s ``shadow`` for ``group``: a JAX array of ``dtype`` over its
+    shared shadow, without a copy (average_gradients' takes its wire's dtype). Pass it into the jitted function as an argument: closed over, JAX would
     copy it into the program as a constant. None when the group has no shared shadow, or
     when its number of ranks is not a power of two: XLA's division then rounds otherwise
     than pympgu's kernels (by one unit in the last place, seen on 3 H200 ranks), or when
@@ -254,7 +256,7 @@ def shadow_array(group):
     import jax
     if not _reads_shadow(group.nranks):
         return None
-    view = group.shadow_view()
+    view = group.shadow_view(dtype)
     return None if view is None else jax.dlpack.from_dlpack(view)
 
 
@@ -370,7 +372,8 @@ def _rank_mean(own, landed, at, slot, group):
     from the shadow where they landed (``landed``, slots of ``slot`` elements, the array at
     element ``at`` of each). Summed as pmg_mean_list sums (csrc/average.cu), in rank order,
     then one division, by a power of two, which XLA rounds as the kernel does
-    (shadow_array)."""
+    (shadow_array). Values of a half-precision wire are summed in float32, as the kernels
+    sum them."""
     from jax import lax
     rank, nranks = group.rank, group.nranks
     size = math.prod(own.shape)
@@ -381,6 +384,7 @@ def _rank_mean(own, landed, at, slot, group):
         else:
             begin = (r if r < rank else r - 1) * slot + int(at)
             term = lax.slice(landed, (begin,), (begin + size,)).reshape(own.shape)
+        term = term.astype(np.float32)
         total = term if total is None else total + term
     return total / np.float32(nranks)
 
@@ -395,10 +399,10 @@ def _fresh(new, arrays):
     return fresh
 
 
-def _slot_elems(group, total):
-    """Elements per shadow slot for an exchange of ``total``: gather_elems in
-    csrc/xla_ffi.cc (rounded up to 64, within the buffer)."""
-    return min((total + 63) // 64 * 64, group.nbytes // 4)
+def _slot_elems(group, total, itemsize=4):
+    """Elements of ``itemsize`` bytes per shadow slot for an exchange of ``total``:
+    gather_elems in csrc/xla_ffi.cc (rounded up to 64, within the buffer)."""
+    return min((total + 63) // 64 * 64, group.nbytes // itemsize)
 
 
 # The phases of a start (csrc/xla_ffi.cc): with the barrier before, after, or both.
@@ -545,7 +549,7 @@ def average_results(fn, which, group, *args, algo="auto", max_blocks=None):
 
 
 def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), algo="auto",
-                      max_blocks=None, plan=None, exact=True):
+                      max_blocks=None, plan=None, exact=True, wire=None):
     """``fn(*args)``, a flat list of arrays, with its results at ``updated`` (a training
     step's new state) computed from the mean over every rank of what their update reads:
     DDP's average of the gradients, inside the step, with no pass over the parameters.
@@ -571,17 +575,24 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
       capped at BESIDE_BLOCKS blocks, beside XLA's work, unless ``max_blocks`` is given),
       sending 2 (R - 1) / R of the bytes, and the update reads the means it unpacks.
 
-    Where neither applies (fewer bytes than ``SPLIT_MIN_BYTES``; an update that is not
-    affine in its gradients or reads a ``local`` argument; ``PYMPGU_GRADIENTS=0``), it
-    returns ``average_results(fn, which, group, *args)``: the results at ``which``
-    averaged after they are computed. ``plan``, gradient_plan's result for these arguments,
-    saves tracing ``fn`` again.
+    Where neither applies (fewer bytes than ``SPLIT_MIN_BYTES``, without a ``wire``; an
+    update that is not affine in its gradients or reads a ``local`` argument;
+    ``PYMPGU_GRADIENTS=0``), it returns ``average_results(fn, which, group, *args)``: the
+    results at ``which`` averaged after they are computed. ``plan``, gradient_plan's result
+    for these arguments, saves tracing ``fn`` again.
 
     ``exact=False`` takes any elementwise update, at any size: an update not affine in its
     gradients (Adam's) then is not the mean of the ranks' updates but the update of their
     mean gradient, what DDP computes, the same on every rank.
+
+    ``wire='bfloat16'`` (or 'float16') sends the gradients rounded to it, half the bytes,
+    as DDP's bf16_compress_hook does, at any size: every rank sums the ranks' rounded
+    values in float32, in rank order (its own rounded too), so the update still reads the
+    same mean on every rank (by the kernel: their mean, rounded to the wire). The shadow is
+    then ``shadow_array(group, wire)``. Where the gradients do not cross, nothing is
+    rounded: ``average_results`` averages the results in float32.
     """
-    if hasattr(group, "xla_average_gradients"):  # an Exchanger
+    if hasattr(group, "xla_average_gradients"):  # an Exchanger: its own wire
         return group.xla_average_gradients(fn, updated, which, *args, shadow=shadow,
                                            local=local, exact=exact)
     import jax
@@ -590,22 +601,31 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
     from . import jaxsplit
     flat = list(args)
     if plan is None:
-        plan = gradient_plan(fn, updated, group, flat, local, shadow, algo, exact)
+        plan = gradient_plan(fn, updated, group, flat, local, shadow, algo, exact, wire)
     tail = plan[0]
     if tail is None:
         return average_results(fn, which, group, *flat, algo=algo, max_blocks=max_blocks)
     n = len(tail.crossing)
-    crossing = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in tail.crossing]
+    low = _wire(wire)
+    crossing = [jax.ShapeDtypeStruct(v.aval.shape, low or v.aval.dtype) for v in tail.crossing]
+
+    def before(*a):  # the work before the update, its gradients rounded to the wire's dtype
+        outs = list(tail.evaluate_before(a))
+        return [o.astype(low) for o in outs[:n]] + outs[n:] if low else outs
 
     # Each gradient crosses whole. Computed in row blocks, so that a large one's first block
     # crosses while XLA computes the next, the wide MLP's step took 0.76 ms against 0.67:
     # the update then reads the blocks' concatenation, which XLA's emitter for it split from
     # the weights' pass and put after the last wait (docs/BENCHMARKS.md, session 19).
-    split = jaxsplit.Split(jaxsplit.trace(lambda *a: tail.evaluate_before(a), flat), range(n))
+    split = jaxsplit.Split(jaxsplit.trace(before, flat), range(n))
     part_attrs = None
     if gradients_by_copies(group, shadow, algo):
-        attrs, _ = _attributes(crossing, group, algo, max_blocks, overlapped=True)
-        offsets, slot = attrs["offsets"], _slot_elems(group, int(attrs["total"]))
+        if shadow.dtype != crossing[0].dtype:
+            raise ValueError(f"average_gradients: the shadow is {shadow.dtype}, the wire "
+                             f"{crossing[0].dtype}: pass shadow_array(group, wire)")
+        attrs, _ = _attributes(crossing, group, algo, max_blocks, overlapped=True, pushed=True)
+        offsets = attrs["offsets"]
+        slot = _slot_elems(group, int(attrs["total"]), crossing[0].dtype.itemsize)
 
         def means(token, values, part, kind):  # the shadow's reads after the wait
             values, landed = lax.optimization_barrier((values, shadow))
@@ -625,12 +645,13 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
             # array, the reads held behind a done of the smallest array, since XLA drops a
             # wait that only a barrier reads), the wide MLP's step on 2 H200s took 0.872 ms
             # against 0.867 (docs/BENCHMARKS.md, session 27).
-            return _done(token, values, part_attrs(part), part=kind,
-                         offsets=_part_offsets(offsets, part))
+            means = _done(token, values, part_attrs(part), part=kind,
+                          offsets=_part_offsets(offsets, part))
+            return [m.astype(np.float32) for m in means] if low else means
     if split.early:
         token, outs, parts = _send_in_parts(split, flat, attrs, offsets, part_attrs)
     else:  # nothing worth cutting: every gradient crosses once the work before is done
-        outs = tail.evaluate_before(flat)
+        outs = before(*flat)
         token = _start(outs[:n], attrs, _WHOLE, attrs["offsets"])
         parts = [(list(range(n)), _DONE_WHOLE)]
 
@@ -659,6 +680,16 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
     return [rest[k] if k in rest else made[k] for k in range(len(made))]
 
 
+def _wire(wire):
+    """The dtype gradients cross in for average_gradients' ``wire``, or None: their own."""
+    if wire in (None, "float32"):
+        return None
+    if wire not in ("bfloat16", "float16"):
+        raise ValueError(f"wire must be 'float32', 'bfloat16' or 'float16', got {wire!r}")
+    import jax.numpy as jnp
+    return jnp.dtype(wire)
+
+
 def gradients_by_copies(group, shadow, algo):
     """Whether average_gradients sends every rank's whole gradients by DMA into the peers'
     shared shadow for XLA's update to sum, rather than averaging them with the group's
@@ -685,10 +716,12 @@ def _kernel_part(attrs, offsets, crossing, group, algo, max_blocks, split, part)
                 max_blocks=np.int32(blocks))
 
 
-def gradient_plan(fn, updated, group, args, local=(), shadow=None, algo="auto", exact=True):
+def gradient_plan(fn, updated, group, args, local=(), shadow=None, algo="auto", exact=True,
+                  wire=None):
     """``(tail, None)`` when ``average_gradients`` takes ``fn``'s gradients on these flat
     ``args`` (pympgu.jaxsplit.Tail, the update it feeds), else ``(None, why not)``;
-    ``exact`` as average_gradients takes it."""
+    ``exact`` and ``wire`` as average_gradients takes them. A half-precision wire takes
+    them at any size: it is the only road on which it crosses inside XLA."""
     from . import jaxsplit
     if os.environ.get("PYMPGU_GRADIENTS", "1") == "0":
         return None, "PYMPGU_GRADIENTS=0"
@@ -720,7 +753,7 @@ def gradient_plan(fn, updated, group, args, local=(), shadow=None, algo="auto", 
     if bad is not None:
         return None, f"the update is not affine in its gradients ({bad.primitive.name})"
     nbytes = sum(math.prod(v.aval.shape) * 4 for v in tail.crossing)
-    if nbytes < SPLIT_MIN_BYTES:
+    if nbytes < SPLIT_MIN_BYTES and _wire(wire) is None:
         return None, (f"{nbytes} bytes of gradients, under PYMPGU_SPLIT_MIN_BYTES="
                       f"{SPLIT_MIN_BYTES}")
     return tail, None

@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from reference import model_average, model_wire_exchanges
+from reference import bf16_to_f32, f32_to_bf16, model_average, model_wire_exchanges
 
 LAYOUT = [("w1", [31, 17], "float32"), ("b1", [17], "float32"), ("w2", [17, 5], "float32"),
           ("b2", [5], "float32")]
@@ -368,7 +368,7 @@ def xla_rounds(ctx, rounds, method="auto", big=1 << 23, shadow=False):
             "corrected": corrected_path}
 
 
-def gradient_rounds(ctx, rounds, big=1 << 23, squared=False):
+def gradient_rounds(ctx, rounds, big=1 << 23, squared=False, wire=None):
     """A training step's update fed the ranks' mean gradient inside XLA
     (Exchanger.xla_average_gradients), checked bit for bit against numpy each round. The
     state is W, b, a big vector, a matrix and their momentum, the same on every rank; each
@@ -380,7 +380,9 @@ def gradient_rounds(ctx, rounds, big=1 << 23, squared=False):
     the parameters after no step, through the same group. ``squared``: the update reads
     each gradient squared (exact here), an update not affine in its gradients as Adam's
     is not, taken with ``exact=False``: the square of the mean gradient, not the mean of
-    the squares."""
+    the squares. ``wire='bfloat16'``: the gradients cross rounded to it, and are summed in
+    float32 (by the kernel: averaged into bfloat16); its rounds are all steps, since the
+    parameters' own average inside XLA takes no such wire."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
     import jax.numpy as jnp
@@ -419,7 +421,7 @@ def gradient_rounds(ctx, rounds, big=1 << 23, squared=False):
         new_v = [mu * vi - gi for vi, gi in zip(v, g)]
         return [pi + vi for pi, vi in zip(p, new_v)] + new_v + [work]
 
-    ex = Exchanger(ctx, layout, shadow=True)
+    ex = Exchanger(ctx, layout, shadow=True, wire_dtype=wire)
     try:
         shadow = ex.xla_shadow(correction=False)
         which, local = list(range(2 * n)), list(range(2 * n, 2 * n + 5))
@@ -433,7 +435,7 @@ def gradient_rounds(ctx, rounds, big=1 << 23, squared=False):
                         list(flat[n:]))
         xs = [jax.device_put(a, dev) for a in start]
         for k in range(rounds):
-            if k % 2:
+            if k % 2 and not wire:
                 xs = plain(xs)
                 means = mean_params()
                 for m in models:
@@ -441,7 +443,15 @@ def gradient_rounds(ctx, rounds, big=1 << 23, squared=False):
                 continue
             xs = stepped(xs + [jax.device_put(a, dev) for a in data(ctx.rank, k)], shadow)
             sums = [gradients(data(r, k)) for r in range(ctx.nranks)]
-            if why is None:  # every rank's update of the mean gradient
+            if why is None and wire:
+                rounded = [[f32_to_bf16(gi.ravel()) for gi in g] for g in sums]
+
+                def mean(i):  # summed in float32 from the wire; by the kernel, into it
+                    if "kernel" in ex.xla_road:
+                        return bf16_to_f32(model_average([g[i] for g in rounded], wire))
+                    return model_average([bf16_to_f32(g[i]) for g in rounded], "float32")
+                sums = [[mean(i).reshape(s) for i, s in enumerate(shapes)]] * ctx.nranks
+            elif why is None:  # every rank's update of the mean gradient
                 sums = [[model_average([g[i].ravel() for g in sums], "float32").reshape(s)
                          for i, s in enumerate(shapes)]] * ctx.nranks
             if squared:

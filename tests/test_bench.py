@@ -14,15 +14,16 @@ def test_train_bench_smoke_on_cpu_workers(tmp_path):
     out = tmp_path / "rows.json"
     r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "2", "--models",
                         "seed", "--steps", "2", "--warmup", "1", "--variants", "sync4", "overlap",
-                        "bf16", "--json", str(out)], capture_output=True, text=True, timeout=280)
+                        "bf16-py", "--json", str(out)], capture_output=True, text=True,
+                       timeout=280)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(len(x["gpus"]), x["variant"]) for x in rows] == [
-        (1, "-"), (2, "sync4"), (2, "overlap"), (2, "bf16")]
+        (1, "-"), (2, "sync4"), (2, "overlap"), (2, "bf16-py")]
     assert all(x["samples_per_s"] > 0 for x in rows)
     # the bf16 wire carries half the bytes of the float32 one
     wire = {x["variant"]: x["wire_bytes"] for x in rows if "wire_bytes" in x}
-    assert wire["bf16"] * 2 == wire["overlap"]
+    assert wire["bf16-py"] * 2 == wire["overlap"]
     assert "plain JAX step" in r.stdout and "scaling" in r.stdout
 
 
@@ -214,6 +215,31 @@ def test_train_bench_times_each_gpu_alone(monkeypatch):
     assert by[(0, 1)]["added_ms_per_step"] == pytest.approx(0.030)
     assert (f"against GPU 0's); run by run {own[0]:.4f}, {own[1]:.4f}"
             in bench_train.table(rows)), bench_train.table(rows)
+
+
+def test_train_bench_runs_ddp_with_bfloat16_gradients_beside_sync1_bf16(monkeypatch):
+    """'sync1-bf16' sends pympgu's gradients in bfloat16 inside the step; its DDP
+    counterpart, 'DDP-bf16', is eager DDP with PyTorch's bf16_compress_hook (runs faked:
+    no GPU here)."""
+    from pympgu import bench_train
+    seen = []
+
+    def fake_pympgu(devices, cfg, steps, warmup, plain_jax=False):
+        seen.append(("pympgu", len(devices), cfg["exchange_dtype"], cfg.get("xla_exchange")))
+        return {"ms_per_step": 1.0, "samples_per_s": 1024 * len(devices) * 1e3}
+
+    def fake_ddp(devices, cfg, n_in, n_classes, steps, warmup, graph=False):
+        seen.append(("DDP", len(devices), cfg["exchange_dtype"], graph))
+        return {"ms_per_step": 1.0, "samples_per_s": 1024 * len(devices) * 1e3}
+
+    monkeypatch.setattr(bench_train, "run_pympgu", fake_pympgu)
+    monkeypatch.setattr(bench_train, "run_ddp", fake_ddp)
+    rows = bench_train.measure([0, 1], ["wide"], ["sync1-bf16"], 10, 2, None,
+                               ddp=("DDP", "DDP-bf16"), log=lambda *a, **k: None)
+    assert seen == [("pympgu", 1, "float32", None)] * 2 + [("pympgu", 2, "bfloat16", True),
+                    ("DDP", 1, "float32", False), ("DDP", 2, "float32", False),
+                    ("DDP", 1, "bfloat16", False), ("DDP", 2, "bfloat16", False)], seen
+    assert [r["system"] for r in rows] == ["pympgu"] * 3 + ["DDP"] * 2 + ["DDP-bf16"] * 2
 
 
 def test_train_bench_ranks_time_the_multi_gpu_rows_at_each_size(monkeypatch):

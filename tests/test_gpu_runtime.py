@@ -102,11 +102,13 @@ def test_gpu_exchange_inside_xla(nranks, method, shadow, max_ranks, monkeypatch)
     assert all(r["corrected"].endswith("in the update") == in_update for r in results), results
 
 
-@pytest.mark.parametrize("gradients,nranks,max_ranks,squared", [
-    ("1", 2, "2", False), ("0", 2, "2", False), ("1", 4, "4", False), ("1", 4, "2", False),
-    ("1", 3, "2", False), ("1", 2, "1", False), ("1", 2, "2", True), ("1", 3, "2", True)])
+@pytest.mark.parametrize("gradients,nranks,max_ranks,squared,wire", [
+    ("1", 2, "2", False, None), ("0", 2, "2", False, None), ("1", 4, "4", False, None),
+    ("1", 4, "2", False, None), ("1", 3, "2", False, None), ("1", 2, "1", False, None),
+    ("1", 2, "2", True, None), ("1", 3, "2", True, None), ("1", 2, "2", False, "bfloat16"),
+    ("1", 3, "2", False, "bfloat16")])
 def test_gpu_update_of_the_mean_gradient_inside_xla(gradients, nranks, max_ranks, squared,
-                                                    monkeypatch):
+                                                    wire, monkeypatch):
     """Exchanger.xla_average_gradients: the step cut in two, its update fed the ranks' mean
     gradient, bit for bit against numpy and the same on every rank; with
     PYMPGU_GRADIENTS=0, the parameters' average after the update in its place. Up to
@@ -115,18 +117,20 @@ def test_gpu_update_of_the_mean_gradient_inside_xla(gradients, nranks, max_ranks
     kernel averages each part ('twoshot' for the first, capped beside the late work, 'push'
     for the last), on 3 ranks too, and the update reads the means. ``squared``: an update
     not affine in its gradients (as Adam's), taken with exact=False: it reads the square
-    of the mean gradient, by either road."""
+    of the mean gradient, by either road. ``wire``: the gradients cross rounded to
+    bfloat16 (into the shadow on 2 ranks, by the kernel on 3)."""
     needs_xla()
     from runtime_targets import gradient_rounds
     monkeypatch.setenv("PYMPGU_GRADIENTS", gradients)  # the spawned workers read both
     monkeypatch.setenv("PYMPGU_SPLIT_MAX_RANKS", max_ranks)
-    results = launch(gradient_rounds, (7, 1 << 23, squared), gpus=devices(nranks))
+    results = launch(gradient_rounds, (7, 1 << 23, squared, wire), gpus=devices(nranks))
     assert len({r["digest"] for r in results}) == 1
     by_kernel = nranks > int(max_ranks)
     for r in results:
         assert (r["why_not"] is None) == (gradients == "1"), r["why_not"]
         assert r["road"].endswith(f"averaged by the kernel ({nranks} ranks)") == (
             by_kernel and gradients == "1"), r["road"]
+        assert (f"sent in {wire}" in r["road"]) == bool(wire), r["road"]
 
 
 @pytest.mark.parametrize("barrier,stream_barrier", [("side", "1"), ("xla", "1"), ("side", "0")])
@@ -324,6 +328,30 @@ def test_gpu_training_bfloat16(monkeypatch, example):
     assert low["road"] == "the update of the mean gradients", low
     assert low["test_error"] < 0.15, low  # the CPU's, after one epoch: 9 to 11%
     assert abs(low["test_error"] - full["test_error"]) <= 0.01, (low, full)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_gpu_training_bfloat16_gradients(monkeypatch, optimizer):
+    """--exchange-dtype bfloat16 at --sync-every 1 on 2 GPUs: the gradients cross rounded
+    to bfloat16 inside the step's XLA call (DDP's bf16_compress_hook) and every rank's
+    update reads the same float32 sum of them; SGD's by the road forced for the MLP's
+    small size, Adam's at any size. It learns as the float32 wire does on the same data
+    and seed, within two points, and run() checks that the replicas end identical. With
+    --sync-every 2 the wire's change crosses from Python, outside the step."""
+    needs_xla()
+    from pympgu import train
+    cfg = dict(train.DEFAULTS, **JAX_TRAINING, hidden=[256, 128], optimizer=optimizer,
+               lr=0.002 if optimizer == "adam" else train.DEFAULTS["lr"])
+    monkeypatch.setenv("PYMPGU_SPLIT_MIN_BYTES", "0")  # the spawned workers read it
+    low = train.run(dict(cfg, exchange_dtype="bfloat16"), devices(2))[-1]
+    full = train.run(cfg, devices(2))[-1]
+    assert low["road"] == "the update of the mean gradients, sent in bfloat16", low
+    assert low["exchange_share"] is None, low  # inside the step
+    assert low["test_error"] < 0.25, low  # chance is 0.9
+    assert abs(low["test_error"] - full["test_error"]) <= 0.02, (low, full)
+    every2 = train.run(dict(cfg, exchange_dtype="bfloat16", sync_every=2), devices(2))[-1]
+    assert every2["road"].startswith("queued from Python after the step: the bfloat16 wire")
+    assert every2["test_error"] < 0.25, every2
 
 
 def test_gpu_training_adam(monkeypatch):

@@ -184,7 +184,7 @@ def test_fused_steps_average_parameters_alone_only_when_exact(every, overlap, wh
                               (" gradients" if gradients else ""))
 
     class Ex(FakeEx):
-        def xla_unavailable(self):
+        def xla_unavailable(self, gradients=False):
             return None
 
     rep = Rep(0.0, 0.0, params=1, affine=affine)
@@ -204,9 +204,10 @@ def test_fused_steps_average_parameters_alone_only_when_exact(every, overlap, wh
 def test_sync_says_why_a_gpu_workers_exchange_runs_outside_xla():
     class Ex(FakeEx):
         why = None
+        wire = False  # a half-precision wire: inside XLA by the gradients' road alone
 
-        def xla_unavailable(self):
-            return self.why
+        def xla_unavailable(self, gradients=False):
+            return "the bfloat16 wire" if self.wire and not gradients else self.why
 
     rep = FakeRep(0.0, 0.0, params=1)
     ex = Ex(lambda a: a)
@@ -216,6 +217,11 @@ def test_sync_says_why_a_gpu_workers_exchange_runs_outside_xla():
     rep.jax = object()
     assert Sync(rep, ex).fused and Sync(rep, ex).outside is None
     assert Sync(rep, ex, fuse=False).outside == "turned off (PYMPGU_XLA_EXCHANGE=0)"
+    ex.wire = True
+    assert Sync(rep, ex).fused and Sync(rep, ex).gradients
+    for every, overlap in ((2, False), (1, True)):
+        assert Sync(rep, ex, every, overlap).outside == "the bfloat16 wire"
+    ex.wire = False
     ex.why = "pympgu was built without jaxlib's XLA FFI headers; install jax and rebuild"
     assert Sync(rep, ex).outside == ex.why
     assert Sync(rep, None).outside is None
