@@ -21,6 +21,8 @@ VARIANTS = {"plain": {}, "overlap": dict(overlap=True),
             # GPU workers average inside the step's XLA call; this is the exchange queued
             # from Python instead (on CPU workers, the same as "overlap").
             "overlap, from Python": dict(overlap=True, xla_exchange=False),
+            # On GPU workers the gradients in bfloat16 inside the step (since session 35);
+            # on CPU workers, and with the variants below, each sync's change from Python.
             "bf16 wire": dict(exchange_dtype="bfloat16"),
             "sync every 4": dict(sync_every=4),
             "overlap + bf16": dict(overlap=True, exchange_dtype="bfloat16"),

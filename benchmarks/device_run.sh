@@ -103,6 +103,11 @@ for step in $steps; do
       timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_runtime.py -k adam 2>&1 | tail -3
       timeout 400 python3 -m pympgu.bench train --gpus 0 1 --models wide --variants sync1 sync4 overlap4 \
         --optimizer adam --repeats 2 --json "$OUT/adam2.json" 2>&1 | grep -v -i "warn\|delay kernel" | tail -14 ;;
+    # The gradients in bfloat16 inside the step against float32's and DDP's with
+    # bf16_compress_hook, on the 2-GPU kind (session 35's Next).
+    bf16grad)
+      timeout 500 python3 -m pympgu.bench train --gpus 0 1 --models wide --variants sync1 sync1-bf16 \
+        --no-ddp-graph --repeats 3 --json "$OUT/bf16grad.json" 2>&1 | grep -v -i "warn\|delay kernel" | tail -16 ;;
     # BENCH="--gpus 0 1" on the 2-GPU kind; the default puts 2 ranks on one GPU.
     bench) timeout 500 python3 -m pympgu.bench ${BENCH:---gpus 0 --procs 2 --sizes 4K 64K 1M 64M} --json "$OUT/bench.json" 2>&1 | tail -25 ;;
     # The installed package, away from the source tree: it must train on its embedded data.
