@@ -606,12 +606,13 @@ def test_xla_correction_inside_adams_update(monkeypatch, dtype):
                                    rtol=rtol, atol=atol)
 
 
-def test_gradients_cross_in_bfloat16(monkeypatch):
-    # A bfloat16 wire (DDP's bf16_compress_hook): the gradients are rounded before they
-    # cross, the start and the wait take bfloat16, and the update sums this rank's rounded
-    # gradient and the peer's from a bfloat16 shadow in float32. Above
-    # PYMPGU_SPLIT_MAX_RANKS the kernel averages bfloat16 and the update reads its means
-    # widened. Run on the CPU with the start, the wait and the done stood in for.
+@pytest.mark.parametrize("wire", ["bfloat16", "float16"])
+def test_gradients_cross_in_half_precision(monkeypatch, wire):
+    # A half-precision wire (DDP's bf16_compress_hook): the gradients are rounded before
+    # they cross, the start and the wait take the wire's dtype, and the update sums this
+    # rank's rounded gradient and the peer's from a shadow of that dtype in float32. Above
+    # PYMPGU_SPLIT_MAX_RANKS the kernel averages the wire's dtype and the update reads its
+    # means widened. Run on the CPU with the start, the wait and the done stood in for.
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
     import numpy as np
@@ -623,6 +624,13 @@ def test_gradients_cross_in_bfloat16(monkeypatch):
         nbytes, nranks, rank, shadow_offset = 1 << 12, 2, 1, 1 << 12
 
     mu, lr = np.float32(0.5), np.float32(0.1)
+    low = jnp.dtype(wire)
+
+    def rounded(a):  # to nearest even in the wire's dtype, widened: numpy's, not XLA's
+        a = np.asarray(a, np.float32)
+        if wire == "bfloat16":
+            return bf16_to_f32(f32_to_bf16(a.ravel())).reshape(a.shape)
+        return a.astype(np.float16).astype(np.float32)
 
     def step(w, v, x):
         g = x.T @ jnp.tanh(x @ w)
@@ -632,17 +640,17 @@ def test_gradients_cross_in_bfloat16(monkeypatch):
     monkeypatch.setattr(xla, "_register", lambda: None)
     rng = np.random.default_rng(0)
     w, v, x = (rng.standard_normal(s).astype(np.float32) for s in ((16, 8), (16, 8), (4, 16)))
-    peer = f32_to_bf16(rng.standard_normal(Group.nbytes // 2).astype(np.float32))
-    shadow = jnp.asarray(peer.view(jnp.bfloat16))
+    peer = rounded(rng.standard_normal(Group.nbytes // 2))
+    shadow = jnp.asarray(peer).astype(low)  # exact: the values are the wire's already
     group = Group()
     # Far under PYMPGU_SPLIT_MIN_BYTES: the float32 gradients would not cross, the wire's do
     # (inside XLA it has no other road).
     assert "under PYMPGU_SPLIT_MIN_BYTES" in xla.gradient_plan(step, [0, 1], group,
                                                                [w, v, x], [2], shadow)[1]
     assert xla.gradient_plan(step, [0, 1], group, [w, v, x], [2], shadow,
-                             wire="bfloat16")[1] is None
+                             wire=wire)[1] is None
 
-    def run(w, v, x, shadow, wire="bfloat16"):
+    def run(w, v, x, shadow, wire=wire):
         return xla.average_gradients(step, [0, 1], [0, 1], group, w, v, x, shadow=shadow,
                                      local=[2], wire=wire)
 
@@ -650,9 +658,9 @@ def test_gradients_cross_in_bfloat16(monkeypatch):
     calls = [e for e in eqns if e.primitive.name == "ffi_call"]
     assert [e.params["target_name"] for e in calls] == [xla.START, xla.WAIT], calls
     start, wait = calls
-    assert [a.aval.dtype for a in start.invars] == [jnp.bfloat16], start
+    assert [a.aval.dtype for a in start.invars] == [low], start
     assert attributes(start)["algo"] == xla._gather_code()
-    with pytest.raises(ValueError, match="the shadow is float32, the wire bfloat16"):
+    with pytest.raises(ValueError, match=f"the shadow is float32, the wire {wire}"):
         run(w, v, x, jnp.zeros(Group.nbytes // 4, np.float32))
     with pytest.raises(ValueError, match="wire must be"):
         run(w, v, x, shadow, wire="int8")
@@ -660,21 +668,20 @@ def test_gradients_cross_in_bfloat16(monkeypatch):
     monkeypatch.setattr(xla, "_start", lambda *a, **k: jnp.uint32(0))
     monkeypatch.setattr(xla, "_wait", lambda token, after, attrs, k, part=0: after[k])
     got_w, got_v = jax.jit(lambda *a: run(*a))(w, v, x, shadow)[:2]  # traced anew
-    g = np.asarray(x.T @ np.tanh(x @ w), np.float32)
-    own = bf16_to_f32(f32_to_bf16(g.ravel())).reshape(g.shape)
-    theirs = bf16_to_f32(peer[:g.size]).reshape(g.shape)  # rank 0's slot, at offset 0
+    own = rounded(x.T @ np.tanh(x @ w))
+    theirs = peer[:own.size].reshape(own.shape)  # rank 0's slot, at offset 0
     want_v = mu * v - lr * ((theirs + own) / np.float32(2))  # rank order: 0, then 1
     np.testing.assert_allclose(np.asarray(got_v), want_v, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(got_w), w + want_v, rtol=1e-6, atol=1e-6)
 
-    # Three ranks: the kernel averages bfloat16; the update reads the means widened.
+    # Three ranks: the kernel averages the wire's dtype; the update reads the means widened.
     Group.nranks = 3
+
     def done(token, arrays, attrs, part, offsets):
-        assert all(a.dtype == jnp.bfloat16 for a in arrays), arrays
+        assert all(a.dtype == low for a in arrays), arrays
         return [a + a for a in arrays]
 
     monkeypatch.setattr(xla, "_done", done)
     assert not xla.gradients_by_copies(group, shadow, "auto")
     got_w, got_v = jax.jit(lambda *a: run(*a, None))(w, v, x)[:2]
-    twice = bf16_to_f32(f32_to_bf16(2 * own.ravel())).reshape(g.shape)
-    np.testing.assert_allclose(np.asarray(got_v), mu * v - lr * twice, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got_v), mu * v - lr * (2 * own), rtol=1e-6, atol=1e-6)
