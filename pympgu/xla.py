@@ -248,8 +248,9 @@ def correct_during(arrays, group, fn, *args, algo="auto", max_blocks=None, shado
 
 def shadow_array(group, dtype="float32"):
     """``correct_during``'s ``shadow`` for ``group``: a JAX array of ``dtype`` over its
-    shared shadow, without a copy (average_gradients' takes its wire's dtype). Pass it into the jitted function as an argument: closed over, JAX would
-    copy it into the program as a constant. None when the group has no shared shadow, or
+    shared shadow, without a copy (average_gradients' takes its wire's dtype). Pass it
+    into the jitted function as an argument: closed over, JAX would copy it into the
+    program as a constant. None when the group has no shared shadow, or
     when its number of ranks is not a power of two: XLA's division then rounds otherwise
     than pympgu's kernels (by one unit in the last place, seen on 3 H200 ranks), or when
     'auto' does not take the gather algorithm on that many ranks (copies_to_every_peer)."""

@@ -334,10 +334,11 @@ def test_gpu_training_bfloat16(monkeypatch, example):
 def test_gpu_training_bfloat16_gradients(monkeypatch, optimizer):
     """--exchange-dtype bfloat16 at --sync-every 1 on 2 GPUs: the gradients cross rounded
     to bfloat16 inside the step's XLA call (DDP's bf16_compress_hook) and every rank's
-    update reads the same float32 sum of them; SGD's by the road forced for the MLP's
-    small size, Adam's at any size. It learns as the float32 wire does on the same data
-    and seed, within two points, and run() checks that the replicas end identical. With
-    --sync-every 2 the wire's change crosses from Python, outside the step."""
+    update reads the same float32 sum of them, at any size of model (the float32 run
+    takes the same road, forced for the MLP's small size). It learns as the float32 wire
+    does on the same data and seed, within two points, and run() checks that the replicas
+    end identical. With --sync-every 2 the wire's change crosses from Python, outside the
+    step."""
     needs_xla()
     from pympgu import train
     cfg = dict(train.DEFAULTS, **JAX_TRAINING, hidden=[256, 128], optimizer=optimizer,
