@@ -898,8 +898,9 @@ def build_parser():
                         "same test error (docs/BENCHMARKS.md, docs/TRAINING.md)")
     m.add_argument("--exchange-dtype", choices=["float32", "bfloat16", "float16"],
                    default="float32",
-                   help="dtype on the wire, in half the bytes; parameters and sums stay "
-                        "float32 (default: float32, exact). On GPUs with --sync-every 1 the "
+                   help="dtype on the wire: bfloat16 or float16 send half the bytes, while "
+                        "parameters and sums stay float32 (default: float32, exact). On GPUs "
+                        "with --sync-every 1 the "
                         "gradients cross rounded to it inside the step's XLA call (DDP's "
                         "bf16_compress_hook); otherwise each sync's change crosses in it, "
                         "queued from Python outside the step's XLA call, which on 2 H200s is "
