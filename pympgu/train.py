@@ -440,6 +440,13 @@ def read_checkpoint(path, model, use="--resume {path}: cannot resume from it", v
     return epoch, history, values
 
 
+def same_start(every, overlap):
+    """Whether every rank starts each step from the same state (an exact exchange after
+    every step): the gradients' road, the one on which a half-precision wire also enters
+    the step's XLA call."""
+    return every == 1 and not overlap
+
+
 class Sync:
     """When and how a replica meets the others: every ``every`` steps, plainly or overlapped.
 
@@ -503,12 +510,12 @@ class Sync:
         self.seconds = 0.0
         self.stepped = False  # a step was taken since the pending exchange started
         self.fused = (fuse and ex is not None and rep.jax is not None
-                      and ex.xla_unavailable(gradients=every == 1 and not overlap) is None)
+                      and ex.xla_unavailable(gradients=same_start(every, overlap)) is None)
         self.whole = overlap_whole()
         # SGD's momentum may stay local (below), Adam's moments may not.
         self.params_only = (self.fused and every == 1  # but the epoch's last exchange
                             and rep.model.affine_update)
-        self.gradients = self.fused and every == 1 and not overlap  # identical state each step
+        self.gradients = self.fused and same_start(every, overlap)
 
     @property
     def outside(self):
@@ -622,11 +629,10 @@ def make_exchanger(ctx, rep, cfg):
     # A shared shadow lets the exchanges inside the step's XLA call start as soon as the
     # last layers are computed, and spares the overlapped one its pack ('gather'). It costs
     # nranks - 1 copies of the state on each GPU: only where one of the two will use it.
-    # A half-precision wire enters the step's XLA call by the gradients' road alone.
-    gradients = cfg["sync_every"] == 1 and not cfg.get("overlap")
     shadow = (rep.jax is not None and not ctx.is_cpu and cfg.get("xla_exchange", True)
               and cfg["method"] == "auto" and copies_to_every_peer(ctx.nranks)
-              and (cfg["exchange_dtype"] in (None, "float32") or gradients))
+              and (cfg["exchange_dtype"] in (None, "float32")
+                   or same_start(cfg["sync_every"], cfg.get("overlap"))))
     ex = Exchanger(ctx, state_layout(rep), method=cfg["method"], wire_dtype=cfg["exchange_dtype"],
                    max_blocks=blocks, shadow=shadow)
     try:
