@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from reference import bf16_to_f32, f32_to_bf16, model_average, model_wire_exchanges
+from reference import from_f32, model_average, model_wire_exchanges, to_f32
 
 LAYOUT = [("w1", [31, 17], "float32"), ("b1", [17], "float32"), ("w2", [17, 5], "float32"),
           ("b2", [5], "float32")]
@@ -380,9 +380,9 @@ def gradient_rounds(ctx, rounds, big=1 << 23, squared=False, wire=None):
     the parameters after no step, through the same group. ``squared``: the update reads
     each gradient squared (exact here), an update not affine in its gradients as Adam's
     is not, taken with ``exact=False``: the square of the mean gradient, not the mean of
-    the squares. ``wire='bfloat16'``: the gradients cross rounded to it, and are summed in
-    float32 (by the kernel: averaged into bfloat16); its rounds are all steps, since the
-    parameters' own average inside XLA takes no such wire."""
+    the squares. ``wire`` ('bfloat16' or 'float16'): the gradients cross rounded to it, and
+    are summed in float32 (by the kernel: averaged into the wire's dtype); its rounds are
+    all steps, since the parameters' own average inside XLA takes no such wire."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
     import jax.numpy as jnp
@@ -444,12 +444,12 @@ def gradient_rounds(ctx, rounds, big=1 << 23, squared=False, wire=None):
             xs = stepped(xs + [jax.device_put(a, dev) for a in data(ctx.rank, k)], shadow)
             sums = [gradients(data(r, k)) for r in range(ctx.nranks)]
             if why is None and wire:
-                rounded = [[f32_to_bf16(gi.ravel()) for gi in g] for g in sums]
+                rounded = [[from_f32(gi.ravel(), wire) for gi in g] for g in sums]
 
                 def mean(i):  # summed in float32 from the wire; by the kernel, into it
                     if "kernel" in ex.xla_road:
-                        return bf16_to_f32(model_average([g[i] for g in rounded], wire))
-                    return model_average([bf16_to_f32(g[i]) for g in rounded], "float32")
+                        return to_f32(model_average([g[i] for g in rounded], wire), wire)
+                    return model_average([to_f32(g[i], wire) for g in rounded], "float32")
                 sums = [[mean(i).reshape(s) for i, s in enumerate(shapes)]] * ctx.nranks
             elif why is None:  # every rank's update of the mean gradient
                 sums = [[model_average([g[i].ravel() for g in sums], "float32").reshape(s)

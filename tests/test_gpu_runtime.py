@@ -106,7 +106,8 @@ def test_gpu_exchange_inside_xla(nranks, method, shadow, max_ranks, monkeypatch)
     ("1", 2, "2", False, None), ("0", 2, "2", False, None), ("1", 4, "4", False, None),
     ("1", 4, "2", False, None), ("1", 3, "2", False, None), ("1", 2, "1", False, None),
     ("1", 2, "2", True, None), ("1", 3, "2", True, None), ("1", 2, "2", False, "bfloat16"),
-    ("1", 3, "2", False, "bfloat16")])
+    ("1", 3, "2", False, "bfloat16"), ("1", 2, "2", False, "float16"),
+    ("1", 3, "2", False, "float16")])
 def test_gpu_update_of_the_mean_gradient_inside_xla(gradients, nranks, max_ranks, squared,
                                                     wire, monkeypatch):
     """Exchanger.xla_average_gradients: the step cut in two, its update fed the ranks' mean
@@ -118,7 +119,7 @@ def test_gpu_update_of_the_mean_gradient_inside_xla(gradients, nranks, max_ranks
     for the last), on 3 ranks too, and the update reads the means. ``squared``: an update
     not affine in its gradients (as Adam's), taken with exact=False: it reads the square
     of the mean gradient, by either road. ``wire``: the gradients cross rounded to
-    bfloat16 (into the shadow on 2 ranks, by the kernel on 3)."""
+    bfloat16 or float16 (into the shadow on 2 ranks, by the kernel on 3)."""
     needs_xla()
     from runtime_targets import gradient_rounds
     monkeypatch.setenv("PYMPGU_GRADIENTS", gradients)  # the spawned workers read both
@@ -330,10 +331,11 @@ def test_gpu_training_bfloat16(monkeypatch, example):
     assert abs(low["test_error"] - full["test_error"]) <= 0.01, (low, full)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_gpu_training_bfloat16_gradients(monkeypatch, optimizer):
-    """--exchange-dtype bfloat16 at --sync-every 1 on 2 GPUs: the gradients cross rounded
-    to bfloat16 inside the step's XLA call (DDP's bf16_compress_hook) and every rank's
+@pytest.mark.parametrize("optimizer,wire", [("sgd", "bfloat16"), ("adam", "bfloat16"),
+                                            ("sgd", "float16")])
+def test_gpu_training_half_precision_gradients(monkeypatch, optimizer, wire):
+    """--exchange-dtype bfloat16 (or float16) at --sync-every 1 on 2 GPUs: the gradients
+    cross rounded to it inside the step's XLA call (DDP's bf16_compress_hook) and every rank's
     update reads the same float32 sum of them, at any size of model (the float32 run
     takes the same road, forced for the MLP's small size). It learns as the float32 wire
     does on the same data and seed, within two points, and run() checks that the replicas
@@ -344,14 +346,14 @@ def test_gpu_training_bfloat16_gradients(monkeypatch, optimizer):
     cfg = dict(train.DEFAULTS, **JAX_TRAINING, hidden=[256, 128], optimizer=optimizer,
                lr=0.002 if optimizer == "adam" else train.DEFAULTS["lr"])
     monkeypatch.setenv("PYMPGU_SPLIT_MIN_BYTES", "0")  # the spawned workers read it
-    low = train.run(dict(cfg, exchange_dtype="bfloat16"), devices(2))[-1]
+    low = train.run(dict(cfg, exchange_dtype=wire), devices(2))[-1]
     full = train.run(cfg, devices(2))[-1]
-    assert low["road"] == "the update of the mean gradients, sent in bfloat16", low
+    assert low["road"] == f"the update of the mean gradients, sent in {wire}", low
     assert low["exchange_share"] is None, low  # inside the step
     assert low["test_error"] < 0.25, low  # chance is 0.9
     assert abs(low["test_error"] - full["test_error"]) <= 0.02, (low, full)
-    every2 = train.run(dict(cfg, exchange_dtype="bfloat16", sync_every=2), devices(2))[-1]
-    assert every2["road"].startswith("queued from Python after the step: the bfloat16 wire")
+    every2 = train.run(dict(cfg, exchange_dtype=wire, sync_every=2), devices(2))[-1]
+    assert every2["road"].startswith(f"queued from Python after the step: the {wire} wire")
     assert every2["test_error"] < 0.25, every2
 
 
