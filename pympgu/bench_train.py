@@ -67,7 +67,7 @@ from .models import OPTIMIZERS
 from .precision import DTYPES as COMPUTE_DTYPES
 from .precision import autocast
 from .schedule import SCHEDULES
-from .train import ADAM_LR
+from .train import ADAM_LR, optimizer_defaults
 
 MODELS = {
     "seed": dict(hidden=[500], lr=0.13, momentum=0.0, batch_size=5000, l1=0.0, l2=1e-4),
@@ -273,10 +273,11 @@ def _plain_jax_step(rep, cfg):
     import numpy as np
     model = rep.model
     params = [jnp.asarray(np.asarray(p.get_value())) for p in model.params]
-    adam = model.optimizer == "adam"
+    adam = model.optimizer != "sgd"
     vel = [jnp.zeros_like(p) for p in params * (2 if adam else 1)]  # donated: distinct
     x_all, y_all = (jnp.asarray(np.asarray(v.get_value())) for v in model.data_vars[:2])
     lr, mu, l2 = (np.float32(cfg[k]) for k in ("lr", "momentum", "l2"))
+    kept = np.float32(1) - lr * np.float32(cfg.get("weight_decay", 0.0))  # AdamW's weights
     b2, eps, k = np.float32(model.beta2), np.float32(model.eps), len(params)
 
     def loss(params, x, y):
@@ -298,6 +299,8 @@ def _plain_jax_step(rep, cfg):
         if adam:
             m = [mu * mi + (1 - mu) * gi for mi, gi in zip(vel[:k], g)]
             v = [b2 * si + (1 - b2) * gi * gi for si, gi in zip(vel[k:], g)]
+            params = [p * kept if i % 2 == 0 and model.optimizer == "adamw" else p
+                      for i, p in enumerate(params)]
             return ([p - lr * mi / (jnp.sqrt(vi) + eps) for p, mi, vi in zip(params, m, v)],
                     m + v, cost)
         vel = [mu * v - lr * gi for v, gi in zip(vel, g)]
@@ -390,10 +393,15 @@ def ddp_rank(rank, world, devices, cfg, n_in, n_out, steps, warmup, init_file, g
             weights = [p for p in model.parameters() if p.dim() > 1]
             biases = [p for p in model.parameters() if p.dim() <= 1]
             # pympgu's cost has l2 * sum(W^2), whose gradient is 2 * l2 * W: weight decay 2 * l2
-            # (Adam's, too, is added to the gradient).
-            groups = [{"params": weights, "weight_decay": 2 * cfg["l2"]},
+            # (Adam's, too, is added to the gradient); AdamW's is its own, decoupled.
+            adamw = cfg.get("optimizer", "sgd") == "adamw"
+            groups = [{"params": weights,
+                       "weight_decay": cfg["weight_decay"] if adamw else 2 * cfg["l2"]},
                       {"params": biases, "weight_decay": 0.0}]
-            if cfg.get("optimizer", "sgd") == "adam":
+            if adamw:
+                opt = torch.optim.AdamW(groups, lr=cfg["lr"], eps=1e-8, capturable=graph,
+                                        betas=(cfg["momentum"], cfg.get("beta2", 0.999)))
+            elif cfg.get("optimizer", "sgd") == "adam":
                 # Its step count on the GPU (capturable) where the step is a graph replayed.
                 opt = torch.optim.Adam(groups, lr=cfg["lr"], eps=1e-8, capturable=graph,
                                        betas=(cfg["momentum"], cfg.get("beta2", 0.999)))
@@ -600,8 +608,8 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
     row each, its variant named with the setting and its ``env`` the setting; ``ranks``:
     the numbers of ranks of the multi-GPU rows, each on the first that many of ``gpus``
     (default: all of them); ``models``: names in MODELS, or models of one's own
-    (model_config), built with ``hidden``; ``optimizer`` trains every row (Adam at
-    pympgu.train's ADAM_LR), and ``schedule`` sets pympgu's rate before every step;
+    (model_config), built with ``hidden``; ``optimizer`` trains every row (with
+    pympgu.train's optimizer_defaults), and ``schedule`` sets pympgu's rate before every step;
     ``batch_size``, if given, is every row's batch per GPU instead of its model's;
     ``dropout`` is pympgu's --dropout, for its rows alone (no plain JAX step, no DDP);
     ``compute_dtype`` is pympgu.train's --compute-dtype, for every row (DDP's by
@@ -627,8 +635,7 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
                     exchange_dtype="float32", exchange_blocks=exchange_blocks,
                     optimizer=optimizer, schedule=schedule, dropout=dropout,
                     compute_dtype=compute_dtype, ddp_layout=ddp_layout)
-        if optimizer == "adam":
-            base["lr"] = ADAM_LR
+        base.update(optimizer_defaults(optimizer))
         if batch_size is not None:
             base["batch_size"] = batch_size
         # A model of one's own has no plain JAX form, and a PyTorch twin (DDP) only if its
@@ -854,7 +861,8 @@ def main(argv=None):
                         help="as pympgu.train's flag: the GPU averaging algorithm (default: auto)")
     parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="sgd",
                         help="train every row with this optimizer, as pympgu.train's flag; "
-                             f"DDP's twin is torch.optim's (default: sgd; adam at lr {ADAM_LR})")
+                             f"DDP's twin is torch.optim's (default: sgd; adam and adamw at "
+                             f"lr {ADAM_LR})")
     parser.add_argument("--schedule", choices=list(SCHEDULES), default="constant",
                         help="set pympgu's learning rate before every step along this "
                              "schedule, as the training loop does, to time what a changing "

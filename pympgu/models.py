@@ -26,7 +26,7 @@ def import_pytensor():
 
 
 # Each optimizer's state per parameter, by the prefix of its arrays' names.
-OPTIMIZERS = {"sgd": ("v",), "adam": ("m", "s")}
+OPTIMIZERS = {"sgd": ("v",), "adam": ("m", "s"), "adamw": ("m", "s")}
 
 # How many training examples a batch norm's population mean and variance are estimated
 # from before each evaluation (Model.estimate_statistics; Wu and Johnson's PreciseBN in
@@ -47,7 +47,7 @@ class Model:
 
     pympgu builds it as ``Model(n_in, hidden, n_out, seed=seed)`` (``hidden``: the
     ``--hidden`` widths, which a model may ignore) in every worker, and trains it by
-    minibatch SGD with momentum (or Adam: set_optimizer) on the mean softmax
+    minibatch SGD with momentum (or Adam, or AdamW: set_optimizer) on the mean softmax
     cross-entropy, with the L1 and L2 terms of ``--l1`` and ``--l2`` on the parameters
     made with ``penalized=True``, and ``--dropout`` where ``logits`` calls
     ``self.dropout``. Every worker must build the same initial values: draw
@@ -63,8 +63,9 @@ class Model:
 
     def __init__(self):
         self.params, self.weights = [], []
-        self.optimizer, self.beta2, self.eps = "sgd", 0.999, 1e-8
+        self.optimizer, self.beta2, self.eps, self.weight_decay = "sgd", 0.999, 1e-8, 0.0
         self._slots = None
+        self.lr = self.decay = None  # compile's shared rates (rate_vars)
         self.dropout_rate, self._dropped = 0.0, False
         self.flip, self.shift = False, 0  # --flip, --shift: training images varied
         self.noise_rng, self.noise_updates = None, []
@@ -101,17 +102,26 @@ class Model:
             self.weights.append(p)
         return p
 
-    def set_optimizer(self, name, beta2=0.999, eps=1e-8):
-        """Train with ``name`` (OPTIMIZERS): 'sgd', SGD with momentum (the default), or
-        'adam'. ``beta2`` and ``eps`` are Adam's (its beta1 is compile's ``momentum``).
-        Call it before the state is used: it decides what the state holds."""
+    def set_optimizer(self, name, beta2=0.999, eps=1e-8, weight_decay=0.0):
+        """Train with ``name`` (OPTIMIZERS): 'sgd', SGD with momentum (the default),
+        'adam', or 'adamw', Adam with decoupled weight decay (Loshchilov and Hutter,
+        "Decoupled Weight Decay Regularization", 2019): each step multiplies the penalized
+        parameters by ``1 - rate * weight_decay``, the schedule's rate without Adam's bias
+        correction, as torch.optim.AdamW does, rather than adding a penalty's gradient that
+        Adam would divide by its second moment. ``beta2`` and ``eps`` are Adam's (its beta1
+        is compile's ``momentum``). Call it before the state is used: it decides what the
+        state holds."""
         if name not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)}, got {name!r}")
         if self._slots is not None:
             raise TypeError("set_optimizer: the state was already made; call it first")
         if not 0 <= beta2 < 1 or not eps > 0:
             raise ValueError(f"Adam needs 0 <= beta2 < 1 and eps > 0, got {beta2} and {eps}")
+        if not 0 <= weight_decay < 1 or (weight_decay and name != "adamw"):
+            raise ValueError(f"weight_decay is AdamW's, in [0, 1): got {weight_decay} for "
+                             f"{name!r}")
         self.optimizer, self.beta2, self.eps = name, float(beta2), float(eps)
+        self.weight_decay = float(weight_decay)
 
     @property
     def slots(self):
@@ -190,6 +200,18 @@ class Model:
         if self.optimizer == "sgd":
             return lr
         return lr * math.sqrt(1.0 - self.beta2 ** t) / (1.0 - self.beta1 ** t)
+
+    @property
+    def rate_vars(self):
+        """compile's shared scalars that the rates of each step set (rates): the step size
+        ``lr``, and AdamW's decay ``decay``."""
+        return [self.lr] + ([self.decay] if self.optimizer == "adamw" else [])
+
+    def rates(self, lr, t):
+        """The values of rate_vars at step ``t`` (from 1) for the schedule's rate ``lr``:
+        step_size, and AdamW's ``lr * weight_decay``, which takes no bias correction."""
+        size = self.step_size(lr, t)
+        return (size, lr * self.weight_decay) if self.optimizer == "adamw" else (size,)
 
     def dropout(self, x, rate=None):
         """``x`` with each value zeroed with probability ``rate`` in the training step, the
@@ -345,12 +367,14 @@ class Model:
         if l2:
             cost = cost + np.float32(l2) * sum(pt.sum(W ** 2) for W in self.weights)
         grads = pytensor.grad(cost, self.params)
-        # The learning rate is a shared variable rather than a constant, so that a schedule
-        # (and Adam's bias correction, step_size) changes it between steps without
-        # compiling again; every rank gives it the same value, so the gradients' road
+        # The learning rate (and AdamW's decay) is a shared variable rather than a constant,
+        # so that a schedule (and Adam's bias correction, step_size) changes it between
+        # steps without compiling again; every rank gives it the same value, so the gradients' road
         # (pympgu.xla.average_gradients) still sees an update that only reads the gradients
         # from before it.
         self.lr = pytensor.shared(np.float32(lr), name="lr")
+        self.decay = (pytensor.shared(np.float32(lr * self.weight_decay), name="decay")
+                      if self.optimizer == "adamw" else None)
         self.beta1 = float(momentum)
         mu, k = np.float32(momentum), len(self.params)
         updates = []
@@ -360,11 +384,14 @@ class Model:
                 updates += [(v, v_new), (p, p + v_new)]
         else:
             b2, eps = np.float32(self.beta2), np.float32(self.eps)
+            decayed = {id(w) for w in self.weights} if self.optimizer == "adamw" else set()
             for p, m, s, g in zip(self.params, self.slots[:k], self.slots[k:], grads):
                 m_new = mu * m + (np.float32(1) - mu) * g
                 s_new = b2 * s + (np.float32(1) - b2) * (g * g)
+                # AdamW shrinks the weight before its step, as torch.optim.AdamW does.
+                kept = p * (np.float32(1) - self.decay) if id(p) in decayed else p
                 updates += [(m, m_new), (s, s_new),
-                            (p, p - self.lr * m_new / (pt.sqrt(s_new) + eps))]
+                            (p, kept - self.lr * m_new / (pt.sqrt(s_new) + eps))]
         updates += self.noise_updates
         train = pytensor.function([idx], cost, updates=updates, mode=mode, name="train")
 
@@ -518,12 +545,12 @@ def load(spec):
 
 
 def build(spec, n_in, hidden, n_out, seed=1234, optimizer="sgd", beta2=0.999, dropout=0.0,
-          flip=False, shift=0):
+          flip=False, shift=0, weight_decay=0.0):
     """The model that ``spec`` names (load), built for this data: ``cls(n_in, hidden,
-    n_out, seed=seed)``, trained by ``optimizer`` (Model.set_optimizer) with its dropout
-    layers at ``dropout`` (Model.dropout) and its training images flipped and shifted as
-    ``flip`` and ``shift`` say (pympgu.nnet.augment), with its parameters and state
-    checked."""
+    n_out, seed=seed)``, trained by ``optimizer`` (Model.set_optimizer, with ``beta2``
+    and ``weight_decay``) with its dropout layers at ``dropout`` (Model.dropout) and its
+    training images flipped and shifted as ``flip`` and ``shift`` say
+    (pympgu.nnet.augment), with its parameters and state checked."""
     cls = load(spec)
     try:
         model = cls(n_in, list(hidden), n_out, seed=seed)
@@ -534,7 +561,7 @@ def build(spec, n_in, hidden, n_out, seed=1234, optimizer="sgd", beta2=0.999, dr
     if "params" not in model.__dict__ or not model.params:
         raise ModelError(f"--model {spec}: {cls.__name__} made no parameters (its __init__ "
                          "must call super().__init__() and then self.parameter(...))")
-    model.set_optimizer(optimizer, beta2=beta2)
+    model.set_optimizer(optimizer, beta2=beta2, weight_decay=weight_decay)
     model.dropout_rate = float(dropout)
     model.flip, model.shift = bool(flip), int(shift)
     return model

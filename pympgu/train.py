@@ -32,16 +32,27 @@ PRESETS = {
                      epochs=10),
 }
 DEFAULTS = dict(hidden=[500], lr=0.05, momentum=0.9, batch_size=128, l1=0.0, l2=1e-4, epochs=5,
-                optimizer="sgd", beta2=0.999, schedule="constant", warmup=0.0, dropout=0.0,
-                flip=False, shift=0, bn_examples=STATISTICS_EXAMPLES)
-# Adam's learning rate when --lr is not given: SGD's would be far too large for it.
+                optimizer="sgd", beta2=0.999, weight_decay=0.0, schedule="constant", warmup=0.0,
+                dropout=0.0, flip=False, shift=0, bn_examples=STATISTICS_EXAMPLES)
+# Adam's (and AdamW's) learning rate when --lr is not given: SGD's would be far too large.
 ADAM_LR = 1e-3
+# AdamW's --weight-decay when not given: torch.optim.AdamW's default. It stands in for the
+# L2 penalty, whose default AdamW therefore drops.
+ADAMW_DECAY = 1e-2
 # How many steps' learning rates Replica.apply_rate puts on the device at once.
 RATES_AHEAD = 256
 # What every rank builds its model with (pympgu.models.Model): replicas start identical.
 MODEL_SEED = 1234
 CHECKPOINT = "checkpoint.npz"
 BEST = "best.npz"  # the checkpoint of the epoch of least validation error
+
+
+def optimizer_defaults(name):
+    """What the optimizer ``name`` changes in DEFAULTS (or a preset) when its flags are not
+    given: Adam's learning rate, and AdamW's decay in place of the L2 penalty."""
+    if name == "adamw":
+        return dict(lr=ADAM_LR, weight_decay=ADAMW_DECAY, l2=0.0)
+    return dict(lr=ADAM_LR) if name == "adam" else {}
 
 
 # ---------------------------------------------------------------- the worker
@@ -107,6 +118,7 @@ def build_model(cfg, ds):
     from . import models
     return models.build(cfg.get("model"), ds.n_in, cfg["hidden"], ds.n_classes, seed=MODEL_SEED,
                         optimizer=cfg.get("optimizer", "sgd"), beta2=cfg.get("beta2", 0.999),
+                        weight_decay=cfg.get("weight_decay", 0.0),
                         dropout=cfg.get("dropout", 0.0), flip=cfg.get("flip", False),
                         shift=cfg.get("shift", 0))
 
@@ -127,8 +139,9 @@ class Replica:
         self.train_fn, self.eval_fn = self.model.compile(
             ds, cfg["batch_size"], self.eval_batch, cfg["lr"], cfg["momentum"], cfg["l1"],
             cfg["l2"], mode)
-        self.lr = self.np.float32(cfg["lr"])  # what model.lr holds (apply_rate)
-        self._rates = {}  # step: (schedule, its rate, the rate applied, that on the device)
+        # What model.rate_vars hold (apply_rate): the step size, and AdamW's decay.
+        self.rates = tuple(np.float32(v.get_value()) for v in self.model.rate_vars)
+        self._rates = {}  # step: (schedule, its rate, the rates applied, those on the device)
         self._split_rates = None  # jitted: an array of rates into scalars (apply_rate)
         self.jax = None
         self._jit_cache = {}
@@ -144,15 +157,16 @@ class Replica:
             # Shared variables hold numpy arrays until a function first updates them, and
             # the dataset never is updated: left alone, every call would copy it from the
             # host. Put every one on the device once.
-            for s in self.model.state + self.model.data_vars + [self.model.lr]:
+            for s in self.model.state + self.model.data_vars + self.model.rate_vars:
                 _assign(s, jax.device_put(s.get_value(borrow=True)))
             if ctx.device is not None:
                 self._check_device(self.model.state[0].get_value(borrow=True))
 
     def apply_rate(self, schedule, t):
         """Set the learning rate of the run's step ``t`` (from 0): ``schedule``'s, with the
-        optimizer's own factor (Adam's bias correction, Model.step_size); returns the
-        schedule's. Only a new value costs anything, so a constant rate costs nothing."""
+        optimizer's own factor (Adam's bias correction) and AdamW's decay (Model.rates);
+        returns the schedule's. Only a new value costs anything, so a constant rate costs
+        nothing."""
         if self._rates.get(t, (None,))[0] is not schedule:
             # The next RATES_AHEAD steps' rates in one transfer of one array, split into
             # scalars on the device by one jitted call. On an H200 the wide MLP's step took
@@ -161,18 +175,19 @@ class Replica:
             # long enough for the GPU to run dry; docs/BENCHMARKS.md, session 29).
             steps = range(t, t + RATES_AHEAD)
             rates = [schedule(u) for u in steps]
-            values = [self.np.float32(self.model.step_size(r, u + 1))
+            values = [tuple(self.np.float32(v) for v in self.model.rates(r, u + 1))
                       for u, r in zip(steps, rates)]
             put = values
-            if self.jax is not None and any(v != self.lr for v in values):
+            if self.jax is not None and any(v != self.rates for v in values):
                 if self._split_rates is None:
-                    self._split_rates = self.jax.jit(lambda a: [a[i] for i in range(len(a))])
+                    self._split_rates = self.jax.jit(lambda a: [tuple(row) for row in a])
                 put = self._split_rates(self.jax.device_put(self.np.array(values)))
             self._rates = {u: (schedule, r, v, d) for u, r, v, d in zip(steps, rates, values, put)}
-        _, rate, value, put = self._rates[t]
-        if value != self.lr:  # the host's copy: reading the device's would wait for it
-            self.lr = value
-            _assign(self.model.lr, self.np.asarray(put) if self.jax is None else put)
+        _, rate, values, put = self._rates[t]
+        if values != self.rates:  # the host's copy: reading the device's would wait for it
+            self.rates = values
+            for var, v in zip(self.model.rate_vars, put):
+                _assign(var, self.np.asarray(v) if self.jax is None else v)
         return rate
 
     def seed_noise(self, epoch):
@@ -839,9 +854,10 @@ def build_parser():
                    help="'sgd': SGD with momentum; 'adam': Adam, whose two moments the "
                         "replicas average with the parameters (on GPUs at --sync-every 1, "
                         "every rank's update reads the mean gradient, as DDP's Adam does; "
-                        "docs/TRAINING.md) (default: sgd)")
+                        "docs/TRAINING.md); 'adamw': Adam with decoupled weight decay "
+                        "(--weight-decay), as torch.optim.AdamW (default: sgd)")
     m.add_argument("--lr", type=float, help=f"learning rate, the peak of --schedule (default: "
-                   f"{DEFAULTS['lr']}; {ADAM_LR} with --optimizer adam)")
+                   f"{DEFAULTS['lr']}; {ADAM_LR} with --optimizer adam or adamw)")
     m.add_argument("--schedule", choices=list(SCHEDULES), default=DEFAULTS["schedule"],
                    help="the learning rate over the run, after --warmup: held at --lr, or "
                         "decayed towards zero at the last step along half a cosine or a line "
@@ -888,7 +904,14 @@ def build_parser():
                         "(--backend jax only; default: float32; docs/TRAINING.md, "
                         "\"Mixed precision\")")
     m.add_argument("--l1", type=float, help="L1 weight penalty (default: 0)")
-    m.add_argument("--l2", type=float, help=f"L2 weight penalty (default: {DEFAULTS['l2']})")
+    m.add_argument("--l2", type=float, help=f"L2 weight penalty (default: {DEFAULTS['l2']}; 0 "
+                   "with --optimizer adamw)")
+    m.add_argument("--weight-decay", type=float, metavar="WD",
+                   help="AdamW's decoupled weight decay: every step multiplies the weights "
+                        "(not biases, nor a norm's scale and shift) by 1 - rate * WD, the "
+                        "schedule's rate, rather than adding an L2 penalty's gradient that "
+                        "Adam would divide by its second moment (--optimizer adamw only; "
+                        f"default: {ADAMW_DECAY}, torch.optim.AdamW's)")
     m.add_argument("--sync-every", type=int, default=1, metavar="K",
                    help="average parameters and momentum every K steps (default: 1, the seed's)")
     m.add_argument("--overlap", action="store_true",
@@ -935,12 +958,14 @@ def resolve(args, parser):
     if args.preset:
         cfg.update(PRESETS[args.preset])
     cfg.update(optimizer=args.optimizer, schedule=args.schedule)
-    if args.optimizer == "adam":
-        cfg["lr"] = ADAM_LR  # a preset's is SGD's
-    elif args.beta2 is not None:
-        parser.error("--beta2 is Adam's; give --optimizer adam with it")
+    cfg.update(optimizer_defaults(args.optimizer))  # a preset's rate is SGD's
+    if args.optimizer == "sgd" and args.beta2 is not None:
+        parser.error("--beta2 is Adam's; give --optimizer adam or adamw with it")
+    if args.optimizer != "adamw" and args.weight_decay is not None:
+        parser.error("--weight-decay is AdamW's decoupled decay; give --optimizer adamw with "
+                     "it (--l2 penalises the weights for sgd and adam)")
     for key in ("hidden", "epochs", "batch_size", "lr", "momentum", "l1", "l2", "beta2",
-                "warmup", "dropout", "flip", "shift", "bn_examples"):
+                "weight_decay", "warmup", "dropout", "flip", "shift", "bn_examples"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     if not cfg["lr"] > 0:
@@ -948,6 +973,8 @@ def resolve(args, parser):
     if not 0 <= cfg["momentum"] < 1 or not 0 <= cfg["beta2"] < 1:
         parser.error(f"--momentum and --beta2 must be in [0, 1), got {cfg['momentum']} and "
                      f"{cfg['beta2']}")
+    if not 0 <= cfg["weight_decay"] < 1:
+        parser.error(f"--weight-decay must be in [0, 1), got {cfg['weight_decay']}")
     if not 0 <= cfg["dropout"] < 1:
         parser.error(f"--dropout must be in [0, 1), got {cfg['dropout']}")
     if cfg["shift"] < 0:
@@ -1105,7 +1132,8 @@ def run(cfg, devices, port=None, quiet=False):
     noise = "".join([f", dropout {cfg['dropout']:g}" if cfg.get("dropout") else "",
                      ", flipped" if cfg.get("flip") else "",
                      f", shifted by {cfg['shift']}" if cfg.get("shift") else ""])
-    print(f"pympgu: {ds} | {model.describe()} | {model.optimizer}, {schedule}{noise} | "
+    decay = f" decay {model.weight_decay:g}" if model.optimizer == "adamw" else ""
+    print(f"pympgu: {ds} | {model.describe()} | {model.optimizer}{decay}, {schedule}{noise} | "
           f"{where} | batch {cfg['batch_size']}/worker | sync every {cfg['sync_every']}"
           f"{' overlapped' if cfg['overlap'] else ''}"
           f"{'' if cfg['exchange_dtype'] == 'float32' else ', ' + cfg['exchange_dtype'] + ' wire'} | "

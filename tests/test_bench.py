@@ -48,21 +48,23 @@ def test_train_bench_repeats_rows_in_rounds(tmp_path):
     assert "3 of 3 runs" in r.stdout and "scaling run by run" in r.stdout
 
 
-def test_train_bench_times_adam_with_a_schedule(tmp_path):
-    """--optimizer adam --schedule cosine on CPU workers: every row trains by Adam (the
-    exchanges move its whole state, three arrays a parameter), the plain JAX twin too, and
-    pympgu's rows set the rate every step; a schedule with DDP rows is refused."""
+@pytest.mark.parametrize("optimizer", ["adam", "adamw"])
+def test_train_bench_times_adam_with_a_schedule(tmp_path, optimizer):
+    """--optimizer adam (or adamw) --schedule cosine on CPU workers: every row trains by it
+    (the exchanges move its whole state, three arrays a parameter), the plain JAX twin
+    too, and pympgu's rows set the rate every step; a schedule with DDP rows is
+    refused."""
     out = tmp_path / "rows.json"
     r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "2", "--models",
                         "seed", "--steps", "2", "--warmup", "1", "--variants", "sync4",
-                        "--optimizer", "adam", "--schedule", "cosine", "--json", str(out)],
+                        "--optimizer", optimizer, "--schedule", "cosine", "--json", str(out)],
                        capture_output=True, text=True, timeout=280)
     assert r.returncode == 0, r.stderr[-3000:]
     one, two = json.loads(out.read_text())["rows"]
-    assert {x["optimizer"] for x in (one, two)} == {"adam"} and two["schedule"] == "cosine"
+    assert {x["optimizer"] for x in (one, two)} == {optimizer} and two["schedule"] == "cosine"
     n = 3 * 4 * (784 * 500 + 500 + 500 * 10 + 10)  # with each array's alignment padding
     assert n <= two["wire_bytes"] < 1.001 * n, two["wire_bytes"]
-    assert "adam, cosine schedule" in r.stdout and "plain JAX step" in r.stdout
+    assert f"{optimizer}, cosine schedule" in r.stdout and "plain JAX step" in r.stdout
     r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--schedule", "linear"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "add --no-ddp" in r.stderr, r.stderr

@@ -357,17 +357,19 @@ def test_gpu_training_half_precision_gradients(monkeypatch, optimizer, wire):
     assert every2["test_error"] < 0.25, every2
 
 
-def test_gpu_training_adam(monkeypatch):
-    """--optimizer adam with a cosine schedule after a warm-up, on 2 GPUs: at --sync-every
-    1 the step takes the gradients' road at any size (the MLP here is far under
-    PYMPGU_SPLIT_MIN_BYTES) and every rank takes Adam's step on the mean gradient, as
-    DDP does; with PYMPGU_GRADIENTS=0 each rank takes its own and the whole state, both
-    moments too, is averaged after it. Both learn, and run() checks that the replicas end
-    identical."""
+@pytest.mark.parametrize("optimizer", ["adam", "adamw"])
+def test_gpu_training_adam(monkeypatch, optimizer):
+    """--optimizer adam (or adamw, its weights decayed) with a cosine schedule after a
+    warm-up, on 2 GPUs: at --sync-every 1 the step takes the gradients' road at any size
+    (the MLP here is far under PYMPGU_SPLIT_MIN_BYTES) and every rank takes Adam's step
+    on the mean gradient, as DDP does; with PYMPGU_GRADIENTS=0 each rank takes its own and
+    the whole state, both moments too, is averaged after it. Both learn, and run() checks
+    that the replicas end identical."""
     needs_xla()
     from pympgu import train
-    cfg = dict(train.DEFAULTS, **JAX_TRAINING, hidden=[256, 128], optimizer="adam", lr=0.002,
+    cfg = dict(train.DEFAULTS, **JAX_TRAINING, hidden=[256, 128], optimizer=optimizer,
                schedule="cosine", warmup=0.25)
+    cfg.update(train.optimizer_defaults(optimizer), lr=0.002)
     ddp = train.run(cfg, devices(2))[-1]
     monkeypatch.setenv("PYMPGU_GRADIENTS", "0")  # the spawned workers read it
     averaged = train.run(cfg, devices(2))[-1]

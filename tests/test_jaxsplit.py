@@ -15,7 +15,7 @@ PRELUDE = (
     "ds = data.load('digits')\n"
     "def traced(hidden, batch, optimizer='sgd', lr=0.05, l1=0, l2=0):\n"
     "    m = models.MLP(ds.n_in, hidden, ds.n_classes)\n"
-    "    m.set_optimizer(optimizer)\n"
+    "    m.set_optimizer(optimizer, weight_decay=0.01 if optimizer == 'adamw' else 0)\n"
     "    f = m.compile(ds, batch, 100, lr, 0.9, l1, l2, 'JAX')[0]\n"
     "    st = JaxStep(f, m.state)\n"
     "    args = st.arguments(np.arange(batch, dtype=np.int32))\n"
@@ -231,16 +231,18 @@ def test_tail_in_parts_and_the_gradients_plan():
     run_jax_on_cpu(code, "parts")
 
 
-def test_adams_update_takes_the_gradients_road_only_as_ddp():
+@pytest.mark.parametrize("optimizer", ["adam", "adamw"])
+def test_adams_update_takes_the_gradients_road_only_as_ddp(optimizer):
     """Adam's update squares its gradients: gradient_plan refuses it where the road must
     give the replicas' average (exact), and takes it at any size with exact=False, where
     the update reads the mean gradient as DDP's does. What crosses is one gradient per
-    parameter; the learning rate is an input the update reads, the same on every rank,
-    and the cut program computes what the program computes, bit for bit."""
+    parameter; the learning rate (and AdamW's decay, which its weights' update reads
+    with the weights) is an input the update reads, the same on every rank, and the cut
+    program computes what the program computes, bit for bit."""
     pytest.importorskip("jax")
     code = PRELUDE + (
         "from types import SimpleNamespace; from pympgu import xla\n"
-        "m, st, args, which, compute = traced([32, 16], 64, 'adam', 1e-3, 1e-5, 1e-4)\n"
+        f"m, st, args, which, compute = traced([32, 16], 64, {optimizer!r}, 1e-3, 1e-5, 1e-4)\n"
         "group = SimpleNamespace(shadow_offset=4096, nranks=2, rank=0)\n"
         "def plan(exact):\n"
         "    return xla.gradient_plan(compute, which, group, args, st.explicit, object(),\n"
@@ -252,8 +254,11 @@ def test_adams_update_takes_the_gradients_road_only_as_ddp():
         "assert sorted(v.aval.size for v in tail.crossing) == sorted(\n"
         "    p.get_value().size for p in m.params)\n"
         "assert tail.nonlinear() is not None and sorted(tail.made()) == sorted(which)\n"
-        "lr = [k for k, c in st.shared if c is m.lr.container]\n"
-        "assert len(lr) == 1 and tail.reads(lr) and not tail.reads(st.explicit)\n"
+        "for var in m.rate_vars:\n"
+        "    k = [k for k, c in st.shared if c is var.container]\n"
+        "    assert len(k) == 1 and tail.reads(k), var\n"
+        "assert len(m.rate_vars) == (2 if m.optimizer == 'adamw' else 1)\n"
+        "assert not tail.reads(st.explicit)\n"
         "def run(*a):\n"
         "    outs, _ = tail.run(list(a), lambda crossing: (crossing, None))\n"
         "    return outs\n"

@@ -95,13 +95,55 @@ def test_learning_rate_schedules():
     assert m.step_size(1.0, 1) == pytest.approx(0.001 ** 0.5 / 0.1)
     assert m.step_size(1.0, 10 ** 5) == pytest.approx(1.0)
     assert MLP(8, [4], 2).step_size(0.5, 1) == 0.5  # SGD's is the rate itself
+    # AdamW's decay takes the schedule's rate, without the bias correction.
+    w = MLP(8, [4], 2)
+    w.set_optimizer("adamw", weight_decay=0.1)
+    w.beta1 = 0.9
+    assert w.rates(0.5, 1) == (w.step_size(0.5, 1), pytest.approx(0.05))
+    assert m.rates(0.5, 1) == (m.step_size(0.5, 1),)
+    for name, decay in [("sgd", 0.1), ("adamw", 1.0), ("adamw", -0.1)]:
+        with pytest.raises(ValueError, match="weight_decay is AdamW's, in"):
+            MLP(8, [4], 2).set_optimizer(name, weight_decay=decay)
 
 
-def test_adam_resumed_goes_on_with_its_schedule_and_bias_correction(tmp_path):
-    """Adam, warmed up over one and a half epochs on 2 CPU workers: stopped after the first
-    epoch and resumed, it goes on from the run's step (its warm-up and its bias correction)
-    to the same numbers as a run that never stopped, and learns."""
-    opts = dict(optimizer="adam", lr=0.003, warmup=1.5, hidden=[32])
+def test_adamw_first_step_is_adams_with_the_weights_decayed():
+    """AdamW's step multiplies each weight by 1 - rate * decay before Adam's step, as
+    torch.optim.AdamW does: from the same start and batch its first step leaves the
+    moments Adam's, the biases Adam's, and each weight Adam's less rate * decay times its
+    start (PyTensor's own backend; JAX's agrees with it, test_jax_graph_agrees_...)."""
+    from pympgu import models
+    ds = data.load()
+    idx = np.arange(64, dtype=np.int32)
+    runs = {}
+    for name, decay in [("adam", 0.0), ("adamw", 0.1)]:
+        m = models.MLP(ds.n_in, [16], 10)
+        m.set_optimizer(name, weight_decay=decay)
+        tr, _ = m.compile(ds, 64, 100, 0.01, 0.9, 0.0, 0.0, "FAST_RUN")
+        start = [np.array(p.get_value()) for p in m.params]
+        tr(idx)
+        runs[name] = m, start, [np.array(s.get_value()) for s in m.state]
+    (adam, start, a), (adamw, _, w) = runs["adam"], runs["adamw"]
+    k = len(adam.params)
+    assert [s.name for s in adamw.state] == [s.name for s in adam.state]
+    assert all(np.array_equal(x, y) for x, y in zip(a[k:], w[k:]))  # the moments
+    weights = {p.name for p in adamw.weights}
+    assert weights == {"W0", "W1"}
+    for p, p0, x, y in zip(adamw.params, start, a, w):
+        if p.name in weights:
+            np.testing.assert_allclose(y, x - 0.01 * 0.1 * p0, rtol=0, atol=1e-8)
+            assert np.array_equal(x, y) == (not p0.any())  # the MLP's last W starts at 0
+        else:
+            assert np.array_equal(x, y), p.name
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamw"])
+def test_adam_resumed_goes_on_with_its_schedule_and_bias_correction(tmp_path, optimizer):
+    """Adam (or AdamW), warmed up over one and a half epochs on 2 CPU workers: stopped after
+    the first epoch and resumed, it goes on from the run's step (its warm-up, its bias
+    correction and AdamW's decay) to the same numbers as a run that never stopped, and
+    learns."""
+    opts = dict(optimizer=optimizer, lr=0.003, warmup=1.5, hidden=[32],
+                weight_decay=0.05 if optimizer == "adamw" else 0.0)
     whole = train.run(config(epochs=2, **opts), [None, None], quiet=True)
     out = str(tmp_path / "run")
     train.run(config(epochs=1, out=out, **opts), [None, None], quiet=True)
@@ -112,7 +154,7 @@ def test_adam_resumed_goes_on_with_its_schedule_and_bias_correction(tmp_path):
     assert whole[0]["lr"] < 0.003 and whole[1]["lr"] == 0.003, whole  # ramped, then held
     assert whole[-1]["test_error"] < 0.2, whole  # chance is 0.9
     with np.load(os.path.join(out, train.CHECKPOINT)) as f:
-        assert str(f["__optimizer__"]) == "adam" and {"m_W0", "s_b1"} <= set(f.files)
+        assert str(f["__optimizer__"]) == optimizer and {"m_W0", "s_b1"} <= set(f.files)
 
 
 def test_out_keeps_the_best_epoch_beside_the_last(tmp_path, capsys):
@@ -190,7 +232,7 @@ def run_jax_on_cpu(code, says):
     assert says in r.stdout
 
 
-@pytest.mark.parametrize("optimizer,lr", [("sgd", 0.1), ("adam", 0.003)])
+@pytest.mark.parametrize("optimizer,lr", [("sgd", 0.1), ("adam", 0.003), ("adamw", 0.003)])
 def test_jax_graph_agrees_with_c_backend_on_one_step(optimizer, lr):
     pytest.importorskip("jax")
     code = (
@@ -199,7 +241,7 @@ def test_jax_graph_agrees_with_c_backend_on_one_step(optimizer, lr):
         "ds = data.load(); idx = np.arange(64, dtype=np.int32); out = {}\n"
         "for mode in ('FAST_RUN', 'JAX'):\n"
         "    m = models.MLP(ds.n_in, [32, 16], 10)\n"
-        f"    m.set_optimizer({optimizer!r})\n"
+        f"    m.set_optimizer({optimizer!r}, weight_decay={0.1 if optimizer == 'adamw' else 0})\n"
         f"    tr, ev = m.compile(ds, 64, 100, {lr}, 0.9, 1e-5, 1e-4, mode)\n"
         "    c = [float(tr(idx)) for _ in range(3)]\n"
         "    out[mode] = (c, [np.asarray(p.get_value()) for p in m.state],"
@@ -463,6 +505,10 @@ def test_seed_pickle_format(tmp_path):
     (["--cpu", "2", "--exchange-blocks", "0"], "--exchange-blocks must be 1 to 512"),
     (["--cpu", "2", "--beta2", "0.99"], "--beta2 is Adam's; give --optimizer adam"),
     (["--cpu", "2", "--optimizer", "adam", "--beta2", "1"], "must be in [0, 1)"),
+    (["--cpu", "2", "--optimizer", "adam", "--weight-decay", "0.1"],
+     "--weight-decay is AdamW's decoupled decay; give --optimizer adamw"),
+    (["--cpu", "2", "--optimizer", "adamw", "--weight-decay", "1"],
+     "--weight-decay must be in [0, 1), got 1.0"),
     (["--cpu", "2", "--lr", "0"], "--lr must be positive"),
     (["--cpu", "2", "--epochs", "2", "--warmup", "3"], "--warmup must be 0 to --epochs (2)"),
     (["--cpu", "2", "--schedule", "step"], "invalid choice: 'step'"),
@@ -475,14 +521,20 @@ def test_cli_rejects_bad_flags(argv, message, capsys):
 
 
 def test_cli_gives_adam_its_own_learning_rate():
-    """Adam's default rate is 1e-3, SGD's 0.05 (a preset's is SGD's too); --lr overrides
-    either, and the run's first line names the optimizer and the schedule."""
+    """Adam's and AdamW's default rate is 1e-3, SGD's 0.05 (a preset's is SGD's too); --lr
+    overrides either. AdamW decays by 0.01 (torch.optim.AdamW's default) in place of the
+    L2 penalty, which it drops unless --l2 is given."""
     parser = train.build_parser()
-    for argv, lr in [([], 0.05), (["--optimizer", "adam"], 1e-3),
-                     (["--optimizer", "adam", "--preset", "dual_mlp"], 1e-3),
-                     (["--optimizer", "adam", "--lr", "0.01"], 0.01)]:
+    for argv, lr, l2, decay in [
+            ([], 0.05, 1e-4, 0.0), (["--optimizer", "adam"], 1e-3, 1e-4, 0.0),
+            (["--optimizer", "adam", "--preset", "dual_mlp"], 1e-3, 1e-4, 0.0),
+            (["--optimizer", "adam", "--lr", "0.01"], 0.01, 1e-4, 0.0),
+            (["--optimizer", "adamw"], 1e-3, 0.0, 0.01),
+            (["--optimizer", "adamw", "--preset", "dual_mlp"], 1e-3, 0.0, 0.01),
+            (["--optimizer", "adamw", "--weight-decay", "0.1", "--l2", "1e-5"], 1e-3, 1e-5,
+             0.1)]:
         cfg, _, _ = train.resolve(parser.parse_args(["--cpu", "2", *argv]), parser)
-        assert cfg["lr"] == lr, (argv, cfg)
+        assert (cfg["lr"], cfg["l2"], cfg["weight_decay"]) == (lr, l2, decay), (argv, cfg)
 
 
 def test_cli_backend_auto_is_jax_wherever_jax_is_installed(monkeypatch):
