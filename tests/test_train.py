@@ -522,13 +522,13 @@ def test_cli_rejects_bad_flags(argv, message, capsys):
 
 def test_cli_gives_adam_its_own_learning_rate():
     """Adam's and AdamW's default rate is 1e-3, SGD's 0.05 (a preset's is SGD's too); --lr
-    overrides either. AdamW decays by 0.01 (torch.optim.AdamW's default) in place of the
-    L2 penalty, which it drops unless --l2 is given."""
+    overrides either. Neither Adam takes the L2 penalty unless --l2 is given, and AdamW
+    decays by 0.01 (torch.optim.AdamW's default)."""
     parser = train.build_parser()
     for argv, lr, l2, decay in [
-            ([], 0.05, 1e-4, 0.0), (["--optimizer", "adam"], 1e-3, 1e-4, 0.0),
-            (["--optimizer", "adam", "--preset", "dual_mlp"], 1e-3, 1e-4, 0.0),
-            (["--optimizer", "adam", "--lr", "0.01"], 0.01, 1e-4, 0.0),
+            ([], 0.05, 1e-4, 0.0), (["--optimizer", "adam"], 1e-3, 0.0, 0.0),
+            (["--optimizer", "adam", "--preset", "dual_mlp"], 1e-3, 0.0, 0.0),
+            (["--optimizer", "adam", "--lr", "0.01", "--l2", "1e-4"], 0.01, 1e-4, 0.0),
             (["--optimizer", "adamw"], 1e-3, 0.0, 0.01),
             (["--optimizer", "adamw", "--preset", "dual_mlp"], 1e-3, 0.0, 0.01),
             (["--optimizer", "adamw", "--weight-decay", "0.1", "--l2", "1e-5"], 1e-3, 1e-5,
