@@ -369,9 +369,9 @@ class Model:
         grads = pytensor.grad(cost, self.params)
         # The learning rate (and AdamW's decay) is a shared variable rather than a constant,
         # so that a schedule (and Adam's bias correction, step_size) changes it between
-        # steps without compiling again; every rank gives it the same value, so the gradients' road
-        # (pympgu.xla.average_gradients) still sees an update that only reads the gradients
-        # from before it.
+        # steps without compiling again; every rank gives it the same value, so the
+        # gradients' road (pympgu.xla.average_gradients) still sees an update that only
+        # reads the gradients from before it.
         self.lr = pytensor.shared(np.float32(lr), name="lr")
         self.decay = (pytensor.shared(np.float32(lr * self.weight_decay), name="decay")
                       if self.optimizer == "adamw" else None)

@@ -143,7 +143,7 @@ class Replica:
             ds, cfg["batch_size"], self.eval_batch, cfg["lr"], cfg["momentum"], cfg["l1"],
             cfg["l2"], mode)
         # What model.rate_vars hold (apply_rate): the step size, and AdamW's decay.
-        self.rates = tuple(np.float32(v.get_value()) for v in self.model.rate_vars)
+        self.applied = tuple(np.float32(v.get_value()) for v in self.model.rate_vars)
         self._rates = {}  # step: (schedule, its rate, the rates applied, those on the device)
         self._split_rates = None  # jitted: an array of rates into scalars (apply_rate)
         self.jax = None
@@ -181,14 +181,14 @@ class Replica:
             values = [tuple(self.np.float32(v) for v in self.model.rates(r, u + 1))
                       for u, r in zip(steps, rates)]
             put = values
-            if self.jax is not None and any(v != self.rates for v in values):
+            if self.jax is not None and any(v != self.applied for v in values):
                 if self._split_rates is None:
                     self._split_rates = self.jax.jit(lambda a: [tuple(row) for row in a])
                 put = self._split_rates(self.jax.device_put(self.np.array(values)))
             self._rates = {u: (schedule, r, v, d) for u, r, v, d in zip(steps, rates, values, put)}
         _, rate, values, put = self._rates[t]
-        if values != self.rates:  # the host's copy: reading the device's would wait for it
-            self.rates = values
+        if values != self.applied:  # the host's copy: reading the device's would wait for it
+            self.applied = values
             for var, v in zip(self.model.rate_vars, put):
                 _assign(var, self.np.asarray(v) if self.jax is None else v)
         return rate
