@@ -438,9 +438,8 @@ def read_checkpoint(path, model, use="--resume {path}: cannot resume from it", v
             epoch = int(f["__epoch__"])
             history = json.loads(str(f["__history__"]))
             made = str(f["__model__"]) if "__model__" in f.files else None
-            if made:  # the optimizer saved since session 29; SGD before
-                made += (f", trained by "
-                         f"{f['__optimizer__'] if '__optimizer__' in f.files else 'sgd'}")
+            if made:
+                made += f", trained by {saved_optimizer(f)}"
             values = []
             for s in model.state if variables is None else variables:
                 if s.name not in f.files:
@@ -456,6 +455,12 @@ def read_checkpoint(path, model, use="--resume {path}: cannot resume from it", v
         other = f" (it holds {made}; this run builds {builds})" if made and made != builds else ""
         raise ValueError(f"{use.format(path=path)}: {e}{other}") from None
     return epoch, history, values
+
+
+def saved_optimizer(f):
+    """The optimizer that trained the checkpoint open as ``f`` (an NpzFile): saved since
+    session 29, SGD's before."""
+    return str(f["__optimizer__"]) if "__optimizer__" in f.files else "sgd"
 
 
 def same_start(every, overlap):
@@ -1110,6 +1115,12 @@ def run(cfg, devices, port=None, quiet=False):
             read_checkpoint(cfg["resume"], model)
         except ValueError as e:
             raise UsageError("--resume", str(e)) from None
+        import numpy as np
+        with np.load(cfg["resume"]) as f:
+            saved = saved_optimizer(f)
+        if saved != model.optimizer:  # Adam's moments serve AdamW as they are, and back
+            print(f"pympgu: --resume {cfg['resume']}: its state was trained by {saved}; this "
+                  f"run goes on by {model.optimizer}", file=sys.stderr, flush=True)
     # Every worker takes whole, disjoint batches each epoch (data.shard_batches): refuse a
     # batch no epoch can fill here, rather than in every worker after they start.
     ntrain, workers = len(ds.train[1]), len(devices)

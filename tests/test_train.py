@@ -137,11 +137,12 @@ def test_adamw_first_step_is_adams_with_the_weights_decayed():
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "adamw"])
-def test_adam_resumed_goes_on_with_its_schedule_and_bias_correction(tmp_path, optimizer):
+def test_adam_resumed_goes_on_with_its_schedule_and_bias_correction(tmp_path, optimizer,
+                                                                   capsys):
     """Adam (or AdamW), warmed up over one and a half epochs on 2 CPU workers: stopped after
     the first epoch and resumed, it goes on from the run's step (its warm-up, its bias
     correction and AdamW's decay) to the same numbers as a run that never stopped, and
-    learns."""
+    learns. Resumed by the other of the two, whose state is the same, it says so."""
     opts = dict(optimizer=optimizer, lr=0.003, warmup=1.5, hidden=[32],
                 weight_decay=0.05 if optimizer == "adamw" else 0.0)
     whole = train.run(config(epochs=2, **opts), [None, None], quiet=True)
@@ -155,6 +156,12 @@ def test_adam_resumed_goes_on_with_its_schedule_and_bias_correction(tmp_path, op
     assert whole[-1]["test_error"] < 0.2, whole  # chance is 0.9
     with np.load(os.path.join(out, train.CHECKPOINT)) as f:
         assert str(f["__optimizer__"]) == optimizer and {"m_W0", "s_b1"} <= set(f.files)
+    other = {"adam": "adamw", "adamw": "adam"}[optimizer]
+    capsys.readouterr()
+    train.run(config(epochs=2, optimizer=other, lr=0.003, hidden=[32],
+                     resume=os.path.join(out, train.CHECKPOINT)), [None, None], quiet=True)
+    assert (f"its state was trained by {optimizer}; this run goes on by {other}"
+            in capsys.readouterr().err)
 
 
 def test_out_keeps_the_best_epoch_beside_the_last(tmp_path, capsys):
