@@ -48,7 +48,7 @@ class Model:
     pympgu builds it as ``Model(n_in, hidden, n_out, seed=seed)`` (``hidden``: the
     ``--hidden`` widths, which a model may ignore) in every worker, and trains it by
     minibatch SGD with momentum (or Adam, or AdamW: set_optimizer) on the mean softmax
-    cross-entropy, with the L1 and L2 terms of ``--l1`` and ``--l2`` on the parameters
+    cross-entropy (against targets smoothed by ``label_smoothing``), with the L1 and L2 terms of ``--l1`` and ``--l2`` on the parameters
     made with ``penalized=True``, and ``--dropout`` where ``logits`` calls
     ``self.dropout``. Every worker must build the same initial values: draw
     them from ``seed`` (the training loop checks that the replicas start identical).
@@ -67,6 +67,8 @@ class Model:
         self._slots = None
         self.lr = self.decay = None  # compile's shared rates (rate_vars)
         self.dropout_rate, self._dropped = 0.0, False
+        # --label-smoothing: the training targets' share spread evenly over every class.
+        self.label_smoothing = 0.0
         self.flip, self.shift = False, 0  # --flip, --shift: training images varied
         self.noise_rng, self.noise_updates = None, []
         self.norms = []  # BatchNorm layers, in the order batch_norm made them
@@ -360,6 +362,9 @@ class Model:
             if unused:
                 raise ValueError(f"{type(self).__name__}.logits never calls the batch norms "
                                  f"{unused} that __init__ made")
+        if self.label_smoothing:  # Szegedy et al. 2016, as torch's cross_entropy computes it
+            eps = np.float32(self.label_smoothing)
+            y = (np.float32(1) - eps) * y + eps / np.float32(n_classes)
         nll = -pt.mean(pt.sum(y * log_softmax(logits, axis=1), axis=1))
         cost = nll
         if l1:
@@ -545,12 +550,13 @@ def load(spec):
 
 
 def build(spec, n_in, hidden, n_out, seed=1234, optimizer="sgd", beta2=0.999, dropout=0.0,
-          flip=False, shift=0, weight_decay=0.0):
+          flip=False, shift=0, weight_decay=0.0, label_smoothing=0.0):
     """The model that ``spec`` names (load), built for this data: ``cls(n_in, hidden,
     n_out, seed=seed)``, trained by ``optimizer`` (Model.set_optimizer, with ``beta2``
-    and ``weight_decay``) with its dropout layers at ``dropout`` (Model.dropout) and its
+    and ``weight_decay``) with its dropout layers at ``dropout`` (Model.dropout), its
     training images flipped and shifted as ``flip`` and ``shift`` say
-    (pympgu.nnet.augment), with its parameters and state checked."""
+    (pympgu.nnet.augment) and its targets smoothed by ``label_smoothing``, with its
+    parameters and state checked."""
     cls = load(spec)
     try:
         model = cls(n_in, list(hidden), n_out, seed=seed)
@@ -563,6 +569,9 @@ def build(spec, n_in, hidden, n_out, seed=1234, optimizer="sgd", beta2=0.999, dr
                          "must call super().__init__() and then self.parameter(...))")
     model.set_optimizer(optimizer, beta2=beta2, weight_decay=weight_decay)
     model.dropout_rate = float(dropout)
+    if not 0 <= label_smoothing < 1:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+    model.label_smoothing = float(label_smoothing)
     model.flip, model.shift = bool(flip), int(shift)
     return model
 

@@ -33,7 +33,8 @@ PRESETS = {
 }
 DEFAULTS = dict(hidden=[500], lr=0.05, momentum=0.9, batch_size=128, l1=0.0, l2=1e-4, epochs=5,
                 optimizer="sgd", beta2=0.999, weight_decay=0.0, schedule="constant", warmup=0.0,
-                dropout=0.0, flip=False, shift=0, bn_examples=STATISTICS_EXAMPLES)
+                dropout=0.0, label_smoothing=0.0, flip=False, shift=0,
+                bn_examples=STATISTICS_EXAMPLES)
 # Adam's (and AdamW's) learning rate when --lr is not given: SGD's would be far too large.
 ADAM_LR = 1e-3
 # AdamW's --weight-decay when not given: torch.optim.AdamW's default.
@@ -123,6 +124,7 @@ def build_model(cfg, ds):
                         optimizer=cfg.get("optimizer", "sgd"), beta2=cfg.get("beta2", 0.999),
                         weight_decay=cfg.get("weight_decay", 0.0),
                         dropout=cfg.get("dropout", 0.0), flip=cfg.get("flip", False),
+                        label_smoothing=cfg.get("label_smoothing", 0.0),
                         shift=cfg.get("shift", 0))
 
 
@@ -885,6 +887,12 @@ def build_parser():
                         "says, a model of one's own where its logits call self.dropout. "
                         "Each rank draws its own masks, from --seed, its rank and the epoch "
                         "(default: 0, off)")
+    m.add_argument("--label-smoothing", type=float, metavar="EPS",
+                   help="train towards targets of 1 - EPS on the true class and EPS spread "
+                        "evenly over all classes (Szegedy et al. 2016; torch's cross_entropy "
+                        "label_smoothing), which keeps the logits from growing without end; "
+                        "the loss printed is the smoothed one, the errors are as ever "
+                        "(default: 0, off)")
     m.add_argument("--flip", action="store_true",
                    help="mirror each training image left to right with probability 1/2, "
                         "every step anew (images of 1 or 3 channels; not digits, whose "
@@ -973,7 +981,8 @@ def resolve(args, parser):
         parser.error("--weight-decay is AdamW's decoupled decay; give --optimizer adamw with "
                      "it (--l2 penalises the weights for sgd and adam)")
     for key in ("hidden", "epochs", "batch_size", "lr", "momentum", "l1", "l2", "beta2",
-                "weight_decay", "warmup", "dropout", "flip", "shift", "bn_examples"):
+                "weight_decay", "warmup", "dropout", "label_smoothing", "flip", "shift",
+                "bn_examples"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     if not cfg["lr"] > 0:
@@ -985,6 +994,8 @@ def resolve(args, parser):
         parser.error(f"--weight-decay must be in [0, 1), got {cfg['weight_decay']}")
     if not 0 <= cfg["dropout"] < 1:
         parser.error(f"--dropout must be in [0, 1), got {cfg['dropout']}")
+    if not 0 <= cfg["label_smoothing"] < 1:
+        parser.error(f"--label-smoothing must be in [0, 1), got {cfg['label_smoothing']}")
     if cfg["shift"] < 0:
         parser.error(f"--shift must be 0 or more pixels, got {cfg['shift']}")
     if not 0 <= cfg["warmup"] <= cfg["epochs"]:
@@ -1144,6 +1155,8 @@ def run(cfg, devices, port=None, quiet=False):
              else f"GPUs {devices}")
     schedule = make_schedule(cfg, ntrain, workers)
     noise = "".join([f", dropout {cfg['dropout']:g}" if cfg.get("dropout") else "",
+                     f", label smoothing {cfg['label_smoothing']:g}"
+                     if cfg.get("label_smoothing") else "",
                      ", flipped" if cfg.get("flip") else "",
                      f", shifted by {cfg['shift']}" if cfg.get("shift") else ""])
     decay = f" decay {model.weight_decay:g}" if model.optimizer == "adamw" else ""

@@ -136,6 +136,27 @@ def test_adamw_first_step_is_adams_with_the_weights_decayed():
             assert np.array_equal(x, y), p.name
 
 
+def test_label_smoothing_moves_the_targets():
+    """--label-smoothing EPS: the step's targets are 1 - EPS on the true class and EPS spread
+    over all K. The MLP's last layer starts at zero, so its first logits are all 0 and the
+    first SGD step (lr 1, no momentum) moves its bias by the mean of target - 1/K: with EPS,
+    (1 - EPS) times the step without, and the loss is log K either way."""
+    from pympgu import models
+    ds = data.load()
+    idx = np.arange(100, dtype=np.int32)
+    moved = {}
+    for eps in (0.0, 0.2):
+        m = models.build(None, ds.n_in, [16], ds.n_classes, label_smoothing=eps)
+        tr, _ = m.compile(ds, 100, 100, 1.0, 0.0, 0.0, 0.0, "FAST_RUN")
+        assert float(tr(idx)) == pytest.approx(np.log(10), rel=1e-6)
+        moved[eps] = np.array(m.params[-1].get_value())
+    counts = np.bincount(ds.train[1][:100], minlength=10)
+    np.testing.assert_allclose(moved[0.0], counts / 100 - 0.1, atol=1e-6)
+    np.testing.assert_allclose(moved[0.2], 0.8 * moved[0.0], atol=1e-6)
+    with pytest.raises(ValueError, match="label_smoothing must be in"):
+        models.build(None, ds.n_in, [16], ds.n_classes, label_smoothing=1.0)
+
+
 @pytest.mark.parametrize("optimizer", ["adam", "adamw"])
 def test_adam_resumed_goes_on_with_its_schedule_and_bias_correction(tmp_path, optimizer,
                                                                    capsys):
@@ -516,6 +537,7 @@ def test_seed_pickle_format(tmp_path):
      "--weight-decay is AdamW's decoupled decay; give --optimizer adamw"),
     (["--cpu", "2", "--optimizer", "adamw", "--weight-decay", "1"],
      "--weight-decay must be in [0, 1), got 1.0"),
+    (["--cpu", "2", "--label-smoothing", "-0.1"], "--label-smoothing must be in [0, 1)"),
     (["--cpu", "2", "--lr", "0"], "--lr must be positive"),
     (["--cpu", "2", "--epochs", "2", "--warmup", "3"], "--warmup must be 0 to --epochs (2)"),
     (["--cpu", "2", "--schedule", "step"], "invalid choice: 'step'"),
