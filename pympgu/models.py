@@ -64,6 +64,7 @@ class Model:
     def __init__(self):
         self.params, self.weights = [], []
         self.optimizer, self.beta2, self.eps, self.weight_decay = "sgd", 0.999, 1e-8, 0.0
+        self.nesterov = False
         self._slots = None
         self.lr = self.decay = None  # compile's shared rates (rate_vars)
         self.dropout_rate, self._dropped = 0.0, False
@@ -104,15 +105,17 @@ class Model:
             self.weights.append(p)
         return p
 
-    def set_optimizer(self, name, beta2=0.999, eps=1e-8, weight_decay=0.0):
+    def set_optimizer(self, name, beta2=0.999, eps=1e-8, weight_decay=0.0, nesterov=False):
         """Train with ``name`` (OPTIMIZERS): 'sgd', SGD with momentum (the default),
         'adam', or 'adamw', Adam with decoupled weight decay (Loshchilov and Hutter,
         "Decoupled Weight Decay Regularization", 2019): each step multiplies the penalized
         parameters by ``1 - rate * weight_decay``, the schedule's rate without Adam's bias
         correction, as torch.optim.AdamW does, rather than adding a penalty's gradient that
         Adam would divide by its second moment. ``beta2`` and ``eps`` are Adam's (its beta1
-        is compile's ``momentum``). Call it before the state is used: it decides what the
-        state holds."""
+        is compile's ``momentum``). ``nesterov``: SGD's step takes Nesterov's momentum
+        (Sutskever et al. 2013, as torch.optim.SGD's ``nesterov``), the parameters moved by
+        ``momentum * v_new - lr * g`` rather than ``v_new``. Call it before the state is
+        used: it decides what the state holds."""
         if name not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)}, got {name!r}")
         if self._slots is not None:
@@ -122,8 +125,10 @@ class Model:
         if not 0 <= weight_decay < 1 or (weight_decay and name != "adamw"):
             raise ValueError(f"weight_decay is AdamW's, in [0, 1): got {weight_decay} for "
                              f"{name!r}")
+        if nesterov and name != "sgd":
+            raise ValueError(f"nesterov is SGD's momentum, not {name!r}'s")
         self.optimizer, self.beta2, self.eps = name, float(beta2), float(eps)
-        self.weight_decay = float(weight_decay)
+        self.weight_decay, self.nesterov = float(weight_decay), bool(nesterov)
 
     @property
     def slots(self):
@@ -386,7 +391,9 @@ class Model:
         if self.optimizer == "sgd":
             for p, v, g in zip(self.params, self.slots, grads):
                 v_new = mu * v - self.lr * g
-                updates += [(v, v_new), (p, p + v_new)]
+                # Nesterov's step looks ahead along the new velocity; still affine in g.
+                step = mu * v_new - self.lr * g if self.nesterov else v_new
+                updates += [(v, v_new), (p, p + step)]
         else:
             b2, eps = np.float32(self.beta2), np.float32(self.eps)
             decayed = {id(w) for w in self.weights} if self.optimizer == "adamw" else set()
@@ -550,10 +557,10 @@ def load(spec):
 
 
 def build(spec, n_in, hidden, n_out, seed=1234, optimizer="sgd", beta2=0.999, dropout=0.0,
-          flip=False, shift=0, weight_decay=0.0, label_smoothing=0.0):
+          flip=False, shift=0, weight_decay=0.0, label_smoothing=0.0, nesterov=False):
     """The model that ``spec`` names (load), built for this data: ``cls(n_in, hidden,
-    n_out, seed=seed)``, trained by ``optimizer`` (Model.set_optimizer, with ``beta2``
-    and ``weight_decay``) with its dropout layers at ``dropout`` (Model.dropout), its
+    n_out, seed=seed)``, trained by ``optimizer`` (Model.set_optimizer, with ``beta2``,
+    ``weight_decay`` and ``nesterov``) with its dropout layers at ``dropout`` (Model.dropout), its
     training images flipped and shifted as ``flip`` and ``shift`` say
     (pympgu.nnet.augment) and its targets smoothed by ``label_smoothing``, with its
     parameters and state checked."""
@@ -567,7 +574,7 @@ def build(spec, n_in, hidden, n_out, seed=1234, optimizer="sgd", beta2=0.999, dr
     if "params" not in model.__dict__ or not model.params:
         raise ModelError(f"--model {spec}: {cls.__name__} made no parameters (its __init__ "
                          "must call super().__init__() and then self.parameter(...))")
-    model.set_optimizer(optimizer, beta2=beta2, weight_decay=weight_decay)
+    model.set_optimizer(optimizer, beta2=beta2, weight_decay=weight_decay, nesterov=nesterov)
     model.dropout_rate = float(dropout)
     if not 0 <= label_smoothing < 1:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")

@@ -32,7 +32,8 @@ PRESETS = {
                      epochs=10),
 }
 DEFAULTS = dict(hidden=[500], lr=0.05, momentum=0.9, batch_size=128, l1=0.0, l2=1e-4, epochs=5,
-                optimizer="sgd", beta2=0.999, weight_decay=0.0, schedule="constant", warmup=0.0,
+                optimizer="sgd", nesterov=False, beta2=0.999, weight_decay=0.0,
+                schedule="constant", warmup=0.0,
                 dropout=0.0, label_smoothing=0.0, flip=False, shift=0,
                 bn_examples=STATISTICS_EXAMPLES)
 # Adam's (and AdamW's) learning rate when --lr is not given: SGD's would be far too large.
@@ -123,6 +124,7 @@ def build_model(cfg, ds):
     return models.build(cfg.get("model"), ds.n_in, cfg["hidden"], ds.n_classes, seed=MODEL_SEED,
                         optimizer=cfg.get("optimizer", "sgd"), beta2=cfg.get("beta2", 0.999),
                         weight_decay=cfg.get("weight_decay", 0.0),
+                        nesterov=cfg.get("nesterov", False),
                         dropout=cfg.get("dropout", 0.0), flip=cfg.get("flip", False),
                         label_smoothing=cfg.get("label_smoothing", 0.0),
                         shift=cfg.get("shift", 0))
@@ -878,6 +880,10 @@ def build_parser():
                         "(default: 0)")
     m.add_argument("--momentum", type=float, help=f"SGD's momentum, or Adam's beta1 (default: "
                    f"{DEFAULTS['momentum']})")
+    m.add_argument("--nesterov", action="store_true",
+                   help="SGD with Nesterov's momentum, as torch.optim.SGD's nesterov: each "
+                        "step moves the parameters by momentum * v - lr * g with the new "
+                        "velocity v, looking ahead along it (default: off)")
     m.add_argument("--beta2", type=float, help=f"Adam's beta2, the decay of its second moment "
                    f"(default: {DEFAULTS['beta2']})")
     m.add_argument("--dropout", type=float, metavar="RATE",
@@ -977,6 +983,9 @@ def resolve(args, parser):
     cfg.update(optimizer_defaults(args.optimizer))  # a preset's rate is SGD's
     if args.optimizer == "sgd" and args.beta2 is not None:
         parser.error("--beta2 is Adam's; give --optimizer adam or adamw with it")
+    if args.nesterov and args.optimizer != "sgd":
+        parser.error("--nesterov is SGD's momentum; Adam's beta1 is --momentum")
+    cfg["nesterov"] = args.nesterov
     if args.optimizer != "adamw" and args.weight_decay is not None:
         parser.error("--weight-decay is AdamW's decoupled decay; give --optimizer adamw with "
                      "it (--l2 penalises the weights for sgd and adam)")
@@ -990,6 +999,8 @@ def resolve(args, parser):
     if not 0 <= cfg["momentum"] < 1 or not 0 <= cfg["beta2"] < 1:
         parser.error(f"--momentum and --beta2 must be in [0, 1), got {cfg['momentum']} and "
                      f"{cfg['beta2']}")
+    if cfg["nesterov"] and not cfg["momentum"] > 0:
+        parser.error(f"--nesterov needs a --momentum above 0, got {cfg['momentum']}")
     if not 0 <= cfg["weight_decay"] < 1:
         parser.error(f"--weight-decay must be in [0, 1), got {cfg['weight_decay']}")
     if not 0 <= cfg["dropout"] < 1:
@@ -1159,7 +1170,8 @@ def run(cfg, devices, port=None, quiet=False):
                      if cfg.get("label_smoothing") else "",
                      ", flipped" if cfg.get("flip") else "",
                      f", shifted by {cfg['shift']}" if cfg.get("shift") else ""])
-    decay = f" decay {model.weight_decay:g}" if model.optimizer == "adamw" else ""
+    decay = (f" decay {model.weight_decay:g}" if model.optimizer == "adamw" else
+             " nesterov" if model.nesterov else "")
     print(f"pympgu: {ds} | {model.describe()} | {model.optimizer}{decay}, {schedule}{noise} | "
           f"{where} | batch {cfg['batch_size']}/worker | sync every {cfg['sync_every']}"
           f"{' overlapped' if cfg['overlap'] else ''}"

@@ -216,17 +216,21 @@ def test_gpu_training_overlapped_by_a_kernel_on_4_ranks():
     assert abs(overlapped["test_error"] - plain["test_error"]) <= 0.03, (plain, overlapped)
 
 
-def test_gpu_training_cut_inside_xla(monkeypatch):
-    """Exact averaging with the step cut in two (xla.average_results), forced on a small MLP:
-    the last layers' averages start while the first layer's gradient is computed. Exact, so
-    it learns as the uncut step does on the same data and seed (the same mean, rounded the
-    same way up to summation order), and run() checks that the replicas end identical."""
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_gpu_training_cut_inside_xla(monkeypatch, nesterov):
+    """Exact averaging with the step cut in two, forced on a small MLP: its gradients cross
+    while the first layer's is computed, and every rank's update reads their mean (SGD's,
+    and Nesterov's, both affine in the gradients). Exact, so it learns as the uncut step
+    (the parameters averaged after the update) does on the same data and seed (the same
+    mean, rounded the same way up to summation order), and run() checks that the replicas
+    end identical."""
     needs_xla()
     from pympgu import train
-    cfg = dict(train.DEFAULTS, **JAX_TRAINING, hidden=[256, 128])
+    cfg = dict(train.DEFAULTS, **JAX_TRAINING, hidden=[256, 128], nesterov=nesterov)
     whole = train.run(cfg, devices(2))[-1]
     monkeypatch.setenv("PYMPGU_SPLIT_MIN_BYTES", "0")  # the spawned workers read it
     cut = train.run(cfg, devices(2))[-1]
+    assert cut["road"] == "the update of the mean gradients", cut
     assert cut["test_error"] < 0.25, cut
     assert abs(cut["test_error"] - whole["test_error"]) <= 0.01, (whole, cut)
 

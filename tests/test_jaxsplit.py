@@ -13,9 +13,9 @@ PRELUDE = (
     "import numpy as np, jax; from jax import lax;"
     "from pympgu import data, models, jaxsplit; from pympgu.jaxstep import JaxStep\n"
     "ds = data.load('digits')\n"
-    "def traced(hidden, batch, optimizer='sgd', lr=0.05, l1=0, l2=0):\n"
+    "def traced(hidden, batch, optimizer='sgd', lr=0.05, l1=0, l2=0, **opts):\n"
     "    m = models.MLP(ds.n_in, hidden, ds.n_classes)\n"
-    "    m.set_optimizer(optimizer, weight_decay=0.01 if optimizer == 'adamw' else 0)\n"
+    "    m.set_optimizer(optimizer, **opts)\n"
     "    f = m.compile(ds, batch, 100, lr, 0.9, l1, l2, 'JAX')[0]\n"
     "    st = JaxStep(f, m.state)\n"
     "    args = st.arguments(np.arange(batch, dtype=np.int32))\n"
@@ -165,18 +165,20 @@ def test_tail_is_the_update():
     run_jax_on_cpu(code, "tail")
 
 
-def test_tail_in_parts_and_the_gradients_plan():
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_tail_in_parts_and_the_gradients_plan(nesterov):
     """The update fed its gradients in two parts (as xla.average_gradients feeds it their
     means: here the values themselves) gives every output bit for bit, the second part's
     function seeing the first part's results; and gradient_plan takes an MLP's SGD update
-    with L1 and L2 terms, and names why it refuses one that squares a gradient, a new state
+    (Nesterov's too, as affine in its gradients) with L1 and L2 terms, and names why it refuses one that squares a gradient, a new state
     that a matrix product makes, one that reads a rank's own input, too few bytes or the
     gather algorithm. On 2 ranks with the shadow the gradients cross into it; with no shadow,
     or on 4 ranks, the kernel averages them."""
     pytest.importorskip("jax")
     code = PRELUDE + (
         "import os; from types import SimpleNamespace; from pympgu import xla\n"
-        "m, st, args, which, compute = traced([32, 16], 64, l1=1e-5, l2=1e-4)\n"
+        f"m, st, args, which, compute = traced([32, 16], 64, l1=1e-5, l2=1e-4,\n"
+        f"                                     nesterov={nesterov})\n"
         "group = SimpleNamespace(shadow_offset=4096, nranks=2, rank=0)\n"
         "def plan(fn=compute, local=st.explicit, shadow=object(), g=group):\n"
         "    return xla.gradient_plan(fn, which, g, args, local, shadow)\n"
@@ -242,7 +244,8 @@ def test_adams_update_takes_the_gradients_road_only_as_ddp(optimizer):
     pytest.importorskip("jax")
     code = PRELUDE + (
         "from types import SimpleNamespace; from pympgu import xla\n"
-        f"m, st, args, which, compute = traced([32, 16], 64, {optimizer!r}, 1e-3, 1e-5, 1e-4)\n"
+        f"m, st, args, which, compute = traced([32, 16], 64, {optimizer!r}, 1e-3, 1e-5, 1e-4,\n"
+        f"                                     weight_decay={0.01 if optimizer == 'adamw' else 0})\n"
         "group = SimpleNamespace(shadow_offset=4096, nranks=2, rank=0)\n"
         "def plan(exact):\n"
         "    return xla.gradient_plan(compute, which, group, args, st.explicit, object(),\n"

@@ -157,6 +157,27 @@ def test_label_smoothing_moves_the_targets():
         models.build(None, ds.n_in, [16], ds.n_classes, label_smoothing=1.0)
 
 
+def test_nesterov_looks_ahead_along_the_velocity():
+    """--nesterov: the step moves the parameters by momentum * v_new - lr * g. From zero
+    velocity the first step is (1 + momentum) times plain momentum's: the MLP's last
+    bias (its layer starts at zero) at lr 1 and momentum 0.5. Nesterov is SGD's alone."""
+    from pympgu import models
+    ds = data.load()
+    idx = np.arange(100, dtype=np.int32)
+    moved = {}
+    for nesterov in (False, True):
+        m = models.build(None, ds.n_in, [16], ds.n_classes, nesterov=nesterov)
+        tr, _ = m.compile(ds, 100, 100, 1.0, 0.5, 0.0, 0.0, "FAST_RUN")
+        tr(idx)
+        moved[nesterov] = np.array(m.params[-1].get_value())
+        assert np.array_equal(m.slots[-1].get_value(), moved[False])  # v_new = -g either way
+    counts = np.bincount(ds.train[1][:100], minlength=10)
+    np.testing.assert_allclose(moved[False], counts / 100 - 0.1, atol=1e-6)
+    np.testing.assert_allclose(moved[True], 1.5 * moved[False], atol=1e-6)
+    with pytest.raises(ValueError, match="nesterov is SGD's momentum, not 'adam'"):
+        models.build(None, ds.n_in, [16], ds.n_classes, optimizer="adam", nesterov=True)
+
+
 @pytest.mark.parametrize("optimizer", ["adam", "adamw"])
 def test_adam_resumed_goes_on_with_its_schedule_and_bias_correction(tmp_path, optimizer,
                                                                    capsys):
@@ -538,6 +559,9 @@ def test_seed_pickle_format(tmp_path):
     (["--cpu", "2", "--optimizer", "adamw", "--weight-decay", "1"],
      "--weight-decay must be in [0, 1), got 1.0"),
     (["--cpu", "2", "--label-smoothing", "-0.1"], "--label-smoothing must be in [0, 1)"),
+    (["--cpu", "2", "--nesterov", "--optimizer", "adam"], "--nesterov is SGD's momentum"),
+    (["--cpu", "2", "--nesterov", "--preset", "dual_mlp"],
+     "--nesterov needs a --momentum above 0, got 0.0"),
     (["--cpu", "2", "--lr", "0"], "--lr must be positive"),
     (["--cpu", "2", "--epochs", "2", "--warmup", "3"], "--warmup must be 0 to --epochs (2)"),
     (["--cpu", "2", "--schedule", "step"], "invalid choice: 'step'"),
