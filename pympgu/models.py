@@ -48,10 +48,11 @@ class Model:
     pympgu builds it as ``Model(n_in, hidden, n_out, seed=seed)`` (``hidden``: the
     ``--hidden`` widths, which a model may ignore) in every worker, and trains it by
     minibatch SGD with momentum (or Adam, or AdamW: set_optimizer) on the mean softmax
-    cross-entropy (against targets smoothed by ``label_smoothing``), with the L1 and L2 terms of ``--l1`` and ``--l2`` on the parameters
-    made with ``penalized=True``, and ``--dropout`` where ``logits`` calls
-    ``self.dropout``. Every worker must build the same initial values: draw
-    them from ``seed`` (the training loop checks that the replicas start identical).
+    cross-entropy (against targets smoothed by ``label_smoothing``), with the L1 and L2
+    terms of ``--l1`` and ``--l2`` on the parameters made with ``penalized=True``, and
+    ``--dropout`` where ``logits`` calls ``self.dropout``. Every worker must build the
+    same initial values: draw them from ``seed`` (the training loop checks that the
+    replicas start identical).
     ``python -m pympgu.train --model FILE.py:NAME`` trains one (docs/MODELS.md).
     ``default_hidden`` is what ``hidden`` is when ``--hidden`` is not given.
     """
@@ -560,8 +561,8 @@ def build(spec, n_in, hidden, n_out, seed=1234, optimizer="sgd", beta2=0.999, dr
           flip=False, shift=0, weight_decay=0.0, label_smoothing=0.0, nesterov=False):
     """The model that ``spec`` names (load), built for this data: ``cls(n_in, hidden,
     n_out, seed=seed)``, trained by ``optimizer`` (Model.set_optimizer, with ``beta2``,
-    ``weight_decay`` and ``nesterov``) with its dropout layers at ``dropout`` (Model.dropout), its
-    training images flipped and shifted as ``flip`` and ``shift`` say
+    ``weight_decay`` and ``nesterov``) with its dropout layers at ``dropout``
+    (Model.dropout), its training images flipped and shifted as ``flip`` and ``shift`` say
     (pympgu.nnet.augment) and its targets smoothed by ``label_smoothing``, with its
     parameters and state checked."""
     cls = load(spec)

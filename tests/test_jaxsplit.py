@@ -170,10 +170,11 @@ def test_tail_in_parts_and_the_gradients_plan(nesterov):
     """The update fed its gradients in two parts (as xla.average_gradients feeds it their
     means: here the values themselves) gives every output bit for bit, the second part's
     function seeing the first part's results; and gradient_plan takes an MLP's SGD update
-    (Nesterov's too, as affine in its gradients) with L1 and L2 terms, and names why it refuses one that squares a gradient, a new state
-    that a matrix product makes, one that reads a rank's own input, too few bytes or the
-    gather algorithm. On 2 ranks with the shadow the gradients cross into it; with no shadow,
-    or on 4 ranks, the kernel averages them."""
+    (Nesterov's too, as affine in its gradients) with L1 and L2 terms, and names why it
+    refuses one that squares a gradient, a new state that a matrix product makes, one that
+    reads a rank's own input, too few bytes or the gather algorithm. On 2 ranks with the
+    shadow the gradients cross into it; with no shadow, or on 4 ranks, the kernel averages
+    them."""
     pytest.importorskip("jax")
     code = PRELUDE + (
         "import os; from types import SimpleNamespace; from pympgu import xla\n"
@@ -244,8 +245,9 @@ def test_adams_update_takes_the_gradients_road_only_as_ddp(optimizer):
     pytest.importorskip("jax")
     code = PRELUDE + (
         "from types import SimpleNamespace; from pympgu import xla\n"
+        f"decay = {0.01 if optimizer == 'adamw' else 0}\n"
         f"m, st, args, which, compute = traced([32, 16], 64, {optimizer!r}, 1e-3, 1e-5, 1e-4,\n"
-        f"                                     weight_decay={0.01 if optimizer == 'adamw' else 0})\n"
+        "                                     weight_decay=decay)\n"
         "group = SimpleNamespace(shadow_offset=4096, nranks=2, rank=0)\n"
         "def plan(exact):\n"
         "    return xla.gradient_plan(compute, which, group, args, st.explicit, object(),\n"
