@@ -431,19 +431,24 @@ class Replica:
         return epoch, history
 
 
-def read_checkpoint(path, model, use="--resume {path}: cannot resume from it", variables=None):
+def read_checkpoint(path, model, use="--resume {path}: cannot resume from it", variables=None,
+                    note=None):
     """(epoch, history, values of ``variables``: ``model``'s state by default) from a
     checkpoint that Replica.save wrote, or a ValueError, ``use`` (formatted with the path)
-    and what does not fit this model."""
+    and what does not fit this model. ``note`` is called with a line when the checkpoint
+    fits but another optimizer trained it (Adam's moments serve AdamW as they are, and
+    back), which nothing else would tell."""
     import numpy as np
     made = None
     try:
         with np.load(path) as f:
             epoch = int(f["__epoch__"])
             history = json.loads(str(f["__history__"]))
+            # The optimizer saved since session 29; SGD before.
+            saved = str(f["__optimizer__"]) if "__optimizer__" in f.files else "sgd"
             made = str(f["__model__"]) if "__model__" in f.files else None
             if made:
-                made += f", trained by {saved_optimizer(f)}"
+                made += f", trained by {saved}"
             values = []
             for s in model.state if variables is None else variables:
                 if s.name not in f.files:
@@ -458,13 +463,9 @@ def read_checkpoint(path, model, use="--resume {path}: cannot resume from it", v
         builds = f"{model.describe()}, trained by {model.optimizer}"
         other = f" (it holds {made}; this run builds {builds})" if made and made != builds else ""
         raise ValueError(f"{use.format(path=path)}: {e}{other}") from None
+    if note and saved != model.optimizer:
+        note(f"{path}: its state was trained by {saved}; this run goes on by {model.optimizer}")
     return epoch, history, values
-
-
-def saved_optimizer(f):
-    """The optimizer that trained the checkpoint open as ``f`` (an NpzFile): saved since
-    session 29, SGD's before."""
-    return str(f["__optimizer__"]) if "__optimizer__" in f.files else "sgd"
 
 
 def same_start(every, overlap):
@@ -985,12 +986,11 @@ def resolve(args, parser):
         parser.error("--beta2 is Adam's; give --optimizer adam or adamw with it")
     if args.nesterov and args.optimizer != "sgd":
         parser.error("--nesterov is SGD's momentum; Adam's beta1 is --momentum")
-    cfg["nesterov"] = args.nesterov
     if args.optimizer != "adamw" and args.weight_decay is not None:
         parser.error("--weight-decay is AdamW's decoupled decay; give --optimizer adamw with "
                      "it (--l2 penalises the weights for sgd and adam)")
-    for key in ("hidden", "epochs", "batch_size", "lr", "momentum", "l1", "l2", "beta2",
-                "weight_decay", "warmup", "dropout", "label_smoothing", "flip", "shift",
+    for key in ("hidden", "epochs", "batch_size", "lr", "momentum", "nesterov", "l1", "l2",
+                "beta2", "weight_decay", "warmup", "dropout", "label_smoothing", "flip", "shift",
                 "bn_examples"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
@@ -1134,15 +1134,10 @@ def run(cfg, devices, port=None, quiet=False):
                          f"{type(model).__name__} has no batch norms (Model.batch_norm)")
     if cfg["resume"]:  # a checkpoint of another model: said here, not by every worker
         try:
-            read_checkpoint(cfg["resume"], model)
+            read_checkpoint(cfg["resume"], model, note=lambda line: print(
+                f"pympgu: --resume {line}", file=sys.stderr, flush=True))
         except ValueError as e:
             raise UsageError("--resume", str(e)) from None
-        import numpy as np
-        with np.load(cfg["resume"]) as f:
-            saved = saved_optimizer(f)
-        if saved != model.optimizer:  # Adam's moments serve AdamW as they are, and back
-            print(f"pympgu: --resume {cfg['resume']}: its state was trained by {saved}; this "
-                  f"run goes on by {model.optimizer}", file=sys.stderr, flush=True)
     # Every worker takes whole, disjoint batches each epoch (data.shard_batches): refuse a
     # batch no epoch can fill here, rather than in every worker after they start.
     ntrain, workers = len(ds.train[1]), len(devices)
