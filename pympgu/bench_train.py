@@ -279,6 +279,7 @@ def _plain_jax_step(rep, cfg):
     lr, mu, l2 = (np.float32(cfg[k]) for k in ("lr", "momentum", "l2"))
     kept = np.float32(1) - lr * np.float32(cfg.get("weight_decay", 0.0))  # AdamW's weights
     b2, eps, k = np.float32(model.beta2), np.float32(model.eps), len(params)
+    clip = np.float32(model.clip_norm)
 
     def loss(params, x, y):
         h = x
@@ -296,6 +297,9 @@ def _plain_jax_step(rep, cfg):
         # then in the traced program too, and read bfloat16 as pympgu's do.
         cost, g = autocast(jax.value_and_grad(loss), cfg.get("compute_dtype"))(
             params, x_all[idx], y_all[idx])
+        if clip:  # as optax.clip_by_global_norm would, with torch's 1e-6
+            norm = jnp.sqrt(sum(jnp.sum(gi * gi) for gi in g))
+            g = [gi * jnp.minimum(np.float32(1), clip / (norm + np.float32(1e-6))) for gi in g]
         if adam:
             m = [mu * mi + (1 - mu) * gi for mi, gi in zip(vel[:k], g)]
             v = [b2 * si + (1 - b2) * gi * gi for si, gi in zip(vel[k:], g)]
@@ -422,6 +426,8 @@ def ddp_rank(rank, world, devices, cfg, n_in, n_out, steps, warmup, init_file, g
                 with torch.autocast("cuda", dtype=torch.bfloat16, enabled=low):
                     loss = torch.nn.functional.cross_entropy(ddp(x_all[idx]), y_all[idx])
                 loss.backward()
+                if cfg.get("clip_norm"):
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip_norm"])
                 opt.step()
 
             def eager():
@@ -602,7 +608,7 @@ def run_pympgu(devices, cfg, steps, warmup, plain_jax=False):
 def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print,
             exchange_blocks=None, method="auto", repeats=1, settings=({},), ranks=None,
             hidden=None, optimizer="sgd", schedule="constant", batch_size=None, dropout=0.0,
-            compute_dtype="float32", ddp_layout=DDP_LAYOUTS[0]):
+            compute_dtype="float32", ddp_layout=DDP_LAYOUTS[0], clip_norm=0.0):
     """Every row of the benchmark, as a list of dicts; ``ddp``: the DDP_SYSTEMS to run;
     ``settings``: the environments (env_settings) each multi-GPU pympgu row runs under, one
     row each, its variant named with the setting and its ``env`` the setting; ``ranks``:
@@ -610,6 +616,7 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
     (default: all of them); ``models``: names in MODELS, or models of one's own
     (model_config), built with ``hidden``; ``optimizer`` trains every row (with
     pympgu.train's optimizer_defaults), and ``schedule`` sets pympgu's rate before every step;
+    ``clip_norm`` is pympgu.train's --clip-norm, for every row (DDP's by clip_grad_norm_);
     ``batch_size``, if given, is every row's batch per GPU instead of its model's;
     ``dropout`` is pympgu's --dropout, for its rows alone (no plain JAX step, no DDP);
     ``compute_dtype`` is pympgu.train's --compute-dtype, for every row (DDP's by
@@ -634,7 +641,7 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
                     seed=0, epochs=1, resume=None, out=None, sync_every=1, overlap=False,
                     exchange_dtype="float32", exchange_blocks=exchange_blocks,
                     optimizer=optimizer, schedule=schedule, dropout=dropout,
-                    compute_dtype=compute_dtype, ddp_layout=ddp_layout)
+                    compute_dtype=compute_dtype, ddp_layout=ddp_layout, clip_norm=clip_norm)
         base.update(optimizer_defaults(optimizer))
         if batch_size is not None:
             base["batch_size"] = batch_size
@@ -690,7 +697,7 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
             median = sorted(kept, key=lambda r: r["ms_per_step"])[(len(kept) - 1) // 2]
             row = dict(kept[0], **median, model=model_label(name), system=system,
                        gpus=list(devs), variant=variant, batch=cfg["batch_size"],
-                       optimizer=optimizer, compute_dtype=compute_dtype,
+                       optimizer=optimizer, compute_dtype=compute_dtype, clip_norm=clip_norm,
                        schedule=schedule if system == "pympgu" else None,
                        dropout=dropout if system == "pympgu" else None,
                        runs_ms=[r and r["ms_per_step"] for r in results],
@@ -877,6 +884,10 @@ def main(argv=None):
                              "accumulating in float32; DDP's rows then run under "
                              "torch.autocast(bfloat16), the plain JAX step autocast as "
                              "pympgu's (default: float32, TF32 on GPUs, DDP's too)")
+    parser.add_argument("--clip-norm", type=float, default=0.0, metavar="C",
+                        help="as pympgu.train's flag, in every row: DDP's rows call "
+                             "torch.nn.utils.clip_grad_norm_ before the optimizer's step "
+                             "(default: 0, off)")
     parser.add_argument("--ddp-layout", choices=DDP_LAYOUTS, default=DDP_LAYOUTS[0],
                         help="memory layout of the convolutions in DDP's twin of a convnet: "
                              "channels-last (NHWC, the fast one on tensor cores) or PyTorch's "
@@ -908,6 +919,8 @@ def main(argv=None):
         parser.error("--dropout times pympgu's rows alone: add --no-ddp")
     if not 0 <= args.dropout < 1:
         parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
+    if not args.clip_norm >= 0:
+        parser.error(f"--clip-norm must be 0 (off) or above, got {args.clip_norm}")
     if args.steps < 1 or args.warmup < 1 or args.repeats < 1:
         parser.error("--steps, --warmup and --repeats must be at least 1")
     if args.batch_size is not None and args.batch_size < 1:
@@ -950,6 +963,7 @@ def main(argv=None):
           f"{args.warmup} warm-up; {args.optimizer}" +
           ("" if args.schedule == "constant" else f", {args.schedule} schedule") +
           (f", dropout {args.dropout}" if args.dropout else "") +
+          (f", clipped to norm {args.clip_norm:g}" if args.clip_norm else "") +
           ("" if args.compute_dtype == "float32" else f", {args.compute_dtype} products") +
           (f"; {args.repeats} runs of each row" if args.repeats > 1 else ""), flush=True)
     if len(gpus) == 1:
@@ -966,7 +980,7 @@ def main(argv=None):
                        ranks=args.ranks, hidden=args.hidden, optimizer=args.optimizer,
                        schedule=args.schedule, batch_size=args.batch_size,
                        dropout=args.dropout, compute_dtype=args.compute_dtype,
-                       ddp_layout=args.ddp_layout)
+                       ddp_layout=args.ddp_layout, clip_norm=args.clip_norm)
     except DataError as e:
         parser.error(f"--data-dir: {e}")
     except ModelError as e:

@@ -153,6 +153,8 @@ AFFINE = frozenset("""
 """.split())
 # Primitives that only reshape the one array they read (Tail._gradient_work).
 SHAPING = frozenset("copy copy_p reshape squeeze expand_dims broadcast_in_dim".split())
+# Reductions that Tail's ``statistics`` computes from the values that cross (a global norm).
+REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min".split())
 
 
 def _affine(eqn, hit):
@@ -195,9 +197,16 @@ class Tail:
     what crosses may be parts of a gradient rather than the gradient. A value from before
     that the tail only widens to float32 (a bfloat16 product's result) is widened before
     it, so that what crosses is float32.
+
+    With ``statistics``, a reduction that the tail reads, computed by elementwise work from
+    values that cross (and the state, constants), joins the tail with that work: the norm
+    of the gradients by which a clipped update scales them (Model's ``clip_norm``) is then
+    the norm of what crosses, the mean gradients, as DDP's clip_grad_norm_ computes it, not
+    a mean of the ranks' own norms. ``finishing`` does not count the values that such a
+    statistic reads: a global norm reads every gradient whole.
     """
 
-    def __init__(self, closed, which, finish=False):
+    def __init__(self, closed, which, finish=False, statistics=False):
         jaxpr, consts = _unwrap(closed)
         self.jaxpr, self.consts = jaxpr, consts
         eqns = jaxpr.eqns
@@ -219,6 +228,8 @@ class Tail:
         # An equation whose values work outside the tail reads must come before it, and so
         # must what it reads; with ``finish``, so must the work that may finish a gradient.
         while True:
+            if statistics:
+                self._statistics(tail, producer, users)
             leaving = {k for k in tail
                        if any(users.get(v, set()) - tail for v in eqns[k].outvars)}
             if not leaving:
@@ -242,6 +253,40 @@ class Tail:
         made = {v for e in self.tail for v in e.outvars}
         self._made = [i for i, v in enumerate(jaxpr.outvars) if _is_var(v) and v in made]
 
+    def _statistics(self, tail, producer, users):
+        """Adds to ``tail`` each reduction that it reads whose operands come, through
+        elementwise work that only the reduction needs, from the tail's values and values
+        that cross (one at least), the program's inputs and constants; until none is
+        left."""
+        eqns = self.jaxpr.eqns
+        while True:
+            crossing = {v for k in tail for v in eqns[k].invars
+                        if _is_var(v) and producer.get(v) not in (None, *tail)}
+            grown = False
+            for v in crossing:
+                k = producer[v]
+                if k in tail or eqns[k].primitive.name not in REDUCTIONS:
+                    continue
+                work, todo, reads, other = {k}, list(eqns[k].invars), False, False
+                while todo and not other:
+                    u = todo.pop()
+                    if not _is_var(u) or producer.get(u) is None:
+                        continue
+                    j = producer[u]
+                    reads |= u in crossing or j in tail
+                    if u in crossing or j in work or j in tail:
+                        continue
+                    other = eqns[j].primitive.name not in ELEMENTWISE  # not a statistic
+                    work.add(j)
+                    todo += eqns[j].invars
+                # Its work must leave nothing that the rest of the program needs.
+                if reads and not other and all(users.get(u, set()) <= tail | work
+                                               for j in work for u in eqns[j].outvars):
+                    tail |= work
+                    grown = True
+            if not grown:
+                return
+
     def _gradient_work(self, tail, producer, every):
         """The tail's equations that may finish computing a gradient rather than apply
         one: equations not affine in what they read that read values from before the tail
@@ -263,6 +308,9 @@ class Tail:
         sources, taken = {}, set()  # a tail value: the values from before that it reads
         for k in sorted(tail):
             e, read = eqns[k], set()
+            if e.primitive.name in REDUCTIONS:  # a statistic (``statistics``): reads all
+                sources.update((v, set()) for v in e.outvars)
+                continue
             for v in e.invars:
                 if not _is_var(v) or v in constants:
                     continue

@@ -65,7 +65,7 @@ class Model:
     def __init__(self):
         self.params, self.weights = [], []
         self.optimizer, self.beta2, self.eps, self.weight_decay = "sgd", 0.999, 1e-8, 0.0
-        self.nesterov = False
+        self.nesterov, self.clip_norm = False, 0.0
         self._slots = None
         self.lr = self.decay = None  # compile's shared rates (rate_vars)
         self.dropout_rate, self._dropped = 0.0, False
@@ -106,7 +106,8 @@ class Model:
             self.weights.append(p)
         return p
 
-    def set_optimizer(self, name, beta2=0.999, eps=1e-8, weight_decay=0.0, nesterov=False):
+    def set_optimizer(self, name, beta2=0.999, eps=1e-8, weight_decay=0.0, nesterov=False,
+                      clip_norm=0.0):
         """Train with ``name`` (OPTIMIZERS): 'sgd', SGD with momentum (the default),
         'adam', or 'adamw', Adam with decoupled weight decay (Loshchilov and Hutter,
         "Decoupled Weight Decay Regularization", 2019): each step multiplies the penalized
@@ -115,8 +116,11 @@ class Model:
         Adam would divide by its second moment. ``beta2`` and ``eps`` are Adam's (its beta1
         is compile's ``momentum``). ``nesterov``: SGD's step takes Nesterov's momentum
         (Sutskever et al. 2013, as torch.optim.SGD's ``nesterov``), the parameters moved by
-        ``momentum * v_new - lr * g`` rather than ``v_new``. Call it before the state is
-        used: it decides what the state holds."""
+        ``momentum * v_new - lr * g`` rather than ``v_new``. ``clip_norm``, when above 0:
+        every step scales its gradients by ``min(1, clip_norm / (norm + 1e-6))``, ``norm``
+        the 2-norm of them all together, as torch.nn.utils.clip_grad_norm_ does (the L1
+        and L2 terms' gradients included; AdamW's decay is not a gradient). Call it before
+        the state is used: it decides what the state holds."""
         if name not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)}, got {name!r}")
         if self._slots is not None:
@@ -128,6 +132,9 @@ class Model:
                              f"{name!r}")
         if nesterov and name != "sgd":
             raise ValueError(f"nesterov is SGD's momentum, not {name!r}'s")
+        if not clip_norm >= 0:
+            raise ValueError(f"clip_norm must be 0 (no clipping) or above, got {clip_norm}")
+        self.clip_norm = float(clip_norm)
         self.optimizer, self.beta2, self.eps = name, float(beta2), float(eps)
         self.weight_decay, self.nesterov = float(weight_decay), bool(nesterov)
 
@@ -194,10 +201,10 @@ class Model:
 
     @property
     def affine_update(self):
-        """Whether the update is affine in the gradients (SGD's is, Adam's is not): then
-        averaging the replicas' updates is updating by their mean gradient (pympgu.train.
-        Sync says where that matters)."""
-        return self.optimizer == "sgd"
+        """Whether the update is affine in the gradients (SGD's is, Adam's is not, nor a
+        clipped one's): then averaging the replicas' updates is updating by their mean
+        gradient (pympgu.train.Sync says where that matters)."""
+        return self.optimizer == "sgd" and not self.clip_norm
 
     def step_size(self, lr, t):
         """The learning rate that step ``t`` (counted from 1) applies for a base ``lr``:
@@ -378,6 +385,13 @@ class Model:
         if l2:
             cost = cost + np.float32(l2) * sum(pt.sum(W ** 2) for W in self.weights)
         grads = pytensor.grad(cost, self.params)
+        if self.clip_norm:
+            # On the gradients' road the norm is that of the ranks' mean gradients, as DDP's
+            # clip_grad_norm_ after backward (pympgu.jaxsplit.Tail's statistics).
+            norm = pt.sqrt(sum(pt.sum(pt.sqr(g)) for g in grads))
+            scale = pt.minimum(np.float32(1),
+                               np.float32(self.clip_norm) / (norm + np.float32(1e-6)))
+            grads = [g * scale for g in grads]
         # The learning rate (and AdamW's decay) is a shared variable rather than a constant,
         # so that a schedule (and Adam's bias correction, step_size) changes it between
         # steps without compiling again; every rank gives it the same value, so the
@@ -558,10 +572,11 @@ def load(spec):
 
 
 def build(spec, n_in, hidden, n_out, seed=1234, optimizer="sgd", beta2=0.999, dropout=0.0,
-          flip=False, shift=0, weight_decay=0.0, label_smoothing=0.0, nesterov=False):
+          flip=False, shift=0, weight_decay=0.0, label_smoothing=0.0, nesterov=False,
+          clip_norm=0.0):
     """The model that ``spec`` names (load), built for this data: ``cls(n_in, hidden,
     n_out, seed=seed)``, trained by ``optimizer`` (Model.set_optimizer, with ``beta2``,
-    ``weight_decay`` and ``nesterov``) with its dropout layers at ``dropout``
+    ``weight_decay``, ``nesterov`` and ``clip_norm``) with its dropout layers at ``dropout``
     (Model.dropout), its training images flipped and shifted as ``flip`` and ``shift`` say
     (pympgu.nnet.augment) and its targets smoothed by ``label_smoothing``, with its
     parameters and state checked."""
@@ -575,7 +590,8 @@ def build(spec, n_in, hidden, n_out, seed=1234, optimizer="sgd", beta2=0.999, dr
     if "params" not in model.__dict__ or not model.params:
         raise ModelError(f"--model {spec}: {cls.__name__} made no parameters (its __init__ "
                          "must call super().__init__() and then self.parameter(...))")
-    model.set_optimizer(optimizer, beta2=beta2, weight_decay=weight_decay, nesterov=nesterov)
+    model.set_optimizer(optimizer, beta2=beta2, weight_decay=weight_decay, nesterov=nesterov,
+                        clip_norm=clip_norm)
     model.dropout_rate = float(dropout)
     if not 0 <= label_smoothing < 1:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")

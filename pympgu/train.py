@@ -32,7 +32,7 @@ PRESETS = {
                      epochs=10),
 }
 DEFAULTS = dict(hidden=[500], lr=0.05, momentum=0.9, batch_size=128, l1=0.0, l2=1e-4, epochs=5,
-                optimizer="sgd", nesterov=False, beta2=0.999, weight_decay=0.0,
+                optimizer="sgd", nesterov=False, beta2=0.999, weight_decay=0.0, clip_norm=0.0,
                 schedule="constant", warmup=0.0,
                 dropout=0.0, label_smoothing=0.0, flip=False, shift=0,
                 bn_examples=STATISTICS_EXAMPLES)
@@ -125,6 +125,7 @@ def build_model(cfg, ds):
                         optimizer=cfg.get("optimizer", "sgd"), beta2=cfg.get("beta2", 0.999),
                         weight_decay=cfg.get("weight_decay", 0.0),
                         nesterov=cfg.get("nesterov", False),
+                        clip_norm=cfg.get("clip_norm", 0.0),
                         dropout=cfg.get("dropout", 0.0), flip=cfg.get("flip", False),
                         label_smoothing=cfg.get("label_smoothing", 0.0),
                         shift=cfg.get("shift", 0))
@@ -885,6 +886,13 @@ def build_parser():
                    help="SGD with Nesterov's momentum, as torch.optim.SGD's nesterov: each "
                         "step moves the parameters by momentum * v - lr * g with the new "
                         "velocity v, looking ahead along it (default: off)")
+    m.add_argument("--clip-norm", type=float, metavar="C",
+                   help="scale every step's gradients down to a 2-norm of at most C, taken "
+                        "over all of them together, as torch.nn.utils.clip_grad_norm_ does "
+                        "(with any optimizer). On GPUs at --sync-every 1 it is the norm of "
+                        "the ranks' mean gradient, as with DDP; elsewhere each rank clips its "
+                        "own before the replicas are averaged (docs/TRAINING.md) (default: "
+                        "0, off)")
     m.add_argument("--beta2", type=float, help=f"Adam's beta2, the decay of its second moment "
                    f"(default: {DEFAULTS['beta2']})")
     m.add_argument("--dropout", type=float, metavar="RATE",
@@ -990,8 +998,8 @@ def resolve(args, parser):
         parser.error("--weight-decay is AdamW's decoupled decay; give --optimizer adamw with "
                      "it (--l2 penalises the weights for sgd and adam)")
     for key in ("hidden", "epochs", "batch_size", "lr", "momentum", "nesterov", "l1", "l2",
-                "beta2", "weight_decay", "warmup", "dropout", "label_smoothing", "flip", "shift",
-                "bn_examples"):
+                "beta2", "weight_decay", "clip_norm", "warmup", "dropout", "label_smoothing",
+                "flip", "shift", "bn_examples"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     if not cfg["lr"] > 0:
@@ -1003,6 +1011,8 @@ def resolve(args, parser):
         parser.error(f"--nesterov needs a --momentum above 0, got {cfg['momentum']}")
     if not 0 <= cfg["weight_decay"] < 1:
         parser.error(f"--weight-decay must be in [0, 1), got {cfg['weight_decay']}")
+    if not cfg["clip_norm"] >= 0:
+        parser.error(f"--clip-norm must be 0 (off) or above, got {cfg['clip_norm']}")
     if not 0 <= cfg["dropout"] < 1:
         parser.error(f"--dropout must be in [0, 1), got {cfg['dropout']}")
     if not 0 <= cfg["label_smoothing"] < 1:
@@ -1167,6 +1177,8 @@ def run(cfg, devices, port=None, quiet=False):
                      f", shifted by {cfg['shift']}" if cfg.get("shift") else ""])
     decay = (f" decay {model.weight_decay:g}" if model.optimizer == "adamw" else
              " nesterov" if model.nesterov else "")
+    if model.clip_norm:
+        decay += f", clipped to norm {model.clip_norm:g}"
     print(f"pympgu: {ds} | {model.describe()} | {model.optimizer}{decay}, {schedule}{noise} | "
           f"{where} | batch {cfg['batch_size']}/worker | sync every {cfg['sync_every']}"
           f"{' overlapped' if cfg['overlap'] else ''}"

@@ -729,9 +729,10 @@ def gradient_plan(fn, updated, group, args, local=(), shadow=None, algo="auto", 
     if algo == "gather":
         return None, "the gather algorithm averages parameters only"
     # Exact, the tail need only be affine in what crosses, and any work on gradients alone
-    # may go before it; else what crosses must be the gradients themselves.
+    # may go before it; else what crosses must be the gradients themselves, and a norm of
+    # them (a clipped update's) is the norm of their mean.
     tail = jaxsplit.Tail(jaxsplit.trace(fn, list(args), inline=True), list(updated),
-                         finish=exact)
+                         finish=exact, statistics=not exact)
     if not tail.crossing:
         return None, "the results have no elementwise update"
     # A new value the update does not compute must be the same on every rank: an input

@@ -368,7 +368,7 @@ def xla_rounds(ctx, rounds, method="auto", big=1 << 23, shadow=False):
             "corrected": corrected_path}
 
 
-def gradient_rounds(ctx, rounds, big=1 << 23, squared=False, wire=None):
+def gradient_rounds(ctx, rounds, big=1 << 23, update="affine", wire=None, clip=4.0):
     """A training step's update fed the ranks' mean gradient inside XLA
     (Exchanger.xla_average_gradients), checked bit for bit against numpy each round. The
     state is W, b, a big vector, a matrix and their momentum, the same on every rank; each
@@ -377,10 +377,14 @@ def gradient_rounds(ctx, rounds, big=1 << 23, squared=False, wire=None):
     product, so that the others cross first and the step is cut (jaxsplit.Split). Where
     the plan does not apply (PYMPGU_GRADIENTS=0, say), the average of the parameters after
     the update is checked instead, each rank keeping its own momentum. Odd rounds average
-    the parameters after no step, through the same group. ``squared``: the update reads
+    the parameters after no step, through the same group. ``update``: 'squared' reads
     each gradient squared (exact here), an update not affine in its gradients as Adam's
     is not, taken with ``exact=False``: the square of the mean gradient, not the mean of
-    the squares. ``wire`` ('bfloat16' or 'float16'): the gradients cross rounded to it, and
+    the squares; 'clipped' scales the gradients to a 2-norm of at most ``clip`` (Model's
+    clip_norm), also with ``exact=False``: by the norm of the mean gradient, or each
+    rank's own where the plan does not apply. Its data are small and mostly zero, so
+    that the sum of squares is exact in any order, and on a power of two of ranks the
+    scale is the same bits in XLA as in numpy. ``wire`` ('bfloat16' or 'float16'): the gradients cross rounded to it, and
     are summed in float32 (by the kernel: averaged into the wire's dtype); its rounds are
     all steps, since the parameters' own average inside XLA takes no such wire."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -404,8 +408,19 @@ def gradient_rounds(ctx, rounds, big=1 << 23, squared=False, wire=None):
 
     def data(rank, k):  # quarters of small integers: their sums and products are exact
         rng = np.random.default_rng([rank, k, 7])
-        return [(rng.integers(-64, 64, (4, *s)) * 0.25).astype(np.float32)
-                for s in [*shapes[:3], shapes[3][:1], shapes[3][1:]]]
+        top = 4 if update == "clipped" else 64
+        xs = [(rng.integers(-top, top, (4, *s)) * 0.25).astype(np.float32)
+              for s in [*shapes[:3], shapes[3][:1], shapes[3][1:]]]
+        if update == "clipped":  # nonzero in 4 or 16 places along the last axis
+            for x, kept in zip(xs, [4, 16, 16, 4, 4]):
+                x[..., kept:] = 0
+        return xs
+
+    def clipped(g):  # Model's clip_norm, from a sum of squares exact in any order
+        total = np.float32(sum(float(np.sum(np.square(gi, dtype=np.float64))) for gi in g))
+        scale = np.minimum(np.float32(1),
+                           np.float32(clip) / (np.sqrt(total) + np.float32(1e-6)))
+        return [gi * scale for gi in g]
 
     def gradients(xs):  # numpy's: the rows summed; the matrix's, a product
         return [x.sum(axis=0, dtype=np.float32) for x in xs[:3]] + [xs[3].T @ xs[4]]
@@ -416,8 +431,12 @@ def gradient_rounds(ctx, rounds, big=1 << 23, squared=False, wire=None):
         work = jnp.sum((tiled @ tiled) @ tiled.T)
         xs[2] = xs[2] + np.float32(0) * work  # the big gradient waits for the product
         g = [jnp.sum(x, axis=0) for x in xs[:3]] + [xs[3].T @ xs[4]]
-        if squared:
+        if update == "squared":
             g = [gi * gi for gi in g]
+        elif update == "clipped":
+            norm = jnp.sqrt(sum(jnp.sum(gi * gi) for gi in g))
+            scale = jnp.minimum(np.float32(1), np.float32(clip) / (norm + np.float32(1e-6)))
+            g = [gi * scale for gi in g]
         new_v = [mu * vi - gi for vi, gi in zip(v, g)]
         return [pi + vi for pi, vi in zip(p, new_v)] + new_v + [work]
 
@@ -426,11 +445,12 @@ def gradient_rounds(ctx, rounds, big=1 << 23, squared=False, wire=None):
         shadow = ex.xla_shadow(correction=False)
         which, local = list(range(2 * n)), list(range(2 * n, 2 * n + 5))
         structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in start + data(0, 0)]
+        exact = update == "affine"
         why = xla.gradient_plan(step, which, ex.backend.group, structs, local, shadow,
-                                exact=not squared)[1]
+                                exact=exact)[1]
         stepped = jax.jit(lambda flat, shadow: ex.xla_average_gradients(
             step, which, which[:n], *flat, shadow=shadow, local=local,
-            exact=not squared)[:2 * n])
+            exact=exact)[:2 * n])
         plain = jax.jit(lambda flat: ex.xla_average([a + np.float32(0) for a in flat[:n]]) +
                         list(flat[n:]))
         xs = [jax.device_put(a, dev) for a in start]
@@ -454,8 +474,10 @@ def gradient_rounds(ctx, rounds, big=1 << 23, squared=False, wire=None):
             elif why is None:  # every rank's update of the mean gradient
                 sums = [[model_average([g[i].ravel() for g in sums], "float32").reshape(s)
                          for i, s in enumerate(shapes)]] * ctx.nranks
-            if squared:
+            if update == "squared":
                 sums = [[gi * gi for gi in g] for g in sums]
+            elif update == "clipped":
+                sums = [clipped(g) for g in sums]
             for m, g in zip(models, sums):
                 m[n:] = [mu * v - gi for v, gi in zip(m[n:], g)]
                 m[:n] = [p + v for p, v in zip(m[:n], m[n:])]

@@ -88,6 +88,22 @@ def test_train_bench_times_dropout_in_pympgus_rows(tmp_path):
         assert r.returncode == 2 and says in r.stderr, r.stderr
 
 
+def test_train_bench_times_clipped_gradients(tmp_path):
+    """--clip-norm 1 on CPU workers: every row clips, the plain JAX twin too (as DDP's
+    twin calls clip_grad_norm_), and the rows say so; a negative norm is refused."""
+    out = tmp_path / "rows.json"
+    r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "2", "--models",
+                        "seed", "--steps", "2", "--warmup", "1", "--variants", "sync1",
+                        "--clip-norm", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [x["clip_norm"] for x in json.loads(out.read_text())["rows"]] == [1.0, 1.0]
+    assert "sgd, clipped to norm 1" in r.stdout and "plain JAX step" in r.stdout, r.stdout
+    r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "2",
+                        "--clip-norm", "-1"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--clip-norm must be 0 (off) or above" in r.stderr, r.stderr
+
+
 def test_train_bench_rejects_bad_flags():
     r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "9"],
                        capture_output=True, text=True, timeout=60)

@@ -102,13 +102,16 @@ def test_gpu_exchange_inside_xla(nranks, method, shadow, max_ranks, monkeypatch)
     assert all(r["corrected"].endswith("in the update") == in_update for r in results), results
 
 
-@pytest.mark.parametrize("gradients,nranks,max_ranks,squared,wire", [
-    ("1", 2, "2", False, None), ("0", 2, "2", False, None), ("1", 4, "4", False, None),
-    ("1", 4, "2", False, None), ("1", 3, "2", False, None), ("1", 2, "1", False, None),
-    ("1", 2, "2", True, None), ("1", 3, "2", True, None), ("1", 2, "2", False, "bfloat16"),
-    ("1", 3, "2", False, "bfloat16"), ("1", 2, "2", False, "float16"),
-    ("1", 3, "2", False, "float16")])
-def test_gpu_update_of_the_mean_gradient_inside_xla(gradients, nranks, max_ranks, squared,
+@pytest.mark.parametrize("gradients,nranks,max_ranks,update,wire", [
+    ("1", 2, "2", "affine", None), ("0", 2, "2", "affine", None),
+    ("1", 4, "4", "affine", None), ("1", 4, "2", "affine", None),
+    ("1", 3, "2", "affine", None), ("1", 2, "1", "affine", None),
+    ("1", 2, "2", "squared", None), ("1", 3, "2", "squared", None),
+    ("1", 2, "2", "clipped", None), ("1", 4, "2", "clipped", None),
+    ("0", 2, "2", "clipped", None),
+    ("1", 2, "2", "affine", "bfloat16"), ("1", 3, "2", "affine", "bfloat16"),
+    ("1", 2, "2", "affine", "float16"), ("1", 3, "2", "affine", "float16")])
+def test_gpu_update_of_the_mean_gradient_inside_xla(gradients, nranks, max_ranks, update,
                                                     wire, monkeypatch):
     """Exchanger.xla_average_gradients: the step cut in two, its update fed the ranks' mean
     gradient, bit for bit against numpy and the same on every rank; with
@@ -116,15 +119,17 @@ def test_gpu_update_of_the_mean_gradient_inside_xla(gradients, nranks, max_ranks
     PYMPGU_SPLIT_MAX_RANKS ranks the gradients cross into the shadow (on 4 ranks each rank
     pushes to three peers and the update sums four gradients in rank order); above it the
     kernel averages each part ('twoshot' for the first, capped beside the late work, 'push'
-    for the last), on 3 ranks too, and the update reads the means. ``squared``: an update
-    not affine in its gradients (as Adam's), taken with exact=False: it reads the square
-    of the mean gradient, by either road. ``wire``: the gradients cross rounded to
-    bfloat16 or float16 (into the shadow on 2 ranks, by the kernel on 3)."""
+    for the last), on 3 ranks too, and the update reads the means. ``update``: 'squared',
+    an update not affine in its gradients (as Adam's), taken with exact=False: it reads
+    the square of the mean gradient, by either road; 'clipped' (--clip-norm) scales the
+    gradients by the norm of their mean, which the update computes from what crossed
+    (or, with PYMPGU_GRADIENTS=0, each rank by its own). ``wire``: the gradients cross
+    rounded to bfloat16 or float16 (into the shadow on 2 ranks, by the kernel on 3)."""
     needs_xla()
     from runtime_targets import gradient_rounds
     monkeypatch.setenv("PYMPGU_GRADIENTS", gradients)  # the spawned workers read both
     monkeypatch.setenv("PYMPGU_SPLIT_MAX_RANKS", max_ranks)
-    results = launch(gradient_rounds, (7, 1 << 23, squared, wire), gpus=devices(nranks))
+    results = launch(gradient_rounds, (7, 1 << 23, update, wire), gpus=devices(nranks))
     assert len({r["digest"] for r in results}) == 1
     by_kernel = nranks > int(max_ranks)
     for r in results:
@@ -374,6 +379,28 @@ def test_gpu_training_adam(monkeypatch, optimizer):
     cfg = dict(train.DEFAULTS, **JAX_TRAINING, hidden=[256, 128], optimizer=optimizer,
                schedule="cosine", warmup=0.25)
     cfg.update(train.optimizer_defaults(optimizer), lr=0.002)
+    ddp = train.run(cfg, devices(2))[-1]
+    monkeypatch.setenv("PYMPGU_GRADIENTS", "0")  # the spawned workers read it
+    averaged = train.run(cfg, devices(2))[-1]
+    assert ddp["road"] == "the update of the mean gradients", ddp
+    assert averaged["road"].endswith("PYMPGU_GRADIENTS=0"), averaged
+    assert ddp["test_error"] < 0.25 and averaged["test_error"] < 0.25, (ddp, averaged)
+    assert abs(ddp["test_error"] - averaged["test_error"]) <= 0.03, (ddp, averaged)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_gpu_training_clipped(monkeypatch, optimizer):
+    """--clip-norm on 2 GPUs at --sync-every 1: the update scales the gradients by their
+    norm, so it is not affine in them, and the step takes the gradients' road at any size
+    (the MLP here is far under PYMPGU_SPLIT_MIN_BYTES): every rank clips the mean gradient
+    by its norm, as DDP with clip_grad_norm_ does. With PYMPGU_GRADIENTS=0 each rank clips
+    its own and the whole state is averaged after the update. Both learn, and run() checks
+    that the replicas end identical."""
+    needs_xla()
+    from pympgu import train
+    cfg = dict(train.DEFAULTS, **JAX_TRAINING, hidden=[256, 128], optimizer=optimizer,
+               clip_norm=0.5)
+    cfg.update(train.optimizer_defaults(optimizer))
     ddp = train.run(cfg, devices(2))[-1]
     monkeypatch.setenv("PYMPGU_GRADIENTS", "0")  # the spawned workers read it
     averaged = train.run(cfg, devices(2))[-1]

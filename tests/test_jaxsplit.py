@@ -274,6 +274,57 @@ def test_adams_update_takes_the_gradients_road_only_as_ddp(optimizer):
     run_jax_on_cpu(code, "adam")
 
 
+@pytest.mark.parametrize("optimizer,lr", [("sgd", 0.05), ("adam", 1e-3)])
+def test_a_clipped_update_reads_the_norm_of_the_mean_gradient(optimizer, lr):
+    """--clip-norm's update scales the gradients by their global norm: gradient_plan refuses
+    it where the road must give the replicas' average (exact), as it is not affine in
+    them, and takes it with exact=False, where what crosses is one gradient per parameter
+    and the norm is computed in the update from what crosses. Fed two ranks' mean
+    gradients, that update is the step on both ranks' minibatches together (DDP's
+    clip_grad_norm_ after the all-reduce), to float32's rounding, and far from the mean of
+    the two ranks' own clipped steps; fed in two parts it gives the same bits as in one."""
+    pytest.importorskip("jax")
+    code = PRELUDE + (
+        "from types import SimpleNamespace; from pympgu import xla\n"
+        "B = 64\n"
+        "def clipped(batch):\n"
+        f"    return traced([32, 16], batch, {optimizer!r}, {lr}, 0, 1e-4, clip_norm=0.05)\n"
+        "m, st, args0, which, compute = clipped(B)\n"
+        "args1 = st.arguments(np.arange(B, 2 * B, dtype=np.int32))\n"
+        "group = SimpleNamespace(shadow_offset=4096, nranks=2, rank=0)\n"
+        "def plan(exact):\n"
+        "    return xla.gradient_plan(compute, which, group, args0, st.explicit, object(),\n"
+        "                             exact=exact)\n"
+        "assert 'not affine in its gradients' in plan(True)[1], plan(True)\n"
+        "tail, why = plan(False)\n"
+        "assert why is None and not tail.finishing, why\n"
+        "n = len(tail.crossing)\n"
+        "assert n == len(m.params), tail.crossing  # the gradients alone, not their norms\n"
+        "assert 'reduce_sum' in {e.primitive.name for e in tail.tail}\n"
+        "g0, g1 = (tail.evaluate_before(a)[:n] for a in (args0, args1))\n"
+        "mean = [(a + b) / np.float32(2) for a, b in zip(g0, g1)]\n"
+        "def fed(parts):\n"
+        "    made = tail.evaluate_tail(args0, mean, [(p, lambda v, e: v) for p in parts])\n"
+        "    return [np.asarray(made[i]) for i in which]\n"
+        "ddp = fed([range(n)])\n"
+        "for a, b in zip(ddp, fed([range(n // 2), range(n // 2, n)])):\n"
+        "    assert np.array_equal(a, b)\n"
+        "_, st2, _, which2, compute2 = clipped(2 * B)\n"
+        "union = compute2(*st2.arguments(np.arange(2 * B, dtype=np.int32)))\n"
+        "union = [np.asarray(union[i]) for i in which2]\n"
+        "outs0, outs1 = compute(*args0), compute(*args1)\n"
+        "own = [(np.asarray(outs0[i]) + np.asarray(outs1[i])) / 2 for i in which]\n"
+        "k = len(m.params)  # the optimizer's state: the clipped gradients, scaled\n"
+        "for a, b in zip(ddp, union):\n"
+        "    assert np.allclose(a, b, rtol=1e-5, atol=1e-8), np.abs(a - b).max()\n"
+        "off = max(np.abs(a - b).max() / np.abs(b).max() for a, b in zip(own[k:], union[k:]))\n"
+        "near = max(np.abs(a - b).max() / np.abs(b).max() for a, b in zip(ddp[k:], union[k:]))\n"
+        "assert off > 1e-2 and near < 1e-5, (off, near)\n"
+        "print('clipped', off, near)\n"
+    )
+    run_jax_on_cpu(code, "clipped")
+
+
 def test_work_on_gradients_alone_goes_before_the_tail_where_the_update_is_affine():
     """A gradient that the step finishes in the update's elementwise tail, as a batch norm's
     scale's is (one sum over the batch divided by another): with ``finish`` the division

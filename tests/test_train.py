@@ -178,6 +178,40 @@ def test_nesterov_looks_ahead_along_the_velocity():
         models.build(None, ds.n_in, [16], ds.n_classes, optimizer="adam", nesterov=True)
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_clip_norm_scales_the_gradients_to_their_global_norm(optimizer):
+    """--clip-norm C: a step's gradients, all together, are scaled to a 2-norm of at most
+    C (torch.nn.utils.clip_grad_norm_'s rule). From zero state the first step leaves the
+    clipped gradients in the optimizer's state (SGD's velocity, -lr * g at lr 1 and no
+    momentum; Adam's first moment, (1 - beta1) * g): with a C far above the gradients'
+    norm they are the unclipped ones, and with a C below it the same directions at norm
+    C. A negative C is refused."""
+    from pympgu import models
+    ds = data.load()
+    idx = np.arange(100, dtype=np.int32)
+    state = {}
+    for clip in (0.0, 1e6, 0.01):
+        m = models.build(None, ds.n_in, [16], ds.n_classes, optimizer=optimizer,
+                         clip_norm=clip)
+        tr, _ = m.compile(ds, 100, 100, 1.0, 0.0 if optimizer == "sgd" else 0.9, 0.0, 1e-4,
+                          "FAST_RUN")
+        tr(idx)
+        state[clip] = [np.array(v.get_value()) for v in m.slots[:len(m.params)]]
+    scale = 1.0 if optimizer == "sgd" else 0.1
+
+    def norm(arrays):
+        return np.sqrt(sum(float(np.sum(np.square(a, dtype=np.float64))) for a in arrays))
+    assert norm(state[0.0]) > 10 * 0.01 * scale  # the clip below binds
+    for a, b in zip(state[0.0], state[1e6]):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-9)
+    assert norm(state[0.01]) == pytest.approx(0.01 * scale, rel=1e-4)
+    for a, b in zip(state[0.0], state[0.01]):
+        np.testing.assert_allclose(b, a * (0.01 * scale / norm(state[0.0])), rtol=1e-4,
+                                   atol=1e-10)
+    with pytest.raises(ValueError, match="clip_norm must be 0"):
+        models.build(None, ds.n_in, [16], ds.n_classes, clip_norm=-1.0)
+
+
 @pytest.mark.parametrize("optimizer", ["adam", "adamw"])
 def test_adam_resumed_goes_on_with_its_schedule_and_bias_correction(tmp_path, optimizer,
                                                                    capsys):
@@ -562,6 +596,7 @@ def test_seed_pickle_format(tmp_path):
     (["--cpu", "2", "--nesterov", "--optimizer", "adam"], "--nesterov is SGD's momentum"),
     (["--cpu", "2", "--nesterov", "--preset", "dual_mlp"],
      "--nesterov needs a --momentum above 0, got 0.0"),
+    (["--cpu", "2", "--clip-norm", "-1"], "--clip-norm must be 0 (off) or above, got -1.0"),
     (["--cpu", "2", "--lr", "0"], "--lr must be positive"),
     (["--cpu", "2", "--epochs", "2", "--warmup", "3"], "--warmup must be 0 to --epochs (2)"),
     (["--cpu", "2", "--schedule", "step"], "invalid choice: 'step'"),
