@@ -62,6 +62,26 @@ SPLIT_MAX_RANKS = int(os.environ.get("PYMPGU_SPLIT_MAX_RANKS", 2))
 BESIDE_BLOCKS = int(os.environ.get("PYMPGU_BESIDE_BLOCKS", 64))
 if not 1 <= BESIDE_BLOCKS <= 512:
     raise ValueError(f"PYMPGU_BESIDE_BLOCKS must be 1 to 512, got {BESIDE_BLOCKS}")
+# XLA's GPU reductions may sum in another order at each call (across blocks, by atomics): a
+# norm that every rank computes from the same mean gradients (a clipped update) then need
+# not be the same bits on every rank, and the replicas drift apart. This flag makes XLA
+# exclude such operations (docs/BENCHMARKS.md, session 37).
+DETERMINISTIC_FLAG = "--xla_gpu_exclude_nondeterministic_ops=true"
+
+
+def deterministic_reductions():
+    """Whether this process's XLA computes reductions in one order: on a CPU, or on GPUs
+    with DETERMINISTIC_FLAG in XLA_FLAGS (read when JAX's GPU backend starts)."""
+    import jax
+    return (jax.default_backend() == "cpu"
+            or DETERMINISTIC_FLAG in os.environ.get("XLA_FLAGS", "").split())
+
+
+def use_deterministic_reductions():
+    """Adds DETERMINISTIC_FLAG to XLA_FLAGS; call before JAX starts its GPU backend."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    if DETERMINISTIC_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = " ".join([*flags, DETERMINISTIC_FLAG])
 
 
 def copies_to_every_peer(nranks):
@@ -748,6 +768,11 @@ def gradient_plan(fn, updated, group, args, local=(), shadow=None, algo="auto", 
         if tail.finishing:
             return None, ("the update reads parts of its gradients, not the gradients "
                           f"({tail.finishing[0].primitive.name} of two)")
+        if not deterministic_reductions() and any(
+                e.primitive.name in jaxsplit.REDUCTIONS for e in tail.tail):
+            return None, ("the update reduces what crosses (a norm), and XLA's GPU "
+                          "reductions may sum in another order on each rank: set XLA_FLAGS="
+                          f"{DETERMINISTIC_FLAG} (pympgu.train does with --clip-norm)")
         # The mean gradient's update differs from the mean of the updates: take it at
         # every size, so that what a run computes does not depend on its model's size.
         return tail, None

@@ -388,10 +388,12 @@ def gradient_rounds(ctx, rounds, big=1 << 23, update="affine", wire=None, clip=4
     are summed in float32 (by the kernel: averaged into the wire's dtype); its rounds are
     all steps, since the parameters' own average inside XLA takes no such wire."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    from pympgu import xla
+    if update == "clipped":  # as pympgu.train's workers do: before JAX starts
+        xla.use_deterministic_reductions()
     import jax
     import jax.numpy as jnp
 
-    from pympgu import xla
     from pympgu.exchange import Exchanger
     dev = jax.devices("gpu")[ctx.device]
     shapes = [[64, 64], [64], [big], [512, 2048]]
@@ -416,10 +418,15 @@ def gradient_rounds(ctx, rounds, big=1 << 23, update="affine", wire=None, clip=4
                 x[..., kept:] = 0
         return xs
 
+    def scale_of(total):  # the clipping's factor for a sum of squares, as the update has it
+        return jnp.minimum(np.float32(1), np.float32(clip) / (jnp.sqrt(total) + np.float32(1e-6)))
+    scale_of = jax.jit(scale_of)
+
     def clipped(g):  # Model's clip_norm, from a sum of squares exact in any order
         total = np.float32(sum(float(np.sum(np.square(gi, dtype=np.float64))) for gi in g))
-        scale = np.minimum(np.float32(1),
-                           np.float32(clip) / (np.sqrt(total) + np.float32(1e-6)))
+        # Its square root and division in XLA's arithmetic: on GPUs they need not be
+        # numpy's to the last bit (this checks which norm scales the gradients, not them).
+        scale = np.asarray(scale_of(jax.device_put(total, dev)))
         return [gi * scale for gi in g]
 
     def gradients(xs):  # numpy's: the rows summed; the matrix's, a product

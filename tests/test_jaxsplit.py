@@ -279,7 +279,9 @@ def test_a_clipped_update_reads_the_norm_of_the_mean_gradient(optimizer, lr):
     """--clip-norm's update scales the gradients by their global norm: gradient_plan refuses
     it where the road must give the replicas' average (exact), as it is not affine in
     them, and takes it with exact=False, where what crosses is one gradient per parameter
-    and the norm is computed in the update from what crosses. Fed two ranks' mean
+    and the norm is computed in the update from what crosses; where XLA's reductions may
+    sum in another order at each call (on GPUs, without pympgu.xla.DETERMINISTIC_FLAG), the
+    plan is refused and says so. Fed two ranks' mean
     gradients, that update is the step on both ranks' minibatches together (DDP's
     clip_grad_norm_ after the all-reduce), to float32's rounding, and far from the mean of
     the two ranks' own clipped steps; fed in two parts it gives the same bits as in one."""
@@ -296,6 +298,9 @@ def test_a_clipped_update_reads_the_norm_of_the_mean_gradient(optimizer, lr):
         "    return xla.gradient_plan(compute, which, group, args0, st.explicit, object(),\n"
         "                             exact=exact)\n"
         "assert 'not affine in its gradients' in plan(True)[1], plan(True)\n"
+        "xla.deterministic_reductions = lambda: False  # as on GPUs without the flag\n"
+        "assert xla.DETERMINISTIC_FLAG in plan(False)[1], plan(False)\n"
+        "xla.deterministic_reductions = lambda: True\n"
         "tail, why = plan(False)\n"
         "assert why is None and not tail.finishing, why\n"
         "n = len(tail.crossing)\n"
