@@ -62,10 +62,11 @@ SPLIT_MAX_RANKS = int(os.environ.get("PYMPGU_SPLIT_MAX_RANKS", 2))
 BESIDE_BLOCKS = int(os.environ.get("PYMPGU_BESIDE_BLOCKS", 64))
 if not 1 <= BESIDE_BLOCKS <= 512:
     raise ValueError(f"PYMPGU_BESIDE_BLOCKS must be 1 to 512, got {BESIDE_BLOCKS}")
-# XLA's GPU reductions may sum in another order at each call (across blocks, by atomics): a
-# norm that every rank computes from the same mean gradients (a clipped update) then need
-# not be the same bits on every rank, and the replicas drift apart. This flag makes XLA
-# exclude such operations (docs/BENCHMARKS.md, session 37).
+# XLA on GPUs may compile a reduction that sums in another order at each call: a norm that
+# every rank computes from the same mean gradients (a clipped update) then need not be the
+# same bits on every rank, and the replicas drift apart. On one H200 3 of 6 clipped runs on
+# 2 ranks did, and with this flag, which makes XLA leave out nondeterministic operations,
+# none of 9 (docs/BENCHMARKS.md, session 37; alone, the sums were the same in 200 calls).
 DETERMINISTIC_FLAG = "--xla_gpu_exclude_nondeterministic_ops=true"
 
 
