@@ -12,7 +12,7 @@ counts how many of a million random float32 operands XLA's square root and divis
 round otherwise than numpy (IEEE 754, correctly rounded).
 
 On one H200 (session 37) every sum came out the same in 200 calls either way, so the
-reductions alone are not what differed: in training on 2 ranks sharing that GPU, 3 of 6
+reductions alone are not what differed: in training on 2 ranks sharing that GPU, 3 of 7
 clipped runs without the flag ended with replicas apart, and 9 of 9 with it kept them
 identical. XLA's square root and division rounded 17% and 30% of the operands otherwise
 than numpy, the same with the flag (docs/BENCHMARKS.md).

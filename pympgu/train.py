@@ -527,8 +527,9 @@ class Sync:
     keeping it local there (local SGD's model averaging) cost 0.74 points of test error on
     Fashion-MNIST (docs/BENCHMARKS.md, session 8).
 
-    That argument needs an update affine in the gradients: with Adam (Model.affine_update
-    False) every exchange averages the whole state, both moments too.
+    That argument needs an update affine in the gradients: with Adam, or gradients clipped
+    by their norm (Model.affine_update False), every exchange averages the whole state,
+    Adam's moments or SGD's momentum too.
 
     Fused with every=1 and not overlapped, every rank starts each step from the same state,
     so the step takes the ``gradients`` road where it can (Exchanger.xla_average_gradients):
@@ -536,8 +537,9 @@ class Sync:
     state, momentum too, stays identical on every rank. For an update affine in its
     gradients (SGD with momentum) that is the same trajectory again, up to rounding; the
     parameters' own average after the update remains where it does not apply. Adam's
-    update is not affine, and there the road changes what is computed: Adam's step on the
-    mean gradient, DDP's Adam, at every size of model (elsewhere: on CPU workers, outside
+    update is not affine (nor a clipped one), and there the road changes what is computed:
+    Adam's step on the mean gradient, DDP's Adam (the norm of the mean gradient, DDP's
+    clip_grad_norm_), at every size of model (elsewhere: on CPU workers, outside
     the step's XLA call, overlapped or with every > 1, each replica takes its own Adam step
     and the whole state is averaged).
     """

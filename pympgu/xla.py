@@ -64,7 +64,7 @@ if not 1 <= BESIDE_BLOCKS <= 512:
     raise ValueError(f"PYMPGU_BESIDE_BLOCKS must be 1 to 512, got {BESIDE_BLOCKS}")
 # XLA on GPUs may compile a reduction that sums in another order at each call: a norm that
 # every rank computes from the same mean gradients (a clipped update) then need not be the
-# same bits on every rank, and the replicas drift apart. On one H200 3 of 6 clipped runs on
+# same bits on every rank, and the replicas drift apart. On one H200 3 of 7 clipped runs on
 # 2 ranks did, and with this flag, which makes XLA leave out nondeterministic operations,
 # none of 9 (docs/BENCHMARKS.md, session 37; alone, the sums were the same in 200 calls).
 DETERMINISTIC_FLAG = "--xla_gpu_exclude_nondeterministic_ops=true"
@@ -605,7 +605,10 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
 
     ``exact=False`` takes any elementwise update, at any size: an update not affine in its
     gradients (Adam's) then is not the mean of the ranks' updates but the update of their
-    mean gradient, what DDP computes, the same on every rank.
+    mean gradient, what DDP computes, the same on every rank. Sums of what crosses that
+    the update reads (the norm of a clipped update, jaxsplit.Tail's ``statistics``) are then
+    computed from the means too; on GPUs only with DETERMINISTIC_FLAG in XLA_FLAGS, so that
+    every rank sums in the same order.
 
     ``wire='bfloat16'`` (or 'float16') sends the gradients rounded to it, half the bytes,
     as DDP's bf16_compress_hook does, at any size: every rank sums the ranks' rounded
