@@ -261,7 +261,7 @@ class Tail:
         eqns = self.jaxpr.eqns
         while True:
             crossing = {v for k in tail for v in eqns[k].invars
-                        if _is_var(v) and producer.get(v) not in (None, *tail)}
+                        if _is_var(v) and producer.get(v, k) not in tail}  # not inputs
             grown = False
             for v in crossing:
                 k = producer[v]

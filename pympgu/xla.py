@@ -72,10 +72,12 @@ DETERMINISTIC_FLAG = "--xla_gpu_exclude_nondeterministic_ops=true"
 
 def deterministic_reductions():
     """Whether this process's XLA computes reductions in one order: on a CPU, or on GPUs
-    with DETERMINISTIC_FLAG in XLA_FLAGS (read when JAX's GPU backend starts)."""
+    with DETERMINISTIC_FLAG in XLA_FLAGS, or the stricter --xla_gpu_deterministic_ops,
+    which implies it (read when JAX's GPU backend starts)."""
     import jax
-    return (jax.default_backend() == "cpu"
-            or DETERMINISTIC_FLAG in os.environ.get("XLA_FLAGS", "").split())
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    return (jax.default_backend() == "cpu" or DETERMINISTIC_FLAG in flags
+            or "--xla_gpu_deterministic_ops=true" in flags)
 
 
 def use_deterministic_reductions():

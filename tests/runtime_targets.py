@@ -383,9 +383,10 @@ def gradient_rounds(ctx, rounds, big=1 << 23, update="affine", wire=None, clip=4
     the squares; 'clipped' scales the gradients to a 2-norm of at most ``clip`` (Model's
     clip_norm), also with ``exact=False``: by the norm of the mean gradient, or each
     rank's own where the plan does not apply. Its data are small and mostly zero, so
-    that the sum of squares is exact in any order, and on a power of two of ranks the
-    scale is the same bits in XLA as in numpy. ``wire`` ('bfloat16' or 'float16'): the gradients cross rounded to it, and
-    are summed in float32 (by the kernel: averaged into the wire's dtype); its rounds are
+    that the sum of squares is exact in any order (on a power of two of ranks), and numpy's
+    model takes the scale of that sum from XLA, whose square root and division are not
+    numpy's to the last bit. ``wire`` ('bfloat16' or 'float16'): the gradients cross
+    rounded to it, and are summed in float32 (by the kernel: averaged into the wire's dtype); its rounds are
     all steps, since the parameters' own average inside XLA takes no such wire."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     from pympgu import xla
@@ -418,16 +419,17 @@ def gradient_rounds(ctx, rounds, big=1 << 23, update="affine", wire=None, clip=4
                 x[..., kept:] = 0
         return xs
 
-    def scale_of(total):  # the clipping's factor for a sum of squares, as the update has it
-        return jnp.minimum(np.float32(1), np.float32(clip) / (jnp.sqrt(total) + np.float32(1e-6)))
-    scale_of = jax.jit(scale_of)
+    def scale(total):  # Model's clip_norm: the gradients' factor for their sum of squares
+        return jnp.minimum(np.float32(1),
+                           np.float32(clip) / (jnp.sqrt(total) + np.float32(1e-6)))
+    xla_scale = jax.jit(scale)
 
-    def clipped(g):  # Model's clip_norm, from a sum of squares exact in any order
+    def clipped(g):  # from a sum of squares exact in any order
         total = np.float32(sum(float(np.sum(np.square(gi, dtype=np.float64))) for gi in g))
-        # Its square root and division in XLA's arithmetic: on GPUs they need not be
-        # numpy's to the last bit (this checks which norm scales the gradients, not them).
-        scale = np.asarray(scale_of(jax.device_put(total, dev)))
-        return [gi * scale for gi in g]
+        # Its square root and division in XLA's arithmetic, which need not be numpy's to
+        # the last bit on GPUs: this checks which norm scales the gradients, not them.
+        factor = np.asarray(xla_scale(jax.device_put(total, dev)))
+        return [gi * factor for gi in g]
 
     def gradients(xs):  # numpy's: the rows summed; the matrix's, a product
         return [x.sum(axis=0, dtype=np.float32) for x in xs[:3]] + [xs[3].T @ xs[4]]
@@ -441,9 +443,8 @@ def gradient_rounds(ctx, rounds, big=1 << 23, update="affine", wire=None, clip=4
         if update == "squared":
             g = [gi * gi for gi in g]
         elif update == "clipped":
-            norm = jnp.sqrt(sum(jnp.sum(gi * gi) for gi in g))
-            scale = jnp.minimum(np.float32(1), np.float32(clip) / (norm + np.float32(1e-6)))
-            g = [gi * scale for gi in g]
+            factor = scale(sum(jnp.sum(gi * gi) for gi in g))
+            g = [gi * factor for gi in g]
         new_v = [mu * vi - gi for vi, gi in zip(v, g)]
         return [pi + vi for pi, vi in zip(p, new_v)] + new_v + [work]
 
