@@ -10,14 +10,27 @@ pytestmark = pytest.mark.timeout(300)
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 
-def test_train_bench_smoke_on_cpu_workers(tmp_path):
+def bench_on_cpu(tmp_path, *argv):
+    """``python -m pympgu.bench train`` on 2 CPU workers, the seed's MLP, 2 steps after 1
+    of warm-up, with ``argv``: the finished process and its rows."""
     out = tmp_path / "rows.json"
     r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "2", "--models",
-                        "seed", "--steps", "2", "--warmup", "1", "--variants", "sync4", "overlap",
-                        "bf16-py", "--json", str(out)], capture_output=True, text=True,
-                       timeout=280)
+                        "seed", "--steps", "2", "--warmup", "1", *argv, "--json", str(out)],
+                       capture_output=True, text=True, timeout=280)
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    return r, json.loads(out.read_text())["rows"]
+
+
+def refused(*argv):
+    """What ``python -m pympgu.bench train`` says to stderr, refusing ``argv``."""
+    r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", *argv],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
+    return r.stderr
+
+
+def test_train_bench_smoke_on_cpu_workers(tmp_path):
+    r, rows = bench_on_cpu(tmp_path, "--variants", "sync4", "overlap", "bf16-py")
     assert [(len(x["gpus"]), x["variant"]) for x in rows] == [
         (1, "-"), (2, "sync4"), (2, "overlap"), (2, "bf16-py")]
     assert all(x["samples_per_s"] > 0 for x in rows)
@@ -30,13 +43,7 @@ def test_train_bench_smoke_on_cpu_workers(tmp_path):
 def test_train_bench_repeats_rows_in_rounds(tmp_path):
     """--repeats 3: every row three times, in rounds; the row is its median run, and each
     round's scaling is against the 1-GPU run of the same round."""
-    out = tmp_path / "rows.json"
-    r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "2", "--models",
-                        "seed", "--steps", "2", "--warmup", "1", "--variants", "sync4",
-                        "--repeats", "3", "--json", str(out)],
-                       capture_output=True, text=True, timeout=280)
-    assert r.returncode == 0, r.stderr[-3000:]
-    one, two = json.loads(out.read_text())["rows"]
+    r, (one, two) = bench_on_cpu(tmp_path, "--variants", "sync4", "--repeats", "3")
     for row in (one, two):
         assert len(row["runs_ms"]) == 3 and row["ms_per_step"] == sorted(row["runs_ms"])[1]
     assert [round(x, 9) for x in two["run_scalings"]] == [
@@ -54,66 +61,38 @@ def test_train_bench_times_adam_with_a_schedule(tmp_path, optimizer):
     (the exchanges move its whole state, three arrays a parameter), the plain JAX twin
     too, and pympgu's rows set the rate every step; a schedule with DDP rows is
     refused."""
-    out = tmp_path / "rows.json"
-    r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "2", "--models",
-                        "seed", "--steps", "2", "--warmup", "1", "--variants", "sync4",
-                        "--optimizer", optimizer, "--schedule", "cosine", "--json", str(out)],
-                       capture_output=True, text=True, timeout=280)
-    assert r.returncode == 0, r.stderr[-3000:]
-    one, two = json.loads(out.read_text())["rows"]
+    r, (one, two) = bench_on_cpu(tmp_path, "--variants", "sync4", "--optimizer", optimizer,
+                                 "--schedule", "cosine")
     assert {x["optimizer"] for x in (one, two)} == {optimizer} and two["schedule"] == "cosine"
     n = 3 * 4 * (784 * 500 + 500 + 500 * 10 + 10)  # with each array's alignment padding
     assert n <= two["wire_bytes"] < 1.001 * n, two["wire_bytes"]
     assert f"{optimizer}, cosine schedule" in r.stdout and "plain JAX step" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--schedule", "linear"],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "add --no-ddp" in r.stderr, r.stderr
+    assert "add --no-ddp" in refused("--schedule", "linear")
 
 
 def test_train_bench_times_dropout_in_pympgus_rows(tmp_path):
     """--dropout 0.5 on CPU workers: pympgu's rows train with it, with no plain JAX twin
     (which has no dropout) to set beside them; with DDP rows, or out of range, refused."""
-    out = tmp_path / "rows.json"
-    r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "2", "--models",
-                        "seed", "--steps", "2", "--warmup", "1", "--variants", "sync4",
-                        "--dropout", "0.5", "--json", str(out)],
-                       capture_output=True, text=True, timeout=280)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert [x["dropout"] for x in json.loads(out.read_text())["rows"]] == [0.5, 0.5]
+    r, rows = bench_on_cpu(tmp_path, "--variants", "sync4", "--dropout", "0.5")
+    assert [x["dropout"] for x in rows] == [0.5, 0.5]
     assert "sgd, dropout 0.5" in r.stdout and "plain JAX step" not in r.stdout, r.stdout
-    for argv, says in ((["--dropout", "0.5"], "add --no-ddp"),
-                       (["--cpu", "2", "--dropout", "1"], "--dropout must be in [0, 1)")):
-        r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", *argv],
-                           capture_output=True, text=True, timeout=60)
-        assert r.returncode == 2 and says in r.stderr, r.stderr
+    assert "add --no-ddp" in refused("--dropout", "0.5")
+    assert "--dropout must be in [0, 1)" in refused("--cpu", "2", "--dropout", "1")
 
 
 def test_train_bench_times_clipped_gradients(tmp_path):
     """--clip-norm 1 on CPU workers: every row clips, the plain JAX twin too (as DDP's
     twin calls clip_grad_norm_), and the rows say so; a negative norm is refused."""
-    out = tmp_path / "rows.json"
-    r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "2", "--models",
-                        "seed", "--steps", "2", "--warmup", "1", "--variants", "sync1",
-                        "--clip-norm", "1", "--json", str(out)],
-                       capture_output=True, text=True, timeout=280)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert [x["clip_norm"] for x in json.loads(out.read_text())["rows"]] == [1.0, 1.0]
+    r, rows = bench_on_cpu(tmp_path, "--variants", "sync1", "--clip-norm", "1")
+    assert [x["clip_norm"] for x in rows] == [1.0, 1.0]
     assert "sgd, clipped to norm 1" in r.stdout and "plain JAX step" in r.stdout, r.stdout
-    r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "2",
-                        "--clip-norm", "-1"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "--clip-norm must be 0 (off) or above" in r.stderr, r.stderr
+    assert "--clip-norm must be 0 (off) or above" in refused("--cpu", "2", "--clip-norm", "-1")
 
 
 def test_train_bench_rejects_bad_flags():
-    r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "9"],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "--cpu takes 1 to 8" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "2",
-                        "--repeats", "0"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "--repeats must be at least 1" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "2",
-                        "--batch-size", "0"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "--batch-size must be at least 1, got 0" in r.stderr
+    assert "--cpu takes 1 to 8" in refused("--cpu", "9")
+    assert "--repeats must be at least 1" in refused("--cpu", "2", "--repeats", "0")
+    assert "--batch-size must be at least 1, got 0" in refused("--cpu", "2", "--batch-size", "0")
 
 
 def test_train_bench_names_a_bad_data_dir(capsys):

@@ -366,6 +366,21 @@ def test_gpu_training_half_precision_gradients(monkeypatch, optimizer, wire):
     assert every2["test_error"] < 0.25, every2
 
 
+def mean_gradients_against_own_steps(cfg, monkeypatch):
+    """Trains ``cfg`` on 2 GPUs at --sync-every 1 twice: by the gradients' road, every
+    rank's update reading the mean gradient as DDP's does, and with PYMPGU_GRADIENTS=0,
+    each rank taking its own step and the whole state averaged after it. Both must learn,
+    within 3 points of each other, and run() checks that the replicas end identical."""
+    from pympgu import train
+    ddp = train.run(cfg, devices(2))[-1]
+    monkeypatch.setenv("PYMPGU_GRADIENTS", "0")  # the spawned workers read it
+    averaged = train.run(cfg, devices(2))[-1]
+    assert ddp["road"] == "the update of the mean gradients", ddp
+    assert averaged["road"].endswith("PYMPGU_GRADIENTS=0"), averaged
+    assert ddp["test_error"] < 0.25 and averaged["test_error"] < 0.25, (ddp, averaged)
+    assert abs(ddp["test_error"] - averaged["test_error"]) <= 0.03, (ddp, averaged)
+
+
 @pytest.mark.parametrize("optimizer", ["adam", "adamw"])
 def test_gpu_training_adam(monkeypatch, optimizer):
     """--optimizer adam (or adamw, its weights decayed) with a cosine schedule after a
@@ -379,13 +394,7 @@ def test_gpu_training_adam(monkeypatch, optimizer):
     cfg = dict(train.DEFAULTS, **JAX_TRAINING, hidden=[256, 128], optimizer=optimizer,
                schedule="cosine", warmup=0.25)
     cfg.update(train.optimizer_defaults(optimizer), lr=0.002)
-    ddp = train.run(cfg, devices(2))[-1]
-    monkeypatch.setenv("PYMPGU_GRADIENTS", "0")  # the spawned workers read it
-    averaged = train.run(cfg, devices(2))[-1]
-    assert ddp["road"] == "the update of the mean gradients", ddp
-    assert averaged["road"].endswith("PYMPGU_GRADIENTS=0"), averaged
-    assert ddp["test_error"] < 0.25 and averaged["test_error"] < 0.25, (ddp, averaged)
-    assert abs(ddp["test_error"] - averaged["test_error"]) <= 0.03, (ddp, averaged)
+    mean_gradients_against_own_steps(cfg, monkeypatch)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
@@ -395,19 +404,14 @@ def test_gpu_training_clipped(monkeypatch, optimizer):
     (the MLP here is far under PYMPGU_SPLIT_MIN_BYTES): every rank clips the mean gradient
     by its norm, as DDP with clip_grad_norm_ does. With PYMPGU_GRADIENTS=0 each rank clips
     its own and the whole state is averaged after the update. Both learn, and run() checks
-    that the replicas end identical."""
+    that the replicas end identical (this caught XLA's reductions summing otherwise on the
+    two ranks before pympgu set pympgu.xla.DETERMINISTIC_FLAG, docs/TRAINING.md)."""
     needs_xla()
     from pympgu import train
     cfg = dict(train.DEFAULTS, **JAX_TRAINING, hidden=[256, 128], optimizer=optimizer,
                clip_norm=0.5)
     cfg.update(train.optimizer_defaults(optimizer))
-    ddp = train.run(cfg, devices(2))[-1]
-    monkeypatch.setenv("PYMPGU_GRADIENTS", "0")  # the spawned workers read it
-    averaged = train.run(cfg, devices(2))[-1]
-    assert ddp["road"] == "the update of the mean gradients", ddp
-    assert averaged["road"].endswith("PYMPGU_GRADIENTS=0"), averaged
-    assert ddp["test_error"] < 0.25 and averaged["test_error"] < 0.25, (ddp, averaged)
-    assert abs(ddp["test_error"] - averaged["test_error"]) <= 0.03, (ddp, averaged)
+    mean_gradients_against_own_steps(cfg, monkeypatch)
 
 
 @pytest.mark.parametrize("max_ranks", ["4", "2"])
