@@ -1,6 +1,7 @@
 """XLA's reductions, square roots and divisions on a GPU, against the bits a clipped update needs.
 
     python benchmarks/probe_reduce.py            # XLA's default, then with the flag
+    python benchmarks/probe_reduce.py --training 4 --gpus 0 0   # clipped runs, XLA dumped
 
 A clipped update (--clip-norm) on the gradients' road computes the norm of the mean
 gradients on every rank, from the same bits: the replicas stay identical only if every
@@ -16,11 +17,23 @@ reductions alone are not what differed: in training on 2 ranks sharing that GPU,
 clipped runs without the flag ended with replicas apart, and 9 of 9 with it kept them
 identical. XLA's square root and division rounded 17% and 30% of the operands otherwise
 than numpy, the same with the flag (docs/BENCHMARKS.md).
+
+``--training RUNS`` asks why: it trains the clipped MLP of test_gpu_training_clipped (SGD,
+one epoch, the gradients' road) RUNS times on the ranks of ``--gpus`` without the flag,
+which pympgu refuses and this patches past, then RUNS times with it. Each rank's XLA
+dumps its optimized programs, their PTX and its autotuning results; the probe says
+whether the replicas ended identical, which of those files differ between the ranks, and
+how many atomic instructions (PTX atom. and red.) each program has: programs that differ
+between the ranks, or autotuning that chose otherwise, point at the compilation; the same
+programs with atomics in them, at the order in which the atomics land.
 """
 import argparse
+import difflib
 import os
+import re
 import subprocess
 import sys
+import tempfile
 
 SHAPES = {"MLP 784-256-128-10": [(784, 256), (256,), (256, 128), (128,), (128, 10), (10,)],
           "wide MLP 784-4096-4096-10": [(784, 4096), (4096,), (4096, 4096), (4096,),
@@ -56,15 +69,127 @@ def probe(calls):
           f"division {int((dv != x / y).sum())}")
 
 
+# A PTX instruction that adds into memory atomically: its sum's order is the order in which
+# the threads' additions land.
+ATOMIC = re.compile(r"^\s*(@!?%p\d+\s+)?(atom|red)\.", re.M)
+
+
+PATH = re.compile(rb'"/[^"\s]*"')
+
+
+def clipped_worker(ctx, cfg, dump, flagged):
+    """pympgu.train.worker with this rank's XLA dumping into ``dump``/rank<r>; without the
+    flag, past the check that refuses a reducing update on GPUs without it."""
+    from pympgu import train, xla
+    here = os.path.join(dump, f"rank{ctx.rank}")
+    flags = [f"--xla_dump_to={here}", "--xla_dump_hlo_as_text",
+             f"--xla_gpu_dump_autotune_results_to={here}/autotune.textproto"]
+    if flagged:
+        flags.append(xla.DETERMINISTIC_FLAG)
+    else:
+        xla.deterministic_reductions = lambda: True
+        xla.use_deterministic_reductions = lambda: None
+    os.environ["XLA_FLAGS"] = " ".join(flags)
+    return train.worker(ctx, cfg)
+
+
+def atomics(path):
+    with open(path, errors="replace") as f:
+        return len(ATOMIC.findall(f.read()))
+
+
+def dumped(d):
+    """A rank's dumped files by (module name, its how-manieth compile of that name, the
+    file's suffix): the ranks number their modules in the order they compile them, and
+    rank 0 compiles some that the others do not."""
+    files, nth = {}, {}
+    for name in sorted(os.listdir(d)):
+        path = os.path.join(d, name)
+        if not os.path.isfile(path) or name.endswith(".debug_options"):  # the rank's paths
+            continue
+        m = re.match(r"module_(\d+)\.([^.]+)(.*)", name)
+        if not m:
+            files[(name, 0, "")] = path
+            continue
+        number, module, rest = m.groups()
+        if (module, number) not in nth:
+            nth[module, number] = sum(1 for k in nth if k[0] == module)
+        files[(module, nth[module, number], rest)] = path
+    return files
+
+
+def compare(dump, nranks):
+    """What differs between rank 0's dumped files and every other rank's."""
+    ranks = [dumped(os.path.join(dump, f"rank{r}")) for r in range(nranks)]
+    common = sorted(set.intersection(*(set(r) for r in ranks)))
+    print(f"    {len(common)} files dumped by every rank, "
+          f"{len(set.union(*(set(r) for r in ranks))) - len(common)} by some")
+    for key in common:
+        texts = []
+        for r in ranks:
+            with open(r[key], "rb") as f:  # the source files' paths are each rank's own
+                texts.append(PATH.sub(b'"<path>"', f.read()))
+        if any(t != texts[0] for t in texts[1:]):
+            other = next(t for t in texts[1:] if t != texts[0])
+            diff = list(difflib.unified_diff(
+                texts[0].decode(errors="replace").splitlines(),
+                other.decode(errors="replace").splitlines(), "rank 0", "another rank",
+                n=0, lineterm=""))
+            print(f"    differs between ranks: {key} ({len(diff)} diff lines)")
+            for line in diff[2:14]:
+                print(f"      {line[:160]}")
+    tuned = [r.get(("autotune.textproto", 0, "")) for r in ranks]
+    if all(tuned):
+        counts = []
+        for path in tuned:
+            with open(path) as f:
+                counts.append(f.read().count("results {"))
+        print(f"    autotuning results: {counts} entries by rank")
+    for key in common:
+        if key[2].endswith(".ptx"):
+            n = atomics(ranks[0][key])
+            if n:
+                print(f"    {n} atomic instructions in {key}")
+
+
+def training(runs, gpus):
+    from pympgu import train
+    from pympgu.launch import launch
+    cfg = dict(train.DEFAULTS, data=None, backend="jax", method="auto", sync_every=1,
+               seed=0, overlap=False, exchange_dtype="float32", out=None, resume=None,
+               epochs=1, hidden=[256, 128], clip_norm=0.5)
+    for flagged in (False, True):
+        apart = 0
+        for run in range(runs):
+            with tempfile.TemporaryDirectory() as dump:
+                results = launch(clipped_worker, (cfg, dump, flagged), gpus=gpus)
+                digests = {r["digest"] for r in results}
+                apart += len(digests) > 1
+                print(f"{'with' if flagged else 'without'} the flag, run {run + 1}: "
+                      f"replicas {'apart' if len(digests) > 1 else 'identical'}; "
+                      f"{results[0]['history'][-1].get('road')}", flush=True)
+                compare(dump, len(gpus))
+        print(f"{'with' if flagged else 'without'} the flag: {apart} of {runs} runs ended "
+              f"with the replicas apart", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--training", type=int, metavar="RUNS", default=0,
+                   help="train the clipped MLP RUNS times without the flag and RUNS with it, "
+                        "comparing the ranks' XLA dumps (default: 0, the sums alone)")
+    p.add_argument("--gpus", type=int, nargs="+", default=[0, 1],
+                   help="--training's ranks, one a GPU index each; repeat one to put "
+                        "several ranks on it (default: 0 1)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         return probe(args.calls)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if args.training:
+        return training(args.training, args.gpus)
     from pympgu.xla import DETERMINISTIC_FLAG
     for flags in ("", DETERMINISTIC_FLAG):
         env = dict(os.environ, XLA_FLAGS=flags)
