@@ -136,15 +136,16 @@ def compare(dump, nranks):
                 other.decode(errors="replace").splitlines(), "rank 0", "another rank",
                 n=0, lineterm=""))
             print(f"    differs between ranks: {key} ({len(diff)} diff lines)")
-            for line in diff[2:14]:
+            # The thunk sequence lists each kernel with its grid: the most telling diff.
+            for line in diff[2:32 if "thunk_sequence." in key[2] else 10]:
                 print(f"      {line[:160]}")
     tuned = [r.get(("autotune.textproto", 0, "")) for r in ranks]
     if all(tuned):
-        counts = []
-        for path in tuned:
+        for rank, path in enumerate(tuned):
             with open(path) as f:
-                counts.append(f.read().count("results {"))
-        print(f"    autotuning results: {counts} entries by rank")
+                chosen = re.findall(r"^\s*backend: (\w+)", f.read(), re.M)
+            print(f"    rank {rank}'s autotuning chose: "
+                  f"{ {b: chosen.count(b) for b in sorted(set(chosen))} }")
     for key in common:
         if key[2].endswith(".ptx"):
             n = atomics(ranks[0][key])
