@@ -20,7 +20,8 @@ than numpy, the same with the flag (docs/BENCHMARKS.md).
 
 ``--training RUNS`` asks why: it trains the clipped MLP of test_gpu_training_clipped (SGD,
 one epoch, the gradients' road) RUNS times on the ranks of ``--gpus`` without the flag,
-which pympgu refuses and this patches past, then RUNS times with it. Each rank's XLA
+which pympgu refuses and this patches past, then RUNS times with it (or with each of
+``--flags`` in turn). Each rank's XLA
 dumps its optimized programs, their PTX and its autotuning results; the probe says
 whether the replicas ended identical, which of those files differ between the ranks, and
 how many atomic instructions (PTX atom. and red.) each program has: programs that differ
@@ -77,19 +78,17 @@ ATOMIC = re.compile(r"^\s*(@!?%p\d+\s+)?(atom|red)\.", re.M)
 PATH = re.compile(rb'"/[^"\s]*"')
 
 
-def clipped_worker(ctx, cfg, dump, flagged):
-    """pympgu.train.worker with this rank's XLA dumping into ``dump``/rank<r>; without the
-    flag, past the check that refuses a reducing update on GPUs without it."""
+def clipped_worker(ctx, cfg, dump, flag):
+    """pympgu.train.worker with this rank's XLA dumping into ``dump``/rank<r>, and ``flag``
+    (XLA flags, or none) in XLA_FLAGS in place of pympgu's: past the check that refuses a
+    reducing update on GPUs without DETERMINISTIC_FLAG."""
     from pympgu import train, xla
     here = os.path.join(dump, f"rank{ctx.rank}")
-    flags = [f"--xla_dump_to={here}", "--xla_dump_hlo_as_text",
-             f"--xla_gpu_dump_autotune_results_to={here}/autotune.textproto"]
-    if flagged:
-        flags.append(xla.DETERMINISTIC_FLAG)
-    else:
-        xla.deterministic_reductions = lambda: True
-        xla.use_deterministic_reductions = lambda: None
-    os.environ["XLA_FLAGS"] = " ".join(flags)
+    xla.deterministic_reductions = lambda: True
+    xla.use_deterministic_reductions = lambda: None
+    os.environ["XLA_FLAGS"] = " ".join([f"--xla_dump_to={here}", "--xla_dump_hlo_as_text",
+                                        f"--xla_gpu_dump_autotune_results_to={here}/"
+                                        f"autotune.textproto", flag])
     return train.worker(ctx, cfg)
 
 
@@ -153,25 +152,25 @@ def compare(dump, nranks):
                 print(f"    {n} atomic instructions in {key}")
 
 
-def training(runs, gpus):
+def training(runs, gpus, flags):
     from pympgu import train
     from pympgu.launch import launch
     cfg = dict(train.DEFAULTS, data=None, backend="jax", method="auto", sync_every=1,
                seed=0, overlap=False, exchange_dtype="float32", out=None, resume=None,
                epochs=1, hidden=[256, 128], clip_norm=0.5)
-    for flagged in (False, True):
+    for flag in flags:
+        said = f"with {flag}" if flag else "without a flag"
         apart = 0
         for run in range(runs):
             with tempfile.TemporaryDirectory() as dump:
-                results = launch(clipped_worker, (cfg, dump, flagged), gpus=gpus)
+                results = launch(clipped_worker, (cfg, dump, flag), gpus=gpus)
                 digests = {r["digest"] for r in results}
                 apart += len(digests) > 1
-                print(f"{'with' if flagged else 'without'} the flag, run {run + 1}: "
+                print(f"{said}, run {run + 1}: "
                       f"replicas {'apart' if len(digests) > 1 else 'identical'}; "
                       f"{results[0]['history'][-1].get('road')}", flush=True)
                 compare(dump, len(gpus))
-        print(f"{'with' if flagged else 'without'} the flag: {apart} of {runs} runs ended "
-              f"with the replicas apart", flush=True)
+        print(f"{said}: {apart} of {runs} runs ended with the replicas apart", flush=True)
 
 
 def main():
@@ -184,13 +183,17 @@ def main():
     p.add_argument("--gpus", type=int, nargs="+", default=[0, 1],
                    help="--training's ranks, one a GPU index each; repeat one to put "
                         "several ranks on it (default: 0 1)")
+    p.add_argument("--flags", nargs="+", metavar="FLAGS",
+                   help="--training's XLA flags to try, each a string ('' for none) "
+                        "(default: none, then pympgu.xla.DETERMINISTIC_FLAG)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         return probe(args.calls)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if args.training:
-        return training(args.training, args.gpus)
+        from pympgu.xla import DETERMINISTIC_FLAG
+        return training(args.training, args.gpus, args.flags or ["", DETERMINISTIC_FLAG])
     from pympgu.xla import DETERMINISTIC_FLAG
     for flags in ("", DETERMINISTIC_FLAG):
         env = dict(os.environ, XLA_FLAGS=flags)
