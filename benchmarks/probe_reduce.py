@@ -1,7 +1,7 @@
 """XLA's reductions, square roots and divisions on a GPU, against the bits a clipped update needs.
 
-    python benchmarks/probe_reduce.py            # XLA's default, then with the flag
-    python benchmarks/probe_reduce.py --training 4 --gpus 0 0   # clipped runs, XLA dumped
+    python benchmarks/probe_reduce.py            # the sums alone: XLA's default, then the flag
+    python benchmarks/probe_reduce.py --training 3 --gpus 0 0   # clipped runs, XLA dumped
 
 A clipped update (--clip-norm) on the gradients' road computes the norm of the mean
 gradients on every rank, from the same bits: the replicas stay identical only if every
@@ -12,21 +12,21 @@ and counts the distinct results; then the same in a process whose XLA_FLAGS has
 counts how many of a million random float32 operands XLA's square root and division
 round otherwise than numpy (IEEE 754, correctly rounded).
 
-On one H200 (session 37) every sum came out the same in 200 calls either way, so the
-reductions alone are not what differed: in training on 2 ranks sharing that GPU, 3 of 7
-clipped runs without the flag ended with replicas apart, and 9 of 9 with it kept them
-identical. XLA's square root and division rounded 17% and 30% of the operands otherwise
-than numpy, the same with the flag (docs/BENCHMARKS.md).
+``--training RUNS`` trains the clipped MLP of test_gpu_training_clipped (SGD, one epoch,
+the gradients' road) RUNS times on the ranks of ``--gpus`` with XLA's defaults, then RUNS
+times as pympgu compiles the step (pympgu.xla.alike_options), or with each of ``--flags``
+in turn. Each rank's XLA dumps its programs and its autotuning's choices; the probe says
+whether the replicas ended identical, which dumped files differ between the ranks (the
+thunk sequence lists every kernel with its grid) and what each rank's autotuning chose.
 
-``--training RUNS`` asks why: it trains the clipped MLP of test_gpu_training_clipped (SGD,
-one epoch, the gradients' road) RUNS times on the ranks of ``--gpus`` without the flag,
-which pympgu refuses and this patches past, then RUNS times with it (or with each of
-``--flags`` in turn). Each rank's XLA
-dumps its optimized programs, their PTX and its autotuning results; the probe says
-whether the replicas ended identical, which of those files differ between the ranks, and
-how many atomic instructions (PTX atom. and red.) each program has: programs that differ
-between the ranks, or autotuning that chose otherwise, point at the compilation; the same
-programs with atomics in them, at the order in which the atomics land.
+On one H200 (sessions 37 and 38), summed alone, every sum came out the same in 200 calls.
+In training on 2 ranks sharing the GPU, with XLA's defaults, 6 of 16 clipped runs ended
+with the replicas apart. XLA's fusion autotuner, which times each fusion's candidate
+kernels on the rank that compiles it, had chosen other kernels on the two ranks for the
+update's reductions (its native emitter's against Triton's block-level emitter's, other
+grids). With that autotuner off, the ranks' reductions were the same kernels, and the
+replicas identical, in each of 9 runs. XLA's square root and division rounded 17% and 30%
+of the operands otherwise than numpy, the same with the flag (docs/BENCHMARKS.md).
 """
 import argparse
 import difflib
@@ -70,31 +70,22 @@ def probe(calls):
           f"division {int((dv != x / y).sum())}")
 
 
-# A PTX instruction that adds into memory atomically: its sum's order is the order in which
-# the threads' additions land.
-ATOMIC = re.compile(r"^\s*(@!?%p\d+\s+)?(atom|red)\.", re.M)
-
-
 PATH = re.compile(rb'"/[^"\s]*"')
 
 
 def clipped_worker(ctx, cfg, dump, flag):
-    """pympgu.train.worker with this rank's XLA dumping into ``dump``/rank<r>, and ``flag``
-    (XLA flags, or none) in XLA_FLAGS in place of pympgu's: past the check that refuses a
-    reducing update on GPUs without DETERMINISTIC_FLAG."""
+    """pympgu.train.worker with this rank's XLA dumping into ``dump``/rank<r>. With ``flag``
+    'pympgu', the step is compiled as pympgu compiles it (pympgu.xla.alike_options);
+    otherwise with XLA's defaults and ``flag`` (XLA flags, or none) in XLA_FLAGS."""
     from pympgu import train, xla
     here = os.path.join(dump, f"rank{ctx.rank}")
-    xla.deterministic_reductions = lambda: True
-    xla.use_deterministic_reductions = lambda: None
+    if flag != "pympgu":
+        xla.alike_options = lambda: {}
     os.environ["XLA_FLAGS"] = " ".join([f"--xla_dump_to={here}", "--xla_dump_hlo_as_text",
                                         f"--xla_gpu_dump_autotune_results_to={here}/"
-                                        f"autotune.textproto", flag])
+                                        f"autotune.textproto",
+                                        "" if flag == "pympgu" else flag])
     return train.worker(ctx, cfg)
-
-
-def atomics(path):
-    with open(path, errors="replace") as f:
-        return len(ATOMIC.findall(f.read()))
 
 
 def dumped(d):
@@ -145,11 +136,6 @@ def compare(dump, nranks):
                 chosen = re.findall(r"^\s*backend: (\w+)", f.read(), re.M)
             print(f"    rank {rank}'s autotuning chose: "
                   f"{ {b: chosen.count(b) for b in sorted(set(chosen))} }")
-    for key in common:
-        if key[2].endswith(".ptx"):
-            n = atomics(ranks[0][key])
-            if n:
-                print(f"    {n} atomic instructions in {key}")
 
 
 def training(runs, gpus, flags):
@@ -159,7 +145,8 @@ def training(runs, gpus, flags):
                seed=0, overlap=False, exchange_dtype="float32", out=None, resume=None,
                epochs=1, hidden=[256, 128], clip_norm=0.5)
     for flag in flags:
-        said = f"with {flag}" if flag else "without a flag"
+        said = ("as pympgu compiles it" if flag == "pympgu" else
+                f"with {flag}" if flag else "with XLA's defaults")
         apart = 0
         for run in range(runs):
             with tempfile.TemporaryDirectory() as dump:
@@ -178,22 +165,22 @@ def main():
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--training", type=int, metavar="RUNS", default=0,
-                   help="train the clipped MLP RUNS times without the flag and RUNS with it, "
-                        "comparing the ranks' XLA dumps (default: 0, the sums alone)")
+                   help="train the clipped MLP RUNS times with each of --flags, comparing "
+                        "the ranks' XLA dumps (default: 0, the sums alone)")
     p.add_argument("--gpus", type=int, nargs="+", default=[0, 1],
                    help="--training's ranks, one a GPU index each; repeat one to put "
                         "several ranks on it (default: 0 1)")
     p.add_argument("--flags", nargs="+", metavar="FLAGS",
-                   help="--training's XLA flags to try, each a string ('' for none) "
-                        "(default: none, then pympgu.xla.DETERMINISTIC_FLAG)")
+                   help="--training's XLA_FLAGS to try in turn, each a string: '' for XLA's "
+                        "defaults, 'pympgu' for pympgu's own compile of the step "
+                        "(pympgu.xla.alike_options) (default: '' then 'pympgu')")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         return probe(args.calls)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if args.training:
-        from pympgu.xla import DETERMINISTIC_FLAG
-        return training(args.training, args.gpus, args.flags or ["", DETERMINISTIC_FLAG])
+        return training(args.training, args.gpus, args.flags or ["", "pympgu"])
     from pympgu.xla import DETERMINISTIC_FLAG
     for flags in ("", DETERMINISTIC_FLAG):
         env = dict(os.environ, XLA_FLAGS=flags)

@@ -132,7 +132,7 @@ def pympgu_worker(ctx, cfg, steps, warmup, plain_jax):
     from .clocks import Clocks
     from .schedule import Schedule
     from .train import Replica, Sync, _setup_backend, make_exchanger
-    _setup_backend(ctx, "jax", cfg)
+    _setup_backend(ctx, "jax")
     rep = Replica(ctx, cfg)
     rep.seed_noise(0)  # each rank its own masks, as in training (--dropout)
     ex = make_exchanger(ctx, rep, cfg)

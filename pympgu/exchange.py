@@ -245,21 +245,21 @@ class Exchanger:
                                    max_blocks=self.max_blocks)
 
     def xla_average_gradients(self, fn, updated, which, *args, shadow=None, local=(),
-                              exact=True):
+                              exact=True, alike=False):
         """``pympgu.xla.average_gradients`` over this exchanger's group: ``fn``'s results at
         ``updated`` computed from every rank's mean gradient, or, where that does not apply,
         its results at ``which`` (the layout's first entries, in its order) averaged.
-        ``shadow`` is ``xla_shadow(correction=False)``'s array, or None; ``exact`` as
-        average_gradients takes it. A low-precision wire is the gradients' (``wire``);
-        where they do not cross, the results are averaged in float32. ``xla_road`` then
-        says which was traced."""
+        ``shadow`` is ``xla_shadow(correction=False)``'s array, or None; ``exact`` and
+        ``alike`` as average_gradients takes them. A low-precision wire is the gradients'
+        (``wire``); where they do not cross, the results are averaged in float32.
+        ``xla_road`` then says which was traced."""
         import jax
 
         from . import xla
         shapes = jax.eval_shape(lambda *a: list(fn(*a)), *args)
         group = self._xla_group([shapes[i] for i in which], gradients=True)
         plan = xla.gradient_plan(fn, updated, group, args, local, shadow, self.method, exact,
-                                 self.wire_dtype)
+                                 self.wire_dtype, alike)
         wire = f", sent in {self.wire_dtype}" if self.wire_dtype else ""
         if plan[1] is not None:
             self.xla_road = ("the new values averaged after the update"
@@ -271,7 +271,8 @@ class Exchanger:
                              f"kernel ({group.nranks} ranks)")
         return xla.average_gradients(fn, updated, which, group, *args, shadow=shadow,
                                      local=local, algo=self.method, max_blocks=self.max_blocks,
-                                     plan=plan, exact=exact, wire=self.wire_dtype)
+                                     plan=plan, exact=exact, wire=self.wire_dtype,
+                                     alike=alike)
 
     def xla_average_during(self, arrays, fn, *args):
         """``xla_average(arrays)`` taken while ``fn(*args)`` computes; returns both

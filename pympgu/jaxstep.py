@@ -38,9 +38,10 @@ class JaxStep:
     Calling returns ``fn``'s outputs: the value itself when there is one, else a list.
     A random generator that ``fn`` draws from (Model.dropout's) is a rank's own input,
     like the minibatch: ``exchange`` is given it in ``local``, as the arrays of its key.
+    ``compiler_options`` are jax.jit's, for this program (pympgu.xla.alike_options()).
     """
 
-    def __init__(self, fn, state, exchange=None, during=None, inputs=()):
+    def __init__(self, fn, state, exchange=None, during=None, inputs=(), compiler_options=None):
         import jax
         from pytensor.compile.sharedvalue import SharedVariable
         from pytensor.tensor.random.type import RandomType
@@ -105,7 +106,7 @@ class JaxStep:
             outs = self._run(compiled, outs_in, args_in, local, args, more, exchange, during)
             return jax.tree.unflatten(out_tree, outs) if noise else outs
 
-        self.jitted = jax.jit(run)
+        self.jitted = jax.jit(run, compiler_options=compiler_options or None)
 
     @staticmethod
     def _run(program, state_outs, state_ins, local, args, more, exchange, during):

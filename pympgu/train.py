@@ -62,17 +62,9 @@ def optimizer_defaults(name):
 
 # ---------------------------------------------------------------- the worker
 
-def _setup_backend(ctx, backend, cfg=None):
-    """Environment for PyTensor and JAX in this worker; must run before they are imported.
-    ``cfg``: the run's configuration, where it matters."""
+def _setup_backend(ctx, backend):
+    """Environment for PyTensor and JAX in this worker; must run before they are imported."""
     if backend == "jax":
-        if (cfg and cfg.get("clip_norm") and ctx.device is not None and ctx.nranks > 1
-                and same_start(cfg["sync_every"], cfg["overlap"])):
-            # The norm of the mean gradients, which every rank computes on the gradients'
-            # road, must be the same bits on every rank (pympgu.xla.DETERMINISTIC_FLAG). It
-            # cost the wide MLP's step about 0.025 ms on one H200, so only where needed.
-            from .xla import use_deterministic_reductions
-            use_deterministic_reductions()
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         # PyTensor asks for float64 accumulators of float32 sums (and int64 indices); JAX,
         # without x64, keeps 32 bits and warns at every compile, three times a worker,
@@ -256,8 +248,9 @@ class Replica:
         key = (ex is not None, part, overlap, gradients)
         fn = self._steps.get(key)
         if fn is None:
+            from . import xla
             from .jaxstep import JaxStep
-            exchange = during = None
+            exchange = during = options = None
             inputs = []
             lo, hi = self.part(part)
             if ex is not None and overlap:
@@ -283,6 +276,9 @@ class Replica:
             elif ex is not None and gradients:
                 shadow = ex.xla_shadow(correction=False)
                 inputs = [] if shadow is None else [shadow]
+                # Every rank computes the update from the same mean gradients, so every
+                # rank must compile it to the same kernels (pympgu.xla.ALIKE_OPTIONS).
+                options = xla.alike_options()
 
                 def exchange(compute, which, *args, local=(), inputs=()):
                     # The whole state's update from the mean gradients; where the update
@@ -290,12 +286,12 @@ class Replica:
                     return ex.xla_average_gradients(
                         compute, which, which[lo:hi], *args,
                         shadow=inputs[0] if inputs else None, local=local,
-                        exact=self.model.affine_update)
+                        exact=self.model.affine_update, alike=options is not None)
             elif ex is not None:
                 def exchange(compute, which, *args, local=()):
                     return ex.xla_average_results(compute, which[lo:hi], *args)
             fn = self._steps[key] = JaxStep(self.train_fn, self.model.state, exchange, during,
-                                            inputs)
+                                            inputs, options)
         return fn
 
     def device_batches(self, batches):
@@ -684,7 +680,7 @@ def make_exchanger(ctx, rep, cfg):
 
 def worker(ctx, cfg):
     """The training loop of one worker; returns its summary."""
-    _setup_backend(ctx, cfg["backend"], cfg)
+    _setup_backend(ctx, cfg["backend"])
     from . import data
     rep = Replica(ctx, cfg)
     np = rep.np

@@ -67,24 +67,56 @@ if not 1 <= BESIDE_BLOCKS <= 512:
 # same bits on every rank, and the replicas drift apart. On one H200 3 of 7 clipped runs on
 # 2 ranks did, and with this flag, which makes XLA leave out nondeterministic operations,
 # none of 9 (docs/BENCHMARKS.md, session 37; alone, the sums were the same in 200 calls).
+# XLA's fusion autotuner times each fusion's candidate kernels (its own emitter's, and
+# tilings of Triton's block-level emitter) on the rank that compiles it and keeps the
+# fastest. On 2 ranks of one H200 the ranks chose other kernels for the same reductions in
+# the update of a clipped step, which then summed the norm in other orders: 6 of 16 runs
+# ended with replicas apart. With the autotuner off for the step, the ranks' reductions
+# were the same kernels in 9 of 9 runs (benchmarks/probe_reduce.py --training,
+# docs/TRAINING.md). A step whose every rank computes its update from the same mean is
+# therefore compiled with the first of these options that this XLA knows. The first turns
+# that autotuner off alone: the wide MLP's step took 0.575 ms with it and without on one
+# H200. The second (--xla_gpu_exclude_nondeterministic_ops) turns every autotuner off, the
+# gemms' too: 0.603 ms.
+ALIKE_OPTIONS = ({"xla_gpu_experimental_enable_fusion_autotuner": False},
+                 {"xla_gpu_exclude_nondeterministic_ops": True})
+# The same in XLA_FLAGS, for every compile of a process (a step jitted without the options).
 DETERMINISTIC_FLAG = "--xla_gpu_exclude_nondeterministic_ops=true"
+_ALIKE_FLAGS = (DETERMINISTIC_FLAG, "--xla_gpu_deterministic_ops=true",
+                "--xla_gpu_experimental_enable_fusion_autotuner=false")
 
 
-def deterministic_reductions():
-    """Whether this process's XLA computes reductions in one order: on a CPU, or on GPUs
-    with DETERMINISTIC_FLAG in XLA_FLAGS, or the stricter --xla_gpu_deterministic_ops,
-    which implies it (read when JAX's GPU backend starts)."""
+def accepts(options):
+    """Whether this process's XLA compiles with jax.jit's ``compiler_options``: it refuses,
+    at the compile, an option it does not know."""
+    import jax
+    try:
+        jax.jit(lambda x: x + 1, compiler_options=options).lower(np.float32(0)).compile()
+    except jax.errors.JaxRuntimeError:
+        return False
+    return True
+
+
+@functools.cache
+def alike_options():
+    """jax.jit's ``compiler_options`` under which every rank compiles a step's reductions
+    to the same kernels: {} on a CPU, where XLA's are fixed by the shapes; on GPUs the first
+    of ALIKE_OPTIONS that this XLA accepts, or None if it accepts neither."""
+    import jax
+    if jax.default_backend() == "cpu":
+        return {}
+    return next((options for options in ALIKE_OPTIONS if accepts(options)), None)
+
+
+def deterministic_reductions(alike=False):
+    """Whether every rank compiles this process's reductions to the same kernels: with
+    ``alike`` (the step is jitted with ``compiler_options=alike_options()``), on a CPU, or
+    with XLA_FLAGS that turn the fusion autotuner off for every compile (DETERMINISTIC_FLAG,
+    or one of the others in _ALIKE_FLAGS; read when JAX's GPU backend starts)."""
     import jax
     flags = os.environ.get("XLA_FLAGS", "").split()
-    return (jax.default_backend() == "cpu" or DETERMINISTIC_FLAG in flags
-            or "--xla_gpu_deterministic_ops=true" in flags)
-
-
-def use_deterministic_reductions():
-    """Adds DETERMINISTIC_FLAG to XLA_FLAGS; call before JAX starts its GPU backend."""
-    flags = os.environ.get("XLA_FLAGS", "").split()
-    if DETERMINISTIC_FLAG not in flags:
-        os.environ["XLA_FLAGS"] = " ".join([*flags, DETERMINISTIC_FLAG])
+    return (alike or jax.default_backend() == "cpu"
+            or any(flag in flags for flag in _ALIKE_FLAGS))
 
 
 def copies_to_every_peer(nranks):
@@ -573,7 +605,7 @@ def average_results(fn, which, group, *args, algo="auto", max_blocks=None):
 
 
 def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), algo="auto",
-                      max_blocks=None, plan=None, exact=True, wire=None):
+                      max_blocks=None, plan=None, exact=True, wire=None, alike=False):
     """``fn(*args)``, a flat list of arrays, with its results at ``updated`` (a training
     step's new state) computed from the mean over every rank of what their update reads:
     DDP's average of the gradients, inside the step, with no pass over the parameters.
@@ -609,8 +641,9 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
     gradients (Adam's) then is not the mean of the ranks' updates but the update of their
     mean gradient, what DDP computes, the same on every rank. Sums of what crosses that
     the update reads (the norm of a clipped update, jaxsplit.Tail's ``statistics``) are then
-    computed from the means too; on GPUs only with DETERMINISTIC_FLAG in XLA_FLAGS, so that
-    every rank sums in the same order.
+    computed from the means too; on GPUs only where every rank compiles them to the same
+    kernels, so that they sum in the same order: ``alike=True`` says that the jitted step
+    takes ``compiler_options=alike_options()`` (else DETERMINISTIC_FLAG in XLA_FLAGS).
 
     ``wire='bfloat16'`` (or 'float16') sends the gradients rounded to it, half the bytes,
     as DDP's bf16_compress_hook does, at any size: every rank sums the ranks' rounded
@@ -621,14 +654,14 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
     """
     if hasattr(group, "xla_average_gradients"):  # an Exchanger: its own wire
         return group.xla_average_gradients(fn, updated, which, *args, shadow=shadow,
-                                           local=local, exact=exact)
+                                           local=local, exact=exact, alike=alike)
     import jax
     from jax import lax
 
     from . import jaxsplit
     flat = list(args)
     if plan is None:
-        plan = gradient_plan(fn, updated, group, flat, local, shadow, algo, exact, wire)
+        plan = gradient_plan(fn, updated, group, flat, local, shadow, algo, exact, wire, alike)
     tail = plan[0]
     if tail is None:
         return average_results(fn, which, group, *flat, algo=algo, max_blocks=max_blocks)
@@ -744,11 +777,11 @@ def _kernel_part(attrs, offsets, crossing, group, algo, max_blocks, split, part)
 
 
 def gradient_plan(fn, updated, group, args, local=(), shadow=None, algo="auto", exact=True,
-                  wire=None):
+                  wire=None, alike=False):
     """``(tail, None)`` when ``average_gradients`` takes ``fn``'s gradients on these flat
     ``args`` (pympgu.jaxsplit.Tail, the update it feeds), else ``(None, why not)``;
-    ``exact`` and ``wire`` as average_gradients takes them. A half-precision wire takes
-    them at any size: it is the only road on which it crosses inside XLA."""
+    ``exact``, ``wire`` and ``alike`` as average_gradients takes them. A half-precision
+    wire takes them at any size: it is the only road on which it crosses inside XLA."""
     from . import jaxsplit
     if os.environ.get("PYMPGU_GRADIENTS", "1") == "0":
         return None, "PYMPGU_GRADIENTS=0"
@@ -774,11 +807,13 @@ def gradient_plan(fn, updated, group, args, local=(), shadow=None, algo="auto", 
         if tail.finishing:
             return None, ("the update reads parts of its gradients, not the gradients "
                           f"({tail.finishing[0].primitive.name} of two)")
-        if not deterministic_reductions() and any(
+        if not deterministic_reductions(alike) and any(
                 e.primitive.name in jaxsplit.REDUCTIONS for e in tail.tail):
-            return None, ("the update reduces what crosses (a norm), and XLA's GPU "
-                          "reductions may sum in another order on each rank: set XLA_FLAGS="
-                          f"{DETERMINISTIC_FLAG} (pympgu.train does with --clip-norm)")
+            return None, ("the update reduces what crosses (a norm), which XLA's autotuning "
+                          "may compile to other kernels, summing in other orders, on each "
+                          "rank: jit the step with compiler_options=pympgu.xla."
+                          "alike_options() and pass alike=True (pympgu.train does), or set "
+                          f"XLA_FLAGS={DETERMINISTIC_FLAG}")
         # The mean gradient's update differs from the mean of the updates: take it at
         # every size, so that what a run computes does not depend on its model's size.
         return tail, None

@@ -390,8 +390,6 @@ def gradient_rounds(ctx, rounds, big=1 << 23, update="affine", wire=None, clip=4
     all steps, since the parameters' own average inside XLA takes no such wire."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     from pympgu import xla
-    if update == "clipped":  # as pympgu.train's workers do: before JAX starts
-        xla.use_deterministic_reductions()
     import jax
     import jax.numpy as jnp
 
@@ -454,11 +452,12 @@ def gradient_rounds(ctx, rounds, big=1 << 23, update="affine", wire=None, clip=4
         which, local = list(range(2 * n)), list(range(2 * n, 2 * n + 5))
         structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in start + data(0, 0)]
         exact = update == "affine"
+        options = xla.alike_options()  # every rank compiles the update alike, as train's
         why = xla.gradient_plan(step, which, ex.backend.group, structs, local, shadow,
-                                exact=exact)[1]
+                                exact=exact, alike=options is not None)[1]
         stepped = jax.jit(lambda flat, shadow: ex.xla_average_gradients(
-            step, which, which[:n], *flat, shadow=shadow, local=local,
-            exact=exact)[:2 * n])
+            step, which, which[:n], *flat, shadow=shadow, local=local, exact=exact,
+            alike=options is not None)[:2 * n], compiler_options=options)
         plain = jax.jit(lambda flat: ex.xla_average([a + np.float32(0) for a in flat[:n]]) +
                         list(flat[n:]))
         xs = [jax.device_put(a, dev) for a in start]

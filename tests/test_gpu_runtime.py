@@ -405,7 +405,8 @@ def test_gpu_training_clipped(monkeypatch, optimizer):
     by its norm, as DDP with clip_grad_norm_ does. With PYMPGU_GRADIENTS=0 each rank clips
     its own and the whole state is averaged after the update. Both learn, and run() checks
     that the replicas end identical (this caught XLA's reductions summing otherwise on the
-    two ranks before pympgu set pympgu.xla.DETERMINISTIC_FLAG, docs/TRAINING.md)."""
+    two ranks before pympgu compiled the step with pympgu.xla.alike_options(),
+    docs/TRAINING.md)."""
     needs_xla()
     from pympgu import train
     cfg = dict(train.DEFAULTS, **JAX_TRAINING, hidden=[256, 128], optimizer=optimizer,

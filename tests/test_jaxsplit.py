@@ -279,9 +279,9 @@ def test_a_clipped_update_reads_the_norm_of_the_mean_gradient(optimizer, lr):
     """--clip-norm's update scales the gradients by their global norm: gradient_plan refuses
     it where the road must give the replicas' average (exact), as it is not affine in
     them, and takes it with exact=False, where what crosses is one gradient per parameter
-    and the norm is computed in the update from what crosses; where XLA's reductions may
-    sum in another order at each call (on GPUs, without pympgu.xla.DETERMINISTIC_FLAG), the
-    plan is refused and says so. Fed two ranks' mean
+    and the norm is computed in the update from what crosses. On GPUs, where each rank's
+    XLA may compile the reductions to other kernels, the plan is refused, and says how to
+    mend it, unless the step is compiled alike (``alike=True``). Fed two ranks' mean
     gradients, that update is the step on both ranks' minibatches together (DDP's
     clip_grad_norm_ after the all-reduce), to float32's rounding, and far from the mean of
     the two ranks' own clipped steps; fed in two parts it gives the same bits as in one."""
@@ -294,13 +294,15 @@ def test_a_clipped_update_reads_the_norm_of_the_mean_gradient(optimizer, lr):
         "m, st, args0, which, compute = clipped(B)\n"
         "args1 = st.arguments(np.arange(B, 2 * B, dtype=np.int32))\n"
         "group = SimpleNamespace(shadow_offset=4096, nranks=2, rank=0)\n"
-        "def plan(exact):\n"
+        "def plan(exact, alike=False):\n"
         "    return xla.gradient_plan(compute, which, group, args0, st.explicit, object(),\n"
-        "                             exact=exact)\n"
+        "                             exact=exact, alike=alike)\n"
         "assert 'not affine in its gradients' in plan(True)[1], plan(True)\n"
-        "xla.deterministic_reductions = lambda: False  # as on GPUs without the flag\n"
-        "assert xla.DETERMINISTIC_FLAG in plan(False)[1], plan(False)\n"
-        "xla.deterministic_reductions = lambda: True\n"
+        "cpu, jax.default_backend = jax.default_backend, lambda: 'gpu'  # as on GPUs\n"
+        "why = plan(False)[1]\n"
+        "assert 'alike_options()' in why and xla.DETERMINISTIC_FLAG in why, why\n"
+        "assert plan(False, alike=True)[1] is None, plan(False, alike=True)\n"
+        "jax.default_backend = cpu\n"
         "tail, why = plan(False)\n"
         "assert why is None and not tail.finishing, why\n"
         "n = len(tail.crossing)\n"
@@ -328,6 +330,23 @@ def test_a_clipped_update_reads_the_norm_of_the_mean_gradient(optimizer, lr):
         "print('clipped', off, near)\n"
     )
     run_jax_on_cpu(code, "clipped")
+
+
+def test_the_options_that_compile_a_step_alike_on_every_rank():
+    """pympgu.xla.alike_options: none on a CPU, where XLA does not autotune; on GPUs the
+    first of ALIKE_OPTIONS that this XLA accepts, tried by compiling with it, since XLA
+    refuses an option it does not know (the first is experimental; the last, the
+    documented --xla_gpu_exclude_nondeterministic_ops, must be accepted)."""
+    pytest.importorskip("jax")
+    code = (
+        "import os; os.environ['JAX_PLATFORMS'] = 'cpu'\n"
+        "from pympgu import xla\n"
+        "assert xla.alike_options() == {}\n"
+        "assert xla.accepts(xla.ALIKE_OPTIONS[-1])\n"
+        "assert not xla.accepts({'xla_gpu_no_such_option': True})\n"
+        "print('alike', [xla.accepts(o) for o in xla.ALIKE_OPTIONS])\n"
+    )
+    run_jax_on_cpu(code, "alike")
 
 
 def test_work_on_gradients_alone_goes_before_the_tail_where_the_update_is_affine():

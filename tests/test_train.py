@@ -212,29 +212,6 @@ def test_clip_norm_scales_the_gradients_to_their_global_norm(optimizer):
         models.build(None, ds.n_in, [16], ds.n_classes, clip_norm=-1.0)
 
 
-def test_clipped_gpu_workers_ask_xla_for_reductions_in_one_order(monkeypatch):
-    """A GPU worker of a run that clips at --sync-every 1 on 2 ranks or more adds
-    pympgu.xla.DETERMINISTIC_FLAG to XLA_FLAGS (keeping the user's flags), since every rank
-    computes the norm of the same mean gradients; other runs leave XLA_FLAGS alone."""
-    import types
-
-    from pympgu import xla
-    base = dict(clip_norm=1.0, sync_every=1, overlap=False)
-    for ctx, cfg, wanted in [((0, 2), base, True), ((0, 1), base, False),
-                             ((None, 2), base, False),
-                             ((0, 2), dict(base, sync_every=2), False),
-                             ((0, 2), dict(base, overlap=True), False),
-                             ((0, 2), dict(base, clip_norm=0.0), False)]:
-        for name in ("XLA_FLAGS", "JAX_PLATFORMS", "PYTENSOR_FLAGS"):
-            monkeypatch.delenv(name, raising=False)
-        monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
-        train._setup_backend(types.SimpleNamespace(device=ctx[0], nranks=ctx[1], rank=0),
-                             "jax", cfg)
-        flags = os.environ["XLA_FLAGS"].split()
-        assert flags[0] == "--xla_dump_to=/tmp/x"
-        assert (xla.DETERMINISTIC_FLAG in flags) == wanted, (ctx, cfg, flags)
-
-
 @pytest.mark.parametrize("optimizer", ["adam", "adamw"])
 def test_adam_resumed_goes_on_with_its_schedule_and_bias_correction(tmp_path, optimizer,
                                                                    capsys):
