@@ -62,22 +62,19 @@ SPLIT_MAX_RANKS = int(os.environ.get("PYMPGU_SPLIT_MAX_RANKS", 2))
 BESIDE_BLOCKS = int(os.environ.get("PYMPGU_BESIDE_BLOCKS", 64))
 if not 1 <= BESIDE_BLOCKS <= 512:
     raise ValueError(f"PYMPGU_BESIDE_BLOCKS must be 1 to 512, got {BESIDE_BLOCKS}")
-# XLA on GPUs may compile a reduction that sums in another order at each call: a norm that
-# every rank computes from the same mean gradients (a clipped update) then need not be the
-# same bits on every rank, and the replicas drift apart. On one H200 3 of 7 clipped runs on
-# 2 ranks did, and with this flag, which makes XLA leave out nondeterministic operations,
-# none of 9 (docs/BENCHMARKS.md, session 37; alone, the sums were the same in 200 calls).
-# XLA's fusion autotuner times each fusion's candidate kernels (its own emitter's, and
-# tilings of Triton's block-level emitter) on the rank that compiles it and keeps the
-# fastest. On 2 ranks of one H200 the ranks chose other kernels for the same reductions in
-# the update of a clipped step, which then summed the norm in other orders: 6 of 16 runs
-# ended with replicas apart. With the autotuner off for the step, the ranks' reductions
-# were the same kernels in 9 of 9 runs (benchmarks/probe_reduce.py --training,
-# docs/TRAINING.md). A step whose every rank computes its update from the same mean is
-# therefore compiled with the first of these options that this XLA knows. The first turns
-# that autotuner off alone: the wide MLP's step took 0.575 ms with it and without on one
-# H200. The second (--xla_gpu_exclude_nondeterministic_ops) turns every autotuner off, the
-# gemms' too: 0.603 ms.
+# A norm that every rank computes from the same mean gradients (a clipped update) must be
+# the same bits on every rank, or the replicas drift apart. XLA's fusion autotuner times
+# each fusion's candidate kernels (its own emitter's, and tilings of Triton's block-level
+# emitter) on the rank that compiles it and keeps the fastest. On 2 ranks of one H200 the
+# ranks chose other kernels for the same reductions in the update of a clipped step, which
+# then summed the norm in other orders: 6 of 16 runs ended with replicas apart. With the
+# autotuner off for the step, the ranks' reductions were the same kernels in 9 of 9 runs
+# (benchmarks/probe_reduce.py --training, docs/TRAINING.md). A step whose every rank
+# computes its update from the same mean is therefore compiled with the first of these
+# options that this XLA knows. The first turns that autotuner off alone: the wide MLP's
+# step took 0.575 ms with it and without on one H200. The second
+# (--xla_gpu_exclude_nondeterministic_ops) turns every autotuner off, the gemms' too:
+# 0.602 ms.
 ALIKE_OPTIONS = ({"xla_gpu_experimental_enable_fusion_autotuner": False},
                  {"xla_gpu_exclude_nondeterministic_ops": True})
 # The same in XLA_FLAGS, for every compile of a process (a step jitted without the options).
