@@ -167,6 +167,9 @@ def load(run, checkpoint="best", data=None, backend="auto", batch_size=500):
         raise EvaluateError(str(e)) from None
     for var, value in zip(variables, values):
         var.set_value(value)
+    # A run with --ema evaluated (and chose best.npz by) its moving average: so does this.
+    for param, average in zip(model.params, model.averages):
+        param.set_value(average.get_value())
     return Trained(model, config, dataset, path, epoch, backend, batch_size)
 
 
@@ -183,7 +186,9 @@ def _products(run):
 def format_report(run, report):
     """The lines ``python -m pympgu.evaluate`` prints for ``report`` (Trained.evaluate)."""
     ds = run.dataset
-    lines = [f"pympgu: {run.checkpoint}: {run.model.describe()} after epoch {run.epoch} | "
+    average = " (its moving average)" if run.model.ema else ""
+    lines = [f"pympgu: {run.checkpoint}: {run.model.describe()}{average} after epoch "
+             f"{run.epoch} | "
              f"{ds.name}, {report['split']} split ({report['examples']:,} examples) | "
              f"backend {run.backend}{_products(run)}",
              f"{report['split']} error {100 * report['error']:.2f}% ({report['wrong']:,} of "

@@ -27,6 +27,10 @@ def import_pytensor():
 
 # Each optimizer's state per parameter, by the prefix of its arrays' names.
 OPTIMIZERS = {"sgd": ("v",), "adam": ("m", "s"), "adamw": ("m", "s")}
+# The prefix of the parameters' moving average (Model.set_optimizer's ``ema``).
+AVERAGE = "ema"
+# Every prefix the state's arrays may take: a parameter's name must not collide with them.
+SLOT_KINDS = sorted({kind for kinds in OPTIMIZERS.values() for kind in kinds} | {AVERAGE})
 
 # How many training examples a batch norm's population mean and variance are estimated
 # from before each evaluation (Model.estimate_statistics; Wu and Johnson's PreciseBN in
@@ -65,7 +69,7 @@ class Model:
     def __init__(self):
         self.params, self.weights = [], []
         self.optimizer, self.beta2, self.eps, self.weight_decay = "sgd", 0.999, 1e-8, 0.0
-        self.nesterov, self.clip_norm = False, 0.0
+        self.nesterov, self.clip_norm, self.ema = False, 0.0, 0.0
         self._slots = None
         self.lr = self.decay = None  # compile's shared rates (rate_vars)
         self.dropout_rate, self._dropped = 0.0, False
@@ -94,10 +98,9 @@ class Model:
                              f"dimension, got {value.dtype} of shape {value.shape}")
         # Each optimizer's state takes the names <kind>_<parameter> (slots).
         taken = {p.name for p in self.params}
-        taken |= {f"{kind}_{t}" for kinds in OPTIMIZERS.values() for kind in kinds for t in taken}
+        taken |= {f"{kind}_{t}" for kind in SLOT_KINDS for t in taken}
         if (not isinstance(name, str) or not name or name.startswith("__") or name in taken
-                or any(f"{kind}_{name}" in taken for kinds in OPTIMIZERS.values()
-                       for kind in kinds)):
+                or any(f"{kind}_{name}" in taken for kind in SLOT_KINDS)):
             raise ValueError(f"parameter name {name!r} is empty, reserved (__...) or taken "
                              f"(this model has {sorted(taken)})")
         p = pytensor.shared(value.astype(np.float32), name=name)
@@ -107,7 +110,7 @@ class Model:
         return p
 
     def set_optimizer(self, name, beta2=0.999, eps=1e-8, weight_decay=0.0, nesterov=False,
-                      clip_norm=0.0):
+                      clip_norm=0.0, ema=0.0):
         """Train with ``name`` (OPTIMIZERS): 'sgd', SGD with momentum (the default),
         'adam', or 'adamw', Adam with decoupled weight decay (Loshchilov and Hutter,
         "Decoupled Weight Decay Regularization", 2019): each step multiplies the penalized
@@ -119,8 +122,12 @@ class Model:
         ``momentum * v_new - lr * g`` rather than ``v_new``. ``clip_norm``, when above 0:
         every step scales its gradients by ``min(1, clip_norm / (norm + 1e-6))``, ``norm``
         the 2-norm of them all together, as torch.nn.utils.clip_grad_norm_ does (the L1
-        and L2 terms' gradients included; AdamW's decay is not a gradient). Call it before
-        the state is used: it decides what the state holds."""
+        and L2 terms' gradients included; AdamW's decay is not a gradient). ``ema``, when
+        above 0: the state also holds an exponential moving average of the parameters,
+        ``ema_<name>`` (``averages``), started at their first values and moved after every
+        step by ``ema * average + (1 - ema) * parameter``, as timm's ModelEmaV2 does;
+        evaluation reads it in place of the parameters. Call it before the state is used:
+        it decides what the state holds."""
         if name not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)}, got {name!r}")
         if self._slots is not None:
@@ -134,7 +141,9 @@ class Model:
             raise ValueError(f"nesterov is SGD's momentum, not {name!r}'s")
         if not clip_norm >= 0:
             raise ValueError(f"clip_norm must be 0 (no clipping) or above, got {clip_norm}")
-        self.clip_norm = float(clip_norm)
+        if not 0 <= ema < 1:
+            raise ValueError(f"ema must be in [0, 1) (0: no moving average), got {ema}")
+        self.clip_norm, self.ema = float(clip_norm), float(ema)
         self.optimizer, self.beta2, self.eps = name, float(beta2), float(eps)
         self.weight_decay, self.nesterov = float(weight_decay), bool(nesterov)
 
@@ -142,13 +151,23 @@ class Model:
     def slots(self):
         """The optimizer's state, one array per parameter and kind, zeros at first: SGD's
         momentum ``v_<name>``; Adam's first and second moments ``m_<name>``, then
-        ``s_<name>``. Made on first use, when every parameter exists."""
+        ``s_<name>``; then, with ``ema``, the parameters' moving average ``ema_<name>``,
+        the parameters' values at first. Made on first use, when every parameter exists."""
         if self._slots is None:
             pytensor = import_pytensor()
             self._slots = [pytensor.shared(np.zeros(p.get_value(borrow=True).shape, np.float32),
                                            name=f"{kind}_{p.name}")
                            for kind in OPTIMIZERS[self.optimizer] for p in self.params]
+            if self.ema:
+                self._slots += [pytensor.shared(p.get_value().astype(np.float32),
+                                                name=f"{AVERAGE}_{p.name}")
+                                for p in self.params]
         return self._slots
+
+    @property
+    def averages(self):
+        """The parameters' moving averages (``ema``), in the parameters' order; [] without."""
+        return self.slots[len(self.slots) - len(self.params):] if self.ema else []
 
     def batch_norm(self, channels, name, gamma=1.0):
         """A batch normalisation layer (Ioffe and Szegedy 2015) of ``channels``: call it
@@ -196,7 +215,7 @@ class Model:
     @property
     def state(self):
         """Every shared variable the replicas average: the parameters, then the optimizer's
-        state (``slots``), each kind in the parameters' order."""
+        state (``slots``, the moving average last), each kind in the parameters' order."""
         return self.params + self.slots
 
     @property
@@ -404,7 +423,7 @@ class Model:
         mu, k = np.float32(momentum), len(self.params)
         updates = []
         if self.optimizer == "sgd":
-            for p, v, g in zip(self.params, self.slots, grads):
+            for p, v, g in zip(self.params, self.slots[:k], grads):
                 v_new = mu * v - self.lr * g
                 # Nesterov's step looks ahead along the new velocity; still affine in g.
                 step = mu * v_new - self.lr * g if self.nesterov else v_new
@@ -412,26 +431,37 @@ class Model:
         else:
             b2, eps = np.float32(self.beta2), np.float32(self.eps)
             decayed = {id(w) for w in self.weights} if self.optimizer == "adamw" else set()
-            for p, m, s, g in zip(self.params, self.slots[:k], self.slots[k:], grads):
+            for p, m, s, g in zip(self.params, self.slots[:k], self.slots[k:2 * k], grads):
                 m_new = mu * m + (np.float32(1) - mu) * g
                 s_new = b2 * s + (np.float32(1) - b2) * (g * g)
                 # AdamW shrinks the weight before its step, as torch.optim.AdamW does.
                 kept = p * (np.float32(1) - self.decay) if id(p) in decayed else p
                 updates += [(m, m_new), (s, s_new),
                             (p, kept - self.lr * m_new / (pt.sqrt(s_new) + eps))]
+        if self.ema:
+            # Elementwise after the step, from its new parameters: on the gradients' road
+            # every rank computes it from the mean gradients, as the rest of the state.
+            new = dict(updates)
+            d = np.float32(self.ema)
+            updates += [(a, d * a + (np.float32(1) - d) * new[p])
+                        for p, a in zip(self.params, self.averages)]
         updates += self.noise_updates
         train = pytensor.function([idx], cost, updates=updates, mode=mode, name="train")
+        # Evaluation, and the norms' statistics it normalises by, read the moving average
+        # in place of the parameters.
+        averaged = dict(zip(self.params, self.averages))
 
         if self.norms:
             self.statistics_fn = pytensor.function(
                 [sidx], [v for n in self.norms for v in recorded[n.name]], mode=mode,
-                name="statistics")
+                name="statistics", givens=averaged)
             self.statistics_fn.trust_input = True
 
         eidx = pt.tensor("eidx", dtype="int32", shape=(eval_batch,))
         wrong = pt.neq(pt.argmax(self.logits(eval_x[eidx]), axis=1),
                        pt.argmax(eval_y[eidx], axis=1))
-        evaluate = pytensor.function([eidx], wrong, mode=mode, name="evaluate")
+        evaluate = pytensor.function([eidx], wrong, mode=mode, name="evaluate",
+                                     givens=averaged)
         # Callers pass int32 index arrays of exactly these shapes: skipping PyTensor's input
         # checks saves host time on every call (about 50 µs a call on a CPU).
         train.trust_input = evaluate.trust_input = True
@@ -573,13 +603,13 @@ def load(spec):
 
 def build(spec, n_in, hidden, n_out, seed=1234, optimizer="sgd", beta2=0.999, dropout=0.0,
           flip=False, shift=0, weight_decay=0.0, label_smoothing=0.0, nesterov=False,
-          clip_norm=0.0):
+          clip_norm=0.0, ema=0.0):
     """The model that ``spec`` names (load), built for this data: ``cls(n_in, hidden,
     n_out, seed=seed)``, trained by ``optimizer`` (Model.set_optimizer, with ``beta2``,
-    ``weight_decay``, ``nesterov`` and ``clip_norm``) with its dropout layers at ``dropout``
-    (Model.dropout), its training images flipped and shifted as ``flip`` and ``shift`` say
-    (pympgu.nnet.augment) and its targets smoothed by ``label_smoothing``, with its
-    parameters and state checked."""
+    ``weight_decay``, ``nesterov``, ``clip_norm`` and ``ema``) with its dropout layers at
+    ``dropout`` (Model.dropout), its training images flipped and shifted as ``flip`` and
+    ``shift`` say (pympgu.nnet.augment) and its targets smoothed by ``label_smoothing``,
+    with its parameters and state checked."""
     cls = load(spec)
     try:
         model = cls(n_in, list(hidden), n_out, seed=seed)
@@ -591,7 +621,7 @@ def build(spec, n_in, hidden, n_out, seed=1234, optimizer="sgd", beta2=0.999, dr
         raise ModelError(f"--model {spec}: {cls.__name__} made no parameters (its __init__ "
                          "must call super().__init__() and then self.parameter(...))")
     model.set_optimizer(optimizer, beta2=beta2, weight_decay=weight_decay, nesterov=nesterov,
-                        clip_norm=clip_norm)
+                        clip_norm=clip_norm, ema=ema)
     model.dropout_rate = float(dropout)
     if not 0 <= label_smoothing < 1:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")

@@ -33,6 +33,7 @@ PRESETS = {
 }
 DEFAULTS = dict(hidden=[500], lr=0.05, momentum=0.9, batch_size=128, l1=0.0, l2=1e-4, epochs=5,
                 optimizer="sgd", nesterov=False, beta2=0.999, weight_decay=0.0, clip_norm=0.0,
+                ema=0.0,
                 schedule="constant", warmup=0.0,
                 dropout=0.0, label_smoothing=0.0, flip=False, shift=0,
                 bn_examples=STATISTICS_EXAMPLES)
@@ -125,7 +126,7 @@ def build_model(cfg, ds):
                         optimizer=cfg.get("optimizer", "sgd"), beta2=cfg.get("beta2", 0.999),
                         weight_decay=cfg.get("weight_decay", 0.0),
                         nesterov=cfg.get("nesterov", False),
-                        clip_norm=cfg.get("clip_norm", 0.0),
+                        clip_norm=cfg.get("clip_norm", 0.0), ema=cfg.get("ema", 0.0),
                         dropout=cfg.get("dropout", 0.0), flip=cfg.get("flip", False),
                         label_smoothing=cfg.get("label_smoothing", 0.0),
                         shift=cfg.get("shift", 0))
@@ -454,11 +455,16 @@ def read_checkpoint(path, model, use="--resume {path}: cannot resume from it", v
             made = str(f["__model__"]) if "__model__" in f.files else None
             if made:
                 made += f", trained by {saved}"
-            values = []
+            values, started = [], False
             for s in model.state if variables is None else variables:
-                if s.name not in f.files:
-                    raise ValueError(f"it has no {s.name!r}")
-                v = f[s.name]
+                name = s.name
+                average = [p for p, a in zip(model.params, model.averages) if a is s]
+                if name not in f.files and average:
+                    # Saved without --ema: this run starts the average at its parameters.
+                    name, started = average[0].name, True
+                if name not in f.files:
+                    raise ValueError(f"it has no {name!r}")
+                v = f[name]
                 if v.shape != s.get_value(borrow=True).shape:
                     raise ValueError(f"{s.name!r} is {v.shape}, this model's is "
                                      f"{s.get_value(borrow=True).shape}")
@@ -470,6 +476,9 @@ def read_checkpoint(path, model, use="--resume {path}: cannot resume from it", v
         raise ValueError(f"{use.format(path=path)}: {e}{other}") from None
     if note and saved != model.optimizer:
         note(f"{path}: its state was trained by {saved}; this run goes on by {model.optimizer}")
+    if note and started:
+        note(f"{path}: it holds no moving average of the parameters; this run starts one at "
+             "them (--ema)")
     return epoch, history, values
 
 
@@ -899,6 +908,13 @@ def build_parser():
                         "the ranks' mean gradient, as with DDP; elsewhere each rank clips its "
                         "own before the replicas are averaged (docs/TRAINING.md) (default: "
                         "0, off)")
+    m.add_argument("--ema", type=float, metavar="DECAY",
+                   help="keep an exponential moving average of the parameters, moved after "
+                        "every step by DECAY * average + (1 - DECAY) * parameters (timm's "
+                        "ModelEmaV2; 0.999 is usual), and evaluate, checkpoint and choose "
+                        "best.npz by it: the errors printed are the average's. The replicas "
+                        "average it with the rest of the state (docs/TRAINING.md) "
+                        "(default: 0, off)")
     m.add_argument("--beta2", type=float, help=f"Adam's beta2, the decay of its second moment "
                    f"(default: {DEFAULTS['beta2']})")
     m.add_argument("--dropout", type=float, metavar="RATE",
@@ -1004,7 +1020,8 @@ def resolve(args, parser):
         parser.error("--weight-decay is AdamW's decoupled decay; give --optimizer adamw with "
                      "it (--l2 penalises the weights for sgd and adam)")
     for key in ("hidden", "epochs", "batch_size", "lr", "momentum", "nesterov", "l1", "l2",
-                "beta2", "weight_decay", "clip_norm", "warmup", "dropout", "label_smoothing",
+                "beta2", "weight_decay", "clip_norm", "ema", "warmup", "dropout",
+                "label_smoothing",
                 "flip", "shift", "bn_examples"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
@@ -1019,6 +1036,8 @@ def resolve(args, parser):
         parser.error(f"--weight-decay must be in [0, 1), got {cfg['weight_decay']}")
     if not cfg["clip_norm"] >= 0:
         parser.error(f"--clip-norm must be 0 (off) or above, got {cfg['clip_norm']}")
+    if not 0 <= cfg["ema"] < 1:
+        parser.error(f"--ema must be in [0, 1) (0: off), got {cfg['ema']}")
     if not 0 <= cfg["dropout"] < 1:
         parser.error(f"--dropout must be in [0, 1), got {cfg['dropout']}")
     if not 0 <= cfg["label_smoothing"] < 1:
@@ -1185,6 +1204,8 @@ def run(cfg, devices, port=None, quiet=False):
              " nesterov" if model.nesterov else "")
     if model.clip_norm:
         decay += f", clipped to norm {model.clip_norm:g}"
+    if model.ema:
+        decay += f", evaluated by its moving average ({model.ema:g})"
     print(f"pympgu: {ds} | {model.describe()} | {model.optimizer}{decay}, {schedule}{noise} | "
           f"{where} | batch {cfg['batch_size']}/worker | sync every {cfg['sync_every']}"
           f"{' overlapped' if cfg['overlap'] else ''}"

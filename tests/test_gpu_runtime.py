@@ -415,6 +415,26 @@ def test_gpu_training_clipped(monkeypatch, optimizer):
     mean_gradients_against_own_steps(cfg, monkeypatch)
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_gpu_training_ema(monkeypatch, optimizer):
+    """--ema on 2 GPUs at --sync-every 1: the moving average moves in the update, from the
+    new parameters, so every rank computes it from the mean gradients with the rest of the
+    state (SGD's update, the average's included, still affine in them); with
+    PYMPGU_GRADIENTS=0 each rank moves its own and the whole state, the average too, is
+    averaged after the update. Both learn, evaluated by the average, and run() checks that
+    the replicas end identical."""
+    needs_xla()
+    from pympgu import train
+    # 0.9: one epoch here is 31 steps, after which 0.99's average would still hold 73% of
+    # the first, untrained parameters.
+    cfg = dict(train.DEFAULTS, **JAX_TRAINING, hidden=[256, 128], optimizer=optimizer,
+               ema=0.9)
+    cfg.update(train.optimizer_defaults(optimizer))
+    # SGD's exact road starts at 16 MiB of gradients; this MLP's are 0.9 MB.
+    monkeypatch.setenv("PYMPGU_SPLIT_MIN_BYTES", "0")
+    mean_gradients_against_own_steps(cfg, monkeypatch)
+
+
 @pytest.mark.parametrize("max_ranks", ["4", "2"])
 def test_gpu_training_mean_gradients_on_4_ranks(max_ranks, monkeypatch):
     """--sync-every 1 on 4 ranks, the gradients' road taken by a small MLP

@@ -212,6 +212,73 @@ def test_clip_norm_scales_the_gradients_to_their_global_norm(optimizer):
         models.build(None, ds.n_in, [16], ds.n_classes, clip_norm=-1.0)
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_ema_averages_the_parameters_and_evaluation_reads_it(optimizer):
+    """--ema D: the state holds each parameter's moving average, started at its first value
+    and moved after every step by D * average + (1 - D) * parameter (numpy's model of it,
+    after three steps), and evaluation (with the batch norms' statistics it normalises
+    by) reads the average: its errors are those of a model whose parameters are the
+    averages. A D outside [0, 1) is refused, as is a parameter named as an average."""
+    from pympgu import models
+    ds = data.load()
+    lr = 0.5 if optimizer == "sgd" else 0.01
+    m = models.build(None, ds.n_in, [16], ds.n_classes, optimizer=optimizer, ema=0.9)
+    first = [np.array(p.get_value()) for p in m.params]
+    tr, ev = m.compile(ds, 100, 100, lr, 0.9, 0.0, 1e-4, "FAST_RUN")
+    assert [a.name for a in m.averages] == [f"ema_{p.name}" for p in m.params]
+    assert all(a is b for a, b in zip(m.state[-len(m.params):], m.averages))
+    average = first
+    for t in range(3):
+        tr(np.arange(100 * t, 100 * t + 100, dtype=np.int32))
+        average = [np.float32(0.9) * a + np.float32(0.1) * p.get_value()
+                   for a, p in zip(average, m.params)]
+    for a, b in zip(average, m.averages):
+        np.testing.assert_allclose(b.get_value(), a, rtol=1e-6, atol=1e-7)
+    eidx = np.arange(100, dtype=np.int32)
+    plain = models.build(None, ds.n_in, [16], ds.n_classes, optimizer=optimizer)
+    _, plain_ev = plain.compile(ds, 100, 100, lr, 0.9, 0.0, 1e-4, "FAST_RUN")
+    for p, a in zip(plain.params, m.averages):
+        p.set_value(a.get_value())
+    assert np.array_equal(ev(eidx), plain_ev(eidx))
+    for p, a in zip(plain.params, m.params):  # the parameters themselves err otherwise
+        p.set_value(a.get_value())
+    assert not np.array_equal(ev(eidx), plain_ev(eidx))
+    with pytest.raises(ValueError, match="ema must be in"):
+        models.build(None, ds.n_in, [16], ds.n_classes, ema=1.0)
+    named = models.Model()
+    named.parameter(np.zeros(3), "W")
+    with pytest.raises(ValueError, match="reserved"):
+        named.parameter(np.zeros(3), "ema_W")
+
+
+def test_ema_run_checkpoints_evaluates_and_resumes_its_average(tmp_path, capsys):
+    """--ema on 2 CPU workers: the replicas average the moving average with the rest of
+    the state and end identical (run() checks), the checkpoint holds it, pympgu.evaluate
+    reads it and says so, its errors the run's own; a run without --ema resumed with it
+    starts the average at the checkpoint's parameters, and says so."""
+    from pympgu import evaluate
+    out = str(tmp_path / "run")
+    hist = train.run(config(epochs=1, hidden=[32], ema=0.99, out=out), [None, None],
+                     quiet=True)
+    assert "evaluated by its moving average (0.99)" in capsys.readouterr().out
+    with np.load(os.path.join(out, train.CHECKPOINT)) as f:
+        assert {"ema_W0", "ema_b1"} <= set(f.files)
+        assert not np.array_equal(f["ema_W0"], f["W0"])
+    run = evaluate.load(out, "last", backend="c")
+    report = run.evaluate("test")
+    assert report["error"] == pytest.approx(hist[-1]["test_error"], abs=1e-9)
+    assert "(its moving average)" in evaluate.format_report(run, report)[0]
+    plain = str(tmp_path / "plain")
+    train.run(config(epochs=1, hidden=[32], out=plain), [None, None], quiet=True)
+    capsys.readouterr()
+    more = train.run(config(epochs=2, hidden=[32], ema=0.99,
+                            resume=os.path.join(plain, train.CHECKPOINT)), [None, None],
+                     quiet=True)
+    assert len(more) == 2
+    assert "holds no moving average of the parameters; this run starts one" in \
+        capsys.readouterr().err
+
+
 @pytest.mark.parametrize("optimizer", ["adam", "adamw"])
 def test_adam_resumed_goes_on_with_its_schedule_and_bias_correction(tmp_path, optimizer,
                                                                    capsys):
@@ -597,6 +664,7 @@ def test_seed_pickle_format(tmp_path):
     (["--cpu", "2", "--nesterov", "--preset", "dual_mlp"],
      "--nesterov needs a --momentum above 0, got 0.0"),
     (["--cpu", "2", "--clip-norm", "-1"], "--clip-norm must be 0 (off) or above, got -1.0"),
+    (["--cpu", "2", "--ema", "1"], "--ema must be in [0, 1) (0: off), got 1.0"),
     (["--cpu", "2", "--lr", "0"], "--lr must be positive"),
     (["--cpu", "2", "--epochs", "2", "--warmup", "3"], "--warmup must be 0 to --epochs (2)"),
     (["--cpu", "2", "--schedule", "step"], "invalid choice: 'step'"),
