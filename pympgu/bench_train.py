@@ -280,6 +280,7 @@ def _plain_jax_step(rep, cfg):
     kept = np.float32(1) - lr * np.float32(cfg.get("weight_decay", 0.0))  # AdamW's weights
     b2, eps, k = np.float32(model.beta2), np.float32(model.eps), len(params)
     clip = np.float32(model.clip_norm)
+    ema = np.float32(model.ema)
 
     def loss(params, x, y):
         h = x
@@ -289,10 +290,7 @@ def _plain_jax_step(rep, cfg):
         nll = -jnp.mean(jnp.sum(y * jax.nn.log_softmax(logits, axis=1), axis=1))
         return nll + l2 * sum(jnp.sum(params[i] ** 2) for i in range(0, len(params), 2))
 
-    # The dataset is an argument, not a closed-over constant, and the state is donated, as
-    # a JAX user would write it.
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def step(params, vel, x_all, y_all, idx):
+    def update(params, vel, x_all, y_all, idx):
         # Autocast around the gradient, not inside it: the backward pass's products are
         # then in the traced program too, and read bfloat16 as pympgu's do.
         cost, g = autocast(jax.value_and_grad(loss), cfg.get("compute_dtype"))(
@@ -310,7 +308,19 @@ def _plain_jax_step(rep, cfg):
         vel = [mu * v - lr * gi for v, gi in zip(vel, g)]
         return [p + v for p, v in zip(params, vel)], vel, cost
 
-    state = [params, vel]
+    # The dataset is an argument, not a closed-over constant, and the state is donated, as
+    # a JAX user would write it.
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, vel, x_all, y_all, idx):
+        if not ema:
+            return update(params, vel, x_all, y_all, idx)
+        # --ema: the average after the optimizer's state, moved from the new parameters.
+        held, average = vel[:len(vel) - k], vel[len(vel) - k:]
+        params, held, cost = update(params, held, x_all, y_all, idx)
+        return params, held + [ema * a + (1 - ema) * p for a, p in zip(average, params)], cost
+
+    # Donated arrays must be distinct: the average starts as a copy of the parameters.
+    state = [params, vel + ([jnp.array(p, copy=True) for p in params] if ema else [])]
 
     def call(idx):
         state[0], state[1], _ = step(state[0], state[1], x_all, y_all, jnp.asarray(idx))
@@ -418,6 +428,11 @@ def ddp_rank(rank, world, devices, cfg, n_in, n_out, steps, warmup, init_file, g
             y_all = torch.randint(0, n_out, (ntrain,), device="cuda")
 
             low = cfg.get("compute_dtype", "float32") != "float32"
+            # --ema: the parameters' moving average, moved after each step by one fused
+            # lerp over them all, as timm's ModelEmaV3 does (capturable, unlike
+            # AveragedModel's update, which asks the host whether it is the first).
+            ema = cfg.get("ema", 0.0)
+            average = [p.detach().clone() for p in model.parameters()] if ema else []
 
             def body():
                 idx = torch.randint(0, ntrain, (cfg["batch_size"],), device="cuda")
@@ -429,6 +444,9 @@ def ddp_rank(rank, world, devices, cfg, n_in, n_out, steps, warmup, init_file, g
                 if cfg.get("clip_norm"):
                     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip_norm"])
                 opt.step()
+                if ema:
+                    with torch.no_grad():
+                        torch._foreach_lerp_(average, list(model.parameters()), 1.0 - ema)
 
             def eager():
                 opt.zero_grad(set_to_none=True)
@@ -608,7 +626,7 @@ def run_pympgu(devices, cfg, steps, warmup, plain_jax=False):
 def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print,
             exchange_blocks=None, method="auto", repeats=1, settings=({},), ranks=None,
             hidden=None, optimizer="sgd", schedule="constant", batch_size=None, dropout=0.0,
-            compute_dtype="float32", ddp_layout=DDP_LAYOUTS[0], clip_norm=0.0):
+            compute_dtype="float32", ddp_layout=DDP_LAYOUTS[0], clip_norm=0.0, ema=0.0):
     """Every row of the benchmark, as a list of dicts; ``ddp``: the DDP_SYSTEMS to run;
     ``settings``: the environments (env_settings) each multi-GPU pympgu row runs under, one
     row each, its variant named with the setting and its ``env`` the setting; ``ranks``:
@@ -617,6 +635,7 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
     (model_config), built with ``hidden``; ``optimizer`` trains every row (with
     pympgu.train's optimizer_defaults), and ``schedule`` sets pympgu's rate before every step;
     ``clip_norm`` is pympgu.train's --clip-norm, for every row (DDP's by clip_grad_norm_);
+    ``ema`` its --ema, for every row (DDP's by a fused lerp after the optimizer's step);
     ``batch_size``, if given, is every row's batch per GPU instead of its model's;
     ``dropout`` is pympgu's --dropout, for its rows alone (no plain JAX step, no DDP);
     ``compute_dtype`` is pympgu.train's --compute-dtype, for every row (DDP's by
@@ -641,7 +660,8 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
                     seed=0, epochs=1, resume=None, out=None, sync_every=1, overlap=False,
                     exchange_dtype="float32", exchange_blocks=exchange_blocks,
                     optimizer=optimizer, schedule=schedule, dropout=dropout,
-                    compute_dtype=compute_dtype, ddp_layout=ddp_layout, clip_norm=clip_norm)
+                    compute_dtype=compute_dtype, ddp_layout=ddp_layout, clip_norm=clip_norm,
+                    ema=ema)
         base.update(optimizer_defaults(optimizer))
         if batch_size is not None:
             base["batch_size"] = batch_size
@@ -698,6 +718,7 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
             row = dict(kept[0], **median, model=model_label(name), system=system,
                        gpus=list(devs), variant=variant, batch=cfg["batch_size"],
                        optimizer=optimizer, compute_dtype=compute_dtype, clip_norm=clip_norm,
+                       ema=ema,
                        schedule=schedule if system == "pympgu" else None,
                        dropout=dropout if system == "pympgu" else None,
                        runs_ms=[r and r["ms_per_step"] for r in results],
@@ -888,6 +909,10 @@ def main(argv=None):
                         help="as pympgu.train's flag, in every row: DDP's rows call "
                              "torch.nn.utils.clip_grad_norm_ before the optimizer's step "
                              "(default: 0, off)")
+    parser.add_argument("--ema", type=float, default=0.0, metavar="DECAY",
+                        help="as pympgu.train's flag, in every row: the parameters' moving "
+                             "average moved after every step; DDP's rows by one fused lerp "
+                             "after the optimizer's step (default: 0, off)")
     parser.add_argument("--ddp-layout", choices=DDP_LAYOUTS, default=DDP_LAYOUTS[0],
                         help="memory layout of the convolutions in DDP's twin of a convnet: "
                              "channels-last (NHWC, the fast one on tensor cores) or PyTorch's "
@@ -921,6 +946,8 @@ def main(argv=None):
         parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
     if not args.clip_norm >= 0:
         parser.error(f"--clip-norm must be 0 (off) or above, got {args.clip_norm}")
+    if not 0 <= args.ema < 1:
+        parser.error(f"--ema must be in [0, 1) (0: off), got {args.ema}")
     if args.steps < 1 or args.warmup < 1 or args.repeats < 1:
         parser.error("--steps, --warmup and --repeats must be at least 1")
     if args.batch_size is not None and args.batch_size < 1:
@@ -964,6 +991,7 @@ def main(argv=None):
           ("" if args.schedule == "constant" else f", {args.schedule} schedule") +
           (f", dropout {args.dropout}" if args.dropout else "") +
           (f", clipped to norm {args.clip_norm:g}" if args.clip_norm else "") +
+          (f", moving average {args.ema:g}" if args.ema else "") +
           ("" if args.compute_dtype == "float32" else f", {args.compute_dtype} products") +
           (f"; {args.repeats} runs of each row" if args.repeats > 1 else ""), flush=True)
     if len(gpus) == 1:
@@ -980,7 +1008,7 @@ def main(argv=None):
                        ranks=args.ranks, hidden=args.hidden, optimizer=args.optimizer,
                        schedule=args.schedule, batch_size=args.batch_size,
                        dropout=args.dropout, compute_dtype=args.compute_dtype,
-                       ddp_layout=args.ddp_layout, clip_norm=args.clip_norm)
+                       ddp_layout=args.ddp_layout, clip_norm=args.clip_norm, ema=args.ema)
     except DataError as e:
         parser.error(f"--data-dir: {e}")
     except ModelError as e:

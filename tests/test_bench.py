@@ -89,6 +89,18 @@ def test_train_bench_times_clipped_gradients(tmp_path):
     assert "--clip-norm must be 0 (off) or above" in refused("--cpu", "2", "--clip-norm", "-1")
 
 
+def test_train_bench_times_the_moving_average(tmp_path):
+    """--ema 0.9 on CPU workers: every row keeps the parameters' moving average, the plain
+    JAX twin too (as DDP's twin lerps it), and the whole state that --sync-every 4 sends
+    holds it (three arrays a parameter with SGD's momentum); out of range, refused."""
+    r, (one, two) = bench_on_cpu(tmp_path, "--variants", "sync4", "--ema", "0.9")
+    assert [x["ema"] for x in (one, two)] == [0.9, 0.9]
+    n = 3 * 4 * (784 * 500 + 500 + 500 * 10 + 10)  # with each array's alignment padding
+    assert n <= two["wire_bytes"] < 1.001 * n, two["wire_bytes"]
+    assert "sgd, moving average 0.9" in r.stdout and "plain JAX step" in r.stdout, r.stdout
+    assert "--ema must be in [0, 1)" in refused("--cpu", "2", "--ema", "1")
+
+
 def test_train_bench_rejects_bad_flags():
     assert "--cpu takes 1 to 8" in refused("--cpu", "9")
     assert "--repeats must be at least 1" in refused("--cpu", "2", "--repeats", "0")
