@@ -109,14 +109,24 @@ for step in $steps; do
       timeout 500 python3 -m pympgu.bench train --gpus 0 1 --models wide --variants sync1 sync1-bf16 \
         --no-ddp-graph --repeats 3 --json "$OUT/bf16grad.json" 2>&1 | grep -v -i "warn\|delay kernel" | tail -16 ;;
     # --clip-norm on the 2-GPU kind: its GPU tests, then the exact step clipped (the norm of
-    # the mean gradients, with XLA's determinism flag) against DDP with clip_grad_norm_, in
-    # rounds, and the same unclipped.
+    # the mean gradients, the step compiled alike on both ranks) against DDP with
+    # clip_grad_norm_, in rounds, and the same unclipped.
     clip)
       timeout 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_gpu_runtime.py -k clipped 2>&1 | tail -3
       for c in 1 0; do
         timeout 220 python3 -m pympgu.bench train --gpus 0 1 --models wide --variants sync1 --no-ddp-graph \
           --repeats 2 --clip-norm $c --json "$OUT/clip$c.json" 2>&1 | grep -v -i "warn\|delay kernel" | tail -9
       done ;;
+    # --ema on 2 GPUs: its GPU tests, its step against the plain one and DDP's with a lerp,
+    # and its Fashion-MNIST errors against plain averaging.
+    ema)
+      timeout 120 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_gpu_runtime.py -k training_ema 2>&1 | tail -3
+      for e in 0.999 0; do
+        timeout 220 python3 -m pympgu.bench train --gpus 0 1 --models wide --variants sync1 --no-ddp-graph \
+          --repeats 2 --ema $e --json "$OUT/ema$e.json" 2>&1 | grep -v -i "warn\|delay kernel" | tail -9
+      done
+      timeout 200 python3 benchmarks/accuracy_variants.py --data-dir ${DATA:-.data/fashion} --gpus 0 1 --epochs 10 \
+        --variants "ema 0.99" 2>&1 | tail -3 ;;
     # BENCH="--gpus 0 1" on the 2-GPU kind; the default puts 2 ranks on one GPU.
     bench) timeout 500 python3 -m pympgu.bench ${BENCH:---gpus 0 --procs 2 --sizes 4K 64K 1M 64M} --json "$OUT/bench.json" 2>&1 | tail -25 ;;
     # The installed package, away from the source tree: it must train on its embedded data.
