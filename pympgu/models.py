@@ -448,20 +448,20 @@ class Model:
         updates += self.noise_updates
         train = pytensor.function([idx], cost, updates=updates, mode=mode, name="train")
         # Evaluation, and the norms' statistics it normalises by, read the moving average
-        # in place of the parameters.
-        averaged = dict(zip(self.params, self.averages))
+        # in place of the parameters. The statistics read no parameter after a norm (its
+        # scale and shift): the averages of those are inputs they do not use.
+        averaged = dict(givens=list(zip(self.params, self.averages)), on_unused_input="ignore")
 
         if self.norms:
             self.statistics_fn = pytensor.function(
                 [sidx], [v for n in self.norms for v in recorded[n.name]], mode=mode,
-                name="statistics", givens=averaged)
+                name="statistics", **averaged)
             self.statistics_fn.trust_input = True
 
         eidx = pt.tensor("eidx", dtype="int32", shape=(eval_batch,))
         wrong = pt.neq(pt.argmax(self.logits(eval_x[eidx]), axis=1),
                        pt.argmax(eval_y[eidx], axis=1))
-        evaluate = pytensor.function([eidx], wrong, mode=mode, name="evaluate",
-                                     givens=averaged)
+        evaluate = pytensor.function([eidx], wrong, mode=mode, name="evaluate", **averaged)
         # Callers pass int32 index arrays of exactly these shapes: skipping PyTensor's input
         # checks saves host time on every call (about 50 µs a call on a CPU).
         train.trust_input = evaluate.trust_input = True

@@ -77,6 +77,41 @@ def test_estimated_statistics_are_the_mean_and_variance_over_every_example():
     assert len({float(x[b].mean()) for b in batches}) == 3
 
 
+class Projected(models.Model):
+    """A norm on a learned projection: its statistics depend on the parameters."""
+
+    def __init__(self, n_in, hidden, n_out, seed=1234):
+        super().__init__()
+        rng = np.random.default_rng(seed)
+        self.W = self.parameter(rng.normal(0, 0.3, (n_in, n_out)), "W")
+        self.norm = self.batch_norm(n_out, "out")
+
+    def logits(self, x):
+        return self.norm(x @ self.W)
+
+
+def test_with_ema_the_statistics_are_those_of_the_moving_average():
+    """--ema: evaluation reads the parameters' moving average, so the population statistics
+    it normalises by are estimated with it too: after a few steps they are numpy's over
+    x @ average, not over x @ W."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(0, 1, (48, 8)).astype(np.float32)
+    m = Projected(8, [], 8)
+    m.set_optimizer("sgd", ema=0.5)
+    train_fn, _ = m.compile(dataset(x), batch_size=16, eval_batch=4, lr=0.5, momentum=0.0,
+                            l1=0, l2=0, mode="FAST_RUN")
+    batches = [np.arange(16 * t, 16 * t + 16, dtype=np.int32) for t in range(3)]
+    for b in batches:
+        train_fn(b)
+    average = m.averages[0].get_value().astype(np.float64)
+    assert not np.allclose(average, m.W.get_value(), atol=1e-3)
+    m.estimate_statistics(batches)
+    seen = x.astype(np.float64) @ average
+    np.testing.assert_allclose(m.norm.mean.get_value(), seen.mean(axis=0), rtol=1e-4,
+                               atol=1e-6)
+    np.testing.assert_allclose(m.norm.var.get_value(), seen.var(axis=0), rtol=1e-4)
+
+
 def test_statistics_batches_are_fixed_and_fit_the_data():
     a, b = models.statistics_batches(1000, 100), models.statistics_batches(1000, 100)
     assert len(a) == 10 and all(np.array_equal(u, v) for u, v in zip(a, b))
