@@ -85,11 +85,15 @@ _ALIKE_FLAGS = (DETERMINISTIC_FLAG, "--xla_gpu_deterministic_ops=true",
 
 def accepts(options):
     """Whether this process's XLA compiles with jax.jit's ``compiler_options``: it refuses,
-    at the compile, an option it does not know."""
+    at the compile, an option it does not know (INVALID_ARGUMENT). Any other failure is
+    raised: a rank that took it for a refusal would compile its step otherwise than its
+    peers."""
     import jax
     try:
         jax.jit(lambda x: x + 1, compiler_options=options).lower(np.float32(0)).compile()
-    except jax.errors.JaxRuntimeError:
+    except jax.errors.JaxRuntimeError as e:
+        if "INVALID_ARGUMENT" not in str(e):
+            raise
         return False
     return True
 
