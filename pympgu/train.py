@@ -456,12 +456,12 @@ def read_checkpoint(path, model, use="--resume {path}: cannot resume from it", v
             if made:
                 made += f", trained by {saved}"
             values, started = [], False
+            averaged = {id(a): p.name for p, a in zip(model.params, model.averages)}
             for s in model.state if variables is None else variables:
                 name = s.name
-                average = [p for p, a in zip(model.params, model.averages) if a is s]
-                if name not in f.files and average:
+                if name not in f.files and id(s) in averaged:
                     # Saved without --ema: this run starts the average at its parameters.
-                    name, started = average[0].name, True
+                    name, started = averaged[id(s)], True
                 if name not in f.files:
                     raise ValueError(f"it has no {name!r}")
                 v = f[name]

@@ -77,10 +77,11 @@ if not 1 <= BESIDE_BLOCKS <= 512:
 # 0.602 ms.
 ALIKE_OPTIONS = ({"xla_gpu_experimental_enable_fusion_autotuner": False},
                  {"xla_gpu_exclude_nondeterministic_ops": True})
-# The same in XLA_FLAGS, for every compile of a process (a step jitted without the options).
-DETERMINISTIC_FLAG = "--xla_gpu_exclude_nondeterministic_ops=true"
-_ALIKE_FLAGS = (DETERMINISTIC_FLAG, "--xla_gpu_deterministic_ops=true",
-                "--xla_gpu_experimental_enable_fusion_autotuner=false")
+# The same in XLA_FLAGS, for every compile of a process (a step jitted without the
+# options), and the stricter --xla_gpu_deterministic_ops, which implies the last.
+_ALIKE_FLAGS = tuple(f"--{name}={str(value).lower()}" for options in ALIKE_OPTIONS
+                     for name, value in options.items()) + ("--xla_gpu_deterministic_ops=true",)
+DETERMINISTIC_FLAG = "--xla_gpu_exclude_nondeterministic_ops=true"  # the documented one
 
 
 def accepts(options):
