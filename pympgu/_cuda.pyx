@@ -1339,8 +1339,11 @@ cdef class PeerGroup:
         return algo
 
     def allreduce(self, size_t n, dtype="float32", algo="auto", bint synchronize=True,
-                  max_blocks=None):
-        """Average the first n elements of every rank's data buffer, in place, on the GPU.
+                  max_blocks=None, size_t offset=0):
+        """Average n elements of every rank's data buffer, in place, on the GPU: the first
+        n, or those from ``offset`` bytes in (a multiple of 16, for the kernels' vector
+        loads), so that arrays averaged one after another keep their own places, as
+        pympgu.ddp's gradient buckets do.
 
         algo: 'll' (every rank stores its values, flagged, into every peer's mailbox: small
         buffers), 'oneshot' (every rank reads every replica), 'twoshot' (each rank reads a slice
@@ -1352,22 +1355,35 @@ cdef class PeerGroup:
         algorithm used.
         """
         cdef int code = dtype_code(dtype)
-        self._require(n, code)
+        self._require_idle()
+        if offset % 16:
+            raise ValueError(f"offset must be a multiple of 16 bytes, got {offset}")
+        if offset + n * pmg_dtype_size(code) > self.nbytes:
+            raise ValueError(f"{n} {dtype} elements from byte {offset} do not fit the "
+                             f"group's {self.nbytes}-byte buffer")
         cdef int blocks = self.max_blocks if max_blocks is None else max_blocks
         if not 1 <= blocks <= PMG_MAX_BLOCKS:
             raise ValueError(f"max_blocks must be 1 to {PMG_MAX_BLOCKS}, got {blocks}")
         chosen = self._choose(n * pmg_dtype_size(code), algo)
         cdef int a = ALGORITHM_CODES[chosen]
+        # The kernels average from every rank's data[r]; staging and the LL mailboxes stay
+        # where they are (the staging's distance shrinks by the offset, the mailboxes hang
+        # off the signal block).
+        cdef pmg_peers shifted = self.peers
+        cdef size_t stage = self.stage_offset - offset
+        cdef int r
+        for r in range(self.nranks):
+            shifted.data[r] = <void *>(<char *>self.peers.data[r] + offset)
         check(pmg_set_device(self.device))  # with the GIL held: it takes far less than a release
         if chosen == "ce":
             status = pmg_ce_allreduce_average(
-                &self.peers, self.stage_offset, self.rank, self.nranks, n, code, ce_chunk_bytes(),
+                &shifted, stage, self.rank, self.nranks, n, code, ce_chunk_bytes(),
                 blocks, self.timeout_ns, self.stream.handle,
                 self.copy_stream.handle if self.copy_stream is not None else NULL,
                 self.order.handle if self.order is not None else NULL)
         else:
-            status = pmg_allreduce_average(&self.peers, self.stage_offset, self.rank, self.nranks, n,
-                                           code, a, blocks, self.timeout_ns, self.stream.handle)
+            status = pmg_allreduce_average(&shifted, stage, self.rank, self.nranks, n, code, a,
+                                           blocks, self.timeout_ns, self.stream.handle)
         self._launched(status, synchronize)
         return chosen
 

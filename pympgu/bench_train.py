@@ -21,7 +21,8 @@ For each model (the seed's MLP 784-500-10 at batch 5000, plain SGD; the wide MLP
   channels last (``--ddp-layout``): eager ('DDP', as most scripts run it; it also reports
   the GPU time of its step alone) and with each step captured in a CUDA graph
   ('DDP-graph', its fastest form here; --no-ddp-graph skips it), and, with 'sync1-bf16',
-  eager with PyTorch's bf16_compress_hook ('DDP-bf16');
+  eager with PyTorch's bf16_compress_hook ('DDP-bf16'), and with ``--ddp-pympgu``, eager
+  with pympgu.ddp's hook averaging its buckets in place of NCCL ('DDP-pympgu');
 - a plain JAX step (jax.grad of the same loss, jitted) against the PyTensor-compiled call,
   on one GPU: the per-step cost of PyTensor's wrapper.
 
@@ -111,10 +112,12 @@ VARIANTS = {  # name: (sync_every, overlap, exchange dtype, exchange inside the 
 # than its GPU: eager DDP's host takes all of each step to issue it, so its scaling measures
 # the host (0.78 to 1.00 on the same machine, docs/BENCHMARKS.md, sessions 12 and 17).
 # 'DDP-bf16' is eager DDP with PyTorch's bf16_compress_hook, the gradients all-reduced in
-# bfloat16: the counterpart of pympgu's 'sync1-bf16', and run with it.
-# name: (captured in a graph, the gradients' dtype on the wire).
-DDP_SYSTEMS = {"DDP": (False, "float32"), "DDP-graph": (True, "float32"),
-               "DDP-bf16": (False, "bfloat16")}
+# bfloat16: the counterpart of pympgu's 'sync1-bf16', and run with it. 'DDP-pympgu' is
+# eager DDP whose buckets pympgu.ddp's hook averages in place of NCCL (--ddp-pympgu); not
+# in a graph, since each exchange's barriers count on from the last.
+# name: (captured in a graph, DDP's communication hook; None: its own all-reduce).
+DDP_SYSTEMS = {"DDP": (False, None), "DDP-graph": (True, None),
+               "DDP-bf16": (False, "bf16_compress"), "DDP-pympgu": (False, "pympgu")}
 # How DDP's twin lays out a convolution's images: channels last by default, the layout a
 # PyTorch user tuning for speed picks (PyTorch's performance guide), or its default NCHW.
 DDP_LAYOUTS = ("channels-last", "nchw")
@@ -390,6 +393,7 @@ def ddp_rank(rank, world, devices, cfg, n_in, n_out, steps, warmup, init_file, g
     torch.set_float32_matmul_precision("high")
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
+    hook_state = None
     try:
         # Capture needs DDP built and warmed up on a stream other than the default one, and
         # at least 11 eager steps first (DDP settles its buckets in the first ones).
@@ -400,9 +404,13 @@ def ddp_rank(rank, world, devices, cfg, n_in, n_out, steps, warmup, init_file, g
             model = torch_twin(cfg, n_in, n_out).cuda()
             layout = lay_out(model, cfg.get("ddp_layout", DDP_LAYOUTS[0]))
             ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device])
-            if cfg["exchange_dtype"] == "bfloat16":  # DDP-bf16
+            hook = cfg.get("ddp_hook")
+            if hook == "bf16_compress":  # DDP-bf16
                 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
                 ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+            elif hook == "pympgu":  # DDP-pympgu
+                from . import ddp as pympgu_ddp
+                hook_state = pympgu_ddp.register(ddp)
             # The weights, as pympgu penalises them; biases (one dimension) are not.
             weights = [p for p in model.parameters() if p.dim() > 1]
             biases = [p for p in model.parameters() if p.dim() <= 1]
@@ -497,6 +505,8 @@ def ddp_rank(rank, world, devices, cfg, n_in, n_out, steps, warmup, init_file, g
             out["gpu_ms"] = begin.elapsed_time(end) / GPU_TIMED_STEPS
         return out
     finally:
+        if hook_state is not None:
+            hook_state.close()
         # After NCCL work captured in a CUDA graph, destroy_process_group hangs in
         # ncclCommDestroy (pytorch/pytorch#115388; both ranks of the 2-GPU graph run stopped
         # there, docs/BENCHMARKS.md, session 17): _ddp_entry ends such a rank without it.
@@ -697,8 +707,8 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
                         r = run_pympgu(devs, cfg, steps, warmup, plain and k == 0)
                 else:
                     try:
-                        graph, wire = DDP_SYSTEMS[system]
-                        r = run_ddp(devs, dict(cfg, exchange_dtype=wire), ds.n_in,
+                        graph, hook = DDP_SYSTEMS[system]
+                        r = run_ddp(devs, dict(cfg, ddp_hook=hook), ds.n_in,
                                     ds.n_classes, steps, warmup, graph=graph)
                     except RuntimeError as e:  # a baseline that fails leaves the others
                         log(f"  {what} failed, no row: {e}", flush=True)
@@ -918,6 +928,9 @@ def main(argv=None):
                              "channels-last (NHWC, the fast one on tensor cores) or PyTorch's "
                              "default nchw (default: channels-last)")
     parser.add_argument("--no-ddp", action="store_true", help="skip PyTorch DDP")
+    parser.add_argument("--ddp-pympgu", action="store_true",
+                        help="also run eager DDP with pympgu.ddp's hook averaging its "
+                             "gradient buckets in place of NCCL ('DDP-pympgu')")
     parser.add_argument("--no-ddp-graph", action="store_true",
                         help="skip DDP with each step captured in a CUDA graph (a rank that "
                              f"stalls is reported as failed after {DDP_TIMEOUT_S} s, with its "
@@ -999,6 +1012,8 @@ def main(argv=None):
     ddp = (("DDP",) if args.no_ddp_graph else ("DDP", "DDP-graph")) if use_ddp else ()
     if use_ddp and "sync1-bf16" in args.variants:
         ddp += ("DDP-bf16",)
+    if use_ddp and args.ddp_pympgu:
+        ddp += ("DDP-pympgu",)
     from .data import DataError
     from .models import ModelError
     try:  # measure loads the dataset and builds a --model before any worker starts

@@ -76,22 +76,25 @@ def _child(target, rank, conn, args):
         raise SystemExit(1)
 
 
-def _poisoned_case(group, x, average):
-    """Poison the group's buffer, write input x over its part, average(), and return the
-    result's bytes and whether the GUARD bytes past it are intact."""
-    whole = group.data("uint8", x.nbytes + GUARD)
+def _poisoned_case(group, x, average, offset=0):
+    """Poison the group's buffer, write input x over its part (from byte ``offset``),
+    average(), and return the result's bytes and whether the bytes before it and the GUARD
+    bytes past it are intact."""
+    whole = group.data("uint8", offset + x.nbytes + GUARD)
     whole.fill_bytes(0xA5)
-    group.data("uint8", x.nbytes).copy_from_host(x.view(np.uint8))
+    group.data("uint8", x.nbytes, offset).copy_from_host(x.view(np.uint8))
     average()
     raw = whole.copy_to_host()
-    return raw[:x.nbytes].tobytes(), bool(np.all(raw[x.nbytes:] == 0xA5))
+    outside = np.concatenate([raw[:offset], raw[offset + x.nbytes:]])
+    return raw[offset:offset + x.nbytes].tobytes(), bool(np.all(outside == 0xA5))
 
 
-def exchange_cases(rank, conn, nranks, ngpus, cases, max_blocks, capacity):
-    """Average every case through a PeerGroup; returns [(bytes, guard intact)] per case."""
+def exchange_cases(rank, conn, nranks, ngpus, cases, max_blocks, capacity, offset=0):
+    """Average every case through a PeerGroup (from byte ``offset`` of its buffer); returns
+    [(bytes, guard intact)] per case."""
     from pympgu import cuda
-    group = cuda.PeerGroup(rank, nranks, capacity + GUARD, device=rank % ngpus, timeout=60,
-                           staging=True)
+    group = cuda.PeerGroup(rank, nranks, offset + capacity + GUARD, device=rank % ngpus,
+                           timeout=60, staging=True)
     try:
         conn.send(group.handle)
         group.connect(conn.recv(), max_blocks=max_blocks)
@@ -102,9 +105,9 @@ def exchange_cases(rank, conn, nranks, ngpus, cases, max_blocks, capacity):
                 if method == "copy":
                     group.copy_average(n, dtype)
                 else:
-                    assert group.allreduce(n, dtype, algo=method) == method
+                    assert group.allreduce(n, dtype, algo=method, offset=offset) == method
             out.append(_poisoned_case(group, case_inputs(seed, rank, nranks, n, dtype, integers),
-                                      average))
+                                      average, offset))
             group.barrier()  # nobody rewrites its input while a peer still reads it
         return out
     finally:
@@ -230,5 +233,59 @@ def nccl_average(rank, conn, nranks, seed, n, init_file):
         dist.all_reduce(t, op=dist.ReduceOp.AVG)
         torch.cuda.synchronize()
         return t.cpu().numpy().tobytes()
+    finally:
+        dist.destroy_process_group()
+
+
+def ddp_grads(rank, conn, nranks, ngpus, init_file, seed, dtype, method, bucket_view, steps):
+    """DDP (gloo for its setup) with pympgu.ddp's hook on a small MLP: for each of ``steps``
+    backward passes, this rank's gradients unreduced (from a copy of the model) and DDP's,
+    as bytes, and the bucket places the hook used."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+
+    import pympgu.ddp
+    conn.send(None)
+    conn.recv()
+    device = rank % ngpus
+    torch.cuda.set_device(device)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=nranks)
+    try:
+        torch.manual_seed(0)
+        kind = getattr(torch, dtype)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Tanh(),
+                                    torch.nn.Linear(300, 300), torch.nn.Tanh(),
+                                    torch.nn.Linear(300, 10)).to(device=device, dtype=kind)
+        local = copy.deepcopy(model)
+        # Buckets of a KB: after DDP's first pass, in one bucket (its first is 1 MB), it
+        # rebuilds them, and a backward pass then runs three to five in a row.
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device], bucket_cap_mb=0.001, gradient_as_bucket_view=bucket_view)
+        state = pympgu.ddp.register(ddp, method=method)
+
+        def raw(t):
+            t = t.detach().contiguous()
+            if t.dtype == torch.bfloat16:
+                return t.view(torch.int16).cpu().numpy().view(np.uint16)
+            return t.cpu().numpy()
+
+        out = []
+        try:
+            gen = torch.Generator(device="cpu").manual_seed(seed * 1000 + rank)
+            for _ in range(steps):
+                x = torch.randn(32, 64, generator=gen).to(device=device, dtype=kind)
+                y = torch.randint(0, 10, (32,), generator=gen).to(device)
+                for m in (local, ddp):
+                    m.zero_grad(set_to_none=True)
+                    torch.nn.functional.cross_entropy(m(x).float(), y).backward()
+                out.append(([raw(p.grad) for p in local.parameters()],
+                            [raw(p.grad).tobytes() for p in model.parameters()]))
+            torch.cuda.synchronize()
+            return out, sorted(state.places)
+        finally:
+            state.close()
     finally:
         dist.destroy_process_group()

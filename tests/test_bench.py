@@ -226,10 +226,10 @@ def test_train_bench_times_each_gpu_alone(monkeypatch):
             in bench_train.table(rows)), bench_train.table(rows)
 
 
-def test_train_bench_runs_ddp_with_bfloat16_gradients_beside_sync1_bf16(monkeypatch):
+def test_train_bench_runs_ddp_with_its_hooks(monkeypatch):
     """'sync1-bf16' sends pympgu's gradients in bfloat16 inside the step; its DDP
-    counterpart, 'DDP-bf16', is eager DDP with PyTorch's bf16_compress_hook (runs faked:
-    no GPU here)."""
+    counterpart, 'DDP-bf16', is eager DDP with PyTorch's bf16_compress_hook; 'DDP-pympgu'
+    eager DDP with pympgu.ddp's hook (runs faked: no GPU here)."""
     from pympgu import bench_train
     seen = []
 
@@ -238,17 +238,19 @@ def test_train_bench_runs_ddp_with_bfloat16_gradients_beside_sync1_bf16(monkeypa
         return {"ms_per_step": 1.0, "samples_per_s": 1024 * len(devices) * 1e3}
 
     def fake_ddp(devices, cfg, n_in, n_classes, steps, warmup, graph=False):
-        seen.append(("DDP", len(devices), cfg["exchange_dtype"], graph))
+        seen.append(("DDP", len(devices), cfg["ddp_hook"], graph))
         return {"ms_per_step": 1.0, "samples_per_s": 1024 * len(devices) * 1e3}
 
     monkeypatch.setattr(bench_train, "run_pympgu", fake_pympgu)
     monkeypatch.setattr(bench_train, "run_ddp", fake_ddp)
     rows = bench_train.measure([0, 1], ["wide"], ["sync1-bf16"], 10, 2, None,
-                               ddp=("DDP", "DDP-bf16"), log=lambda *a, **k: None)
+                               ddp=("DDP", "DDP-bf16", "DDP-pympgu"), log=lambda *a, **k: None)
     assert seen == [("pympgu", 1, "float32", None)] * 2 + [("pympgu", 2, "bfloat16", True),
-                    ("DDP", 1, "float32", False), ("DDP", 2, "float32", False),
-                    ("DDP", 1, "bfloat16", False), ("DDP", 2, "bfloat16", False)], seen
-    assert [r["system"] for r in rows] == ["pympgu"] * 3 + ["DDP"] * 2 + ["DDP-bf16"] * 2
+                    ("DDP", 1, None, False), ("DDP", 2, None, False),
+                    ("DDP", 1, "bf16_compress", False), ("DDP", 2, "bf16_compress", False),
+                    ("DDP", 1, "pympgu", False), ("DDP", 2, "pympgu", False)], seen
+    assert [r["system"] for r in rows] == (["pympgu"] * 3 + ["DDP"] * 2 + ["DDP-bf16"] * 2
+                                           + ["DDP-pympgu"] * 2)
 
 
 def test_train_bench_ranks_time_the_multi_gpu_rows_at_each_size(monkeypatch):

@@ -60,6 +60,37 @@ def test_peer_group_all_methods(nranks, max_blocks, monkeypatch):
     check_results(results, cases, nranks)
 
 
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_peer_group_offset(nranks):
+    """allreduce(offset=): the elements from that byte on are averaged, exact, by every
+    algorithm, and nothing before or after them is touched (pympgu.ddp's buckets each keep
+    their place in the buffer)."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    sizes = [n for n in (7, 4097, (1 << 20) + 3) if n <= max(SIZES)]  # PYMPGU_TEST_MAX_N
+    cases = [(seed + i, n, dtype, method, False)
+             for i, (n, dtype, method) in enumerate(
+                 (n, d, m) for n in sizes for d in DTYPES
+                 for m in ("ll", "oneshot", "twoshot", "push", "ce")
+                 if m != "ll" or n * ITEMSIZE[d] <= pympgu.cuda.LL_MAX_BYTES)]
+    offset = 4096 + 48  # off the page, on the kernels' 16 bytes
+    results = run_children(exchange_cases, nranks, (nranks, visible_gpus(), cases, None,
+                                                     max(sizes) * 4, offset))
+    check_results(results, cases, nranks)
+
+
+def test_peer_group_offset_is_checked():
+    group = pympgu.cuda.PeerGroup(0, 1, 4096, device=0)
+    try:
+        group.connect([group.handle])
+        with pytest.raises(ValueError, match="multiple of 16"):
+            group.allreduce(4, "float32", offset=8)
+        with pytest.raises(ValueError, match="from byte 4080 do not fit"):
+            group.allreduce(5, "float32", offset=4080)
+        group.allreduce(4, "float32", offset=4080)  # the last 16 bytes
+    finally:
+        group.close()
+
+
 def ll_plan(rounds):
     """[(seed, n, dtype)] for rounds of 'll': every dtype in turn, sizes from one element to
     the most its mailboxes take, so that the grid changes from round to round."""
