@@ -1,0 +1,172 @@
+"""pympgu.ddp's bookkeeping on the CPU, with stand-ins for torch and the PeerGroup: where
+each bucket goes in the buffer, the order of its work, and the setup's refusals. The
+gradients themselves are checked bit for bit on GPUs (tests/test_gpu_ddp.py)."""
+import types
+
+import pytest
+
+from pympgu import ddp
+
+
+class Param:
+    def __init__(self, n, itemsize=4, requires_grad=True):
+        self.n, self.itemsize, self.requires_grad = n, itemsize, requires_grad
+
+    def numel(self):
+        return self.n
+
+    def element_size(self):
+        return self.itemsize
+
+
+def test_bucket_bytes_aligns_each_parameter_and_skips_frozen_ones():
+    params = [Param(1), Param(64), Param(65, 2), Param(1000, requires_grad=False)]
+    assert ddp.bucket_bytes(params) == 256 + 256 + 256
+    assert ddp.bucket_bytes([Param(100, 4)]) == 512
+
+
+class Grads:
+    """A bucket's flat gradients, as much of a torch tensor as the hook reads."""
+
+    def __init__(self, n, dtype="float32", itemsize=4):
+        self.n, self.dtype, self.itemsize = n, f"torch.{dtype}", itemsize
+
+    def numel(self):
+        return self.n
+
+    def element_size(self):
+        return self.itemsize
+
+
+class Bucket:
+    def __init__(self, index, grads):
+        self._index, self.grads = index, grads
+
+    def index(self):
+        return self._index
+
+    def buffer(self):
+        return self.grads
+
+
+def fake_state(nbytes, log):
+    """A PeerState of rank 0 of 2 whose group, torch and cuda only record what the hook
+    asks of them, in order."""
+
+    class View:
+        def __init__(self, dtype, shape, offset):
+            self.key = (dtype, shape, offset)
+
+        def order_before(self, stream):
+            log.append(("torch waits for the group", self.key, stream))
+
+    class Mean:
+        def __init__(self, view):
+            self.view = view
+
+        def copy_(self, grads):
+            log.append(("copy in", self.view.key))
+
+    class Group:
+        stream = "group stream"
+
+        def __init__(self):
+            self.nbytes = nbytes
+
+        def data(self, dtype, shape, offset):
+            return View(dtype, shape, offset)
+
+        def allreduce(self, n, dtype, algo, synchronize, offset):
+            log.append(("allreduce", n, dtype, algo, synchronize, offset))
+
+    class Future:
+        def __init__(self, devices):
+            pass
+
+        def set_result(self, value):
+            self.value = value
+
+    torch = types.SimpleNamespace(
+        futures=types.SimpleNamespace(Future=Future),
+        from_dlpack=Mean,
+        cuda=types.SimpleNamespace(current_stream=lambda device: types.SimpleNamespace(
+            cuda_stream=1234)))
+    cuda = types.SimpleNamespace(array_info=lambda obj, what, stream: log.append(
+        ("group waits for torch", obj.view.key, stream)))
+    state = ddp.PeerState.__new__(ddp.PeerState)
+    state.torch, state.cuda, state.group = torch, cuda, Group()
+    state.rank, state.nranks, state.device, state.method = 0, 2, "cuda:0", "auto"
+    state.cursor, state.places = 0, {}
+    return state
+
+
+def test_each_bucket_keeps_its_place_and_its_work_is_ordered():
+    log = []
+    state = fake_state(4096, log)
+    first = [Bucket(0, Grads(10)), Bucket(1, Grads(100, "bfloat16", 2))]
+    means = [ddp.average_hook(state, b).value for b in first]
+    assert [m.view.key for m in means] == [("float32", (10,), 0), ("bfloat16", (100,), 256)]
+    assert log[:4] == [("copy in", ("float32", (10,), 0)),
+                       ("group waits for torch", ("float32", (10,), 0), "group stream"),
+                       ("allreduce", 10, "float32", "auto", False, 0),
+                       ("torch waits for the group", ("float32", (10,), 0), 1234)]
+    assert log[6] == ("allreduce", 100, "bfloat16", "auto", False, 256)
+    # The next backward pass starts over at bucket 0, in the same places, views reused.
+    again = ddp.average_hook(state, first[0]).value
+    assert again is means[0] and log[-2] == ("allreduce", 10, "float32", "auto", False, 0)
+
+
+def test_buckets_beyond_the_buffer_are_refused():
+    state = fake_state(512, [])
+    ddp.average_hook(state, Bucket(0, Grads(64)))
+    with pytest.raises(ValueError, match="more than the 512 bytes"):
+        ddp.average_hook(state, Bucket(1, Grads(65)))
+
+
+def test_a_closed_state_refuses():
+    state = fake_state(512, [])
+    state.group = None
+    with pytest.raises(RuntimeError, match="rank 0: the PeerState is closed"):
+        ddp.average_hook(state, Bucket(0, Grads(4)))
+
+
+def facts(**changed):
+    base = {"handle": b"h", "device": 0, "nbytes": 4096, "method": "auto",
+            "auto_bytes": (1, 2, 3, 4), "max_blocks": 8, "host": "a"}
+    return dict(base, **changed)
+
+
+@pytest.mark.parametrize("rank1,match", [
+    (facts(host="b"), "run on one machine.*rank 1: b"),
+    (facts(nbytes=8192), "size the buffer alike.*rank 0: 4096, rank 1: 8192"),
+    (facts(method="push"), "use the same method"),
+    (facts(auto_bytes=(1, 2, 3, 5)), "PYMPGU_LL_MAX_BYTES")])
+def test_ranks_set_up_otherwise_are_refused(rank1, match):
+    state = fake_state(4096, [])
+    with pytest.raises(ValueError, match=match):
+        state._connect(None, [facts(), rank1], [None, None])
+
+
+def test_a_rank_that_could_not_make_its_buffer_is_named():
+    state = fake_state(4096, [])
+    with pytest.raises(RuntimeError, match="rank 1: CudaError: out of memory"):
+        state._connect(None, [facts(), {}], [None, "CudaError: out of memory"])
+
+
+def test_gpus_without_peer_access_are_named():
+    state = fake_state(4096, [])
+    state.device = types.SimpleNamespace(index=0)
+    cuda = types.SimpleNamespace(can_access_peer=lambda a, b: False)
+    with pytest.raises(RuntimeError, match="GPU 0 has no peer access to rank 1's GPU 1"):
+        state._connect(cuda, [facts(), facts(device=1)], [None, None])
+
+
+def test_connect_gives_every_rank_the_smallest_grid():
+    state = fake_state(4096, [])
+    state.device = types.SimpleNamespace(index=0)
+    seen = {}
+    state.group.connect = lambda handles, max_blocks: seen.update(h=handles, b=max_blocks)
+    cuda = types.SimpleNamespace(can_access_peer=lambda a, b: True)
+    state._connect(cuda, [facts(handle=b"0"), facts(handle=b"1", device=1, max_blocks=4)],
+                   [None, None])
+    assert seen == {"h": [b"0", b"1"], "b": 4}
