@@ -391,7 +391,9 @@ def ddp_rank(rank, world, devices, cfg, n_in, n_out, steps, warmup, init_file, g
     # JAX multiplies float32 matrices in TF32 on these GPUs by default; torch does not.
     # Give DDP the same precision, or the comparison measures the precision, not the system.
     torch.set_float32_matmul_precision("high")
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
+    # Ranks sharing a GPU (DDP-pympgu alone, measure) set up through gloo: NCCL refuses them.
+    backend = "nccl" if len(set(devices)) == len(devices) else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     hook_state = None
     try:
@@ -692,8 +694,10 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
         if gpus[0] is not None and has_torch_twin(base):
             for system in ddp:
                 runs.append((system, gpus[:1], "-", base, False, {}))
+                # NCCL refuses two ranks on one GPU; pympgu's hook shares one (gloo then
+                # carries DDP's setup, ddp_rank), which checks its logic, not its speed.
                 runs += [(system, group, "-", base, False, {}) for group in groups
-                         if len(set(group)) == len(group)]
+                         if len(set(group)) == len(group) or DDP_SYSTEMS[system][1] == "pympgu"]
         done = [[] for _ in runs]  # each run's results, one per round
         for k in range(repeats):
             for (system, devs, variant, cfg, plain, env), results in zip(runs, done):

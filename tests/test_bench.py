@@ -251,6 +251,12 @@ def test_train_bench_runs_ddp_with_its_hooks(monkeypatch):
                     ("DDP", 1, "pympgu", False), ("DDP", 2, "pympgu", False)], seen
     assert [r["system"] for r in rows] == (["pympgu"] * 3 + ["DDP"] * 2 + ["DDP-bf16"] * 2
                                            + ["DDP-pympgu"] * 2)
+    # Ranks sharing a GPU: NCCL's DDP runs on one rank alone; pympgu's hook on both.
+    seen.clear()
+    bench_train.measure([0, 0], ["wide"], ["sync1"], 10, 2, None, ddp=("DDP", "DDP-pympgu"),
+                        log=lambda *a, **k: None)
+    assert [s for s in seen if s[0] == "DDP"] == [
+        ("DDP", 1, None, False), ("DDP", 1, "pympgu", False), ("DDP", 2, "pympgu", False)]
 
 
 def test_train_bench_ranks_time_the_multi_gpu_rows_at_each_size(monkeypatch):
