@@ -55,43 +55,50 @@ class PeerState:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("pympgu.ddp: torch.distributed is not initialised; call "
                                "torch.distributed.init_process_group first")
-        if method not in ("auto", *cuda.ALGORITHMS):
-            raise ValueError(f"method must be 'auto' or one of {cuda.ALGORITHMS}, got {method!r}")
-        params = list(parameters.parameters() if hasattr(parameters, "parameters")
-                      else parameters)
-        devices = {p.device for p in params}
-        if len(devices) != 1 or next(iter(devices)).type != "cuda":
-            raise ValueError("pympgu.ddp: the parameters must all be on one CUDA device, "
-                             f"found {sorted(map(str, devices))}")
         self.torch, self.cuda, self.process_group = torch, cuda, process_group
         self.rank = dist.get_rank(process_group)
         self.nranks = dist.get_world_size(process_group)
-        self.device = next(iter(devices))
         self.method = method
-        self.group = None
+        self.group = self.device = None
         self.cursor = 0
         self.places = {}  # (offset, n, dtype) -> (the PeerGroup's view, torch's view of it)
-        if self.nranks == 1:
-            return  # nothing to exchange: the hook hands each bucket back
-        nbytes = bucket_bytes(params) if nbytes is None else int(nbytes)
-        # Made on every rank before any rank checks anything: a rank that failed alone
-        # would leave its peers waiting in the gather below.
+        # Every rank checks its arguments and makes its buffer before any rank gives up: one
+        # that raised alone would leave its peers waiting in the gather below.
         facts, error = {}, None
         try:
-            # The staging area of 'push' and 'ce', and of 'auto' where it would push.
-            staging = {"push": True, "ce": True, "auto": None}.get(method, False)
-            self.group = cuda.PeerGroup(self.rank, self.nranks, nbytes,
-                                        device=self.device.index, timeout=timeout,
-                                        staging=staging)
-            facts = {"handle": self.group.handle, "device": self.device.index,
-                     "nbytes": nbytes, "method": method,
-                     "auto_bytes": self.group.auto_bytes,
-                     "max_blocks": self.group.max_blocks, "host": _host()}
+            if method not in ("auto", *cuda.ALGORITHMS):
+                raise ValueError(f"method must be 'auto' or one of {cuda.ALGORITHMS}, "
+                                 f"got {method!r}")
+            params = list(parameters.parameters() if hasattr(parameters, "parameters")
+                          else parameters)
+            devices = {p.device for p in params}
+            if len(devices) != 1 or next(iter(devices)).type != "cuda":
+                raise ValueError("pympgu.ddp: the parameters must all be on one CUDA device, "
+                                 f"found {sorted(map(str, devices))}")
+            self.device = next(iter(devices))
+            if self.nranks > 1:
+                nbytes = bucket_bytes(params) if nbytes is None else int(nbytes)
+                # The staging area of 'push' and 'ce', and of 'auto' where it would push.
+                staging = {"push": True, "ce": True, "auto": None}.get(method, False)
+                self.group = cuda.PeerGroup(self.rank, self.nranks, nbytes,
+                                            device=self.device.index, timeout=timeout,
+                                            staging=staging)
+                facts = {"handle": self.group.handle, "device": self.device.index,
+                         "nbytes": nbytes, "method": method,
+                         "auto_bytes": self.group.auto_bytes,
+                         "max_blocks": self.group.max_blocks, "host": _host()}
         except Exception as e:
-            error = f"{type(e).__name__}: {e}"
-        everyone = [None] * self.nranks
-        dist.all_gather_object(everyone, (facts, error), group=process_group)
+            error = e
+        if self.nranks == 1:  # nothing to exchange: the hook hands each bucket back
+            if error is not None:
+                raise error
+            return
         try:
+            reason = None if error is None else f"{type(error).__name__}: {error}"
+            everyone = [None] * self.nranks
+            dist.all_gather_object(everyone, (facts, reason), group=process_group)
+            if error is not None:
+                raise error
             self._connect(cuda, [f for f, _ in everyone], [e for _, e in everyone])
         except BaseException:
             self.close()
@@ -100,8 +107,8 @@ class PeerState:
     def _connect(self, cuda, facts, errors):
         failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
         if failed:
-            raise RuntimeError("pympgu.ddp: the exchange's buffer could not be made on every "
-                               "rank; " + "; ".join(failed))
+            raise RuntimeError("pympgu.ddp: not every rank could set up its exchange; "
+                               + "; ".join(failed))
         for key, what in (("host", "run on one machine (CUDA IPC maps memory within one)"),
                           ("nbytes", "size the buffer alike (nbytes, or the same parameters)"),
                           ("method", "use the same method"),
@@ -185,6 +192,9 @@ def average_hook(state, bucket):
 def register(model, process_group=None, **options):
     """Make a :class:`PeerState` for the DDP module ``model`` and register
     :func:`average_hook` with it; returns the state. ``options`` go to PeerState."""
+    if not hasattr(model, "register_comm_hook"):
+        raise TypeError("pympgu.ddp.register takes the DistributedDataParallel module, got "
+                        f"a {type(model).__name__}")
     state = PeerState(model.module, process_group=process_group, **options)
     try:
         model.register_comm_hook(state, average_hook)

@@ -289,3 +289,28 @@ def ddp_grads(rank, conn, nranks, ngpus, init_file, seed, dtype, method, bucket_
             state.close()
     finally:
         dist.destroy_process_group()
+
+
+def ddp_refusal(rank, conn, nranks, ngpus, init_file):
+    """pympgu.ddp.register where the last rank passes a method that does not exist: what
+    each rank raised (every rank must raise, none wait for the others)."""
+    import torch
+    import torch.distributed as dist
+
+    import pympgu.ddp
+    conn.send(None)
+    conn.recv()
+    device = rank % ngpus
+    torch.cuda.set_device(device)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=nranks)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            torch.nn.Linear(8, 4).to(device), device_ids=[device])
+        try:
+            pympgu.ddp.register(ddp, method="bogus" if rank == nranks - 1 else "auto")
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return None
+    finally:
+        dist.destroy_process_group()

@@ -147,7 +147,7 @@ def test_ranks_set_up_otherwise_are_refused(rank1, match):
         state._connect(None, [facts(), rank1], [None, None])
 
 
-def test_a_rank_that_could_not_make_its_buffer_is_named():
+def test_a_rank_that_could_not_set_up_is_named():
     state = fake_state(4096, [])
     with pytest.raises(RuntimeError, match="rank 1: CudaError: out of memory"):
         state._connect(None, [facts(), {}], [None, "CudaError: out of memory"])

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import visible_gpus
-from gpu_workers import ddp_grads, run_children
+from gpu_workers import ddp_grads, ddp_refusal, run_children
 from reference import model_average, same_bits
 
 torch = pytest.importorskip("torch")
@@ -46,3 +46,14 @@ def test_ddp_refuses_without_a_process_group():
     import pympgu.ddp
     with pytest.raises(RuntimeError, match="init_process_group"):
         pympgu.ddp.PeerState([torch.zeros(3)])
+
+
+def test_a_rank_set_up_wrong_is_named_by_every_rank():
+    """A rank whose arguments are wrong raises its own error, and its peers, instead of
+    waiting for it, raise one that names it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        errors = run_children(ddp_refusal, 2, (2, visible_gpus(), os.path.join(tmp, "init")),
+                              timeout=120)
+    assert errors[1].startswith("ValueError: method must be 'auto'"), errors
+    assert errors[0].startswith("RuntimeError: pympgu.ddp: not every rank could set up"), errors
+    assert "rank 1: ValueError: method must be" in errors[0], errors
