@@ -40,13 +40,17 @@ class WorkerContext:
     def is_cpu(self):
         return self.device is None
 
-    def barrier(self, what=None, value=None):
+    def barrier(self, what=None, value=None, shared=None):
         """A host barrier of every rank, through the coordinator. With ``what``, every rank
         must also hold the same ``value`` (a string): otherwise the run fails, naming the
-        first rank whose ``what`` differs from rank 0's."""
+        first rank whose ``what`` differs from rank 0's. Returns rank 0's ``shared`` (any
+        JSON value; the other ranks' are ignored): what rank 0 alone decided, such as
+        whether to stop."""
         self._barrier_seq += 1
-        self.link.send("BARRIER", {"seq": self._barrier_seq, "what": what, "value": value})
-        self.link.receive("RELEASE")
+        self.link.send("BARRIER", {"seq": self._barrier_seq, "what": what, "value": value,
+                                   "shared": shared})
+        data, _ = self.link.receive("RELEASE")
+        return data.get("shared")
 
     def register(self, layout, facts, blob):
         """Announce this rank's buffer; returns every rank's (facts, blob) and max_blocks."""
@@ -144,7 +148,8 @@ def _supervise(coord, procs, on_metric, heartbeat_timeout):
                         raise WorkerFailed(r, f"differs from rank 0 in its {first.get('what')}",
                                            f"rank 0: {first.get('value')}\n"
                                            f"rank {r}: {d.get('value')}")
-                coord.broadcast("RELEASE", {"seq": first.get("seq")})
+                coord.broadcast("RELEASE", {"seq": first.get("seq"),
+                                            "shared": first.get("shared")})
                 barrier_waiting.clear()
         elif kind == "METRIC":
             if on_metric is not None:

@@ -33,7 +33,7 @@ PRESETS = {
 }
 DEFAULTS = dict(hidden=[500], lr=0.05, momentum=0.9, batch_size=128, l1=0.0, l2=1e-4, epochs=5,
                 optimizer="sgd", nesterov=False, beta2=0.999, weight_decay=0.0, clip_norm=0.0,
-                ema=0.0,
+                ema=0.0, patience=0,
                 schedule="constant", warmup=0.0,
                 dropout=0.0, label_smoothing=0.0, flip=False, shift=0,
                 bn_examples=STATISTICS_EXAMPLES)
@@ -747,6 +747,12 @@ def worker(ctx, cfg):
                         # a copy of the file just written, replaced atomically too.
                         shutil.copyfile(path, path + ".best.tmp")
                         os.replace(path + ".best.tmp", os.path.join(cfg["out"], BEST))
+            if cfg.get("patience"):
+                # Rank 0 alone evaluates, so it decides, and every rank stops after the
+                # same epoch, the replicas identical.
+                stop = ctx.rank == 0 and epochs_since_best(history) >= cfg["patience"]
+                if ctx.barrier(shared=stop):
+                    break
         # Replicas must end identical: a digest per rank lets the launcher's caller check.
         digest = rep.digest()
     finally:
@@ -754,6 +760,13 @@ def worker(ctx, cfg):
             ex.close()
     return {"rank": ctx.rank, "history": history if ctx.rank == 0 else None,
             "digest": digest}
+
+
+def epochs_since_best(history):
+    """Epochs since the one of least validation error in ``history`` (the first of equals,
+    the one best.npz keeps): 0 when the last epoch is the best."""
+    errors = [h["valid_error"] for h in history]
+    return len(errors) - 1 - errors.index(min(errors))
 
 
 # ---------------------------------------------------------------- the launcher side
@@ -917,6 +930,12 @@ def build_parser():
                         "(default: 0, off)")
     m.add_argument("--beta2", type=float, help=f"Adam's beta2, the decay of its second moment "
                    f"(default: {DEFAULTS['beta2']})")
+    m.add_argument("--patience", type=int, metavar="EPOCHS",
+                   help="stop once the validation error has not improved for EPOCHS epochs "
+                        "(the early stopping of the Theano tutorials); "
+                        "best.npz keeps the best epoch, and a resumed run counts the epochs "
+                        "before it. A --schedule still decays towards --epochs' last step "
+                        "(default: 0, every epoch)")
     m.add_argument("--dropout", type=float, metavar="RATE",
                    help="drop each hidden unit with probability RATE at every training step, "
                         "scaling the rest by 1/(1-RATE); evaluation drops none. The MLP "
@@ -1020,7 +1039,7 @@ def resolve(args, parser):
         parser.error("--weight-decay is AdamW's decoupled decay; give --optimizer adamw with "
                      "it (--l2 penalises the weights for sgd and adam)")
     for key in ("hidden", "epochs", "batch_size", "lr", "momentum", "nesterov", "l1", "l2",
-                "beta2", "weight_decay", "clip_norm", "ema", "warmup", "dropout",
+                "beta2", "weight_decay", "clip_norm", "ema", "patience", "warmup", "dropout",
                 "label_smoothing",
                 "flip", "shift", "bn_examples"):
         if getattr(args, key) is not None:
@@ -1038,6 +1057,8 @@ def resolve(args, parser):
         parser.error(f"--clip-norm must be 0 (off) or above, got {cfg['clip_norm']}")
     if not 0 <= cfg["ema"] < 1:
         parser.error(f"--ema must be in [0, 1) (0: off), got {cfg['ema']}")
+    if cfg["patience"] < 0:
+        parser.error(f"--patience must be 0 (off) or more epochs, got {cfg['patience']}")
     if not 0 <= cfg["dropout"] < 1:
         parser.error(f"--dropout must be in [0, 1), got {cfg['dropout']}")
     if not 0 <= cfg["label_smoothing"] < 1:
@@ -1233,6 +1254,11 @@ def run(cfg, devices, port=None, quiet=False):
         kept = ""
         if cfg["out"] and checkpoint_epoch(os.path.join(cfg["out"], BEST)) == best["epoch"]:
             kept = f", its checkpoint {os.path.join(cfg['out'], BEST)}"
+        last, patience = history[-1]["epoch"], cfg.get("patience")
+        if patience and last < cfg["epochs"]:
+            print(f"stopped after epoch {last} of {cfg['epochs']}: no better validation error "
+                  f"than epoch {best['epoch']}'s in {last - best['epoch']} epochs "
+                  f"(--patience {patience})")
         print(f"done in {total:.1f} s: best validation error {100 * best['valid_error']:.2f}% "
               f"(epoch {best['epoch']}{kept}), its test error {100 * best['test_error']:.2f}%, "
               f"{mean_rate:.0f} samples/s")

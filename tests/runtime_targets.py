@@ -530,3 +530,8 @@ def late_peer(ctx, timeout=2.0):
         ex.close()
     result["page_after_close"] = os.path.exists(page)  # its creator unlinks it
     return result
+
+
+def shared_rounds(ctx, rounds):
+    """Barriers at which every rank offers its own value: each returns rank 0's."""
+    return [ctx.barrier(shared={"rank": ctx.rank, "round": k}) for k in range(rounds)]

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from pympgu.launch import WorkerFailed, launch
-from runtime_targets import attack_then_average, average_rounds, part_rounds, wire_rounds
+from runtime_targets import (attack_then_average, average_rounds, part_rounds, shared_rounds,
+                             wire_rounds)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,6 +43,11 @@ def test_cpu_workers_average_exactly(nworkers):
     assert all(r["stats"]["exchanges"] == 3 for r in results)
     assert sorted(metrics) == sorted((r, k) for r in range(nworkers) for k in range(3))
     assert shm_segments() == before
+
+
+def test_a_barrier_gives_every_rank_rank_0s_shared_value():
+    results = launch(shared_rounds, (3,), cpu=3)
+    assert results == [[{"rank": 0, "round": k} for k in range(3)]] * 3
 
 
 def test_cpu_workers_average_one_packed_array():

@@ -327,6 +327,37 @@ def test_out_keeps_the_best_epoch_beside_the_last(tmp_path, capsys):
     assert train.checkpoint_epoch(os.path.join(out, "missing.npz")) is None
 
 
+def test_epochs_since_best_counts_from_the_first_of_equals():
+    def history(*errors):
+        return [{"valid_error": e} for e in errors]
+    assert train.epochs_since_best(history(0.3)) == 0
+    assert train.epochs_since_best(history(0.3, 0.2, 0.25, 0.2)) == 2
+    assert train.epochs_since_best(history(0.3, 0.2, 0.1)) == 0
+
+
+def test_patience_stops_every_worker_after_the_same_epoch(tmp_path, capsys):
+    """--patience 2, resumed from a checkpoint whose epoch 1 no epoch can beat (its
+    validation error set to 0): the run counts the epochs before it, so both workers stop
+    after epoch 3, identical (run() checks), and say why."""
+    import json
+    out = str(tmp_path / "run")
+    cfg = config(epochs=1, hidden=[16], out=out)
+    train.run(cfg, [None, None], quiet=True)
+    path = os.path.join(out, train.CHECKPOINT)
+    with np.load(path) as f:
+        arrays = dict(f)
+    history = json.loads(str(arrays["__history__"]))
+    history[0]["valid_error"] = 0.0
+    arrays["__history__"] = json.dumps(history)
+    np.savez(path, **arrays)
+    capsys.readouterr()
+    hist = train.run(dict(cfg, epochs=6, patience=2, resume=path), [None, None], quiet=True)
+    assert [h["epoch"] for h in hist] == [1, 2, 3]
+    assert ("stopped after epoch 3 of 6: no better validation error than epoch 1's in 2 "
+            "epochs (--patience 2)") in capsys.readouterr().out
+    assert train.checkpoint_epoch(path) == 3
+
+
 def test_cpu_runs_are_reproducible():
     a = train.run(config(epochs=1, hidden=[64]), [None, None])
     b = train.run(config(epochs=1, hidden=[64]), [None, None])
@@ -665,6 +696,7 @@ def test_seed_pickle_format(tmp_path):
      "--nesterov needs a --momentum above 0, got 0.0"),
     (["--cpu", "2", "--clip-norm", "-1"], "--clip-norm must be 0 (off) or above, got -1.0"),
     (["--cpu", "2", "--ema", "1"], "--ema must be in [0, 1) (0: off), got 1.0"),
+    (["--cpu", "2", "--patience", "-1"], "--patience must be 0 (off) or more epochs, got -1"),
     (["--cpu", "2", "--lr", "0"], "--lr must be positive"),
     (["--cpu", "2", "--epochs", "2", "--warmup", "3"], "--warmup must be 0 to --epochs (2)"),
     (["--cpu", "2", "--schedule", "step"], "invalid choice: 'step'"),
