@@ -14,7 +14,6 @@ GPU to GPU by pympgu's fused kernel (CPU workers: through shared memory). Withou
 import argparse
 import hashlib
 import json
-import math
 import os
 import shutil
 import sys
