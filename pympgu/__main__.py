@@ -1,7 +1,8 @@
 """``python -m pympgu``: what this installation can do here, and the commands.
 
 It says whether CUDA works (and CUDA's reason when not), which GPUs can read each other's
-memory, and whether the exchange can run inside a training step's XLA call. Without that
+memory, whether the exchange can run inside a training step's XLA call, and whether torch
+is there for pympgu.ddp. Without that
 operation (pympgu built without jaxlib's headers, as an isolated ``pip install .`` builds
 it) GPU training queues its exchanges from Python, at about half the wide MLP's speed, so
 this is the first thing to look at after installing.
@@ -36,6 +37,7 @@ def report():
     else:
         lines.append(f"  CUDA: not usable: {value} (training runs on CPU workers)")
     lines.append("  exchange inside the training step's XLA call: " + _xla_state(ok))
+    lines.append("  PyTorch DDP's hook (pympgu.ddp): " + _torch_state())
     lines.append(COMMANDS)
     return lines
 
@@ -55,6 +57,14 @@ def _xla_state(gpu_ok):
         return "built in; it needs a GPU"
     ok, why = xla.available()
     return "yes" if ok else f"no: {why}"
+
+
+def _torch_state():
+    """Whether torch is there for pympgu.ddp, found without importing it (seconds)."""
+    import importlib.util
+    if importlib.util.find_spec("torch") is None:
+        return "needs torch (not installed)"
+    return "torch installed; see the README, \"In PyTorch's DDP\""
 
 
 def _version(v):

@@ -527,6 +527,10 @@ def test_python_m_pympgu_reports_what_this_installation_can_do():
     assert lines[0].startswith(f"pympgu {pympgu.__version__} (")
     assert f"CUDA: not usable: {pympgu.cuda_unavailable_reason()}" in r.stdout
     assert "python -m pympgu.train --help" in r.stdout
+    import importlib.util
+    torch = importlib.util.find_spec("torch") is not None
+    assert ("PyTorch DDP's hook (pympgu.ddp): "
+            + ("torch installed" if torch else "needs torch (not installed)")) in r.stdout
 
 
 def test_python_m_pympgu_names_a_build_without_the_xla_operation(monkeypatch):
