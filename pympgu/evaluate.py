@@ -86,14 +86,21 @@ class Trained:
 
     def evaluate(self, split="test"):
         """The model's errors on a split of its data ('test', 'valid' or 'train'): a dict
-        of the split, its size, the error rate, each class's name (the data's, else its
+        of the split, its size, the error rate (and, above 5 classes, the top-5 error: the
+        true class not among the five likeliest), each class's name (the data's, else its
         number), examples, error rate and the class it is most often taken for, and the
         confusion matrix (rows: the true class, columns: the predicted one)."""
         if split not in SPLITS:
             raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
         x, y = getattr(self.dataset, split)
-        predicted = self.predict(x).argmax(axis=1)
+        probabilities = self.predict(x)
+        predicted = probabilities.argmax(axis=1)
         k, names = self.dataset.n_classes, self.dataset.class_names
+        top5 = None
+        if k > 5:
+            # The five likeliest classes, ties to the lower class as argmax takes them.
+            five = np.argsort(-probabilities, axis=1, kind="stable")[:, :5]
+            top5 = int((five != y[:, None]).all(axis=1).sum())
         confusion = np.zeros((k, k), np.int64)
         np.add.at(confusion, (y, predicted), 1)
         classes = []
@@ -110,8 +117,10 @@ class Trained:
                             "taken_for_share": float(row.max()) / n if n > right else 0.0})
         wrong = int((predicted != y).sum())
         return {"split": split, "examples": len(y), "wrong": wrong,
-                "error": wrong / len(y) if len(y) else None, "classes": classes,
-                "confusion": confusion.tolist()}
+                "error": wrong / len(y) if len(y) else None,
+                "top5_wrong": top5,
+                "top5_error": top5 / len(y) if top5 is not None and len(y) else None,
+                "classes": classes, "confusion": confusion.tolist()}
 
 
 def _resolve(run, checkpoint):
@@ -193,6 +202,9 @@ def format_report(run, report):
              f"backend {run.backend}{_products(run)}",
              f"{report['split']} error {100 * report['error']:.2f}% ({report['wrong']:,} of "
              f"{report['examples']:,})"]
+    if ds.n_classes > 10 and report["top5_error"] is not None:  # CIFAR-100's usual second
+        lines.append(f"top-5 error {100 * report['top5_error']:.2f}% "
+                     f"({report['top5_wrong']:,} of {report['examples']:,})")
     classes = [c for c in report["classes"] if c["examples"]]
     worst = len(classes) > 20  # CIFAR-100: the ten worst classes, not a hundred lines
     if worst:

@@ -44,6 +44,31 @@ def test_the_best_checkpoint_gives_the_test_error_training_printed(run_dir, caps
     confusion = np.array(report["confusion"])
     assert confusion.sum() == 1000 and confusion.trace() == 1000 - report["wrong"]
     assert [c["examples"] for c in report["classes"]] == list(confusion.sum(axis=1))
+    assert report["top5_wrong"] <= report["wrong"] and "top-5" not in out  # ten classes
+
+
+def test_many_classes_get_their_top5_error_and_their_worst_ten(tmp_path, capsys):
+    """A dataset of 30 classes (an .npz of Gaussian blobs): the report gives the top-5
+    error, the true class not among the five likeliest, counted here from predict's
+    probabilities, and lists the ten classes of most error rather than all 30."""
+    rng = np.random.default_rng(1)
+    centers = rng.normal(0, 1.0, (30, 16))
+    y, yt = rng.integers(0, 30, 3000), rng.integers(0, 30, 600)
+    x, xt = (centers[v] + rng.normal(0, 1, (len(v), 16)) for v in (y, yt))
+    path, out = tmp_path / "blobs.npz", str(tmp_path / "run")
+    np.savez(path, x_train=x, y_train=y, x_test=xt, y_test=yt)
+    assert train.main(["--cpu", "2", "--data-dir", str(path), "--hidden", "32", "--epochs",
+                       "1", "--out", out, "--quiet"]) == 0
+    capsys.readouterr()
+    run = evaluate.load(out, backend="c")
+    report = run.evaluate("test")
+    five = np.argsort(-run.predict(xt), axis=1, kind="stable")[:, :5]
+    wrong5 = int(sum(t not in row for t, row in zip(yt, five)))
+    assert report["top5_wrong"] == wrong5 < report["wrong"]
+    assert evaluate.main([out]) == 0
+    text = capsys.readouterr().out
+    assert f"top-5 error {100 * wrong5 / 600:.2f}% ({wrong5} of 600)" in text, text
+    assert "the ten classes of most error:" in text
 
 
 def test_a_report_names_the_classes_where_the_data_does(run_dir, capsys):
