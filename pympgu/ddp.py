@@ -96,7 +96,10 @@ class PeerState:
         try:
             reason = None if error is None else f"{type(error).__name__}: {error}"
             everyone = [None] * self.nranks
-            dist.all_gather_object(everyone, (facts, reason), group=process_group)
+            # NCCL gathers objects through tensors on the current device: make it this
+            # rank's own, or ranks that never set it would all gather on GPU 0.
+            with torch.cuda.device(self.device or torch.cuda.current_device()):
+                dist.all_gather_object(everyone, (facts, reason), group=process_group)
             if error is not None:
                 raise error
             self._connect(cuda, [f for f, _ in everyone], [e for _, e in everyone])
