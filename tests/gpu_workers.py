@@ -260,8 +260,8 @@ def ddp_grads(rank, conn, nranks, ngpus, init_file, seed, dtype, method, bucket_
                                     torch.nn.Linear(300, 300), torch.nn.Tanh(),
                                     torch.nn.Linear(300, 10)).to(device=device, dtype=kind)
         local = copy.deepcopy(model)
-        # Buckets of a KB: after DDP's first pass, in one bucket (its first is 1 MB), it
-        # rebuilds them, and a backward pass then runs three to five in a row.
+        # Buckets of a KB, so that a backward pass runs several in a row (DDP may lay out
+        # its first pass otherwise, and rebuilds its buckets after it).
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device], bucket_cap_mb=0.001, gradient_as_bucket_view=bucket_view)
         state = pympgu.ddp.register(ddp, method=method)
