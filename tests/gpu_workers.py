@@ -237,6 +237,20 @@ def nccl_average(rank, conn, nranks, seed, n, init_file):
         dist.destroy_process_group()
 
 
+def _gloo_group(rank, conn, nranks, ngpus, init_file):
+    """After the parent's go, join a gloo process group of nranks (DDP's setup where ranks
+    share GPUs: NCCL refuses that) with this rank's GPU current; returns that GPU."""
+    import torch
+    import torch.distributed as dist
+    conn.send(None)
+    conn.recv()
+    device = rank % ngpus
+    torch.cuda.set_device(device)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=nranks)
+    return device
+
+
 def ddp_grads(rank, conn, nranks, ngpus, init_file, seed, dtype, method, bucket_view, steps):
     """DDP (gloo for its setup) with pympgu.ddp's hook on a small MLP: for each of ``steps``
     backward passes, this rank's gradients unreduced (from a copy of the model) and DDP's,
@@ -247,12 +261,7 @@ def ddp_grads(rank, conn, nranks, ngpus, init_file, seed, dtype, method, bucket_
     import torch.distributed as dist
 
     import pympgu.ddp
-    conn.send(None)
-    conn.recv()
-    device = rank % ngpus
-    torch.cuda.set_device(device)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=nranks)
+    device = _gloo_group(rank, conn, nranks, ngpus, init_file)
     try:
         torch.manual_seed(0)
         kind = getattr(torch, dtype)
@@ -298,12 +307,7 @@ def ddp_refusal(rank, conn, nranks, ngpus, init_file):
     import torch.distributed as dist
 
     import pympgu.ddp
-    conn.send(None)
-    conn.recv()
-    device = rank % ngpus
-    torch.cuda.set_device(device)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=nranks)
+    device = _gloo_group(rank, conn, nranks, ngpus, init_file)
     try:
         ddp = torch.nn.parallel.DistributedDataParallel(
             torch.nn.Linear(8, 4).to(device), device_ids=[device])
