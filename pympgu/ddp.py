@@ -19,13 +19,11 @@ The ranks must be processes of one machine whose GPUs reach one another (peer ac
 The process group carries the setup only (the buffers' handles, and DDP's own broadcast of
 the first parameters); pympgu's kernels move every gradient.
 """
-# Every bucket's place in the buffer starts on this boundary: the kernels read 16 bytes at
-# a time, and two buckets then share no cache line (128 bytes).
-ALIGN = 256
+from .exchange import ALIGN_BYTES  # where each bucket's place starts, as the Exchanger's arrays
 
 
 def _aligned(nbytes):
-    return -(-nbytes // ALIGN) * ALIGN
+    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
 
 
 def bucket_bytes(parameters):
