@@ -1,7 +1,7 @@
-"""PyTorch DistributedDataParallel with pympgu's exchange in place of its all-reduce.
+"""PyTorch with pympgu's exchange: DDP's gradient buckets, or a whole model's replicas.
 
     import torch.distributed as dist, pympgu.ddp
-    dist.init_process_group("nccl")            # or "gloo": DDP's setup is all it carries
+    dist.init_process_group("nccl")            # or "gloo": the setup is all it carries
     model = DDP(net.cuda(rank), device_ids=[rank])
     state = pympgu.ddp.register(model)         # every rank, as DDP's constructor
     ...                                        # train as before
@@ -15,9 +15,14 @@ mean in place, from which DDP copies it into the gradients. The mean is summed i
 order and divided once, so every rank gets the same bits, as pympgu's training does.
 Everything is queued on the stream DDP's backward runs on; the host never waits.
 
+Without DDP, :class:`ModelAverager` averages the replicas themselves every so often, as
+pympgu's own training and the 2014 demo do (local SGD; torch's ``PeriodicModelAverager``):
+the model's parameters, its batch norms' statistics and the optimizer's state live in the
+shared buffer, so an average is the kernels alone.
+
 The ranks must be processes of one machine whose GPUs reach one another (peer access).
 The process group carries the setup only (the buffers' handles, and DDP's own broadcast of
-the first parameters); pympgu's kernels move every gradient.
+the first parameters); pympgu's kernels move every value.
 """
 from .exchange import ALIGN_BYTES  # where each bucket's place starts, as the Exchanger's arrays
 
@@ -33,19 +38,19 @@ def bucket_bytes(parameters):
     return sum(_aligned(p.numel() * p.element_size()) for p in parameters if p.requires_grad)
 
 
-class PeerState:
-    """One rank's share of the exchange that :func:`average_hook` runs for DDP.
+class _Peers:
+    """A PeerGroup over the ranks of a torch process group, set up collectively: what
+    PeerState and ModelAverager share."""
 
-    Collective: every rank of ``process_group`` (default: the world) makes it alike, after
-    the model is on its GPU. ``parameters`` (a module or an iterable) sizes the buffer
-    (:func:`bucket_bytes`) unless ``nbytes`` is given. ``method`` is the PeerGroup's
-    algorithm ('auto' picks by each bucket's size, README "Calling the kernel directly"),
-    ``timeout`` how long a kernel waits for a peer before it traps. ``close()`` (or leaving
-    a ``with`` block) frees the buffer once the device is done with it.
-    """
+    # What every rank's setup must agree on, beside the handles: the fact and what to do.
+    ALIKE = {"host": "run on one machine (CUDA IPC maps memory within one)",
+             "layout": "average the same tensors (the same model, and optimizer state alike)",
+             "nbytes": "size the buffer alike (nbytes, or the same parameters)",
+             "method": "use the same method",
+             "auto_bytes": "use the same PYMPGU_LL_MAX_BYTES, PYMPGU_ONESHOT_MAX_BYTES, "
+                           "PYMPGU_PUSH_MIN_BYTES and PYMPGU_CE_MIN_BYTES"}
 
-    def __init__(self, parameters, process_group=None, nbytes=None, method="auto",
-                 timeout=60.0):
+    def __init__(self, process_group, method, timeout):
         import torch
         import torch.distributed as dist
         from . import cuda
@@ -56,38 +61,36 @@ class PeerState:
         self.torch, self.cuda, self.process_group = torch, cuda, process_group
         self.rank = dist.get_rank(process_group)
         self.nranks = dist.get_world_size(process_group)
-        self.method = method
+        self.method, self.timeout = method, timeout
         self.group = self.device = None
-        self.cursor = 0
-        self.places = {}  # (offset, n, dtype) -> (the PeerGroup's view, torch's view of it)
+
+    def _setup(self, prepare):
+        """Collective. ``prepare()`` checks this rank's arguments and returns its CUDA
+        device, the buffer's bytes and facts every rank must share (ALIKE's keys); then the
+        ranks meet, and each maps the others' buffers."""
+        import torch.distributed as dist
+        cuda = self.cuda
         # Every rank checks its arguments and makes its buffer before any rank gives up: one
         # that raised alone would leave its peers waiting in the gather below.
         facts, error = {}, None
         try:
-            if method not in ("auto", *cuda.ALGORITHMS):
+            if self.method not in ("auto", *cuda.ALGORITHMS):
                 raise ValueError(f"method must be 'auto' or one of {cuda.ALGORITHMS}, "
-                                 f"got {method!r}")
-            params = list(parameters.parameters() if hasattr(parameters, "parameters")
-                          else parameters)
-            devices = {p.device for p in params}
-            if len(devices) != 1 or next(iter(devices)).type != "cuda":
-                raise ValueError("pympgu.ddp: the parameters must all be on one CUDA device, "
-                                 f"found {sorted(map(str, devices))}")
-            self.device = next(iter(devices))
+                                 f"got {self.method!r}")
+            self.device, nbytes, shared = prepare()
             if self.nranks > 1:
-                nbytes = bucket_bytes(params) if nbytes is None else int(nbytes)
                 # The staging area of 'push' and 'ce', and of 'auto' where it would push.
-                staging = {"push": True, "ce": True, "auto": None}.get(method, False)
+                staging = {"push": True, "ce": True, "auto": None}.get(self.method, False)
                 self.group = cuda.PeerGroup(self.rank, self.nranks, nbytes,
-                                            device=self.device.index, timeout=timeout,
+                                            device=self.device.index, timeout=self.timeout,
                                             staging=staging)
                 facts = {"handle": self.group.handle, "device": self.device.index,
-                         "nbytes": nbytes, "method": method,
+                         "nbytes": nbytes, "method": self.method,
                          "auto_bytes": self.group.auto_bytes,
-                         "max_blocks": self.group.max_blocks, "host": _host()}
+                         "max_blocks": self.group.max_blocks, "host": _host(), **shared}
         except Exception as e:
             error = e
-        if self.nranks == 1:  # nothing to exchange: the hook hands each bucket back
+        if self.nranks == 1:  # nothing to exchange
             if error is not None:
                 raise error
             return
@@ -96,8 +99,8 @@ class PeerState:
             everyone = [None] * self.nranks
             # NCCL gathers objects through tensors on the current device: make it this
             # rank's own, or ranks that never set it would all gather on GPU 0.
-            with torch.cuda.device(self.device or torch.cuda.current_device()):
-                dist.all_gather_object(everyone, (facts, reason), group=process_group)
+            with self.torch.cuda.device(self.device or self.torch.cuda.current_device()):
+                dist.all_gather_object(everyone, (facts, reason), group=self.process_group)
             if error is not None:
                 raise error
             self._connect(cuda, [f for f, _ in everyone], [e for _, e in everyone])
@@ -110,14 +113,11 @@ class PeerState:
         if failed:
             raise RuntimeError("pympgu.ddp: not every rank could set up its exchange; "
                                + "; ".join(failed))
-        for key, what in (("host", "run on one machine (CUDA IPC maps memory within one)"),
-                          ("nbytes", "size the buffer alike (nbytes, or the same parameters)"),
-                          ("method", "use the same method"),
-                          ("auto_bytes", "use the same PYMPGU_LL_MAX_BYTES, "
-                                         "PYMPGU_ONESHOT_MAX_BYTES, PYMPGU_PUSH_MIN_BYTES and "
-                                         "PYMPGU_CE_MIN_BYTES")):
-            values = [f[key] for f in facts]
+        for key, what in self.ALIKE.items():
+            values = [f.get(key) for f in facts]
             if any(v != values[0] for v in values):
+                if isinstance(values[0], list):  # a layout: its first entry that differs
+                    values = _first_difference(values)
                 raise ValueError(f"pympgu.ddp: every rank must {what}; {key} by rank: " +
                                  ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)))
         own = self.device.index
@@ -126,10 +126,56 @@ class PeerState:
         if unreachable:
             raise RuntimeError(f"pympgu.ddp: rank {self.rank}'s GPU {own} has no peer access "
                                "to " + ", ".join(f"rank {r}'s GPU {d}" for r, d in unreachable)
-                               + "; keep DDP's own all-reduce on such a machine")
+                               + "; keep torch.distributed's all-reduce on such a machine")
         # Every rank's kernels must take the same grid: their barriers count blocks.
         self.group.connect([f["handle"] for f in facts],
                            max_blocks=min(f["max_blocks"] for f in facts))
+
+    def close(self):
+        """Free the buffer, once this device's queued work is done."""
+        if self.group is not None:
+            try:
+                self.torch.cuda.synchronize(self.device)
+            finally:
+                self._release()
+                self.group.close()
+                self.group = None
+
+    def _release(self):
+        """What a subclass lets go of before the buffer is freed."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class PeerState(_Peers):
+    """One rank's share of the exchange that :func:`average_hook` runs for DDP.
+
+    Collective: every rank of ``process_group`` (default: the world) makes it alike, after
+    the model is on its GPU. ``parameters`` (a module or an iterable) sizes the buffer
+    (:func:`bucket_bytes`) unless ``nbytes`` is given. ``method`` is the PeerGroup's
+    algorithm ('auto' picks by each bucket's size, README "Calling the kernel directly"),
+    ``timeout`` how long a kernel waits for a peer before it traps. ``close()`` (or leaving
+    a ``with`` block) frees the buffer once the device is done with it (DDP may still read
+    it); the hook then fails if DDP calls it again.
+    """
+
+    def __init__(self, parameters, process_group=None, nbytes=None, method="auto",
+                 timeout=60.0):
+        super().__init__(process_group, method, timeout)
+        self.cursor = 0
+        self.places = {}  # (offset, n, dtype) -> (the PeerGroup's view, torch's view of it)
+
+        def prepare():
+            params = list(parameters.parameters() if hasattr(parameters, "parameters")
+                          else parameters)
+            device = _one_cuda_device(params, "the parameters")
+            return device, (bucket_bytes(params) if nbytes is None else int(nbytes)), {}
+
+        self._setup(prepare)
 
     def average(self, bucket):
         """The future of ``bucket``'s mean over the ranks (DDP's hook contract)."""
@@ -165,22 +211,8 @@ class PeerState:
         future.set_result(mean)
         return future
 
-    def close(self):
-        """Free the buffer, once this device's queued work is done (DDP may still read it).
-        The hook then fails if DDP calls it again."""
-        if self.group is not None:
-            try:
-                self.torch.cuda.synchronize(self.device)
-            finally:
-                self.places = {}
-                self.group.close()
-                self.group = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+    def _release(self):
+        self.places = {}
 
 
 def average_hook(state, bucket):
@@ -203,6 +235,206 @@ def register(model, process_group=None, **options):
         state.close()
         raise
     return state
+
+
+class ModelAverager(_Peers):
+    """Averages the replicas of a PyTorch model in place, as pympgu's training does: for a
+    loop that trains each rank's replica on its own and averages every so often (local SGD;
+    torch's ``PeriodicModelAverager``, with pympgu's kernels in place of its all-reduce).
+
+        averager = pympgu.ddp.ModelAverager(model, optimizer)
+        for step, (x, y) in enumerate(batches):
+            loss_fn(model(x), y).backward(); optimizer.step(); optimizer.zero_grad()
+            if step % 4 == 3:
+                averager.average()       # every rank, at the same steps
+        averager.close()
+
+    It averages the model's trainable parameters, its floating-point buffers (batch norms'
+    running statistics; ``buffers=False`` leaves them) and, given the ``optimizer``, every
+    floating-point tensor of its state shaped like its parameter (SGD's momentum, Adam's
+    moments). Each mean is the rank-order float32 sum divided once: the same bits on every
+    rank. Collective: every rank of ``process_group`` (default: the world) makes it alike
+    and calls :meth:`average` at the same points.
+
+    The first :meth:`average` (once the optimizer's state exists) moves each tensor into
+    its own place in a buffer that every rank maps into the others' processes: the tensors
+    stay the same objects (their ``.data`` points there), so every average after is the
+    kernels alone, with no copy in or out, queued on the current stream without a host
+    wait. A tensor found elsewhere (``optimizer.load_state_dict`` makes new ones) is copied
+    back into its place first. :meth:`close` gives every tensor memory of its own again
+    and frees the buffer. ``method`` and ``timeout`` are as for :class:`PeerState`.
+    """
+
+    def __init__(self, model, optimizer=None, process_group=None, buffers=True,
+                 method="auto", timeout=60.0):
+        super().__init__(process_group, method, timeout)
+        if not hasattr(model, "named_parameters"):
+            raise TypeError(f"pympgu.ddp.ModelAverager takes a torch module, got a "
+                            f"{type(model).__name__}")
+        self.model, self.optimizer, self.buffers = model, optimizer, buffers
+        self.ready = self.closed = False
+        self.fixed = []   # (name, tensor): parameters and buffers, the same objects for good
+        self.states = []  # (name, parameter, key): the optimizer's tensors, looked up anew
+        self.places = []  # torch's views of the buffer, one per tensor, in order
+        self.regions = []  # (offset, n, dtype): one allreduce each
+        self.flat = self.view = None
+
+    def _collect(self):
+        """The tensors to average, named, in order: the fixed ones, then the optimizer's."""
+        torch = self.torch
+        names = {}
+        for name, p in self.model.named_parameters():
+            names[p] = name
+            if p.requires_grad:
+                self.fixed.append((f"parameter {name}", p))
+        if self.buffers:
+            self.fixed += [(f"buffer {name}", b) for name, b in self.model.named_buffers()
+                           if b.is_floating_point()]
+        if self.optimizer is not None:
+            for g, group in enumerate(self.optimizer.param_groups):
+                for j, p in enumerate(group["params"]):
+                    state = self.optimizer.state.get(p, {})
+                    for key in sorted(state):
+                        v = state[key]
+                        if (torch.is_tensor(v) and v.is_floating_point()
+                                and v.shape == p.shape):
+                            where = names.get(p, f"{j} of parameter group {g}")
+                            self.states.append((f"optimizer state {key!r} of {where}", p, key))
+
+    def _tensors(self, strict=True):
+        yield from self.fixed
+        state = self.optimizer.state if self.optimizer is not None else None
+        for name, p, key in self.states:
+            v = state.get(p, {}).get(key)
+            if v is None and not strict:
+                continue
+            if v is None:
+                raise ValueError(f"pympgu.ddp: rank {self.rank}: {name} is gone since the "
+                                 "first average(); the optimizer's state must keep its "
+                                 "tensors (make the averager after it has stepped)")
+            yield name, v
+
+    def _prepare(self):
+        self._collect()
+        tensors = list(self._tensors())
+        if not tensors:
+            raise ValueError("pympgu.ddp: the model has nothing to average")
+        device = _one_cuda_device([t for _, t in tensors], "the model and its state")
+        for name, t in tensors:
+            dtype = str(t.dtype).removeprefix("torch.")
+            if dtype not in ("float32", "float16", "bfloat16"):
+                raise ValueError(f"pympgu.ddp: {name} is {dtype}; pympgu averages float32, "
+                                 "float16 and bfloat16")
+            if not _dense(t.shape, t.stride()):
+                raise ValueError(f"pympgu.ddp: {name} overlaps itself or has gaps (strides "
+                                 f"{tuple(t.stride())}); average a dense tensor")
+        specs = [(str(t.dtype).removeprefix("torch."), t.numel()) for _, t in tensors]
+        self.offsets, self.regions, nbytes = _layout(specs)
+        layout = [(name, *spec) for (name, _), spec in zip(tensors, specs)]
+        return device, nbytes, {"layout": layout}
+
+    def average(self):
+        """Replace every rank's tensors with their mean over the ranks (collective)."""
+        if self.closed:
+            raise RuntimeError(f"pympgu.ddp: rank {self.rank}: the ModelAverager is closed")
+        if not self.ready:
+            self._setup(self._prepare)
+            self.ready = True
+            if self.group is None:  # one rank: nothing to exchange
+                return
+            self._place()
+        if self.group is None:
+            return
+        torch, cuda = self.torch, self.cuda
+        count = 0
+        for (name, t), place in zip(self._tensors(), self.places):
+            count += 1
+            if t.data_ptr() != place.data_ptr():
+                if t.shape != place.shape or t.dtype != place.dtype:
+                    raise ValueError(f"pympgu.ddp: rank {self.rank}: {name} is now "
+                                     f"{tuple(t.shape)} {t.dtype}, not {tuple(place.shape)} "
+                                     f"{place.dtype} as at the first average()")
+                place.copy_(t)
+                t.data = place
+        if count != len(self.places):
+            raise ValueError(f"pympgu.ddp: rank {self.rank}: the optimizer's state has changed "
+                             "since the first average()")
+        # The group's stream after the model's work (DLPack's stream handshake), the
+        # kernels, and the model's stream after them: events only, no host wait.
+        cuda.array_info(self.flat, "the model", stream=self.group.stream)
+        for offset, n, dtype in self.regions:
+            self.group.allreduce(n, dtype, algo=self.method, synchronize=False, offset=offset)
+        self.view.order_before(torch.cuda.current_stream(self.device).cuda_stream)
+
+    def _place(self):
+        """Move every tensor into its place in the buffer, keeping its strides."""
+        torch = self.torch
+        self.view = self.group.data()
+        self.flat = torch.from_dlpack(self.view)  # bytes
+        for (name, t), offset in zip(list(self._tensors()), self.offsets):
+            raw = self.flat[offset:offset + t.numel() * t.element_size()]
+            place = raw.view(t.dtype).as_strided(t.shape, t.stride())
+            place.copy_(t)
+            t.data = place
+            self.places.append(place)
+
+    def close(self):
+        """Give every tensor memory of its own again (same values, same strides) and free
+        the buffer; average() then refuses."""
+        self.closed = True
+        super().close()
+
+    def _release(self):
+        places = {p.data_ptr() for p in self.places}
+        for _, t in self._tensors(strict=False) if places else ():
+            if t.data_ptr() in places:
+                t.data = t.data.clone(memory_format=self.torch.preserve_format)
+        self.places, self.flat, self.view = [], None, None
+
+
+def _one_cuda_device(tensors, what):
+    devices = {t.device for t in tensors}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        raise ValueError(f"pympgu.ddp: {what} must all be on one CUDA device, found "
+                         f"{sorted(map(str, devices))}")
+    return next(iter(devices))
+
+
+def _dense(shape, strides):
+    """Whether a tensor of this shape and these strides (in elements) covers its numel()
+    elements exactly once, as contiguous and channels-last tensors do."""
+    if 0 in shape:
+        return True
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(strides, shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _first_difference(lists):
+    """Each list's entry at the first index where the lists differ (None past the end)."""
+    k = next(k for k in range(max(map(len, lists)))
+             if len({repr(v[k]) if k < len(v) else None for v in lists}) > 1)
+    return [f"#{k} {v[k]}" if k < len(v) else f"{len(v)} entries" for v in lists]
+
+
+def _layout(specs):
+    """Places for tensors given as (dtype, numel), grouped by dtype so that each dtype is
+    one span the kernels average in one call: (each tensor's byte offset, the spans as
+    (offset, n, dtype), the bytes in all). Each place starts on ALIGN_BYTES."""
+    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}
+    dtypes = list(dict.fromkeys(d for d, _ in specs))
+    offsets, regions, cursor = [None] * len(specs), [], 0
+    for dtype in dtypes:
+        start = cursor
+        for k, (d, n) in enumerate(specs):
+            if d == dtype:
+                offsets[k] = cursor
+                cursor += _aligned(n * itemsize[dtype])
+        regions.append((start, (cursor - start) // itemsize[dtype], dtype))
+    return offsets, regions, cursor
 
 
 def _host():

@@ -318,3 +318,80 @@ def ddp_refusal(rank, conn, nranks, ngpus, init_file):
         return None
     finally:
         dist.destroy_process_group()
+
+
+def model_averaging(rank, conn, nranks, ngpus, init_file, dtype, optimizer, method):
+    """Local SGD with pympgu.ddp.ModelAverager on a small channels-last convnet with batch
+    norms, each rank's replica made from its own seed: for two rounds of steps then an
+    average (the second after a parameter and an optimizer tensor were moved elsewhere,
+    as load_state_dict leaves them), every averaged value before and after, as raw arrays;
+    then what close() left: the values, whether any tensor still points into the buffer,
+    and whether the convolution kept its channels-last strides."""
+    import torch
+    import torch.distributed as dist
+
+    import pympgu.ddp
+    device = _gloo_group(rank, conn, nranks, ngpus, init_file)
+    try:
+        torch.manual_seed(rank)  # replicas that differ, so that the mean is worth checking
+        kind = getattr(torch, dtype)
+        model = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+            torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 10)).to(
+                device=device, dtype=kind, memory_format=torch.channels_last)
+        model[1].bias.requires_grad_(False)  # frozen: left alone
+        opt = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+               if optimizer == "sgd" else torch.optim.Adam(model.parameters(), lr=1e-3))
+        averager = pympgu.ddp.ModelAverager(model, opt, method=method)
+        gen = torch.Generator(device="cpu").manual_seed(1000 + rank)
+
+        def raw(t):
+            t = t.detach().contiguous().reshape(-1)
+            if t.dtype == torch.bfloat16:
+                return t.view(torch.int16).cpu().numpy().view(np.uint16)
+            return t.cpu().numpy()
+
+        def values():
+            named = {f"parameter {k}": p for k, p in model.named_parameters() if p.requires_grad}
+            named.update({f"buffer {k}": b for k, b in model.named_buffers()
+                          if b.is_floating_point()})
+            for k, p in model.named_parameters():
+                for key, v in opt.state.get(p, {}).items():
+                    if torch.is_tensor(v) and v.shape == p.shape:
+                        named[f"state {key} of {k}"] = v
+            torch.cuda.synchronize()
+            return {k: raw(v) for k, v in named.items()}
+
+        def steps(n):
+            for _ in range(n):
+                x = torch.randn(16, 3, 8, 8, generator=gen).to(device=device, dtype=kind)
+                y = torch.randint(0, 10, (16,), generator=gen).to(device)
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x).float(), y).backward()
+                opt.step()
+
+        rounds = []
+        for k in range(2):
+            steps(2)
+            if k == 1:
+                weight = model[4].weight
+                weight.data = weight.data.clone()
+                state = opt.state[model[0].weight]
+                key = next(iter(state.keys() - {"step"}))
+                state[key] = state[key].clone()
+            before = values()
+            averager.average()
+            rounds.append((before, values()))
+        lo, hi = averager.flat.data_ptr(), averager.flat.data_ptr() + averager.flat.numel()
+        frozen_kept = not lo <= model[1].bias.data_ptr() < hi
+        averager.close()
+        after_close = values()
+        tensors = ([p for p in model.parameters()] + list(model.buffers())
+                   + [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)])
+        inside = sum(lo <= t.data_ptr() < hi for t in tensors)
+        strided = model[0].weight.is_contiguous(memory_format=torch.channels_last)
+        steps(1)  # the model trains on in its own memory
+        torch.cuda.synchronize()
+        return rounds, after_close, inside, strided, frozen_kept
+    finally:
+        dist.destroy_process_group()

@@ -170,3 +170,124 @@ def test_connect_gives_every_rank_the_smallest_grid():
     state._connect(cuda, [facts(handle=b"0"), facts(handle=b"1", device=1, max_blocks=4)],
                    [None, None])
     assert seen == {"h": [b"0", b"1"], "b": 4}
+
+
+# ---------------------------------------------------------------- ModelAverager
+
+
+def test_layout_gives_each_dtype_one_span_of_aligned_places():
+    offsets, regions, nbytes = ddp._layout([("float32", 10), ("bfloat16", 100),
+                                            ("float32", 65)])
+    assert offsets == [0, 768, 256]
+    assert regions == [(0, 192, "float32"), (768, 128, "bfloat16")]
+    assert nbytes == 1024
+
+
+@pytest.mark.parametrize("shape,strides,dense", [
+    ((2, 3, 4), (12, 4, 1), True),
+    ((2, 3, 4, 5), (60, 1, 15, 3), True),    # channels-last
+    ((3, 4), (1, 3), True),                  # transposed
+    ((1, 4), (99, 1), True),                 # a size-1 dimension's stride is free
+    ((3, 0), (5, 1), True),
+    ((3, 4), (8, 1), False),                 # a slice: gaps
+    ((3, 4), (0, 1), False),                 # expanded: overlaps
+])
+def test_dense_takes_tensors_that_cover_their_memory_once(shape, strides, dense):
+    assert ddp._dense(shape, strides) is dense
+
+
+def test_ranks_averaging_other_tensors_are_told_which():
+    state = fake_state(4096, [])
+    layout = [("parameter w", "float32", 10), ("parameter b", "float32", 2)]
+    other = [layout[0], ("optimizer state 'momentum_buffer' of w", "float32", 10)]
+    with pytest.raises(ValueError, match="average the same tensors.*rank 0: #1 "
+                       r"\('parameter b'.*rank 1: #1 \(\"optimizer state"):
+        state._connect(None, [facts(layout=layout), facts(layout=other)], [None, None])
+    with pytest.raises(ValueError, match="rank 0: 2 entries, rank 1: #2"):
+        state._connect(None, [facts(layout=layout), facts(layout=layout + layout[:1])],
+                       [None, None])
+
+
+class Tensor:
+    """As much of a torch tensor as ModelAverager.average reads: where it lives."""
+
+    def __init__(self, ptr, log, shape=(4,), dtype="float32"):
+        self.ptr, self.log, self.shape, self.dtype = ptr, log, shape, dtype
+
+    def data_ptr(self):
+        return self.ptr
+
+    @property
+    def data(self):
+        return self
+
+    @data.setter
+    def data(self, other):
+        self.log.append(("re-point", self.ptr, other.ptr))
+        self.ptr = other.ptr
+
+    def copy_(self, other):
+        self.log.append(("copy", other.ptr, self.ptr))
+
+
+def fake_averager(log):
+    """A ModelAverager of rank 0 of 2, set up, over a parameter and its momentum."""
+
+    class Group:
+        stream = "group stream"
+
+        def allreduce(self, n, dtype, algo, synchronize, offset):
+            log.append(("allreduce", n, dtype, offset))
+
+    avg = ddp.ModelAverager.__new__(ddp.ModelAverager)
+    avg.rank, avg.method, avg.group, avg.device = 0, "auto", Group(), "cuda:0"
+    avg.ready, avg.closed = True, False
+    weight = Tensor(1000, log)
+    avg.optimizer = types.SimpleNamespace(state={weight: {"momentum": Tensor(2000, log)}})
+    avg.fixed = [("parameter w", weight)]
+    avg.states = [("optimizer state 'momentum' of w", weight, "momentum")]
+    avg.places = [Tensor(1000, log), Tensor(2000, log)]
+    avg.regions = [(0, 128, "float32"), (512, 64, "bfloat16")]
+    avg.flat = "flat"
+    avg.view = types.SimpleNamespace(order_before=lambda s: log.append(("torch waits", s)))
+    avg.torch = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        current_stream=lambda device: types.SimpleNamespace(cuda_stream=77)))
+    avg.cuda = types.SimpleNamespace(array_info=lambda obj, what, stream: log.append(
+        ("group waits", obj, stream)))
+    return avg, weight
+
+
+def test_model_average_is_the_kernels_alone_once_placed():
+    log = []
+    avg, _ = fake_averager(log)
+    avg.average()
+    assert log == [("group waits", "flat", "group stream"),
+                   ("allreduce", 128, "float32", 0), ("allreduce", 64, "bfloat16", 512),
+                   ("torch waits", 77)]
+
+
+def test_a_tensor_found_elsewhere_is_copied_back_into_its_place():
+    log = []
+    avg, weight = fake_averager(log)
+    avg.optimizer.state[weight]["momentum"] = Tensor(5, log)  # as load_state_dict leaves it
+    avg.average()
+    assert log[:3] == [("copy", 5, 2000), ("re-point", 5, 2000), ("group waits", "flat",
+                                                                  "group stream")]
+    log.clear()
+    avg.average()
+    assert log[0] == ("group waits", "flat", "group stream")
+
+
+def test_a_changed_optimizer_state_is_refused():
+    log = []
+    avg, weight = fake_averager(log)
+    avg.optimizer.state[weight]["momentum"] = Tensor(5, log, shape=(5,))
+    with pytest.raises(ValueError, match="momentum' of w is now"):
+        avg.average()
+    del avg.optimizer.state[weight]["momentum"]
+    with pytest.raises(ValueError, match="momentum' of w is gone"):
+        avg.average()
+    avg.closed = True
+    with pytest.raises(RuntimeError, match="rank 0: the ModelAverager is closed"):
+        avg.average()
+    assert not [e for e in log if e[0] == "allreduce"]

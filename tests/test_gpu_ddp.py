@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import visible_gpus
-from gpu_workers import ddp_grads, ddp_refusal, run_children
+from gpu_workers import ddp_grads, ddp_refusal, model_averaging, run_children
 from reference import model_average, same_bits
 
 torch = pytest.importorskip("torch")
@@ -57,3 +57,37 @@ def test_a_rank_set_up_wrong_is_named_by_every_rank():
     assert errors[1].startswith("ValueError: method must be 'auto'"), errors
     assert errors[0].startswith("RuntimeError: pympgu.ddp: not every rank could set up"), errors
     assert "rank 1: ValueError: method must be" in errors[0], errors
+
+
+@pytest.mark.parametrize("nranks,dtype,optimizer,method", [
+    (2, "float32", "sgd", "auto"), (3, "float32", "adam", "twoshot"),
+    (2, "bfloat16", "sgd", "push")])
+def test_model_averager_gives_every_rank_the_exact_mean(nranks, dtype, optimizer, method):
+    """Replicas that differ average to the rank-order mean of every parameter, batch-norm
+    statistic and optimizer tensor, on every rank, bit for bit, round after round, also
+    for tensors moved out of their places in between; close() leaves them the same values
+    in memory of their own, with their strides."""
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_children(model_averaging, nranks,
+                               (nranks, visible_gpus(), os.path.join(tmp, "init"), dtype,
+                                optimizer, method))
+    for k in range(2):
+        befores = [r[0][k][0] for r in results]
+        names = set(befores[0])
+        assert any(n.startswith("state") for n in names) and \
+            any(n.startswith("buffer") for n in names), names
+        assert "parameter 1.bias" not in names  # frozen
+        for name in sorted(names):
+            inputs = [b[name] for b in befores]
+            assert not all(np.array_equal(inputs[0], i) for i in inputs[1:]), \
+                f"round {k}: {name} was alike on every rank before the average"
+            expected = model_average(inputs, dtype)
+            for rank, r in enumerate(results):
+                assert same_bits(r[0][k][1][name], expected, dtype), \
+                    f"round {k}, rank {rank}: {name} is not the exact mean"
+    for rank, (rounds, after_close, inside, strided, frozen_kept) in enumerate(results):
+        assert inside == 0, f"rank {rank}: {inside} tensors still in the freed buffer"
+        assert strided, f"rank {rank}: the convolution lost its channels-last strides"
+        assert frozen_kept, f"rank {rank}: the frozen parameter was moved"
+        for name, v in rounds[1][1].items():
+            assert np.array_equal(after_close[name], v), f"rank {rank}: close changed {name}"
