@@ -276,6 +276,7 @@ class ModelAverager(_Peers):
         self.fixed = []   # (name, tensor): parameters and buffers, the same objects for good
         self.states = []  # (name, parameter, key): the optimizer's tensors, looked up anew
         self.places = []  # torch's views of the buffer, one per tensor, in order
+        self.ptrs = []    # and where each starts
         self.regions = []  # (offset, n, dtype): one allreduce each
         self.flat = self.view = None
 
@@ -347,9 +348,9 @@ class ModelAverager(_Peers):
             return
         torch, cuda = self.torch, self.cuda
         count = 0
-        for (name, t), place in zip(self._tensors(), self.places):
+        for (name, t), place, ptr in zip(self._tensors(), self.places, self.ptrs):
             count += 1
-            if t.data_ptr() != place.data_ptr():
+            if t.data_ptr() != ptr:
                 if t.shape != place.shape or t.dtype != place.dtype:
                     raise ValueError(f"pympgu.ddp: rank {self.rank}: {name} is now "
                                      f"{tuple(t.shape)} {t.dtype}, not {tuple(place.shape)} "
@@ -377,6 +378,7 @@ class ModelAverager(_Peers):
             place.copy_(t)
             t.data = place
             self.places.append(place)
+        self.ptrs = [p.data_ptr() for p in self.places]
 
     def close(self):
         """Give every tensor memory of its own again (same values, same strides) and free
@@ -389,7 +391,7 @@ class ModelAverager(_Peers):
         for _, t in self._tensors(strict=False) if places else ():
             if t.data_ptr() in places:
                 t.data = t.data.clone(memory_format=self.torch.preserve_format)
-        self.places, self.flat, self.view = [], None, None
+        self.places, self.ptrs, self.flat, self.view = [], [], None, None
 
 
 def _one_cuda_device(tensors, what):

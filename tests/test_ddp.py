@@ -247,6 +247,7 @@ def fake_averager(log):
     avg.fixed = [("parameter w", weight)]
     avg.states = [("optimizer state 'momentum' of w", weight, "momentum")]
     avg.places = [Tensor(1000, log), Tensor(2000, log)]
+    avg.ptrs = [1000, 2000]
     avg.regions = [(0, 128, "float32"), (512, 64, "bfloat16")]
     avg.flat = "flat"
     avg.view = types.SimpleNamespace(order_before=lambda s: log.append(("torch waits", s)))

@@ -1,0 +1,130 @@
+"""Local SGD in PyTorch with pympgu's exchange: each GPU trains its own replica of an MLP
+on its own minibatches, and every --every steps pympgu.ddp.ModelAverager averages the
+replicas (parameters and momentum) in place, GPU to GPU.
+
+    python examples/torch_local_sgd.py --gpus 0 1 --every 4 --data-dir fashion
+    python examples/torch_local_sgd.py --gpus 0 0            # two ranks sharing one GPU
+
+The ranks draw disjoint minibatches as pympgu.train's workers do (pympgu.data), start from
+the same initial values, and are averaged again at the end of every epoch, before rank 0
+evaluates; each epoch's line says whether every rank then held the same bits. The
+process group (gloo) carries the averager's setup only; pympgu's kernels move every value.
+"""
+import argparse
+import hashlib
+import os
+import tempfile
+import time
+
+
+def _rank(rank, args, init_file, out):
+    import torch
+    import torch.distributed as dist
+
+    import pympgu.ddp
+    from pympgu import data
+
+    device = args.gpus[rank]
+    torch.cuda.set_device(device)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=len(args.gpus))
+    try:
+        ds = data.load(args.data_dir)
+        x_train, y_train = (torch.from_numpy(a).to(device) for a in ds.train)
+        torch.manual_seed(args.seed)  # every replica starts alike
+        sizes = [ds.n_in, *args.hidden, ds.n_classes]
+        layers = []
+        for a, b in zip(sizes, sizes[1:]):
+            layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+        model = torch.nn.Sequential(*layers[:-1]).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        averager = pympgu.ddp.ModelAverager(model, opt)
+
+        def error(split):
+            x, y = (torch.from_numpy(a).to(device) for a in split)
+            with torch.no_grad():
+                return (model(x).argmax(1) != y).float().mean().item() * 100
+
+        history = []
+        try:
+            step = 0
+            for epoch in range(args.epochs):
+                start, losses = time.perf_counter(), []
+                for idx in data.shard_batches(len(y_train), args.batch_size, len(args.gpus),
+                                              rank, args.seed, epoch):
+                    idx = torch.from_numpy(idx).to(device)
+                    loss = torch.nn.functional.cross_entropy(model(x_train[idx]),
+                                                             y_train[idx].long())
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                    losses.append(loss.detach())
+                    step += 1
+                    if step % args.every == 0:
+                        averager.average()
+                averager.average()  # the epoch's model: the replicas' mean
+                torch.cuda.synchronize()
+                seconds = time.perf_counter() - start
+                digest = hashlib.sha256()
+                for t in model.state_dict().values():
+                    digest.update(t.cpu().numpy().tobytes())
+                digests = [None] * len(args.gpus)
+                dist.all_gather_object(digests, digest.hexdigest())
+                line = {"epoch": epoch + 1, "loss": torch.stack(losses).mean().item(),
+                        "valid": error(ds.valid), "test": error(ds.test),
+                        "samples_per_s": len(losses) * args.batch_size * len(args.gpus) / seconds,
+                        "identical": len(set(digests)) == 1}
+                history.append(line)
+                if rank == 0:
+                    print(f"epoch {line['epoch']}: loss {line['loss']:.4f}, validation error "
+                          f"{line['valid']:.2f}%, test error {line['test']:.2f}%, "
+                          f"{line['samples_per_s']:.0f} samples/s, replicas "
+                          f"{'identical' if line['identical'] else 'DIFFER'}", flush=True)
+        finally:
+            averager.close()
+        if rank == 0:
+            out.put(history)
+    finally:
+        dist.destroy_process_group()
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpus", type=int, nargs="+", default=[0, 1],
+                        help="one rank per entry; repeat a GPU to share it (default: 0 1)")
+    parser.add_argument("--every", type=int, default=4,
+                        help="average the replicas every this many steps (default: 4)")
+    parser.add_argument("--data-dir", default=None,
+                        help="a dataset pympgu.data.load reads (default: the embedded MNIST)")
+    parser.add_argument("--hidden", type=int, nargs="+", default=[500],
+                        help="hidden layer widths (default: 500)")
+    parser.add_argument("--epochs", type=int, default=5, help="epochs (default: 5)")
+    parser.add_argument("--batch-size", type=int, default=128,
+                        help="minibatch per rank (default: 128)")
+    parser.add_argument("--lr", type=float, default=0.05,
+                        help="SGD's rate, momentum 0.9 (default: 0.05)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the initial values and the minibatches (default: 0)")
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if len(args.gpus) < 2:
+        parser.error("--gpus: give at least 2 ranks")
+    if args.every < 1:
+        parser.error("--every must be at least 1")
+    import torch.multiprocessing as mp
+    out = mp.get_context("spawn").SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_rank, args=(args, os.path.join(tmp, "init"), out),
+                           nprocs=len(args.gpus), start_method="spawn")
+    history = out.get()
+    if not all(h["identical"] for h in history):
+        raise SystemExit("the replicas differed after an average")
+    return history
+
+
+if __name__ == "__main__":
+    main()
