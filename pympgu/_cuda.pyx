@@ -203,6 +203,20 @@ cdef class Stream:
         with nogil:
             check(pmg_stream_synchronize(self.handle))
 
+    def wait_for(self, producer):
+        """Make this stream wait, on the GPU, for the work queued so far on ``producer`` (a
+        Stream, or a handle such as torch's ``cuda_stream``, of this stream's device); the
+        host does not wait. Cheaper than DLPack's stream handshake, for a caller that knows
+        the producer's stream."""
+        previous = get_device()
+        if previous != self.device:
+            set_device(self.device)  # the event must live on the producer's device
+        try:
+            check(pmg_stream_wait(self.handle, _stream_of(producer)))
+        finally:
+            if previous != self.device:
+                set_device(previous)
+
     def close(self):
         """Destroy the stream; further use is an error."""
         if self.handle != NULL:

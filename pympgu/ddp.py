@@ -179,7 +179,7 @@ class PeerState(_Peers):
 
     def average(self, bucket):
         """The future of ``bucket``'s mean over the ranks (DDP's hook contract)."""
-        torch, cuda = self.torch, self.cuda
+        torch = self.torch
         grads = bucket.buffer()
         future = torch.futures.Future(devices=[self.device])
         if self.group is None:
@@ -203,9 +203,9 @@ class PeerState(_Peers):
         # DDP reads the last mean from here before its next backward starts: by then this
         # stream has waited for it, so the copy needs no wait of its own.
         mean.copy_(grads)
-        # The group's stream after the copy (DLPack's stream handshake), the kernel, and
-        # DDP's stream after the kernel: events only, no host wait.
-        cuda.array_info(mean, "the bucket", stream=self.group.stream)
+        # The group's stream after the copy, the kernel, and DDP's stream after the
+        # kernel: events only, no host wait.
+        self.group.stream.wait_for(stream.cuda_stream)
         self.group.allreduce(n, dtype, algo=self.method, synchronize=False, offset=offset)
         view.order_before(stream.cuda_stream)
         future.set_result(mean)
@@ -346,7 +346,7 @@ class ModelAverager(_Peers):
             self._place()
         if self.group is None:
             return
-        torch, cuda = self.torch, self.cuda
+        torch = self.torch
         count = 0
         for (name, t), place, ptr in zip(self._tensors(), self.places, self.ptrs):
             count += 1
@@ -360,12 +360,13 @@ class ModelAverager(_Peers):
         if count != len(self.places):
             raise ValueError(f"pympgu.ddp: rank {self.rank}: the optimizer's state has changed "
                              "since the first average()")
-        # The group's stream after the model's work (DLPack's stream handshake), the
-        # kernels, and the model's stream after them: events only, no host wait.
-        cuda.array_info(self.flat, "the model", stream=self.group.stream)
+        # The group's stream after the model's work, the kernels, and the model's stream
+        # after them: events only, no host wait.
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self.group.stream.wait_for(stream)
         for offset, n, dtype in self.regions:
             self.group.allreduce(n, dtype, algo=self.method, synchronize=False, offset=offset)
-        self.view.order_before(torch.cuda.current_stream(self.device).cuda_stream)
+        self.view.order_before(stream)
 
     def _place(self):
         """Move every tensor into its place in the buffer, keeping its strides."""

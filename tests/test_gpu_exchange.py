@@ -234,6 +234,27 @@ def test_direct_average_on_framework_arrays():
         assert np.array_equal(reps[0][t].cpu().numpy().ravel(), expected[t])
 
 
+def test_stream_wait_for_orders_after_a_framework_stream():
+    """Stream.wait_for(handle): pympgu's stream waits for what another framework queued on
+    its stream (a sleep, then a fill), though that stream is not the current one that
+    DLPack's handshake orders after."""
+    torch = pytest.importorskip("torch")
+    pympgu.cuda.set_device(0)
+    x = torch.zeros(1 << 20, device="cuda:0")
+    y = torch.full_like(x, -1.0)
+    ours = pympgu.cuda.Stream()
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # about 0.1 s: the average would run before the fill
+        x.fill_(1.0)
+    ours.wait_for(side.cuda_stream)
+    pympgu.average([x], out=y, stream=ours, synchronize=False)
+    ours.synchronize()
+    assert torch.all(y == 1.0), "the average ran before the side stream's fill"
+    ours.close()
+
+
 @pytest.mark.parametrize("wire", ["float16", "bfloat16"])
 def test_wire_kernels_match_host(wire):
     """The multi-tensor delta and the accumulation on the GPU, bit for bit against the host
