@@ -37,7 +37,7 @@ def report():
     else:
         lines.append(f"  CUDA: not usable: {value} (training runs on CPU workers)")
     lines.append("  exchange inside the training step's XLA call: " + _xla_state(ok))
-    lines.append("  PyTorch DDP's hook (pympgu.ddp): " + _torch_state())
+    lines.append("  PyTorch, DDP's hook and ModelAverager (pympgu.ddp): " + _torch_state())
     lines.append(COMMANDS)
     return lines
 
@@ -64,7 +64,7 @@ def _torch_state():
     import importlib.util
     if importlib.util.find_spec("torch") is None:
         return "needs torch (not installed)"
-    return "torch installed; see the README, \"In PyTorch's DDP\""
+    return "torch installed; see the README, \"In PyTorch\""
 
 
 def _version(v):

@@ -277,7 +277,9 @@ class ModelAverager(_Peers):
         self.states = []  # (name, parameter, key): the optimizer's tensors, looked up anew
         self.places = []  # torch's views of the buffer, one per tensor, in order
         self.ptrs = []    # and where each starts
+        self.offsets = []  # each tensor's place, in bytes
         self.regions = []  # (offset, n, dtype): one allreduce each
+        self.stated = 0    # parameters the optimizer had state for at the setup
         self.flat = self.view = None
 
     def _collect(self):
@@ -292,6 +294,7 @@ class ModelAverager(_Peers):
             self.fixed += [(f"buffer {name}", b) for name, b in self.model.named_buffers()
                            if b.is_floating_point()]
         if self.optimizer is not None:
+            self.stated = len(self.optimizer.state)
             for g, group in enumerate(self.optimizer.param_groups):
                 for j, p in enumerate(group["params"]):
                     state = self.optimizer.state.get(p, {})
@@ -347,9 +350,13 @@ class ModelAverager(_Peers):
         if self.group is None:
             return
         torch = self.torch
-        count = 0
+        if self.optimizer is not None and len(self.optimizer.state) != self.stated:
+            # New tensors would have no place, and their replicas would drift apart.
+            raise ValueError(f"pympgu.ddp: rank {self.rank}: the optimizer has state for "
+                             f"{len(self.optimizer.state)} parameters, {self.stated} at the "
+                             "first average(); make the ModelAverager's first average after "
+                             "every parameter has stepped (or close it and make another)")
         for (name, t), place, ptr in zip(self._tensors(), self.places, self.ptrs):
-            count += 1
             if t.data_ptr() != ptr:
                 if t.shape != place.shape or t.dtype != place.dtype:
                     raise ValueError(f"pympgu.ddp: rank {self.rank}: {name} is now "
@@ -357,9 +364,6 @@ class ModelAverager(_Peers):
                                      f"{place.dtype} as at the first average()")
                 place.copy_(t)
                 t.data = place
-        if count != len(self.places):
-            raise ValueError(f"pympgu.ddp: rank {self.rank}: the optimizer's state has changed "
-                             "since the first average()")
         # The group's stream after the model's work, the kernels, and the model's stream
         # after them: events only, no host wait.
         stream = torch.cuda.current_stream(self.device).cuda_stream

@@ -246,6 +246,7 @@ def fake_averager(log):
     avg.optimizer = types.SimpleNamespace(state={weight: {"momentum": Tensor(2000, log)}})
     avg.fixed = [("parameter w", weight)]
     avg.states = [("optimizer state 'momentum' of w", weight, "momentum")]
+    avg.stated = 1
     avg.places = [Tensor(1000, log), Tensor(2000, log)]
     avg.ptrs = [1000, 2000]
     avg.regions = [(0, 128, "float32"), (512, 64, "bfloat16")]
@@ -283,6 +284,9 @@ def test_a_changed_optimizer_state_is_refused():
         avg.average()
     del avg.optimizer.state[weight]["momentum"]
     with pytest.raises(ValueError, match="momentum' of w is gone"):
+        avg.average()
+    avg.optimizer.state["another parameter"] = {"momentum": Tensor(6, log)}
+    with pytest.raises(ValueError, match="state for 2 parameters, 1 at the first average"):
         avg.average()
     avg.closed = True
     with pytest.raises(RuntimeError, match="rank 0: the ModelAverager is closed"):

@@ -529,7 +529,7 @@ def test_python_m_pympgu_reports_what_this_installation_can_do():
     assert "python -m pympgu.train --help" in r.stdout
     import importlib.util
     torch = importlib.util.find_spec("torch") is not None
-    assert ("PyTorch DDP's hook (pympgu.ddp): "
+    assert ("PyTorch, DDP's hook and ModelAverager (pympgu.ddp): "
             + ("torch installed" if torch else "needs torch (not installed)")) in r.stdout
 
 
