@@ -332,7 +332,6 @@ def _fusable(nranks):
 
 
 def _overlapped(arrays, group, fn, args, algo, max_blocks, correct, shadow=None, ready=()):
-    import jax
     from jax import lax
     if not arrays:
         result = fn(*args)

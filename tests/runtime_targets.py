@@ -224,7 +224,6 @@ def jax_rounds(ctx, rounds, big=1 << 23):
     round is checked bit for bit against the model."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
-    import jax.numpy as jnp
 
     from pympgu.exchange import Exchanger
     dev = jax.devices("gpu")[ctx.device]

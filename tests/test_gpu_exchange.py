@@ -205,7 +205,6 @@ def test_matches_nccl_on_integer_inputs():
 
 def test_direct_average_on_framework_arrays():
     torch = pytest.importorskip("torch")
-    rng = np.random.default_rng()
     devs = list(range(min(visible_gpus(), 2)))
     if len(devs) == 2 and pympgu.cuda.can_access_peer(0, 1):
         pympgu.cuda.set_device(0)

@@ -370,7 +370,6 @@ def test_xla_average_results_cuts_the_step(monkeypatch):
     # function.
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
-    import numpy as np
 
     from pympgu import xla
 
