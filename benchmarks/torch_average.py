@@ -9,8 +9,8 @@ Each rank makes an MLP per --models entry (and SGD with momentum, stepped once s
 momentum exists) and, alternating in --rounds rounds, times --calls averages back to back
 of the parameters, then of the parameters and the momentum:
 ``torch.distributed.algorithms.model_averaging.utils.average_parameters`` (what torch's
-``PeriodicModelAverager`` calls: the tensors concatenated, divided, all-reduced, copied
-back) and ``ModelAverager.average()`` (the tensors live in the shared buffer: the kernels
+``PeriodicModelAverager`` calls: the tensors copied into one flat tensor, divided,
+all-reduced, and each pointed into it) and ``ModelAverager.average()`` (the tensors live in the shared buffer: the kernels
 alone). A time is the host's from the first call to the end of the last one's GPU work,
 over the calls, the slowest rank's; the table gives each round's median, and pympgu's
 host time in its calls (queued work only: where ranks share a GPU, the one number that

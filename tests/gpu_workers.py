@@ -377,7 +377,7 @@ def model_averaging(rank, conn, nranks, ngpus, init_file, dtype, optimizer, meth
                 weight = model[4].weight
                 weight.data = weight.data.clone()
                 state = opt.state[model[0].weight]
-                key = next(iter(state.keys() - {"step"}))
+                key = sorted(state.keys() - {"step"})[0]
                 state[key] = state[key].clone()
             before = values()
             averager.average()
