@@ -273,8 +273,9 @@ class ModelAverager(_Peers):
                             f"{type(model).__name__}")
         self.model, self.optimizer, self.buffers = model, optimizer, buffers
         self.ready = self.closed = False
-        self.fixed = []   # (name, tensor): parameters and buffers, the same objects for good
-        self.states = []  # (name, parameter, key): the optimizer's tensors, looked up anew
+        self.names = []   # of every tensor averaged, in order
+        self.fixed = []   # the parameters and buffers: the same objects for good
+        self.states = []  # (parameter, key): the optimizer's tensors, looked up anew
         self.places = []  # torch's views of the buffer, one per tensor, in order
         self.ptrs = []    # and where each starts
         self.offsets = []  # each tensor's place, in bytes
@@ -289,10 +290,13 @@ class ModelAverager(_Peers):
         for name, p in self.model.named_parameters():
             names[p] = name
             if p.requires_grad:
-                self.fixed.append((f"parameter {name}", p))
+                self.names.append(f"parameter {name}")
+                self.fixed.append(p)
         if self.buffers:
-            self.fixed += [(f"buffer {name}", b) for name, b in self.model.named_buffers()
-                           if b.is_floating_point()]
+            for name, b in self.model.named_buffers():
+                if b.is_floating_point():
+                    self.names.append(f"buffer {name}")
+                    self.fixed.append(b)
         if self.optimizer is not None:
             self.stated = len(self.optimizer.state)
             for g, group in enumerate(self.optimizer.param_groups):
@@ -303,28 +307,34 @@ class ModelAverager(_Peers):
                         if (torch.is_tensor(v) and v.is_floating_point()
                                 and v.shape == p.shape):
                             where = names.get(p, f"{j} of parameter group {g}")
-                            self.states.append((f"optimizer state {key!r} of {where}", p, key))
+                            self.names.append(f"optimizer state {key!r} of {where}")
+                            self.states.append((p, key))
 
     def _tensors(self, strict=True):
-        yield from self.fixed
-        state = self.optimizer.state if self.optimizer is not None else None
-        for name, p, key in self.states:
-            v = state.get(p, {}).get(key)
-            if v is None and not strict:
-                continue
-            if v is None:
-                raise ValueError(f"pympgu.ddp: rank {self.rank}: {name} is gone since the "
-                                 "first average(); the optimizer's state must keep its "
-                                 "tensors (make the averager after it has stepped)")
-            yield name, v
+        """The tensors to average, in self.names' order, the optimizer's looked up anew. One
+        that is gone raises, or with strict=False is left out."""
+        if not self.states:
+            return self.fixed
+        state = self.optimizer.state
+        try:  # one comprehension: average() calls it every time
+            return self.fixed + [state.get(p, _NOTHING)[key] for p, key in self.states]
+        except KeyError:
+            pass
+        found = [state.get(p, _NOTHING).get(key) for p, key in self.states]
+        if strict:
+            name = self.names[len(self.fixed) + found.index(None)]
+            raise ValueError(f"pympgu.ddp: rank {self.rank}: {name} is gone since the "
+                             "first average(); the optimizer's state must keep its "
+                             "tensors (make the averager after it has stepped)")
+        return self.fixed + [v for v in found if v is not None]
 
     def _prepare(self):
         self._collect()
-        tensors = list(self._tensors())
+        tensors = self._tensors()
         if not tensors:
             raise ValueError("pympgu.ddp: the model has nothing to average")
-        device = _one_cuda_device([t for _, t in tensors], "the model and its state")
-        for name, t in tensors:
+        device = _one_cuda_device(tensors, "the model and its state")
+        for name, t in zip(self.names, tensors):
             dtype = str(t.dtype).removeprefix("torch.")
             if dtype not in ("float32", "float16", "bfloat16"):
                 raise ValueError(f"pympgu.ddp: {name} is {dtype}; pympgu averages float32, "
@@ -332,9 +342,9 @@ class ModelAverager(_Peers):
             if not _dense(t.shape, t.stride()):
                 raise ValueError(f"pympgu.ddp: {name} overlaps itself or has gaps (strides "
                                  f"{tuple(t.stride())}); average a dense tensor")
-        specs = [(str(t.dtype).removeprefix("torch."), t.numel()) for _, t in tensors]
+        specs = [(str(t.dtype).removeprefix("torch."), t.numel()) for t in tensors]
         self.offsets, self.regions, nbytes = _layout(specs)
-        layout = [(name, *spec) for (name, _), spec in zip(tensors, specs)]
+        layout = [(name, *spec) for name, spec in zip(self.names, specs)]
         return device, nbytes, {"layout": layout}
 
     def average(self):
@@ -356,14 +366,9 @@ class ModelAverager(_Peers):
                              f"{len(self.optimizer.state)} parameters, {self.stated} at the "
                              "first average(); make the ModelAverager's first average after "
                              "every parameter has stepped (or close it and make another)")
-        for (name, t), place, ptr in zip(self._tensors(), self.places, self.ptrs):
-            if t.data_ptr() != ptr:
-                if t.shape != place.shape or t.dtype != place.dtype:
-                    raise ValueError(f"pympgu.ddp: rank {self.rank}: {name} is now "
-                                     f"{tuple(t.shape)} {t.dtype}, not {tuple(place.shape)} "
-                                     f"{place.dtype} as at the first average()")
-                place.copy_(t)
-                t.data = place
+        tensors = self._tensors()
+        if [t.data_ptr() for t in tensors] != self.ptrs:  # one moved: put it back
+            self._readopt(tensors)
         # The group's stream after the model's work, the kernels, and the model's stream
         # after them: events only, no host wait.
         stream = torch.cuda.current_stream(self.device).cuda_stream
@@ -372,12 +377,22 @@ class ModelAverager(_Peers):
             self.group.allreduce(n, dtype, algo=self.method, synchronize=False, offset=offset)
         self.view.order_before(stream)
 
+    def _readopt(self, tensors):
+        for name, t, place, ptr in zip(self.names, tensors, self.places, self.ptrs):
+            if t.data_ptr() != ptr:
+                if t.shape != place.shape or t.dtype != place.dtype:
+                    raise ValueError(f"pympgu.ddp: rank {self.rank}: {name} is now "
+                                     f"{tuple(t.shape)} {t.dtype}, not {tuple(place.shape)} "
+                                     f"{place.dtype} as at the first average()")
+                place.copy_(t)
+                t.data = place
+
     def _place(self):
         """Move every tensor into its place in the buffer, keeping its strides."""
         torch = self.torch
         self.view = self.group.data()
         self.flat = torch.from_dlpack(self.view)  # bytes
-        for (name, t), offset in zip(list(self._tensors()), self.offsets):
+        for t, offset in zip(self._tensors(), self.offsets):
             raw = self.flat[offset:offset + t.numel() * t.element_size()]
             place = raw.view(t.dtype).as_strided(t.shape, t.stride())
             place.copy_(t)
@@ -393,10 +408,13 @@ class ModelAverager(_Peers):
 
     def _release(self):
         places = {p.data_ptr() for p in self.places}
-        for _, t in self._tensors(strict=False) if places else ():
+        for t in self._tensors(strict=False) if places else ():
             if t.data_ptr() in places:
                 t.data = t.data.clone(memory_format=self.torch.preserve_format)
         self.places, self.ptrs, self.flat, self.view = [], [], None, None
+
+
+_NOTHING = {}  # an optimizer's state for a parameter that has none (never written)
 
 
 def _one_cuda_device(tensors, what):

@@ -244,8 +244,9 @@ def fake_averager(log):
     avg.ready, avg.closed = True, False
     weight = Tensor(1000, log)
     avg.optimizer = types.SimpleNamespace(state={weight: {"momentum": Tensor(2000, log)}})
-    avg.fixed = [("parameter w", weight)]
-    avg.states = [("optimizer state 'momentum' of w", weight, "momentum")]
+    avg.names = ["parameter w", "optimizer state 'momentum' of w"]
+    avg.fixed = [weight]
+    avg.states = [(weight, "momentum")]
     avg.stated = 1
     avg.places = [Tensor(1000, log), Tensor(2000, log)]
     avg.ptrs = [1000, 2000]
