@@ -293,3 +293,39 @@ def test_a_changed_optimizer_state_is_refused():
     with pytest.raises(RuntimeError, match="rank 0: the ModelAverager is closed"):
         avg.average()
     assert not [e for e in log if e[0] == "allreduce"]
+
+
+def test_close_gives_the_tensors_in_place_memory_of_their_own():
+    log = []
+    avg, weight = fake_averager(log)
+    moved = Tensor(7, log)  # an optimizer tensor found elsewhere: left where it is
+    avg.optimizer.state[weight]["momentum"] = moved
+    Tensor.clone = lambda self, memory_format: Tensor(self.ptr + 1, log)
+    closed = []
+    avg.group.close = lambda: closed.append(True)
+    avg.torch.cuda.synchronize = lambda device: log.append(("synchronize", device))
+    avg.torch.preserve_format = "preserve"
+    try:
+        avg.close()
+    finally:
+        del Tensor.clone
+    assert log == [("synchronize", "cuda:0"), ("re-point", 1000, 1001)]
+    assert weight.ptr == 1001 and moved.ptr == 7 and closed == [True]
+    assert avg.group is None and avg.places == [] and avg.closed
+    with pytest.raises(RuntimeError, match="the ModelAverager is closed"):
+        avg.average()
+
+
+def test_close_skips_an_optimizer_tensor_that_is_gone():
+    log = []
+    avg, weight = fake_averager(log)
+    del avg.optimizer.state[weight]["momentum"]
+    Tensor.clone = lambda self, memory_format: Tensor(self.ptr + 1, log)
+    avg.group.close = lambda: None
+    avg.torch.cuda.synchronize = lambda device: None
+    avg.torch.preserve_format = "preserve"
+    try:
+        avg.close()
+    finally:
+        del Tensor.clone
+    assert log == [("re-point", 1000, 1001)]
