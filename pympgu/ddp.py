@@ -354,10 +354,9 @@ class ModelAverager(_Peers):
         if not self.ready:
             self._setup(self._prepare)
             self.ready = True
-            if self.group is None:  # one rank: nothing to exchange
-                return
-            self._place()
-        if self.group is None:
+            if self.group is not None:
+                self._place()
+        if self.group is None:  # one rank: nothing to exchange
             return
         torch = self.torch
         if self.optimizer is not None and len(self.optimizer.state) != self.stated:
@@ -407,7 +406,7 @@ class ModelAverager(_Peers):
         super().close()
 
     def _release(self):
-        places = {p.data_ptr() for p in self.places}
+        places = set(self.ptrs)
         for t in self._tensors(strict=False) if places else ():
             if t.data_ptr() in places:
                 t.data = t.data.clone(memory_format=self.torch.preserve_format)
