@@ -127,15 +127,16 @@ for step in $steps; do
       done
       timeout 200 python3 benchmarks/accuracy_variants.py --data-dir ${DATA:-.data/fashion} --gpus 0 1 --epochs 10 \
         --variants "ema 0.99" 2>&1 | tail -3 ;;
-    # PyTorch with pympgu.ddp: its GPU tests (DDP's hook, ModelAverager), DDP's step with the
-    # hook against DDP's own NCCL all-reduce on the 2-GPU kind (DDPHOOK="--gpus 0 1"), and a
+    # PyTorch with pympgu.ddp: its GPU tests (DDP's hook, ModelAverager, CUDA graphs), DDP's
+    # step with the hook, eager and in a graph, against DDP's own NCCL all-reduce on the
+    # 2-GPU kind (DDPHOOK="--gpus 0 1"), and a
     # model's replicas averaged by torch.distributed and by ModelAverager (TORCHAVG).
     ddphook)
-      timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_gpu_ddp.py 2>&1 | tail -3
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -p no:warnings tests/test_gpu_ddp.py tests/test_gpu_graphs.py 2>&1 | tail -3
       timeout 300 python3 benchmarks/torch_average.py ${TORCHAVG:---gpus 0 1 --models seed wide deep} 2>&1 \
         | grep -v -i warn | tail -9
       timeout 400 python3 -m pympgu.bench train ${DDPHOOK:---gpus 0 1} --models seed wide --variants sync1 \
-        --ddp-pympgu --no-ddp-graph --repeats 2 --json "$OUT/ddphook.json" 2>&1 | grep -v -i "warn\|delay kernel" | tail -16 ;;
+        --ddp-pympgu --repeats 2 --json "$OUT/ddphook.json" 2>&1 | grep -v -i "warn\|delay kernel" | tail -16 ;;
     # BENCH="--gpus 0 1" on the 2-GPU kind; the default puts 2 ranks on one GPU.
     bench) timeout 500 python3 -m pympgu.bench ${BENCH:---gpus 0 --procs 2 --sizes 4K 64K 1M 64M} --json "$OUT/bench.json" 2>&1 | tail -25 ;;
     # The installed package, away from the source tree: it must train on its embedded data.

@@ -4,17 +4,24 @@ replicas (parameters and momentum) in place, GPU to GPU.
 
     python examples/torch_local_sgd.py --gpus 0 1 --every 4 --data-dir fashion
     python examples/torch_local_sgd.py --gpus 0 0            # two ranks sharing one GPU
+    python examples/torch_local_sgd.py --gpus 0 1 --graph    # steps replayed as CUDA graphs
 
 The ranks draw disjoint minibatches as pympgu.train's workers do (pympgu.data), start from
 the same initial values, and are averaged again at the end of every epoch, before rank 0
 evaluates; each epoch's line says whether every rank then held the same bits. The
 process group (gloo) carries the averager's setup only; pympgu's kernels move every value.
+
+With --graph the steps up to the first average run as usual (they make the optimizer's
+state, and that average sets the averager up); then a step and an average are each
+captured in a CUDA graph, and replayed: one launch a step, as PyTorch's recipe for small
+models whose host is slower than their GPU.
 """
 import argparse
 import hashlib
 import os
 import tempfile
 import time
+import types
 
 
 def _rank(rank, args, init_file, out):
@@ -40,29 +47,61 @@ def _rank(rank, args, init_file, out):
         opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
         averager = pympgu.ddp.ModelAverager(model, opt)
 
+        def train_step(idx):  # opt.zero_grad() before: a capture leaves it out
+            loss = torch.nn.functional.cross_entropy(model(x_train[idx]), y_train[idx].long())
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        def capture():
+            """The step (on a static minibatch's indices) and the average, each a graph."""
+            g = types.SimpleNamespace(idx=torch.zeros(args.batch_size, dtype=torch.long,
+                                                      device=device),
+                                      step=torch.cuda.CUDAGraph(),
+                                      average=torch.cuda.CUDAGraph())
+            opt.zero_grad(set_to_none=True)  # backward makes them afresh at every replay
+            with torch.cuda.graph(g.step, stream=side):
+                g.loss = train_step(g.idx)
+            with torch.cuda.graph(g.average, stream=side):
+                averager.average()
+            return g
+
         def error(split):
             x, y = (torch.from_numpy(a).to(device) for a in split)
             with torch.no_grad():
                 return (model(x).argmax(1) != y).float().mean().item() * 100
 
         history = []
+        # Captured work runs on a side stream, and so does all the training around it
+        # (PyTorch's recipe: autograd waits across streams for a gradient accumulated on
+        # another stream than its first backward's).
+        side = torch.cuda.Stream() if args.graph else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream())
+        graphs = None
         try:
             step = 0
             for epoch in range(args.epochs):
                 start, losses = time.perf_counter(), []
-                for idx in data.shard_batches(len(y_train), args.batch_size, len(args.gpus),
-                                              rank, args.seed, epoch):
-                    idx = torch.from_numpy(idx).to(device)
-                    loss = torch.nn.functional.cross_entropy(model(x_train[idx]),
-                                                             y_train[idx].long())
-                    opt.zero_grad()
-                    loss.backward()
-                    opt.step()
-                    losses.append(loss.detach())
-                    step += 1
-                    if step % args.every == 0:
-                        averager.average()
-                averager.average()  # the epoch's model: the replicas' mean
+                with torch.cuda.stream(side):  # no-op for None
+                    for idx in data.shard_batches(len(y_train), args.batch_size,
+                                                  len(args.gpus), rank, args.seed, epoch):
+                        idx = torch.from_numpy(idx).to(device)
+                        if graphs is None:
+                            opt.zero_grad()
+                            losses.append(train_step(idx))
+                        else:
+                            graphs.idx.copy_(idx)
+                            graphs.step.replay()
+                            losses.append(graphs.loss.clone())
+                        step += 1
+                        if step % args.every == 0:
+                            if graphs is not None:
+                                graphs.average.replay()
+                            else:
+                                averager.average()
+                                graphs = capture() if args.graph else None
+                    averager.average()  # the epoch's model: the replicas' mean
                 torch.cuda.synchronize()
                 seconds = time.perf_counter() - start
                 digest = hashlib.sha256()
@@ -103,6 +142,9 @@ def build_parser():
                         help="minibatch per rank (default: 128)")
     parser.add_argument("--lr", type=float, default=0.05,
                         help="SGD's rate, momentum 0.9 (default: 0.05)")
+    parser.add_argument("--graph", action="store_true",
+                        help="after the first average, replay the step and the average as "
+                             "CUDA graphs (default: off)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the initial values and the minibatches (default: 0)")
     return parser

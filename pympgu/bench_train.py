@@ -22,7 +22,8 @@ For each model (the seed's MLP 784-500-10 at batch 5000, plain SGD; the wide MLP
   the GPU time of its step alone) and with each step captured in a CUDA graph
   ('DDP-graph', its fastest form here; --no-ddp-graph skips it), and, with 'sync1-bf16',
   eager with PyTorch's bf16_compress_hook ('DDP-bf16'), and with ``--ddp-pympgu``, eager
-  with pympgu.ddp's hook averaging its buckets in place of NCCL ('DDP-pympgu');
+  and in a graph, with pympgu.ddp's hook averaging its buckets in place of NCCL
+  ('DDP-pympgu', 'DDP-pympgu-graph');
 - a plain JAX step (jax.grad of the same loss, jitted) against the PyTensor-compiled call,
   on one GPU: the per-step cost of PyTensor's wrapper.
 
@@ -113,11 +114,13 @@ VARIANTS = {  # name: (sync_every, overlap, exchange dtype, exchange inside the 
 # the host (0.78 to 1.00 on the same machine, docs/BENCHMARKS.md, sessions 12 and 17).
 # 'DDP-bf16' is eager DDP with PyTorch's bf16_compress_hook, the gradients all-reduced in
 # bfloat16: the counterpart of pympgu's 'sync1-bf16', and run with it. 'DDP-pympgu' is
-# eager DDP whose buckets pympgu.ddp's hook averages in place of NCCL (--ddp-pympgu); not
-# in a graph, since each exchange's barriers count on from the last.
+# eager DDP whose buckets pympgu.ddp's hook averages in place of NCCL (--ddp-pympgu), and
+# 'DDP-pympgu-graph' the same captured in a graph: the kernels count their barriers and
+# sequence numbers on in device memory, so a replay is a fresh exchange.
 # name: (captured in a graph, DDP's communication hook; None: its own all-reduce).
 DDP_SYSTEMS = {"DDP": (False, None), "DDP-graph": (True, None),
-               "DDP-bf16": (False, "bf16_compress"), "DDP-pympgu": (False, "pympgu")}
+               "DDP-bf16": (False, "bf16_compress"), "DDP-pympgu": (False, "pympgu"),
+               "DDP-pympgu-graph": (True, "pympgu")}
 # How DDP's twin lays out a convolution's images: channels last by default, the layout a
 # PyTorch user tuning for speed picks (PyTorch's performance guide), or its default NCHW.
 DDP_LAYOUTS = ("channels-last", "nchw")
@@ -933,8 +936,9 @@ def main(argv=None):
                              "default nchw (default: channels-last)")
     parser.add_argument("--no-ddp", action="store_true", help="skip PyTorch DDP")
     parser.add_argument("--ddp-pympgu", action="store_true",
-                        help="also run eager DDP with pympgu.ddp's hook averaging its "
-                             "gradient buckets in place of NCCL ('DDP-pympgu')")
+                        help="also run DDP with pympgu.ddp's hook averaging its gradient "
+                             "buckets in place of NCCL: eager ('DDP-pympgu') and, unless "
+                             "--no-ddp-graph, each step a CUDA graph ('DDP-pympgu-graph')")
     parser.add_argument("--no-ddp-graph", action="store_true",
                         help="skip DDP with each step captured in a CUDA graph (a rank that "
                              f"stalls is reported as failed after {DDP_TIMEOUT_S} s, with its "
@@ -1017,7 +1021,7 @@ def main(argv=None):
     if use_ddp and "sync1-bf16" in args.variants:
         ddp += ("DDP-bf16",)
     if use_ddp and args.ddp_pympgu:
-        ddp += ("DDP-pympgu",)
+        ddp += ("DDP-pympgu",) if args.no_ddp_graph else ("DDP-pympgu", "DDP-pympgu-graph")
     from .data import DataError
     from .models import ModelError
     try:  # measure loads the dataset and builds a --model before any worker starts

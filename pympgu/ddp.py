@@ -352,6 +352,11 @@ class ModelAverager(_Peers):
         if self.closed:
             raise RuntimeError(f"pympgu.ddp: rank {self.rank}: the ModelAverager is closed")
         if not self.ready:
+            if self.torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"pympgu.ddp: rank {self.rank}: the first average() sets the exchange up "
+                    "(collective, and it allocates the shared buffer), which a CUDA graph "
+                    "cannot capture; call it once before capturing")
             self._setup(self._prepare)
             self.ready = True
             if self.group is not None:

@@ -1,5 +1,14 @@
 """pympgu's exception types."""
 
+# cudaErrorStreamCaptureUnsupported (900) to cudaErrorStreamCaptureWrongThread (908): a call
+# that a stream being captured into a CUDA graph does not allow.
+CAPTURE_STATUSES = range(900, 909)
+CAPTURE_HINT = ("a CUDA graph's capture takes PeerGroup.allreduce(..., synchronize=False) on a "
+                "group stream joined to the capture (group.stream.wait_for(capturing stream), "
+                "then view.order_before(it)), pympgu.ddp's hook, and ModelAverager.average() "
+                "once a first call outside the capture has set it up; nothing that waits on "
+                "the host (synchronize=True, barrier, copy_average, resident) can be captured")
+
 
 class CudaError(RuntimeError):
     """A CUDA runtime (or pympgu argument) failure, with CUDA's own error name and message.
@@ -17,6 +26,8 @@ class CudaError(RuntimeError):
         text = f"{name} ({self.status}): {message}"
         if context:
             text = f"{context}: {text}"
+        if self.status in CAPTURE_STATUSES:
+            text += f" ({CAPTURE_HINT})"
         super().__init__(text)
 
     def __reduce__(self):

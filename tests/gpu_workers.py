@@ -395,3 +395,189 @@ def model_averaging(rank, conn, nranks, ngpus, init_file, dtype, optimizer, meth
         return rounds, after_close, inside, strided, frozen_kept
     finally:
         dist.destroy_process_group()
+
+
+def _torch_array(a, dtype):
+    """A numpy array in dtype's storage (bfloat16 as uint16) as a CPU torch tensor."""
+    import torch
+    if dtype == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def _raw(t):
+    """A torch tensor's values as a flat numpy array in its dtype's storage."""
+    import torch
+    t = t.detach().contiguous().reshape(-1)
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).cpu().numpy().view(np.uint16)
+    return t.cpu().numpy()
+
+
+def graph_allreduce(rank, conn, nranks, ngpus, cases, replays, burst):
+    """Each case's exchange (seed, n, dtype, method), with no eager call first, captured
+    once in a CUDA graph (torch's, in its strict 'global' mode) between a copy of a static
+    input into the group's buffer and a copy of the mean out of it; the graph then
+    replayed with a new input each time, and ``burst`` times more back to back, with no
+    host barrier or wait between replays. Returns per case each replay's mean, as bytes
+    (the last after the burst, of the last input)."""
+    import torch
+
+    from pympgu import cuda
+    device = rank % ngpus
+    torch.cuda.set_device(device)
+    capacity = max(n * (4 if d == "float32" else 2) for _, n, d, _ in cases)
+    group = cuda.PeerGroup(rank, nranks, capacity, device=device, timeout=60, staging=True)
+    try:
+        conn.send(group.handle)
+        group.connect(conn.recv())
+        out = []
+        for seed, n, dtype, method in cases:
+            view = group.data(dtype, (n,))
+            place = torch.from_dlpack(view)
+            inp = torch.zeros(n, dtype=getattr(torch, dtype), device=device)
+            mean = torch.empty_like(inp)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                stream = torch.cuda.current_stream().cuda_stream
+                place.copy_(inp)
+                group.stream.wait_for(stream)
+                assert group.allreduce(n, dtype, algo=method, synchronize=False) == method
+                view.order_before(stream)
+                mean.copy_(place)
+            means = []
+            for i in range(replays):
+                inp.copy_(_torch_array(case_inputs(seed + i, rank, nranks, n, dtype), dtype))
+                graph.replay()
+                means.append(_raw(mean).tobytes())
+            for _ in range(burst):
+                graph.replay()
+            means.append(_raw(mean).tobytes())
+            out.append(means)
+        torch.cuda.synchronize()
+        return out
+    finally:
+        group.close()
+
+
+def ddp_graph_grads(rank, conn, nranks, ngpus, init_file, seed, method, steps):
+    """DDP with pympgu.ddp's hook, its forward and backward captured in a CUDA graph (after
+    the 11 eager steps PyTorch's recipe asks for) beside a copy of the model without DDP,
+    and replayed on new minibatches: per replay, this rank's own gradients (the copy's)
+    and DDP's, as raw arrays."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+
+    import pympgu.ddp
+    device = _gloo_group(rank, conn, nranks, ngpus, init_file)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Tanh(),
+                                    torch.nn.Linear(300, 300), torch.nn.Tanh(),
+                                    torch.nn.Linear(300, 10)).to(device)
+        local = copy.deepcopy(model)
+        x = torch.zeros(32, 64, device=device)
+        y = torch.zeros(32, dtype=torch.long, device=device)
+
+        def passes():
+            for m in (local, ddp):
+                torch.nn.functional.cross_entropy(m(x), y).backward()
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device],
+                                                            bucket_cap_mb=0.001)
+            state = pympgu.ddp.register(ddp, method=method)
+            for _ in range(11):
+                local.zero_grad(set_to_none=True)
+                ddp.zero_grad(set_to_none=True)
+                passes()
+        torch.cuda.current_stream().wait_stream(side)
+        try:
+            local.zero_grad(set_to_none=True)
+            ddp.zero_grad(set_to_none=True)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side):
+                passes()
+            gen = torch.Generator(device="cpu").manual_seed(seed * 1000 + rank)
+            out = []
+            for _ in range(steps):
+                x.copy_(torch.randn(32, 64, generator=gen))
+                y.copy_(torch.randint(0, 10, (32,), generator=gen))
+                graph.replay()
+                out.append(([_raw(p.grad) for p in local.parameters()],
+                            [_raw(p.grad) for p in model.parameters()]))
+            torch.cuda.synchronize()
+            return out
+        finally:
+            state.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def averager_graph(rank, conn, nranks, ngpus, init_file, method, replays):
+    """ModelAverager in a CUDA graph: after one eager step and average (its setup), a whole
+    local step (SGD with momentum) and the average captured and replayed on new
+    minibatches. Per replay, every averaged tensor before the average (snapshots captured
+    in the graph) and after it, as raw arrays; and what a fresh averager's first average()
+    raised when called inside a capture."""
+    import torch
+    import torch.distributed as dist
+
+    import pympgu.ddp
+    device = _gloo_group(rank, conn, nranks, ngpus, init_file)
+    try:
+        torch.manual_seed(rank)  # replicas that differ
+        model = torch.nn.Sequential(torch.nn.Linear(64, 200), torch.nn.Tanh(),
+                                    torch.nn.Linear(200, 10)).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        averager = pympgu.ddp.ModelAverager(model, opt, method=method)
+        x = torch.randn(16, 64, device=device)
+        y = torch.randint(0, 10, (16,), device=device)
+
+        def step():
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+        def averaged():
+            return ([p for p in model.parameters()]
+                    + [opt.state[p]["momentum_buffer"] for p in model.parameters()])
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                opt.zero_grad(set_to_none=True)
+                step()
+                averager.average()
+        torch.cuda.current_stream().wait_stream(side)
+        try:
+            opt.zero_grad(set_to_none=True)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side):
+                step()
+                before = [t.clone() for t in averaged()]
+                averager.average()
+            gen = torch.Generator(device="cpu").manual_seed(2000 + rank)
+            out = []
+            for _ in range(replays):
+                x.copy_(torch.randn(16, 64, generator=gen))
+                y.copy_(torch.randint(0, 10, (16,), generator=gen))
+                graph.replay()
+                out.append(([_raw(t) for t in before], [_raw(t) for t in averaged()]))
+            torch.cuda.synchronize()
+        finally:
+            averager.close()
+        fresh = pympgu.ddp.ModelAverager(torch.nn.Linear(4, 4).to(device), method=method)
+        refused = None
+        try:
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                fresh.average()
+        except Exception as e:
+            refused = f"{type(e).__name__}: {e}"
+        return out, refused
+    finally:
+        dist.destroy_process_group()

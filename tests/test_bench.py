@@ -229,7 +229,8 @@ def test_train_bench_times_each_gpu_alone(monkeypatch):
 def test_train_bench_runs_ddp_with_its_hooks(monkeypatch):
     """'sync1-bf16' sends pympgu's gradients in bfloat16 inside the step; its DDP
     counterpart, 'DDP-bf16', is eager DDP with PyTorch's bf16_compress_hook; 'DDP-pympgu'
-    eager DDP with pympgu.ddp's hook (runs faked: no GPU here)."""
+    eager DDP with pympgu.ddp's hook, and 'DDP-pympgu-graph' the same captured in a CUDA
+    graph (runs faked: no GPU here)."""
     from pympgu import bench_train
     seen = []
 
@@ -244,19 +245,22 @@ def test_train_bench_runs_ddp_with_its_hooks(monkeypatch):
     monkeypatch.setattr(bench_train, "run_pympgu", fake_pympgu)
     monkeypatch.setattr(bench_train, "run_ddp", fake_ddp)
     rows = bench_train.measure([0, 1], ["wide"], ["sync1-bf16"], 10, 2, None,
-                               ddp=("DDP", "DDP-bf16", "DDP-pympgu"), log=lambda *a, **k: None)
+                               ddp=("DDP", "DDP-bf16", "DDP-pympgu", "DDP-pympgu-graph"),
+                               log=lambda *a, **k: None)
     assert seen == [("pympgu", 1, "float32", None)] * 2 + [("pympgu", 2, "bfloat16", True),
                     ("DDP", 1, None, False), ("DDP", 2, None, False),
                     ("DDP", 1, "bf16_compress", False), ("DDP", 2, "bf16_compress", False),
-                    ("DDP", 1, "pympgu", False), ("DDP", 2, "pympgu", False)], seen
+                    ("DDP", 1, "pympgu", False), ("DDP", 2, "pympgu", False),
+                    ("DDP", 1, "pympgu", True), ("DDP", 2, "pympgu", True)], seen
     assert [r["system"] for r in rows] == (["pympgu"] * 3 + ["DDP"] * 2 + ["DDP-bf16"] * 2
-                                           + ["DDP-pympgu"] * 2)
+                                           + ["DDP-pympgu"] * 2 + ["DDP-pympgu-graph"] * 2)
     # Ranks sharing a GPU: NCCL's DDP runs on one rank alone; pympgu's hook on both.
     seen.clear()
-    bench_train.measure([0, 0], ["wide"], ["sync1"], 10, 2, None, ddp=("DDP", "DDP-pympgu"),
-                        log=lambda *a, **k: None)
+    bench_train.measure([0, 0], ["wide"], ["sync1"], 10, 2, None,
+                        ddp=("DDP", "DDP-pympgu", "DDP-pympgu-graph"), log=lambda *a, **k: None)
     assert [s for s in seen if s[0] == "DDP"] == [
-        ("DDP", 1, None, False), ("DDP", 1, "pympgu", False), ("DDP", 2, "pympgu", False)]
+        ("DDP", 1, None, False), ("DDP", 1, "pympgu", False), ("DDP", 2, "pympgu", False),
+        ("DDP", 1, "pympgu", True), ("DDP", 2, "pympgu", True)]
 
 
 def test_train_bench_ranks_time_the_multi_gpu_rows_at_each_size(monkeypatch):

@@ -93,10 +93,11 @@ def test_model_averager_gives_every_rank_the_exact_mean(nranks, dtype, optimizer
             assert np.array_equal(after_close[name], v), f"rank {rank}: close changed {name}"
 
 
-def test_local_sgd_example_trains_with_identical_replicas():
-    """examples/torch_local_sgd.py, one epoch of the embedded MNIST on 2 ranks: it learns,
-    and every rank holds the same bits after each epoch's average (it exits non-zero
-    otherwise)."""
+@pytest.mark.parametrize("flags", [[], ["--graph"]])
+def test_local_sgd_example_trains_with_identical_replicas(flags):
+    """examples/torch_local_sgd.py, one epoch of the embedded MNIST on 2 ranks, eager and
+    with its steps and averages replayed as CUDA graphs: it learns, and every rank holds
+    the same bits after each epoch's average (it exits non-zero otherwise)."""
     import json
     import subprocess
     import sys
@@ -104,7 +105,7 @@ def test_local_sgd_example_trains_with_identical_replicas():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = ("import json, sys; sys.path.insert(0, 'examples'); import torch_local_sgd; "
             f"print(json.dumps(torch_local_sgd.main(['--gpus', *{gpus}, '--epochs', '1', "
-            "'--every', '3'])))")
+            f"'--every', '3', *{flags}])))")
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
                           text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -49,6 +49,15 @@ def test_cuda_calls_raise_cuda_error(call):
     assert (again.status, again.name, again.message) == (err.status, err.name, err.message)
 
 
+def test_a_capture_error_says_what_a_capture_takes():
+    err = pympgu.CudaError(900, "cudaErrorStreamCaptureUnsupported", "operation not permitted "
+                           "when stream is capturing", "rank 0 of 2")
+    assert str(err).startswith("rank 0 of 2: cudaErrorStreamCaptureUnsupported (900): ")
+    assert "synchronize=False" in str(err) and "ModelAverager" in str(err)
+    assert "synchronize=False" not in str(pympgu.CudaError(2, "cudaErrorMemoryAllocation",
+                                                           "out of memory"))
+
+
 def test_device_count_is_zero_not_an_error():
     assert pympgu.cuda.device_count() == 0
 
