@@ -581,3 +581,51 @@ def averager_graph(rank, conn, nranks, ngpus, init_file, method, replays):
         return out, refused
     finally:
         dist.destroy_process_group()
+
+
+def compiled_averaging(rank, conn, nranks, ngpus, init_file, mode):
+    """ModelAverager on a model under torch.compile (``mode``), each rank's replica from its
+    own seed: for two rounds of two compiled steps and an average, and once more after
+    close(), every averaged tensor before and after the average, as raw arrays, and how
+    far the compiled model's output then was from the eager module's on the same input
+    (a compiled program that kept reading the tensors' old memory would miss the average)."""
+    import torch
+    import torch.distributed as dist
+
+    import pympgu.ddp
+    device = _gloo_group(rank, conn, nranks, ngpus, init_file)
+    try:
+        torch.manual_seed(rank)  # replicas that differ
+        net = torch.nn.Sequential(torch.nn.Linear(64, 200), torch.nn.Tanh(),
+                                  torch.nn.Linear(200, 10)).to(device)
+        model = torch.compile(net, mode=mode)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        averager = pympgu.ddp.ModelAverager(model, opt)
+        gen = torch.Generator(device="cpu").manual_seed(3000 + rank)
+        probe = torch.randn(32, 64, generator=torch.Generator().manual_seed(7)).to(device)
+
+        def averaged():
+            return ([p for p in net.parameters()]
+                    + [opt.state[p]["momentum_buffer"] for p in net.parameters()])
+
+        def gap():
+            with torch.no_grad():
+                compiled = model(probe).clone()
+                return (compiled - net(probe)).abs().max().item()
+
+        rounds = []
+        for k in range(3):
+            for _ in range(2):
+                x = torch.randn(16, 64, generator=gen).to(device)
+                y = torch.randint(0, 10, (16,), generator=gen).to(device)
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+            before = [_raw(t) for t in averaged()]
+            averager.average()
+            if k == 2:
+                averager.close()  # the tensors in memory of their own again
+            rounds.append((before, [_raw(t) for t in averaged()], gap()))
+        return rounds
+    finally:
+        dist.destroy_process_group()

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from conftest import visible_gpus
-from gpu_workers import ddp_grads, ddp_refusal, model_averaging, run_children
+from gpu_workers import (compiled_averaging, ddp_grads, ddp_refusal, model_averaging,
+                         run_children)
 from reference import model_average, same_bits
 
 torch = pytest.importorskip("torch")
@@ -111,3 +112,27 @@ def test_local_sgd_example_trains_with_identical_replicas(flags):
     assert done.returncode == 0, done.stderr[-3000:]
     history = json.loads(done.stdout.strip().splitlines()[-1])
     assert history[0]["identical"] and history[0]["test"] < 25, history
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_model_averager_under_torch_compile(mode):
+    """A model under torch.compile (and its CUDA graphs, with 'reduce-overhead'): each
+    average is the exact mean on every rank, and the compiled model computes with the
+    averaged values (its output matches the eager module's), also after close()."""
+    nranks = 2
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_children(compiled_averaging, nranks,
+                               (nranks, visible_gpus(), os.path.join(tmp, "init"), mode),
+                               timeout=280)
+    for k in range(3):
+        befores = [results[r][k][0] for r in range(nranks)]
+        for t in range(len(befores[0])):
+            assert not np.array_equal(befores[0][t], befores[1][t]), \
+                f"round {k}, tensor {t}: alike on every rank before the average"
+            expected = model_average([b[t] for b in befores], "float32")
+            for rank in range(nranks):
+                assert same_bits(results[rank][k][1][t], expected, "float32"), \
+                    f"round {k}, tensor {t}, rank {rank}: not the exact mean"
+        for rank in range(nranks):
+            assert results[rank][k][2] < 1e-4, \
+                f"round {k}, rank {rank}: compiled output {results[rank][k][2]} from eager's"

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from conftest import visible_gpus
-from gpu_workers import averager_graph, case_inputs, ddp_graph_grads, graph_allreduce, run_children
+from gpu_workers import (averager_graph, case_inputs, ddp_graph_grads, graph_allreduce,
+                         run_children)
 from reference import model_average, same_bits
 
 torch = pytest.importorskip("torch")
