@@ -13,7 +13,9 @@ every rank maps into the others' processes (a :class:`pympgu.cuda.PeerGroup`), a
 there with pympgu's kernels, reading the peers' memory over NVLink/P2P, and gives DDP the
 mean in place, from which DDP copies it into the gradients. The mean is summed in rank
 order and divided once, so every rank gets the same bits, as pympgu's training does.
-Everything is queued on the stream DDP's backward runs on; the host never waits.
+Everything is queued on the stream DDP's backward runs on; the host never waits, so a step
+captured in a CUDA graph captures its exchanges too (the kernels count their barriers on
+in device memory: each replay is a fresh exchange).
 
 Without DDP, :class:`ModelAverager` averages the replicas themselves every so often, as
 pympgu's own training and the 2014 demo do (local SGD; torch's ``PeriodicModelAverager``):
@@ -262,7 +264,9 @@ class ModelAverager(_Peers):
     kernels alone, with no copy in or out, queued on the current stream without a host
     wait. A tensor found elsewhere (``optimizer.load_state_dict`` makes new ones) is copied
     back into its place first. :meth:`close` gives every tensor memory of its own again
-    and frees the buffer. ``method`` and ``timeout`` are as for :class:`PeerState`.
+    and frees the buffer. ``method`` and ``timeout`` are as for :class:`PeerState`. After
+    the first, eager, :meth:`average`, later ones may be captured in a CUDA graph; a graph
+    averages the places as they were when it was captured.
     """
 
     def __init__(self, model, optimizer=None, process_group=None, buffers=True,

@@ -251,10 +251,12 @@ def _gloo_group(rank, conn, nranks, ngpus, init_file):
     return device
 
 
-def ddp_grads(rank, conn, nranks, ngpus, init_file, seed, dtype, method, bucket_view, steps):
+def ddp_grads(rank, conn, nranks, ngpus, init_file, seed, dtype, method, bucket_view, steps,
+              compiled=False):
     """DDP (gloo for its setup) with pympgu.ddp's hook on a small MLP: for each of ``steps``
     backward passes, this rank's gradients unreduced (from a copy of the model) and DDP's,
-    as bytes, and the bucket places the hook used."""
+    as bytes, and the bucket places the hook used. ``compiled``: both called through
+    torch.compile."""
     import copy
 
     import torch
@@ -270,9 +272,11 @@ def ddp_grads(rank, conn, nranks, ngpus, init_file, seed, dtype, method, bucket_
                                     torch.nn.Linear(300, 10)).to(device=device, dtype=kind)
         local = copy.deepcopy(model)
         # Buckets of a KB, so that a backward pass runs several in a row (DDP may lay out
-        # its first pass otherwise, and rebuilds its buckets after it).
+        # its first pass otherwise, and rebuilds its buckets after it). Compiled, DDP's
+        # optimizer asserts buckets no smaller than its first (1 MB): then one bucket.
         ddp = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device], bucket_cap_mb=0.001, gradient_as_bucket_view=bucket_view)
+            model, device_ids=[device], bucket_cap_mb=1 if compiled else 0.001,
+            gradient_as_bucket_view=bucket_view)
         state = pympgu.ddp.register(ddp, method=method)
 
         def raw(t):
@@ -281,15 +285,16 @@ def ddp_grads(rank, conn, nranks, ngpus, init_file, seed, dtype, method, bucket_
                 return t.view(torch.int16).cpu().numpy().view(np.uint16)
             return t.cpu().numpy()
 
+        calls = (torch.compile(local), torch.compile(ddp)) if compiled else (local, ddp)
         out = []
         try:
             gen = torch.Generator(device="cpu").manual_seed(seed * 1000 + rank)
             for _ in range(steps):
                 x = torch.randn(32, 64, generator=gen).to(device=device, dtype=kind)
                 y = torch.randint(0, 10, (32,), generator=gen).to(device)
-                for m in (local, ddp):
+                for m, call in zip((local, ddp), calls):
                     m.zero_grad(set_to_none=True)
-                    torch.nn.functional.cross_entropy(m(x).float(), y).backward()
+                    torch.nn.functional.cross_entropy(call(x).float(), y).backward()
                 out.append(([raw(p.grad) for p in local.parameters()],
                             [raw(p.grad).tobytes() for p in model.parameters()]))
             torch.cuda.synchronize()

@@ -43,6 +43,31 @@ def test_ddp_gradients_are_the_exact_mean(nranks, dtype, method, bucket_view):
                     f"step {step}, parameter {k}, rank {rank}: not the exact mean"
 
 
+def test_ddp_hook_under_torch_compile():
+    """torch.compile over DDP with the hook (DDP's optimizer cuts the compiled program at its
+    buckets): every rank gets the same gradients, which the hook averaged, and they are the
+    mean of the ranks' own (a compiled copy without DDP, whose kernels may round otherwise
+    than the cut program's) to float32 rounding."""
+    nranks, seed = 2, int.from_bytes(os.urandom(3), "little")
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_children(ddp_grads, nranks,
+                               (nranks, visible_gpus(), os.path.join(tmp, "init"), seed,
+                                "float32", "auto", False, 3, True), timeout=280)
+    for rank, (_, places) in enumerate(results):
+        assert places, f"rank {rank}: the hook averaged nothing"
+    steps = [r[0] for r in results]
+    for step in range(3):
+        for k in range(len(steps[0][step][0])):
+            owns = [steps[r][step][0][k] for r in range(nranks)]
+            assert not np.array_equal(owns[0], owns[1]), "the ranks' gradients were alike"
+            got = np.frombuffer(steps[0][step][1][k], dtype=np.float32)
+            assert steps[1][step][1][k] == steps[0][step][1][k], \
+                f"step {step}, parameter {k}: the ranks' gradients differ"
+            np.testing.assert_allclose(got, model_average(owns, "float32").ravel(),
+                                       rtol=1e-4, atol=1e-6,
+                                       err_msg=f"step {step}, parameter {k}")
+
+
 def test_ddp_refuses_without_a_process_group():
     import pympgu.ddp
     with pytest.raises(RuntimeError, match="init_process_group"):
