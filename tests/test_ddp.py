@@ -295,6 +295,22 @@ def test_a_changed_optimizer_state_is_refused():
     assert not [e for e in log if e[0] == "allreduce"]
 
 
+def test_a_first_average_inside_a_capture_is_refused_before_any_setup():
+    """It would meet the other ranks and allocate, neither of which a CUDA graph captures;
+    once set up, averages inside a capture are the kernels alone."""
+    log = []
+    avg, _ = fake_averager(log)
+    avg.ready = False
+    avg.torch.cuda.is_current_stream_capturing = lambda: True
+    avg._setup = lambda prepare: log.append("setup")
+    with pytest.raises(RuntimeError, match="rank 0: the first average.*CUDA graph"):
+        avg.average()
+    assert log == []
+    avg.ready = True
+    avg.average()
+    assert [e[0] for e in log] == ["group waits", "allreduce", "allreduce", "torch waits"]
+
+
 def test_close_gives_the_tensors_in_place_memory_of_their_own():
     log = []
     avg, weight = fake_averager(log)
