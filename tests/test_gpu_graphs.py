@@ -19,7 +19,7 @@ from reference import model_average, same_bits
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
-# (n, dtype, method): every algorithm, the DMA one ('ce') too, in every dtype.
+# (n, dtype, method): every algorithm, the DMA one ('ce') too, and every dtype among them.
 CASES = [(1000, "float32", "ll"), (4097, "bfloat16", "oneshot"), (65537, "float16", "twoshot"),
          ((1 << 20) + 3, "float32", "push"), ((1 << 20) + 3, "bfloat16", "ce"),
          (300, "float16", "ll")]
