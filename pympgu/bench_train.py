@@ -121,6 +121,20 @@ VARIANTS = {  # name: (sync_every, overlap, exchange dtype, exchange inside the 
 DDP_SYSTEMS = {"DDP": (False, None), "DDP-graph": (True, None),
                "DDP-bf16": (False, "bf16_compress"), "DDP-pympgu": (False, "pympgu"),
                "DDP-pympgu-graph": (True, "pympgu")}
+
+
+def ddp_systems(variants, graphs=True, hook=False):
+    """The DDP_SYSTEMS a run of ``variants`` times: eager DDP, and with ``graphs`` DDP in a
+    CUDA graph; DDP-bf16 beside 'sync1-bf16'; with ``hook``, DDP with pympgu's hook, eager
+    and (with ``graphs``) in a graph."""
+    systems = ["DDP", "DDP-graph"] if graphs else ["DDP"]
+    if "sync1-bf16" in variants:
+        systems.append("DDP-bf16")
+    if hook:
+        systems += ["DDP-pympgu", "DDP-pympgu-graph"] if graphs else ["DDP-pympgu"]
+    return tuple(systems)
+
+
 # How DDP's twin lays out a convolution's images: channels last by default, the layout a
 # PyTorch user tuning for speed picks (PyTorch's performance guide), or its default NCHW.
 DDP_LAYOUTS = ("channels-last", "nchw")
@@ -1017,11 +1031,8 @@ def main(argv=None):
           (f"; {args.repeats} runs of each row" if args.repeats > 1 else ""), flush=True)
     if len(gpus) == 1:
         print("  one GPU: only the 1-GPU rows (give two or more GPUs for scaling)", flush=True)
-    ddp = (("DDP",) if args.no_ddp_graph else ("DDP", "DDP-graph")) if use_ddp else ()
-    if use_ddp and "sync1-bf16" in args.variants:
-        ddp += ("DDP-bf16",)
-    if use_ddp and args.ddp_pympgu:
-        ddp += ("DDP-pympgu",) if args.no_ddp_graph else ("DDP-pympgu", "DDP-pympgu-graph")
+    ddp = (ddp_systems(args.variants, graphs=not args.no_ddp_graph, hook=args.ddp_pympgu)
+           if use_ddp else ())
     from .data import DataError
     from .models import ModelError
     try:  # measure loads the dataset and builds a --model before any worker starts

@@ -263,6 +263,18 @@ def test_train_bench_runs_ddp_with_its_hooks(monkeypatch):
         ("DDP", 1, "pympgu", True), ("DDP", 2, "pympgu", True)]
 
 
+def test_train_bench_picks_ddp_systems_from_its_flags():
+    from pympgu.bench_train import DDP_SYSTEMS, ddp_systems
+    assert ddp_systems(["sync1"]) == ("DDP", "DDP-graph")
+    assert ddp_systems(["sync1", "sync1-bf16"], graphs=False) == ("DDP", "DDP-bf16")
+    assert ddp_systems(["sync1"], hook=True) == ("DDP", "DDP-graph", "DDP-pympgu",
+                                                 "DDP-pympgu-graph")
+    assert ddp_systems(["sync1"], graphs=False, hook=True) == ("DDP", "DDP-pympgu")
+    every = ddp_systems(["sync1-bf16"], hook=True)
+    assert set(every) == set(DDP_SYSTEMS)  # each system a flag can reach
+    assert [s for s in every if DDP_SYSTEMS[s][0]] == ["DDP-graph", "DDP-pympgu-graph"]
+
+
 def test_train_bench_ranks_time_the_multi_gpu_rows_at_each_size(monkeypatch):
     """--ranks 2 4 on GPUs 0 to 3 (runs faked: no GPU here): each GPU alone, then every
     variant and DDP on the first 2 and on all 4, each row scaled against GPU 0 alone and
