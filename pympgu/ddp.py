@@ -26,7 +26,8 @@ The ranks must be processes of one machine whose GPUs reach one another (peer ac
 The process group carries the setup only (the buffers' handles, and DDP's own broadcast of
 the first parameters); pympgu's kernels move every value.
 """
-from .exchange import ALIGN_BYTES  # where each bucket's place starts, as the Exchanger's arrays
+# Where each bucket's place starts, as the Exchanger's arrays; the dtypes pympgu averages.
+from .exchange import ALIGN_BYTES, ITEMSIZE
 
 
 def _aligned(nbytes):
@@ -189,7 +190,7 @@ class PeerState(_Peers):
             return future
         if bucket.index() == 0:  # DDP runs its buckets in order, every rank alike
             self.cursor = 0
-        dtype = str(grads.dtype).removeprefix("torch.")
+        dtype = _dtype(grads)
         n, offset = grads.numel(), self.cursor
         self.cursor += _aligned(n * grads.element_size())
         if self.cursor > self.group.nbytes:
@@ -338,15 +339,14 @@ class ModelAverager(_Peers):
         if not tensors:
             raise ValueError("pympgu.ddp: the model has nothing to average")
         device = _one_cuda_device(tensors, "the model and its state")
-        for name, t in zip(self.names, tensors):
-            dtype = str(t.dtype).removeprefix("torch.")
-            if dtype not in ("float32", "float16", "bfloat16"):
+        specs = [(_dtype(t), t.numel()) for t in tensors]
+        for name, t, (dtype, _) in zip(self.names, tensors, specs):
+            if dtype not in ITEMSIZE:
                 raise ValueError(f"pympgu.ddp: {name} is {dtype}; pympgu averages float32, "
                                  "float16 and bfloat16")
             if not _dense(t.shape, t.stride()):
                 raise ValueError(f"pympgu.ddp: {name} overlaps itself or has gaps (strides "
                                  f"{tuple(t.stride())}); average a dense tensor")
-        specs = [(str(t.dtype).removeprefix("torch."), t.numel()) for t in tensors]
         self.offsets, self.regions, nbytes = _layout(specs)
         layout = [(name, *spec) for name, spec in zip(self.names, specs)]
         return device, nbytes, {"layout": layout}
@@ -425,6 +425,11 @@ class ModelAverager(_Peers):
 _NOTHING = {}  # an optimizer's state for a parameter that has none (never written)
 
 
+def _dtype(t):
+    """A torch tensor's dtype by pympgu's name for it ('float32', 'bfloat16', ...)."""
+    return str(t.dtype).removeprefix("torch.")
+
+
 def _one_cuda_device(tensors, what):
     devices = {t.device for t in tensors}
     if len(devices) != 1 or next(iter(devices)).type != "cuda":
@@ -457,7 +462,6 @@ def _layout(specs):
     """Places for tensors given as (dtype, numel), grouped by dtype so that each dtype is
     one span the kernels average in one call: (each tensor's byte offset, the spans as
     (offset, n, dtype), the bytes in all). Each place starts on ALIGN_BYTES."""
-    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}
     dtypes = list(dict.fromkeys(d for d, _ in specs))
     offsets, regions, cursor = [None] * len(specs), [], 0
     for dtype in dtypes:
@@ -465,8 +469,8 @@ def _layout(specs):
         for k, (d, n) in enumerate(specs):
             if d == dtype:
                 offsets[k] = cursor
-                cursor += _aligned(n * itemsize[dtype])
-        regions.append((start, (cursor - start) // itemsize[dtype], dtype))
+                cursor += _aligned(n * ITEMSIZE[dtype])
+        regions.append((start, (cursor - start) // ITEMSIZE[dtype], dtype))
     return offsets, regions, cursor
 
 

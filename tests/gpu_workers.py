@@ -279,12 +279,6 @@ def ddp_grads(rank, conn, nranks, ngpus, init_file, seed, dtype, method, bucket_
             gradient_as_bucket_view=bucket_view)
         state = pympgu.ddp.register(ddp, method=method)
 
-        def raw(t):
-            t = t.detach().contiguous()
-            if t.dtype == torch.bfloat16:
-                return t.view(torch.int16).cpu().numpy().view(np.uint16)
-            return t.cpu().numpy()
-
         calls = (torch.compile(local), torch.compile(ddp)) if compiled else (local, ddp)
         out = []
         try:
@@ -295,8 +289,8 @@ def ddp_grads(rank, conn, nranks, ngpus, init_file, seed, dtype, method, bucket_
                 for m, call in zip((local, ddp), calls):
                     m.zero_grad(set_to_none=True)
                     torch.nn.functional.cross_entropy(call(x).float(), y).backward()
-                out.append(([raw(p.grad) for p in local.parameters()],
-                            [raw(p.grad).tobytes() for p in model.parameters()]))
+                out.append(([_raw(p.grad) for p in local.parameters()],
+                            [_raw(p.grad).tobytes() for p in model.parameters()]))
             torch.cuda.synchronize()
             return out, sorted(state.places)
         finally:
@@ -350,12 +344,6 @@ def model_averaging(rank, conn, nranks, ngpus, init_file, dtype, optimizer, meth
         averager = pympgu.ddp.ModelAverager(model, opt, method=method)
         gen = torch.Generator(device="cpu").manual_seed(1000 + rank)
 
-        def raw(t):
-            t = t.detach().contiguous().reshape(-1)
-            if t.dtype == torch.bfloat16:
-                return t.view(torch.int16).cpu().numpy().view(np.uint16)
-            return t.cpu().numpy()
-
         def values():
             named = {f"parameter {k}": p for k, p in model.named_parameters() if p.requires_grad}
             named.update({f"buffer {k}": b for k, b in model.named_buffers()
@@ -365,7 +353,7 @@ def model_averaging(rank, conn, nranks, ngpus, init_file, dtype, optimizer, meth
                     if torch.is_tensor(v) and v.shape == p.shape:
                         named[f"state {key} of {k}"] = v
             torch.cuda.synchronize()
-            return {k: raw(v) for k, v in named.items()}
+            return {k: _raw(v) for k, v in named.items()}
 
         def steps(n):
             for _ in range(n):
@@ -417,6 +405,12 @@ def _raw(t):
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).cpu().numpy().view(np.uint16)
     return t.cpu().numpy()
+
+
+def _with_momentum(model, opt):
+    """A model's parameters, then SGD's momentum of each: what ModelAverager averages."""
+    params = list(model.parameters())
+    return params + [opt.state[p]["momentum_buffer"] for p in params]
 
 
 def graph_allreduce(rank, conn, nranks, ngpus, cases, replays, burst):
@@ -547,10 +541,6 @@ def averager_graph(rank, conn, nranks, ngpus, init_file, method, replays):
             torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
 
-        def averaged():
-            return ([p for p in model.parameters()]
-                    + [opt.state[p]["momentum_buffer"] for p in model.parameters()])
-
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -564,7 +554,7 @@ def averager_graph(rank, conn, nranks, ngpus, init_file, method, replays):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=side):
                 step()
-                before = [t.clone() for t in averaged()]
+                before = [t.clone() for t in _with_momentum(model, opt)]
                 averager.average()
             gen = torch.Generator(device="cpu").manual_seed(2000 + rank)
             out = []
@@ -572,7 +562,8 @@ def averager_graph(rank, conn, nranks, ngpus, init_file, method, replays):
                 x.copy_(torch.randn(16, 64, generator=gen))
                 y.copy_(torch.randint(0, 10, (16,), generator=gen))
                 graph.replay()
-                out.append(([_raw(t) for t in before], [_raw(t) for t in averaged()]))
+                out.append(([_raw(t) for t in before],
+                            [_raw(t) for t in _with_momentum(model, opt)]))
             torch.cuda.synchronize()
         finally:
             averager.close()
@@ -609,10 +600,6 @@ def compiled_averaging(rank, conn, nranks, ngpus, init_file, mode):
         gen = torch.Generator(device="cpu").manual_seed(3000 + rank)
         probe = torch.randn(32, 64, generator=torch.Generator().manual_seed(7)).to(device)
 
-        def averaged():
-            return ([p for p in net.parameters()]
-                    + [opt.state[p]["momentum_buffer"] for p in net.parameters()])
-
         def gap():
             with torch.no_grad():
                 compiled = model(probe).clone()
@@ -626,11 +613,11 @@ def compiled_averaging(rank, conn, nranks, ngpus, init_file, mode):
                 opt.zero_grad()
                 torch.nn.functional.cross_entropy(model(x), y).backward()
                 opt.step()
-            before = [_raw(t) for t in averaged()]
+            before = [_raw(t) for t in _with_momentum(net, opt)]
             averager.average()
             if k == 2:
                 averager.close()  # the tensors in memory of their own again
-            rounds.append((before, [_raw(t) for t in averaged()], gap()))
+            rounds.append((before, [_raw(t) for t in _with_momentum(net, opt)], gap()))
         return rounds
     finally:
         dist.destroy_process_group()

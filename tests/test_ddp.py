@@ -1,6 +1,7 @@
 """pympgu.ddp's bookkeeping on the CPU, with stand-ins for torch and the PeerGroup: where
 each bucket goes in the buffer, the order of its work, and the setup's refusals. The
 gradients themselves are checked bit for bit on GPUs (tests/test_gpu_ddp.py)."""
+import collections
 import types
 
 import pytest
@@ -309,6 +310,42 @@ def test_a_first_average_inside_a_capture_is_refused_before_any_setup():
     avg.ready = True
     avg.average()
     assert [e[0] for e in log] == ["group waits", "allreduce", "allreduce", "torch waits"]
+
+
+def test_prepare_lays_out_the_tensors_and_refuses_what_it_cannot_average():
+    """Each dtype one span of aligned places, in the averager's order; a float64 tensor and
+    one with gaps are named."""
+
+    CUDA0 = collections.namedtuple("Device", "type index")("cuda", 0)
+
+    class Spec:
+        def __init__(self, n, dtype, strides=(1,)):
+            self.n, self.dtype, self.strides = n, f"torch.{dtype}", strides
+            self.shape = (n,) if len(strides) == 1 else (n // 2, 2)
+            self.device = CUDA0
+
+        def numel(self):
+            return self.n
+
+        def stride(self):
+            return self.strides
+
+    def prepared(*tensors):
+        avg = ddp.ModelAverager.__new__(ddp.ModelAverager)
+        avg.rank, avg.names = 0, [f"parameter {k}" for k in range(len(tensors))]
+        avg._collect = lambda: None
+        avg.states, avg.fixed = [], list(tensors)
+        return avg, avg._prepare()
+
+    avg, (device, nbytes, shared) = prepared(Spec(10, "float32"), Spec(3, "bfloat16"),
+                                             Spec(100, "float32"))
+    assert avg.offsets == [0, 768, 256] and nbytes == 1024  # 100 floats take 512 bytes
+    assert avg.regions == [(0, 192, "float32"), (768, 128, "bfloat16")]
+    assert shared["layout"][1] == ("parameter 1", "bfloat16", 3)
+    with pytest.raises(ValueError, match="parameter 1 is float64; pympgu averages"):
+        prepared(Spec(10, "float32"), Spec(10, "float64"))
+    with pytest.raises(ValueError, match="parameter 0 overlaps itself or has gaps"):
+        prepared(Spec(10, "float32", strides=(4, 1)))
 
 
 def test_close_gives_the_tensors_in_place_memory_of_their_own():
