@@ -183,6 +183,29 @@ def enable_peer_access(int peer):
 
 # ---------------------------------------------------------------- streams and events
 
+cdef class _OnDevice:
+    """A with-block on ``device`` (-1: the current one), which then gives the caller its own
+    device back: a CUDA event must be made on its stream's device, and some DLPack producers
+    (torch) export only from their array's. A class, not contextlib: it runs per DDP bucket."""
+    cdef int device, previous
+
+    def __cinit__(self, int device):
+        self.device, self.previous = device, -1
+
+    def __enter__(self):
+        cdef int current
+        if self.device >= 0:
+            current = get_device()
+            if current != self.device:
+                set_device(self.device)
+                self.previous = current
+
+    def __exit__(self, *exc):
+        if self.previous >= 0:
+            set_device(self.previous)
+        return False
+
+
 cdef class Stream:
     """A non-blocking CUDA stream on the device current at creation; high_priority gives it
     the device's highest priority (its kernels' blocks go first when SMs free up)."""
@@ -208,14 +231,8 @@ cdef class Stream:
         Stream, or a handle such as torch's ``cuda_stream``, of this stream's device); the
         host does not wait. Cheaper than DLPack's stream handshake, for a caller that knows
         the producer's stream."""
-        previous = get_device()
-        if previous != self.device:
-            set_device(self.device)  # the event must live on the producer's device
-        try:
+        with _OnDevice(self.device):  # the event must live on the producer's device
             check(pmg_stream_wait(self.handle, _stream_of(producer)))
-        finally:
-            if previous != self.device:
-                set_device(previous)
 
     def close(self):
         """Destroy the stream; further use is an error."""
@@ -370,13 +387,8 @@ cdef class DeviceArray:
         cdef cudaStream_t c = _stream_of(consumer)
         if not self.stream or <uintptr_t>c == self.stream:
             return
-        previous = get_device()
-        set_device(self.device)  # the event must live on the producer stream's device
-        try:
+        with _OnDevice(self.device):  # the event must live on the producer stream's device
             check(pmg_stream_wait(c, <cudaStream_t>self.stream))
-        finally:
-            if previous != self.device:
-                set_device(previous)
 
     def copy_from_host(self, array):
         """Copy a host array of the same byte size into this view (blocking)."""
@@ -564,22 +576,14 @@ def _from_cai(cai, obj, what):
 
 
 def _from_dlpack(obj, what, stream=None):
-    # Some producers (torch) export only from their array's own device: make it current
-    # for the export, then restore the caller's device.
+    # Exported on the array's own device: torch exports only from there.
     dev = obj.__dlpack_device__() if hasattr(obj, "__dlpack_device__") else None
-    previous = None  # the device to return to, when the export needs another
-    if dev is not None and int(dev[0]) == kDLCUDA and int(dev[1]) != get_device():
-        previous = get_device()
-        set_device(int(dev[1]))
-    try:
+    with _OnDevice(int(dev[1]) if dev is not None and int(dev[0]) == kDLCUDA else -1):
         if stream is None:
             capsule = obj.__dlpack__()
         else:
             # DLPack forbids 0 for CUDA streams: the legacy default stream is 1.
             capsule = obj.__dlpack__(stream=(<uintptr_t>_stream_of(stream)) or 1)
-    finally:
-        if previous is not None:
-            set_device(previous)
     cdef DLManagedTensor *m = <DLManagedTensor *>PyCapsule_GetPointer(capsule, b"dltensor")
     cdef DLTensor *t = &m.dl_tensor
     if t.device.device_type != kDLCUDA:
