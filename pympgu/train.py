@@ -1064,12 +1064,13 @@ def resolve(args, parser):
         parser.error(f"--label-smoothing must be in [0, 1), got {cfg['label_smoothing']}")
     if cfg["shift"] < 0:
         parser.error(f"--shift must be 0 or more pixels, got {cfg['shift']}")
-    if not 0 <= cfg["warmup"] <= cfg["epochs"]:
-        parser.error(f"--warmup must be 0 to --epochs ({cfg['epochs']}), got {cfg['warmup']}")
+    # Counts first: --warmup is checked against --epochs.
     for key in ("epochs", "batch_size", "sync_every", "bn_examples"):
         value = cfg[key] if key in cfg else getattr(args, key)
         if value < 1:
             parser.error(f"--{key.replace('_', '-')} must be at least 1, got {value}")
+    if not 0 <= cfg["warmup"] <= cfg["epochs"]:
+        parser.error(f"--warmup must be 0 to --epochs ({cfg['epochs']}), got {cfg['warmup']}")
     try:  # read again by every worker's Sync: a bad value fails here, before any starts
         overlap_whole()
     except ValueError as e:

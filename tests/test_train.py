@@ -699,6 +699,7 @@ def test_seed_pickle_format(tmp_path):
     (["--cpu", "2", "--patience", "-1"], "--patience must be 0 (off) or more epochs, got -1"),
     (["--cpu", "2", "--lr", "0"], "--lr must be positive"),
     (["--cpu", "2", "--epochs", "2", "--warmup", "3"], "--warmup must be 0 to --epochs (2)"),
+    (["--cpu", "2", "--epochs", "-1"], "--epochs must be at least 1, got -1"),
     (["--cpu", "2", "--schedule", "step"], "invalid choice: 'step'"),
 ])
 def test_cli_rejects_bad_flags(argv, message, capsys):
