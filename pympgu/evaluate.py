@@ -28,7 +28,7 @@ import types
 import numpy as np
 
 from .data import DataError
-from .train import BEST, CHECKPOINT, auto_backend, build_model, read_checkpoint
+from .train import BEST, CHECKPOINT, CONFIG, auto_backend, build_model, read_checkpoint
 
 CHECKPOINTS = {"best": BEST, "last": CHECKPOINT}
 SPLITS = ("test", "valid", "train")
@@ -129,6 +129,9 @@ def _resolve(run, checkpoint):
         path = CHECKPOINTS.get(checkpoint, checkpoint)
         path = path if os.path.isabs(path) else os.path.join(run, path)
         if not os.path.isfile(path):
+            if not os.path.isfile(os.path.join(run, CONFIG)):
+                raise EvaluateError(f"{run}: not a run directory (no config.json: "
+                                    "pympgu.train --out DIR writes one, and the checkpoints)")
             other = [n for n in CHECKPOINTS.values() if os.path.isfile(os.path.join(run, n))]
             raise EvaluateError(f"{path}: no such checkpoint" + (
                 f" (the run has {', '.join(other)})" if other else
@@ -145,7 +148,7 @@ def load(run, checkpoint="best", data=None, backend="auto", batch_size=500):
     ``data`` (a --data-dir), ready to predict: a :class:`Trained`. Raises EvaluateError (or
     pympgu.data.DataError) naming the file at fault."""
     directory, path = _resolve(run, checkpoint)
-    config_path = os.path.join(directory, "config.json")
+    config_path = os.path.join(directory, CONFIG)
     try:
         with open(config_path) as f:
             config = json.load(f)

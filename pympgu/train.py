@@ -46,6 +46,10 @@ RATES_AHEAD = 256
 MODEL_SEED = 1234
 CHECKPOINT = "checkpoint.npz"
 BEST = "best.npz"  # the checkpoint of the epoch of least validation error
+CONFIG = "config.json"  # the run's flags, from which pympgu.evaluate builds its model
+# A fresh run's config.json while the directory still holds an earlier run's checkpoints:
+# rank 0 moves it into place beside its own first checkpoint.
+CONFIG_NEXT = "config.json.next"
 
 
 def optimizer_defaults(name):
@@ -741,6 +745,9 @@ def worker(ctx, cfg):
                 if cfg["out"]:
                     path = os.path.join(cfg["out"], CHECKPOINT)
                     rep.save(path, epoch + 1, history)
+                    if os.path.exists(os.path.join(cfg["out"], CONFIG_NEXT)):
+                        os.replace(os.path.join(cfg["out"], CONFIG_NEXT),
+                                   os.path.join(cfg["out"], CONFIG))
                     if all(record["valid_error"] < h["valid_error"] for h in history[:-1]):
                         # The best epoch so far by validation error, kept beside the last:
                         # a copy of the file just written, replaced atomically too.
@@ -1202,17 +1209,25 @@ def run(cfg, devices, port=None, quiet=False):
                          f"--batch-size {cfg['batch_size']} with {workers} workers needs "
                          f"{cfg['batch_size'] * workers} training examples a step, and {ds.name} "
                          f"has {ntrain}: give at most {ntrain // workers}")
+    replacing = replaces_a_run(cfg["out"], cfg["resume"])
     if cfg["out"]:
-        try:  # before any worker starts: an --out that cannot be written loses no training
+        # Written before any worker starts: an --out that cannot be written loses no
+        # training. Over an earlier run it waits beside it until this run's first
+        # checkpoint, so that a run stopped sooner leaves that run whole (its config.json
+        # builds its model for pympgu.evaluate).
+        config = os.path.join(cfg["out"], CONFIG_NEXT if replacing else CONFIG)
+        try:
             os.makedirs(cfg["out"], exist_ok=True)
-            with open(os.path.join(cfg["out"], "config.json"), "w") as f:
+            with open(config, "w") as f:
                 json.dump(cfg, f, indent=1)
+            if not replacing and os.path.exists(os.path.join(cfg["out"], CONFIG_NEXT)):
+                os.remove(os.path.join(cfg["out"], CONFIG_NEXT))  # a stopped run's
         except OSError as e:
             raise UsageError("--out", f"--out {cfg['out']}: {e.strerror or e}") from e
-        if not cfg["resume"] and os.path.exists(os.path.join(cfg["out"], CHECKPOINT)):
+        if replacing:
             print(f"pympgu: --out {cfg['out']} holds an earlier run; this run replaces its "
-                  f"checkpoints and metrics.jsonl after its first epoch (--resume "
-                  f"{cfg['out']} would continue it)", file=sys.stderr, flush=True)
+                  f"config.json, checkpoints and metrics.jsonl after its first epoch "
+                  f"(--resume {cfg['out']} would continue it)", file=sys.stderr, flush=True)
     where = (f"{len(devices)} CPU workers" if devices[0] is None
              else f"GPUs {devices}")
     schedule = make_schedule(cfg, ntrain, workers)
@@ -1233,7 +1248,8 @@ def run(cfg, devices, port=None, quiet=False):
           f"{'' if cfg['exchange_dtype'] == 'float32' else ', ' + cfg['exchange_dtype'] + ' wire'} | "
           f"{'' if cfg.get('compute_dtype', 'float32') == 'float32' else cfg['compute_dtype'] + ' products, '}"
           f"backend {cfg['backend']}", flush=True)
-    reporter = Reporter(cfg["out"], cfg["epochs"], quiet=quiet, resume=bool(cfg["resume"]),
+    reporter = Reporter(cfg["out"], cfg["epochs"], quiet=quiet,
+                        resume=bool(cfg["resume"]) and not replacing,
                         rates=schedule.kind != "constant" or schedule.warmup > 0)
     t0 = time.perf_counter()
     try:
@@ -1243,6 +1259,8 @@ def run(cfg, devices, port=None, quiet=False):
             results = launch(worker, (cfg,), gpus=devices, port=port, on_metric=reporter)
     finally:
         reporter.close()
+        if replacing and os.path.exists(config):  # no epoch ended: the earlier run stays
+            os.remove(config)
     total = time.perf_counter() - t0
     if len({r["digest"] for r in results}) != 1:
         raise RuntimeError("the replicas ended with different parameters: " +
@@ -1267,6 +1285,15 @@ def run(cfg, devices, port=None, quiet=False):
             if kept:
                 print(f"its errors class by class: python -m pympgu.evaluate {cfg['out']}")
     return history
+
+
+def replaces_a_run(out, resume):
+    """Whether a run writing into ``out`` replaces another run's checkpoints there: one it
+    does not resume from (a --resume from elsewhere appends to no log but its own)."""
+    if not out or not os.path.exists(os.path.join(out, CHECKPOINT)):
+        return False
+    return not resume or (os.path.realpath(os.path.dirname(os.path.abspath(resume)))
+                          != os.path.realpath(out))
 
 
 def saved(out, before):

@@ -122,16 +122,23 @@ def test_bad_runs_are_named(run_dir, tmp_path, capsys):
         evaluate.load(str(tmp_path / "nowhere"))
     bare = tmp_path / "bare"
     bare.mkdir()
-    with pytest.raises(evaluate.EvaluateError, match="best.npz: no such checkpoint "
-                                                     r"\(the run finished no epoch\)"):
+    with pytest.raises(evaluate.EvaluateError, match="bare: not a run directory "
+                                                     r"\(no config.json"):
         evaluate.load(str(bare))
     shutil.copy(os.path.join(run_dir, train.CHECKPOINT), bare)
-    with pytest.raises(evaluate.EvaluateError, match=r"\(the run has checkpoint.npz\)"):
-        evaluate.load(str(bare))
     with pytest.raises(evaluate.EvaluateError, match="config.json: no such file"):
         evaluate.load(str(bare / train.CHECKPOINT))
-    # Another model's widths in config.json: the checkpoint does not fit, and says so.
     config = json.load(open(os.path.join(run_dir, "config.json")))
+    json.dump(config, open(bare / "config.json", "w"))
+    with pytest.raises(evaluate.EvaluateError, match=r"\(the run has checkpoint.npz\)"):
+        evaluate.load(str(bare))
+    started = tmp_path / "started"  # a run that wrote its config.json, then stopped
+    started.mkdir()
+    json.dump(config, open(started / "config.json", "w"))
+    with pytest.raises(evaluate.EvaluateError, match="best.npz: no such checkpoint "
+                                                     r"\(the run finished no epoch\)"):
+        evaluate.load(str(started))
+    # Another model's widths in config.json: the checkpoint does not fit, and says so.
     json.dump(dict(config, hidden=[16]), open(bare / "config.json", "w"))
     with pytest.raises(evaluate.EvaluateError, match=r"checkpoint.npz: cannot evaluate it: "
                                                      r".* is \(784, 32\), this model's is"):

@@ -56,6 +56,37 @@ def test_a_fresh_run_into_an_earlier_runs_out_starts_its_log_over(tmp_path, caps
     assert [json.loads(x)["epoch"] for x in open(os.path.join(out, "metrics.jsonl"))] == [1, 2]
 
 
+def test_a_run_stopped_before_its_first_epoch_leaves_the_earlier_run_whole(tmp_path, capsys):
+    """config.json builds the model that pympgu.evaluate loads the checkpoints into: a new
+    run over an earlier one replaces it with the checkpoints, after its first epoch, not
+    when it starts. A run resumed from elsewhere does not append to the earlier run's log."""
+    from pympgu import evaluate
+    from pympgu.launch import WorkerFailed
+    out = str(tmp_path / "run")
+    read = lambda name: open(os.path.join(out, name)).read()  # noqa: E731
+    train.run(config(epochs=1, hidden=[16], out=out), [None, None], quiet=True)
+    earlier = {name: read(name) for name in ("config.json", "metrics.jsonl")}
+    path = tmp_path / "models.py"
+    path.write_text(BAD_MODELS)
+    with pytest.raises(WorkerFailed):  # its ranks start from different values
+        train.run(config(epochs=1, model=f"{path}:Unseeded", out=out), [None, None],
+                  quiet=True)
+    assert {name: read(name) for name in earlier} == earlier
+    assert not os.path.exists(os.path.join(out, train.CONFIG_NEXT))
+    assert evaluate.load(out).epoch == 1
+    # Resumed from elsewhere into it: a fresh log, and this run's flags once its epoch ends.
+    other = str(tmp_path / "other")
+    train.run(config(epochs=1, hidden=[8], out=other), [None, None], quiet=True)
+    capsys.readouterr()
+    train.run(config(epochs=2, hidden=[8], out=out, resume=os.path.join(other, train.CHECKPOINT)),
+              [None, None], quiet=True)
+    assert f"--out {out} holds an earlier run" in capsys.readouterr().err
+    assert [json.loads(x)["epoch"] for x in open(os.path.join(out, "metrics.jsonl"))] == [2]
+    assert json.loads(read("config.json"))["hidden"] == [8]
+    assert not os.path.exists(os.path.join(out, train.CONFIG_NEXT))
+    assert evaluate.load(out).epoch == 2
+
+
 def test_a_checkpoint_of_another_shape_is_refused_before_any_worker_starts(tmp_path):
     out = str(tmp_path / "run")
     train.run(config(epochs=1, hidden=[16], out=out), [None, None], quiet=True)
