@@ -1,4 +1,5 @@
 """The runtime on CPU workers: exchange, failures, bad input, concurrent runs."""
+import errno
 import glob
 import os
 import signal
@@ -110,6 +111,27 @@ def test_two_runs_at_once_do_not_clash():
         t.join(100)
     assert len({r["digest"] for r in out["a"]}) == 1
     assert out["a"][0]["digest"] == out["b"][0]["digest"]
+
+
+def test_a_segment_gets_its_pages_or_says_that_shared_memory_is_full():
+    """A segment's pages are allocated when it is made: a tmpfs that runs out later would
+    kill the worker by SIGBUS at its first write. One larger than the whole of /dev/shm
+    is refused at once, naming what it asked and what there is, and leaves no file."""
+    from pympgu import shm
+    st = os.statvfs(shm.SHM_DIR)
+    seg = shm.Segment(shm.segment_name("pytest-shm", 0), 1 << 20, create=True)
+    try:
+        assert os.stat(seg.path).st_blocks * 512 >= 1 << 20  # allocated, not sparse
+    finally:
+        seg.close()
+    if not st.f_blocks:
+        pytest.skip(f"{shm.SHM_DIR} reports no size")
+    name = shm.segment_name("pytest-shm", 1)
+    with pytest.raises(OSError, match=r"MiB of shared memory do not fit in /dev/shm, which "
+                                      r"has .* MiB free of .*--shm-size") as info:
+        shm.Segment(name, st.f_blocks * st.f_frsize + (1 << 20), create=True)
+    assert info.value.errno == errno.ENOSPC
+    assert not os.path.exists(os.path.join(shm.SHM_DIR, name))
 
 
 def test_ctrl_c_stops_every_worker(tmp_path):
