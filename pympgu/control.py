@@ -39,6 +39,10 @@ def _encode(token, kind, payload, blobs=()):
     return [token.encode(), kind.encode(), json.dumps(payload).encode(), *blobs]
 
 
+class BindError(OSError):
+    """The coordinator cannot listen on the address asked for (a port in use, say)."""
+
+
 class Coordinator:
     """The launcher's end: receives, validates and answers the workers' messages."""
 
@@ -51,11 +55,16 @@ class Coordinator:
         self.socket.setsockopt(zmq.LINGER, 0)
         # A worker that died and restarted must not leave messages queued for a dead peer.
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        if port:
-            self.socket.bind(f"tcp://{host}:{port}")
-            self.port = port
-        else:
-            self.port = self.socket.bind_to_random_port(f"tcp://{host}")
+        try:
+            if port:
+                self.socket.bind(f"tcp://{host}:{port}")
+                self.port = port
+            else:
+                self.port = self.socket.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError as e:
+            self.close()
+            raise BindError(e.errno, os.strerror(e.errno), f"tcp://{host}:{port or '*'}") \
+                from None
         self.address = f"tcp://{host}:{self.port}"
         self.identities = {}  # rank -> ZMQ identity of its main socket
         self.rejected = 0

@@ -1178,6 +1178,7 @@ class UsageError(ValueError):
 def run(cfg, devices, port=None, quiet=False):
     """Launch the workers, report as they go, and return rank 0's history."""
     from . import data, models
+    from .control import BindError
     from .launch import launch
     ds = data.load(cfg["data"])  # fail here, with the file's name, before any worker starts
     try:  # and a model that cannot be loaded or built, naming --model
@@ -1257,6 +1258,9 @@ def run(cfg, devices, port=None, quiet=False):
             results = launch(worker, (cfg,), cpu=len(devices), port=port, on_metric=reporter)
         else:
             results = launch(worker, (cfg,), gpus=devices, port=port, on_metric=reporter)
+    except BindError as e:  # before any worker started
+        raise UsageError("--port", f"--port {port}: {e.strerror} (another run's? without "
+                                   "--port the coordinator takes a free one)") from None
     finally:
         reporter.close()
         if replacing and os.path.exists(config):  # no epoch ended: the earlier run stays

@@ -740,6 +740,26 @@ def test_cli_rejects_bad_flags(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_cli_names_a_port_in_use(tmp_path, capsys):
+    """A --port another process holds is a flag error, before any worker starts, and a
+    run over an earlier one in --out leaves it as it was."""
+    import socket
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / train.CHECKPOINT).write_bytes(b"an earlier run's")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(SystemExit) as info:
+            train.main(["--cpu", "2", "--port", str(port), "--out", str(out)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: --port {port}: Address already in use (another run's?" in err, err
+    assert "Traceback" not in err
+    assert sorted(os.listdir(out)) == [train.CHECKPOINT]
+
+
 def test_cli_gives_adam_its_own_learning_rate():
     """Adam's and AdamW's default rate is 1e-3, SGD's 0.05 (a preset's is SGD's too); --lr
     overrides either. Neither Adam takes the L2 penalty unless --l2 is given, and AdamW
