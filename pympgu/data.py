@@ -95,6 +95,12 @@ def _split(x, y, n_valid, n_test):
     return (x[:a], y[:a]), (x[a:b], y[a:b]), (x[b:], y[b:])
 
 
+# What --data-dir takes, for the errors that name a path holding none of it.
+READS = ("pympgu reads a directory of MNIST-format IDX files (t10k-images-idx3-ubyte and "
+         "t10k-labels-idx1-ubyte, gzipped or not, train-* beside them), CIFAR-10 or "
+         "CIFAR-100's python version, the seed's mnist.pkl.gz, or a .npz of one's own")
+
+
 def load_idx_dir(directory, name=None, n_valid=10000):
     """train-* and t10k-* IDX files; the last n_valid training images become validation.
 
@@ -109,7 +115,11 @@ def load_idx_dir(directory, name=None, n_valid=10000):
     """
     name = name or os.path.basename(os.path.normpath(directory))
     if not os.path.isdir(directory):
-        raise DataError(f"{directory}: no such directory")
+        raise DataError(f"{directory}: " + (f"not a dataset: {READS}" if os.path.exists(directory)
+                                            else "no such directory"))
+    if not any(os.path.exists(_find(directory, stem))
+               for stem in ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")):
+        raise DataError(f"{directory}: no dataset here: {READS}")
     # IDX files hold numbers only: a directory named for Fashion-MNIST gets its classes'
     # names (for pympgu.evaluate's report), any other a class's number.
     names = FASHION_CLASSES if "fashion" in name.lower() else None

@@ -500,6 +500,12 @@ def test_embedded_split_is_a_fixed_shuffle_of_every_image():
 
 def test_data_errors_name_the_file(tmp_path):
     src = data.EMBEDDED_DIR
+    # A directory or file holding nothing pympgu reads: what it does read.
+    (tmp_path / "notes.txt").write_text("not images")
+    for path in (tmp_path, tmp_path / "notes.txt"):
+        with pytest.raises(data.DataError, match=f"{path}: (no dataset here|not a dataset): "
+                                                 "pympgu reads a directory of MNIST-format"):
+            data.load(str(path))
     shutil.copy(os.path.join(src, "t10k-labels-idx1-ubyte.gz"), tmp_path)
     with pytest.raises(data.DataError, match="t10k-images-idx3-ubyte.gz: no such file"):
         data.load(str(tmp_path))
