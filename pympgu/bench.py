@@ -27,11 +27,17 @@ DEFAULT_SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 <<
 
 
 def parse_size(text):
+    """A buffer size such as 4K, 64MiB or 1g, in bytes: argparse's type for --sizes."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
     t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
+    try:
+        n = int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 4K, 64M or 1G") \
+            from None
+    if n < 4:  # one float32 at least
+        raise argparse.ArgumentTypeError(f"{text!r}: a buffer of at least 4 bytes")
+    return n
 
 
 def fmt_size(n):
@@ -287,7 +293,7 @@ def main(argv=None):
     parser.add_argument("--procs", type=int, default=None,
                         help="number of ranks, spread round-robin over --gpus (default: one "
                              "per GPU); more ranks than GPUs checks logic, not link speed")
-    parser.add_argument("--sizes", nargs="+", default=None,
+    parser.add_argument("--sizes", nargs="+", type=parse_size, default=None,
                         help="buffer sizes such as 4K 64M 1G (default: 4 KiB to 1 GiB)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
                         help="pympgu methods to time (default: all)")
@@ -299,6 +305,8 @@ def main(argv=None):
     parser.add_argument("--no-nccl", action="store_true", help="skip the NCCL baseline")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args(argv)
+    if args.blocks and not all(1 <= b <= 512 for b in args.blocks):
+        parser.error("--blocks: 1 to 512")
 
     from pympgu import cuda
     ok, info = cuda.availability()
@@ -314,7 +322,7 @@ def main(argv=None):
     if not 2 <= nranks <= 8:
         parser.error(f"the benchmark needs 2 to 8 ranks, got {nranks} (give --procs)")
     devices = [gpus[r % len(gpus)] for r in range(nranks)]
-    sizes = [parse_size(s) for s in args.sizes] if args.sizes else DEFAULT_SIZES
+    sizes = args.sizes or DEFAULT_SIZES
     use_nccl = not args.no_nccl and len(set(devices)) == nranks
     if use_nccl:
         try:
@@ -324,8 +332,6 @@ def main(argv=None):
     names = ", ".join(cuda.device_name(d) for d in sorted(set(devices)))
     print(f"pympgu.bench: {nranks} ranks on GPUs {devices} ({names}); fp32; "
           f"NCCL {'on' if use_nccl else 'off'}", flush=True)
-    if args.blocks and not all(1 <= b <= 512 for b in args.blocks):
-        parser.error("--blocks: 1 to 512")
     blocks = [None] + (args.blocks or [])
     results = run_ranks(devices, sizes, args.methods, use_nccl, blocks=blocks)
     print(table(results, args.methods, blocks))

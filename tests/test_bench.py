@@ -107,6 +107,20 @@ def test_train_bench_rejects_bad_flags():
     assert "--batch-size must be at least 1, got 0" in refused("--cpu", "2", "--batch-size", "0")
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--sizes", "4X"], "--sizes: '4X' is not a size such as 4K, 64M or 1G"),
+    (["--sizes", "64K", "2"], "--sizes: '2': a buffer of at least 4 bytes"),
+    (["--blocks", "0"], "--blocks: 1 to 512"),
+])
+def test_exchange_bench_names_a_bad_flag_before_it_looks_for_gpus(argv, message, capsys):
+    from pympgu import bench
+    assert bench.parse_size("64MiB") == 64 << 20 and bench.parse_size("1.5k") == 1536
+    with pytest.raises(SystemExit) as info:
+        bench.main(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_train_bench_names_a_bad_data_dir(capsys):
     from pympgu import bench_train
     with pytest.raises(SystemExit) as info:
