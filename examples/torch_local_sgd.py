@@ -155,8 +155,21 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if len(args.gpus) < 2:
         parser.error("--gpus: give at least 2 ranks")
-    if args.every < 1:
-        parser.error("--every must be at least 1")
+    for flag, value in (("--every", args.every), ("--epochs", args.epochs),
+                        ("--batch-size", args.batch_size), ("--hidden", min(args.hidden))):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    if not args.lr > 0:
+        parser.error(f"--lr must be positive, got {args.lr}")
+    # Here, once, rather than as a traceback from every rank.
+    from pympgu import data
+    try:
+        ds = data.load(args.data_dir)
+    except data.DataError as e:
+        parser.error(f"--data-dir: {e}")
+    if not data.batches_per_epoch(len(ds.train[1]), args.batch_size, len(args.gpus)):
+        parser.error(f"--batch-size {args.batch_size} on {len(args.gpus)} ranks needs more "
+                     f"than the {len(ds.train[1])} training examples of {ds.name}")
     import torch.multiprocessing as mp
     out = mp.get_context("spawn").SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:

@@ -382,3 +382,25 @@ def test_close_skips_an_optimizer_tensor_that_is_gone():
     finally:
         del Tensor.clone
     assert log == [("re-point", 1000, 1001)]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--gpus", "0"], "--gpus: give at least 2 ranks"),
+    (["--every", "0"], "--every must be at least 1, got 0"),
+    (["--hidden", "500", "0"], "--hidden must be at least 1, got 0"),
+    (["--lr", "0"], "--lr must be positive, got 0.0"),
+    (["--data-dir", "/no/such/dir"], "--data-dir: /no/such/dir: no such directory"),
+    (["--batch-size", "5000"], "--batch-size 5000 on 2 ranks needs more than the 8000"),
+])
+def test_the_local_sgd_example_names_a_bad_flag_before_any_rank_starts(argv, message, capsys):
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "examples", "torch_local_sgd.py")
+    spec = importlib.util.spec_from_file_location("torch_local_sgd", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)  # torch is imported by the ranks alone
+    with pytest.raises(SystemExit) as info:
+        example.main(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
