@@ -332,7 +332,10 @@ class Replica:
 
     def _start(self, ex, values, part):
         lo, hi = self.part(part)
-        if self.jax is None:
+        if self.jax is None or self.ctx.is_cpu:
+            # CPU JAX arrays are host memory already: pack reads them where they are. The
+            # jitted concatenation below took 5.7 ms a step there (the MLP's 3.2 MB), more
+            # than the step itself.
             ex.start(values, entries=(lo, hi))
         else:
             # JAX packs its arrays into one (a jitted concatenation) and hands pympgu a
