@@ -1262,6 +1262,8 @@ def run(cfg, devices, port=None, quiet=False):
         else:
             results = launch(worker, (cfg,), gpus=devices, port=port, on_metric=reporter)
     except BindError as e:  # before any worker started
+        if not port:  # no free port to be had: not a flag's fault
+            raise
         raise UsageError("--port", f"--port {port}: {e.strerror} (another run's? without "
                                    "--port the coordinator takes a free one)") from None
     finally:
