@@ -748,9 +748,9 @@ def worker(ctx, cfg):
                 if cfg["out"]:
                     path = os.path.join(cfg["out"], CHECKPOINT)
                     rep.save(path, epoch + 1, history)
-                    if os.path.exists(os.path.join(cfg["out"], CONFIG_NEXT)):
-                        os.replace(os.path.join(cfg["out"], CONFIG_NEXT),
-                                   os.path.join(cfg["out"], CONFIG))
+                    pending = os.path.join(cfg["out"], CONFIG_NEXT)
+                    if epoch == start_epoch and os.path.exists(pending):  # run() wrote it
+                        os.replace(pending, os.path.join(cfg["out"], CONFIG))
                     if all(record["valid_error"] < h["valid_error"] for h in history[:-1]):
                         # The best epoch so far by validation error, kept beside the last:
                         # a copy of the file just written, replaced atomically too.
@@ -1219,13 +1219,14 @@ def run(cfg, devices, port=None, quiet=False):
         # training. Over an earlier run it waits beside it until this run's first
         # checkpoint, so that a run stopped sooner leaves that run whole (its config.json
         # builds its model for pympgu.evaluate).
-        config = os.path.join(cfg["out"], CONFIG_NEXT if replacing else CONFIG)
+        pending = os.path.join(cfg["out"], CONFIG_NEXT)
+        config = pending if replacing else os.path.join(cfg["out"], CONFIG)
         try:
             os.makedirs(cfg["out"], exist_ok=True)
             with open(config, "w") as f:
                 json.dump(cfg, f, indent=1)
-            if not replacing and os.path.exists(os.path.join(cfg["out"], CONFIG_NEXT)):
-                os.remove(os.path.join(cfg["out"], CONFIG_NEXT))  # a stopped run's
+            if not replacing and os.path.exists(pending):
+                os.remove(pending)  # a stopped run's
         except OSError as e:
             raise UsageError("--out", f"--out {cfg['out']}: {e.strerror or e}") from e
         if replacing:
