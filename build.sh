@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 if [ "${1:-}" = "clean" ]; then
-  rm -rf build dist *.egg-info pympgu/*.so pympgu/_host.cpp pympgu/_cuda.cpp
+  rm -rf build dist *.egg-info pympgu/*.so pympgu/*/*.so pympgu/_host.cpp pympgu/_cuda/_core.cpp
   find . -name __pycache__ -type d -prune -exec rm -rf {} +
   echo "cleaned"
   exit 0

@@ -15,20 +15,16 @@ the epoch of least validation error (the checkpoint --out keeps as best.npz).
 import argparse
 import sys
 
-from pympgu import models, train
+from pympgu import models
+from pympgu.training import RunConfig, run
 
 VARIANTS = {"plain": {}, "overlap": dict(overlap=True),
-            # GPU workers average inside the step's XLA call; this is the exchange queued
-            # from Python instead (on CPU workers, the same as "overlap").
-            "overlap, from Python": dict(overlap=True, xla_exchange=False),
-            # On GPU workers the gradients in bfloat16 inside the step (since session 35);
-            # on CPU workers, and with the variants below, each sync's change from Python.
+            # On GPU workers the gradients in bfloat16 inside the step; on CPU workers, and
+            # with the variants below, each sync's change from Python.
             "bf16 wire": dict(exchange_dtype="bfloat16"),
             "sync every 4": dict(sync_every=4),
             "overlap + bf16": dict(overlap=True, exchange_dtype="bfloat16"),
             "overlap + sync every 4": dict(overlap=True, sync_every=4),
-            "overlap + sync every 4, from Python": dict(overlap=True, sync_every=4,
-                                                        xla_exchange=False),
             # Not an exchange variant: --compute-dtype bfloat16 (JAX's backend, CPU workers
             # too), against the same float32 reference.
             "bf16 products": dict(compute_dtype="bfloat16"),
@@ -61,17 +57,14 @@ def main():
     if not devices:
         p.error("give --gpus or --cpu")
     hidden = args.hidden or (models.load(args.model).default_hidden if args.model else [256])
-    base = dict(train.DEFAULTS, data=args.data_dir, backend="c" if args.cpu else "jax",
-                method="auto", seed=0, out=None, resume=None, epochs=args.epochs,
-                batch_size=128, hidden=list(hidden), model=args.model, sync_every=1,
-                overlap=False, exchange_dtype="float32", devices=devices)
+    base = RunConfig(data=args.data_dir, backend="c" if args.cpu else "jax", epochs=args.epochs,
+                     batch_size=128, hidden=hidden, model=args.model, devices=devices)
     errors = {}  # variant: (last epoch's test error, the best validation epoch's, that epoch)
     for name in dict.fromkeys(["plain", *args.variants]):
         over = VARIANTS[name]
-        cfg = dict(base, **over)
-        if cfg.get("compute_dtype", "float32") != "float32":
-            cfg["backend"] = "jax"  # PyTensor's own backend has no bfloat16 products
-        hist = train.run(cfg, devices, quiet=True)
+        if over.get("compute_dtype", "float32") != "float32":
+            over = dict(over, backend="jax")  # PyTensor's own backend: no bfloat16 products
+        hist = run(base.replace(**over), quiet=True)
         best = min(hist, key=lambda h: h["valid_error"])
         errors[name] = (hist[-1]["test_error"], best["test_error"], best["epoch"])
     width = max(map(len, errors))

@@ -13,9 +13,10 @@ def parser(doc):
     return p
 
 
-def replica_config(hidden, batch):
-    """pympgu.train's configuration of a JAX replica with the default exchange: the
-    training benchmark's wide MLP (pympgu.bench_train.MODELS), with these layers and batch."""
-    from pympgu.bench_train import MODELS
-    return dict(MODELS["wide"], data=None, hidden=hidden, batch_size=batch, backend="jax",
-                method="auto", exchange_dtype="float32", exchange_blocks=None, overlap=False)
+def replica_config(hidden, batch, devices=(0, 1)):
+    """The RunConfig of a JAX replica with the default exchange: the training benchmark's
+    wide MLP (pympgu.bench.train.MODELS), with these layers and batch."""
+    from pympgu.bench.train import MODELS
+    from pympgu.training import RunConfig
+    return RunConfig(**dict(MODELS["wide"], hidden=hidden, batch_size=batch, backend="jax",
+                            devices=devices))

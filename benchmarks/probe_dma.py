@@ -9,10 +9,7 @@ IPC handle. This times the same copies that way: each rank copies --mib MiB by D
 or both at once, and prints the median ms and GB/s per direction (bytes / time).
 
 --offsets SRC:DST ... places the source and the destination that many bytes past a 2 MiB
-page's start; the allocation is whole pages. Offsets made no difference that way (session 16:
-390 GB/s pushing both ways from 0, 256, 4096, 18688 or 65536 bytes), while an earlier
-version, whose allocation was no whole number of pages, pushed at 307 GB/s from 18688 bytes,
-where a PeerGroup's data then began (docs/BENCHMARKS.md).
+page's start; the allocation is whole pages (docs/DECISIONS.md, "Page-aligned buffers").
 """
 import argparse
 import multiprocessing as mp

@@ -13,7 +13,7 @@ ms per step. TF32 is as PyTorch leaves it (cuDNN's convolutions may use it, matr
 not), as a user would run it; the first line says so. Plain JAX: the same step written
 with lax.conv_general_dilated, pooling by lax.reduce_window and then as pympgu.nnet pools,
 jitted, its state donated; with the host's time to issue the steps, which is the step's
-own where the host sets the pace (at batch 128, docs/BENCHMARKS.md, session 31).
+own where the host sets the pace (at batch 128).
 """
 import argparse
 import time

@@ -1,7 +1,7 @@
 // Which host calls wait while a stream waits at a stream memory operation
 // (cuStreamWaitValue32) for a flag that nobody writes yet: what a stream barrier's watchdog
 // may call, and what a barrier's own later operations cost the host thread that queues them
-// (branch next/stream-barrier; docs/BENCHMARKS.md, session 22).
+// (docs/DECISIONS.md, "Stream barriers").
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -DPMG_WITH_CUDA -Icsrc benchmarks/probe_stream_wait.cu \
 //        csrc/host_average.cpp -o /tmp/probe_stream_wait
@@ -13,12 +13,9 @@
 // A thread releases it after release_ms: through a kernel already running on GPU 1 that
 // polls host memory, or by a plain store, so that the release needs no CUDA call on the
 // host. Meanwhile the main thread times one call after another; a call that took about
-// release_ms was held until the release. On driver 580, under CUDA's default lazy module
-// loading, one call in each case was held: in session 22 the first launch of a kernel not
-// loaded yet, in session 23 (each case's first launch a kernel of its own) the first 4-byte
-// copy to the host on a fresh stream, behind a wait in GPU or host memory and behind a
-// spinning kernel alike. With CUDA_MODULE_LOADING=EAGER none was, but 20,000 launches onto
-// the waiting stream (its queue full). So a release must need no CUDA call.
+// release_ms was held until the release: under CUDA's default lazy module loading, the
+// first launch of a kernel not loaded yet, or the first copy to the host on a fresh stream,
+// is held behind such a wait. So a release must need no CUDA call.
 //
 // Last, barriers back to back between the two GPUs: by such operations, with the flags in
 // GPU memory or in host memory, and by pympgu's barrier kernel.

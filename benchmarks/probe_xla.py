@@ -45,19 +45,25 @@ def _where(rep, ctx):
 
 
 def worker(ctx, hidden, batch, calls, exchanger=True, only_params=False):
-    from pympgu.train import Replica, _setup_backend, make_exchanger, state_layout
-    _setup_backend(ctx, "jax")  # before PyTensor is imported
+    from pympgu.training.replica import Replica, state_layout
+    from pympgu.training.worker import make_exchanger, setup_backend
+    setup_backend(ctx, "jax")  # before PyTensor is imported
     import jax
     import numpy as np
 
-    from pympgu.bench_train import _bare_kernel_ms
+    from pympgu.bench.steps import _bare_kernel_ms
     from pympgu.exchange import Exchanger
-    cfg = replica_config(hidden, batch)
+    from pympgu.xla import StepExchange
+    cfg = replica_config(hidden, batch, [None] * ctx.nranks if ctx.is_cpu else [ctx.device])
     rep = Replica(ctx, cfg)
     # One rank alone (--gpus 0) still gets an Exchanger: its exchange is the pack, a local
     # kernel and the unpack, which prices the copies around the link.
-    ex = (make_exchanger(ctx, rep, cfg) or Exchanger(ctx, state_layout(rep))) if exchanger \
-        else None
+    ex = inside = None
+    if exchanger:
+        ex, inside = make_exchanger(ctx, rep, cfg)
+        if ex is None:
+            ex = Exchanger(ctx, state_layout(rep))
+            inside = StepExchange(ex)
     try:
         idx = jax.device_put(np.arange(batch, dtype=np.int32))
         plain = rep.jax_step()
@@ -113,7 +119,7 @@ def worker(ctx, hidden, batch, calls, exchanger=True, only_params=False):
                     ms = run(call)
             return ms
 
-        if ex is None or ex.xla_unavailable():
+        if ex is None or inside.unavailable():
             # The steps alone: every rank at once, then one rank at a time.
             step = lambda: plain(idx)  # noqa: E731
             out = {"step_ms": timed(step)}
@@ -124,16 +130,16 @@ def worker(ctx, hidden, batch, calls, exchanger=True, only_params=False):
             out["where"] = _where(rep, ctx)
             out["pid"] = os.getpid()
             return out
-        fused, params_only = rep.jax_step(ex), rep.jax_step(ex, "params")
+        fused, params_only = rep.jax_step(inside), rep.jax_step(inside, "params")
         if only_params:
             # Nothing else on the GPU: what a profiler shows is sync1's step as training runs it.
             return {"step_ms": 0.0, "params_only_ms": timed(lambda: params_only(idx))}
-        alone = jax.jit(ex.xla_average)
+        alone = jax.jit(inside.average)
 
         def exchange_only():
             rep.set_values(alone(rep.values()))
 
-        overlapped = rep.jax_step(ex, "params", overlap=True)
+        overlapped = rep.jax_step(inside, "params", overlap=True)
         step, step_po = (lambda: plain(idx)), (lambda: params_only(idx))
         step_ov = lambda: overlapped(idx)  # noqa: E731
         out = {"step_ms": timed(step), "fused_ms": timed(lambda: fused(idx)),

@@ -22,10 +22,11 @@ def worker(ctx, hidden, batch, steps):
     import numpy as np
 
     from pympgu.exchange import Exchanger
-    from pympgu.train import Replica, _setup_backend, state_layout
-    _setup_backend(ctx, "jax")
-    cfg = dict(data=None, hidden=hidden, lr=0.05, momentum=0.9, batch_size=batch, l1=0.0,
-               l2=1e-4, backend="jax")
+    from pympgu.training import RunConfig
+    from pympgu.training.replica import Replica, state_layout
+    from pympgu.training.worker import setup_backend
+    setup_backend(ctx, "jax")
+    cfg = RunConfig(hidden=hidden, batch_size=batch, backend="jax", devices=[ctx.device])
     rep = Replica(ctx, cfg)
     rng = np.random.default_rng(0)
     ntrain = len(rep.dataset.train[1])

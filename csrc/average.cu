@@ -255,7 +255,7 @@ __device__ __forceinline__ uint4 *staging(const pmg_peers &p, int r, size_t stag
 }
 
 // Two-shot by stores only ('push'): on NVLink a remote store needs no round trip, a remote
-// load does, and stores carried 8% more bytes than loads (docs/BENCHMARKS.md). Phase A:
+// load does (docs/DECISIONS.md, "Two-shot by stores"). Phase A:
 // rank r stores its copy of every other rank's slice into that rank's staging slot. Phase
 // B: each rank averages its slice from its replica and its staging area, in rank order, and
 // stores the mean into every replica. An element maps to the same block in both phases on
@@ -463,10 +463,9 @@ __device__ __forceinline__ void st_release_sys64(uint64_t *p, uint64_t v) {
 
 // The resident kernel: LL calls without a launch each. Thread 0 of block 0 polls the
 // doorbell in page-locked host memory (one PCIe read at a time) for command `count` and
-// relays it into the signal block, where thread 0 of every other block polls in L2: with
-// every block polling the host over PCIe, and with acquire loads, the kernel took 31 us a
-// call at 8 blocks and 182 at 32, and slowed a matrix product beside it 2.7x and 5.5x
-// (docs/BENCHMARKS.md, session 15). Each block runs the command, and the last block out
+// relays it into the signal block, where thread 0 of every other block polls in L2: every
+// block polling the host over PCIe was several times slower, and slowed the work beside it
+// (docs/DECISIONS.md, "The resident exchange"). Each block runs the command, and the last block out
 // writes the count into the doorbell's done line, where the host polls. The host rings
 // command k + 1 only after command k is done, so every block has finished reading a call's
 // mailboxes before any block of this rank sends the next: the launched kernels' ordering,
@@ -1227,8 +1226,8 @@ int pmg_ce_allreduce_average(const pmg_peers *peers, size_t stage_offset, int ra
     return cudaSuccess;
   };
   // Every byte crosses the link by DMA, the pushes and the write-backs alike: the copy
-  // engines carry more than SM stores, alone or beside them (docs/BENCHMARKS.md, sessions
-  // 15 and 16). On copy_stream: push 0, push 1, write-back 0, push 2, write-back 1, ...:
+  // engines carry more than SM stores, alone or beside them (docs/DECISIONS.md, "Copy
+  // engines for large buffers"). On copy_stream: push 0, push 1, write-back 0, push 2, write-back 1, ...:
   // push c + 1 crosses while chunk c's barrier and average run, so the copy engines never
   // wait for the SMs as long as that push outlasts them. The chunks halve towards the end
   // (pmg_ce_chunks): an average reads and writes HBM several times faster than the link

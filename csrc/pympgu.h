@@ -224,7 +224,7 @@ size_t pmg_stage_bytes(int nranks, size_t nbytes);
 int pmg_ce_chunks(int nranks, size_t n, int dtype, size_t chunk_bytes, size_t *bounds,
                   int *count);
 /* Two-shot with the copy engines, for large buffers: on NVLink, DMA carries more bytes than
- * SM loads or stores (docs/BENCHMARKS.md). Each rank's slice is cut into the chunks of
+ * SM loads or stores (docs/DECISIONS.md, "Copy engines for large buffers"). Each rank's slice is cut into the chunks of
  * pmg_ce_chunks; per chunk, every rank copies the other ranks' slices of its replica into
  * their staging slots by DMA (on copy_stream); after a GPU barrier a kernel on stream
  * averages its own slice from its replica and its staging area (rank order, as every kernel
@@ -255,8 +255,8 @@ int pmg_push_peers(const pmg_peers *peers, size_t shadow_offset, size_t slot_byt
                    int nranks, const void *const *src, const size_t *at, const size_t *nbytes,
                    int count, cudaStream_t stream);
 /* ---- the resident exchange ----
- * A launched exchange costs a launch and a wait on its stream: about 12 us from Python on
- * an H200 host even when the kernel waits for nobody (docs/BENCHMARKS.md, session 14).
+ * A launched exchange costs a launch and a wait on its stream, even when the kernel waits
+ * for nobody (docs/DECISIONS.md, "The resident exchange").
  * pmg_resident_start instead leaves a kernel of `blocks` blocks running on the device that
  * polls a doorbell in page-locked host memory; each command rung there makes it average the
  * group's data as PMG_ALGO_LL does (same mailboxes, same bits), and it writes the command's
@@ -305,7 +305,7 @@ int pmg_device_barrier(const pmg_peers *peers, int rank, int nranks, uint64_t ti
  * seq must grow by one per call, alike on every rank. The flags lie in page-locked host
  * memory that the ranks share (PeerGroup's flags segment), so that a watchdog can read and
  * release them with plain loads and stores: a CUDA call could wait behind the barrier
- * itself (docs/BENCHMARKS.md, session 22). The barrier has no timeout of its own; the
+ * itself (docs/DECISIONS.md, "Stream barriers"). The barrier has no timeout of its own; the
  * watchdog gives it the group's (pmg_stream_sync). */
 int pmg_stream_barrier(uint32_t *const *flags, int rank, int nranks, uint32_t seq,
                        cudaStream_t stream);
@@ -376,16 +376,12 @@ typedef struct pmg_group {
    * every rank: then peers push into it (pmg_push_peers) and no pack is needed. Zero: the
    * shadow is private, and each rank pulls the peers' packed buffers (pmg_gather_peers). */
   size_t shadow_offset;
-  /* Nonzero: the barrier before a push runs on XLA's stream, between XLA's work and the
-   * copies, rather than on the side stream, where it may wait for an SM behind XLA's
-   * kernels (PYMPGU_PUSH_BARRIER=xla; docs/BENCHMARKS.md, session 8). */
-  int barrier_on_xla;
   /* Non-NULL: the pair's barriers are stream barriers (pmg_stream_barrier), counted here;
-   * NULL: barrier kernels (PYMPGU_STREAM_BARRIER=0). */
+   * NULL: barrier kernels (PeerGroup's stream_barriers off, or a driver without them). */
   pmg_stream_sync *stream_sync;
   uint32_t *stream_flags[PMG_MAX_RANKS]; /* pmg_stream_barrier's flags, with stream_sync */
   /* Timing events that the pair records at each point of an exchange (pmg_mark), or all
-   * NULL: PeerGroup.xla_timeline reads the last exchange's (PYMPGU_XLA_TIMELINE=1). */
+   * NULL: PeerGroup.xla_timeline reads the last exchange's (PeerGroup.record_timeline). */
   cudaEvent_t marks[PMG_MARKS];
 } pmg_group;
 /* *id == 0: register group under a new id, returned in *id. Otherwise replace the entry of

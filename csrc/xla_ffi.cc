@@ -411,13 +411,6 @@ ffi::Error average_start(cudaStream_t stream, ffi::RemainingArgs args, ffi::Rema
   if (!push && !kernel_part) {
     if (auto e = pack(kStart, g, in, at, stream); e.failure()) return e;
   }
-  // Before any copy into a peer's shadow, every rank must be done reading its own. On the
-  // side stream that barrier is a kernel that may wait for an SM behind XLA's; on XLA's
-  // stream it runs between XLA's kernels (g.barrier_on_xla).
-  const bool barrier_on_xla = push && first && g.barrier_on_xla;
-  if (barrier_on_xla &&
-      (status = barrier(g, stream)))
-    return failed(kStart, "barrier", status);
   if ((status = pmg_event_record(g.side_in, stream)) ||
       (status = pmg_stream_wait_event(g.side, g.side_in)))
     return failed(kStart, "order the side stream after XLA's", status);
@@ -428,8 +421,8 @@ ffi::Error average_start(cudaStream_t stream, ffi::RemainingArgs args, ffi::Rema
     std::vector<size_t> nbytes;
     for (const Array &a : in) src.push_back(a.data), nbytes.push_back(a.nbytes);
     const size_t esize = pmg_dtype_size(dtype), slot_bytes = gather_elems(g, total, esize) * esize;
-    if ((first && !barrier_on_xla &&
-         (status = barrier(g, g.side))) ||
+    // Before any copy into a peer's shadow, every rank must be done reading its own.
+    if ((first && (status = barrier(g, g.side))) ||
         (first && (status = mark(g, {PMG_MARK_SIDE_BEGIN}, g.side))) ||
         (phase == kLast && (status = first_landed(g))) ||
         (status = pmg_push_peers(&g.peers, g.shadow_offset, slot_bytes, g.rank, g.nranks,

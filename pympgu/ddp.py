@@ -27,6 +27,7 @@ The process group carries the setup only (the buffers' handles, and DDP's own br
 the first parameters); pympgu's kernels move every value.
 """
 # Where each bucket's place starts, as the Exchanger's arrays; the dtypes pympgu averages.
+from . import settings
 from .exchange import ALIGN_BYTES, ITEMSIZE
 
 
@@ -50,8 +51,7 @@ class _Peers:
              "layout": "average the same tensors (the same model, and optimizer state alike)",
              "nbytes": "size the buffer alike (nbytes, or the same parameters)",
              "method": "use the same method",
-             "auto_bytes": "use the same PYMPGU_LL_MAX_BYTES, PYMPGU_ONESHOT_MAX_BYTES, "
-                           "PYMPGU_PUSH_MIN_BYTES and PYMPGU_CE_MIN_BYTES"}
+             "settings": "run with the same PYMPGU_* settings (pympgu.settings)"}
 
     def __init__(self, process_group, method, timeout):
         import torch
@@ -89,7 +89,7 @@ class _Peers:
                                             staging=staging)
                 facts = {"handle": self.group.handle, "device": self.device.index,
                          "nbytes": nbytes, "method": self.method,
-                         "auto_bytes": self.group.auto_bytes,
+                         "settings": settings.get().fingerprint(),
                          "max_blocks": self.group.max_blocks, "host": _host(), **shared}
         except Exception as e:
             error = e

@@ -28,7 +28,10 @@ import types
 import numpy as np
 
 from .data import DataError
-from .train import BEST, CHECKPOINT, CONFIG, auto_backend, build_model, read_checkpoint
+from .training import checkpoint as files
+from .training.checkpoint import BEST, CHECKPOINT, CONFIG
+from .training.config import RunConfig, UsageError, auto_backend
+from .training.replica import build_model
 
 CHECKPOINTS = {"best": BEST, "last": CHECKPOINT}
 SPLITS = ("test", "valid", "train")
@@ -46,7 +49,7 @@ class Trained:
         self.checkpoint, self.epoch, self.backend = checkpoint, epoch, backend
         self.batch_size = batch_size
         # The run's products, where the backend can compute them so (precision.mode).
-        self.compute_dtype = config.get("compute_dtype", "float32") if backend == "jax" \
+        self.compute_dtype = config.compute_dtype if backend == "jax" \
             else "float32"
         self._fn = None
 
@@ -55,7 +58,7 @@ class Trained:
         # when the graph is traced (a convnet's reshapes), so the last batch is padded.
         if self._fn is None:
             from . import precision
-            from .models import import_pytensor
+            from ._pytensor import import_pytensor
             pytensor = import_pytensor()
             import pytensor.tensor as pt
             from pytensor.tensor.special import softmax
@@ -151,19 +154,19 @@ def load(run, checkpoint="best", data=None, backend="auto", batch_size=500):
     config_path = os.path.join(directory, CONFIG)
     try:
         with open(config_path) as f:
-            config = json.load(f)
+            config = RunConfig.from_json(json.load(f))
     except FileNotFoundError:
         raise EvaluateError(f"{config_path}: no such file (pympgu.train --out writes it "
                             "beside the checkpoints, and the model is built from it)") from None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, TypeError, UsageError) as e:
         raise EvaluateError(f"{config_path}: cannot be read ({e})") from None
     if backend == "auto":
         backend = auto_backend(cpu=True)
     # Before PyTensor and JAX are imported: JAX on the CPU, its warnings as a worker's.
-    from .train import _setup_backend
-    _setup_backend(types.SimpleNamespace(device=None, nranks=1, rank=0), backend)
+    from .training.worker import setup_backend
+    setup_backend(types.SimpleNamespace(device=None, nranks=1, rank=0), backend)
     from . import data as datamod
-    dataset = datamod.load(data if data is not None else config.get("data"))
+    dataset = datamod.load(data if data is not None else config.data)
     from .models import ModelError
     try:
         model = build_model(config, dataset)
@@ -173,7 +176,7 @@ def load(run, checkpoint="best", data=None, backend="auto", batch_size=500):
         # The batch norms' population statistics too, which the run estimated before the
         # epoch's evaluation (Model.estimate_statistics).
         variables = model.state + model.statistics
-        epoch, _, values = read_checkpoint(path, model, use=f"{path}: cannot evaluate it",
+        epoch, _, values = files.read(path, model, use=f"{path}: cannot evaluate it",
                                            variables=variables)
     except ValueError as e:
         raise EvaluateError(str(e)) from None
@@ -187,7 +190,7 @@ def load(run, checkpoint="best", data=None, backend="auto", batch_size=500):
 
 def _products(run):
     """What the report's first line says of the products' dtype: nothing for float32."""
-    trained = run.config.get("compute_dtype", "float32")
+    trained = run.config.compute_dtype
     if run.compute_dtype != "float32":
         return f", {run.compute_dtype} products as trained"
     if trained != "float32":

@@ -15,14 +15,7 @@ import sys
 
 import numpy as np
 
-
-def import_pytensor():
-    """PyTensor with float32 as floatX; the flag must be set before the first import."""
-    flags = os.environ.get("PYTENSOR_FLAGS", "")
-    if "floatX" not in flags:
-        os.environ["PYTENSOR_FLAGS"] = ",".join(f for f in (flags, "floatX=float32") if f)
-    import pytensor
-    return pytensor
+from ._pytensor import import_pytensor
 
 
 # Each optimizer's state per parameter, by the prefix of its arrays' names.

@@ -15,7 +15,7 @@ import warnings
 
 import numpy as np
 
-from pympgu.models import import_pytensor
+from ._pytensor import import_pytensor
 
 import_pytensor()  # floatX before PyTensor's first import
 import pytensor.tensor as pt  # noqa: E402

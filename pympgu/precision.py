@@ -31,7 +31,7 @@ statistics and the evaluation alike.
 """
 import numpy as np
 
-from .jaxsplit import _read, bind
+from .xla.split import _read, bind
 
 DTYPES = ("float32", "bfloat16")
 
@@ -97,8 +97,7 @@ def _run(jaxpr, consts, args, low):
                                        for v in eqn.invars):
             # The result rounded as well, then widened for the float32 work after it: XLA
             # fuses the widening into that work, so the product writes, and that work
-            # reads, half the bytes (the ResNet's step took 3.73 ms so on an H200, 6.09
-            # with float32 results, docs/BENCHMARKS.md, session 34).
+            # reads, half the bytes (docs/DECISIONS.md, "Mixed precision").
             outs = [o.astype(np.float32) for o in bind(
                 eqn, [x.astype(low) for x in values], preferred_element_type=low)]
         else:

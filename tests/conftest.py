@@ -22,3 +22,17 @@ def pytest_collection_modifyitems(config, items):
         mark = item.get_closest_marker("multi_gpu")
         if mark is not None and n < mark.args[0]:
             item.add_marker(pytest.mark.skip(reason=f"needs {mark.args[0]} GPUs, {n} visible"))
+
+
+@pytest.fixture
+def pympgu_env(monkeypatch):
+    """Set PYMPGU_* variables for this test, as ``pympgu_env(split_max_ranks=4)``: pympgu's
+    settings are read again, here and in the workers the test starts."""
+    from pympgu import settings
+
+    def setenv(**values):
+        for name, value in values.items():
+            monkeypatch.setenv(settings.Settings.variable(name), str(value))
+        settings.reload()
+    yield setenv
+    settings.reload()  # read at the next use, once monkeypatch has undone the variables

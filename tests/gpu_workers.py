@@ -141,7 +141,8 @@ def resident_rounds(rank, conn, nranks, ngpus, plan, blocks):
     (the sequence numbers go on where the kernel left them) and a 'oneshot' round (the
     group works as before). Returns the rounds' [(bytes, guard intact)], what the group
     refused while the kernel ran, and the frees deferred during and after it."""
-    from pympgu import _cuda, cuda
+    from pympgu import cuda
+    from pympgu._cuda import _core as _cuda
     capacity = max(n * (4 if d == "float32" else 2) for _, n, d in plan)
     group = cuda.PeerGroup(rank, nranks, capacity + GUARD, device=rank % ngpus, timeout=60)
     try:

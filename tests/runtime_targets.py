@@ -252,25 +252,28 @@ def jax_rounds(ctx, rounds, big=1 << 23):
         return {"digest": digest, "stats": ex.stats}
 
 
-def xla_rounds(ctx, rounds, method="auto", big=1 << 23, shadow=False):
-    """The exchange inside a jitted JAX function (Exchanger.xla_average): each round's new
+def xla_rounds(ctx, rounds, method="auto", big=1 << 23, shadow=False, stream_barriers=True,
+               timeline=False):
+    """The exchange inside a jitted JAX function (pympgu.xla.StepExchange.average): each round's new
     values are averaged in the same XLA call that computes them, checked bit for bit. Rounds
     1, 3, ... take the Python path (start/finish) instead, so the two paths must agree on the
     buffer and on the barriers; round 2 averages only the first two arrays (a prefix of the
     layout), as the training loop's parameters-only exchange does; round 4 is overlapped
-    (Exchanger.xla_average_during) with work of its own, checked too, and round 6 applies
-    the overlapped step's delayed correction (Exchanger.xla_correct_during), after which the
-    ranks' values differ; with a shadow, inside XLA's own arithmetic (Exchanger.xla_shadow;
+    (StepExchange.average_during) with work of its own, checked too, and round 6 applies
+    the overlapped step's delayed correction (StepExchange.correct_during), after which the
+    ranks' values differ; with a shadow, inside XLA's own arithmetic (StepExchange.shadow;
     which of the two is returned as "corrected"). With method 'auto' both go by the gather
     algorithm, up to PYMPGU_SPLIT_MAX_RANKS ranks. Round 8
-    averages a function's own results as they are computed (Exchanger.xla_average_results):
+    averages a function's own results as they are computed (StepExchange.average_results):
     with a shadow, all but b2 cross the link while a matrix product that b2 depends on is
     computed. Once the Exchanger is closed, the traced function must raise rather than run
-    on freed memory."""
+    on freed memory. ``stream_barriers``: the Exchanger's; ``timeline``: the group records
+    the marks of its exchanges through the start/done pair (PeerGroup.record_timeline)."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
 
     from pympgu.exchange import Exchanger
+    from pympgu.xla import StepExchange
     dev = jax.devices("gpu")[ctx.device]
     layout = LAYOUT + [("big", [big], "float32")]
     xs = [jax.device_put(a, dev) for a in rank_params(0, 0, layout)]
@@ -280,7 +283,10 @@ def xla_rounds(ctx, rounds, method="auto", big=1 << 23, shadow=False):
     def shift(rank, k):
         return np.float32(0.25 * rank + 0.125 * k)
 
-    ex = Exchanger(ctx, layout, method=method, shadow=shadow)
+    ex = Exchanger(ctx, layout, method=method, shadow=shadow, stream_barriers=stream_barriers)
+    inside = StepExchange(ex)
+    if timeline:
+        ex.backend.group.record_timeline()
 
     def results(*args):
         *xs, c = args
@@ -291,24 +297,24 @@ def xla_rounds(ctx, rounds, method="auto", big=1 << 23, shadow=False):
         return ys + [product]
 
     try:
-        fused = jax.jit(lambda xs, c: ex.xla_average([x + c for x in xs]))
-        prefix = jax.jit(lambda xs, c: ex.xla_average([x + c for x in xs[:2]]) +
+        fused = jax.jit(lambda xs, c: inside.average([x + c for x in xs]))
+        prefix = jax.jit(lambda xs, c: inside.average([x + c for x in xs[:2]]) +
                          [x + c for x in xs[2:]])
         # The work beside the average reads the same inputs and writes arrays of its own;
         # multiplying by 3 rounds alike in JAX and numpy.
-        overlapped = jax.jit(lambda xs, c: ex.xla_average_during(
+        overlapped = jax.jit(lambda xs, c: inside.average_during(
             [x + c for x in xs], lambda ys: [y * np.float32(3) for y in ys], xs))
         # With a shared shadow, XLA applies the correction inside fn's own arithmetic
-        # (xla_shadow), after a wait that needs work before it (the sum, times 0). Adding 1
+        # (StepExchange.shadow), after a wait that needs work before it (the sum, times 0). Adding 1
         # rounds alike there and in numpy, as XLA may fuse a multiply and an add into one
         # instruction.
         def plus_one(ys):
             work = np.float32(0) * jax.numpy.sum(ys[-1])
             return [y + np.float32(1) + work for y in ys], None
 
-        corrected = jax.jit(lambda xs, c, shadow: ex.xla_correct_during(
+        corrected = jax.jit(lambda xs, c, shadow: inside.correct_during(
             [x + c for x in xs], plus_one, [x + c for x in xs], shadow=shadow)[0])
-        resulted = jax.jit(lambda xs, c: ex.xla_average_results(
+        resulted = jax.jit(lambda xs, c: inside.average_results(
             results, list(range(len(layout))), *xs, c)[:len(layout)])
         step = jax.jit(lambda xs, c: [x + c for x in xs])
         offsets = list(zip(ex.offsets, ex.sizes, [s for _, s, _ in layout]))
@@ -326,7 +332,7 @@ def xla_rounds(ctx, rounds, method="auto", big=1 << 23, shadow=False):
                         raise AssertionError(f"rank {ctx.rank}: the work beside the overlapped "
                                              f"average got tensor {layout[t][0]} wrong")
             elif k == 6:
-                shadow = ex.xla_shadow()
+                shadow = inside.shadow()
                 path = "XLA corrected" + (" in the update" if shadow is not None else "")
                 corrected_path = path
                 xs, averaged = corrected(xs, c, shadow), 0
@@ -369,12 +375,12 @@ def xla_rounds(ctx, rounds, method="auto", big=1 << 23, shadow=False):
 
 def gradient_rounds(ctx, rounds, big=1 << 23, update="affine", wire=None, clip=4.0):
     """A training step's update fed the ranks' mean gradient inside XLA
-    (Exchanger.xla_average_gradients), checked bit for bit against numpy each round. The
+    (pympgu.xla.StepExchange.average_gradients), checked bit for bit against numpy each round. The
     state is W, b, a big vector, a matrix and their momentum, the same on every rank; each
     rank's gradients are sums of its own data, the matrix's a product of two of its
     arrays (exact in any order, and in TF32). The big vector's gradient waits for a larger
     product, so that the others cross first and the step is cut (jaxsplit.Split). Where
-    the plan does not apply (PYMPGU_GRADIENTS=0, say), the average of the parameters after
+    the plan does not apply (too few bytes under PYMPGU_SPLIT_MIN_BYTES, say), the average of the parameters after
     the update is checked instead, each rank keeping its own momentum. Odd rounds average
     the parameters after no step, through the same group. ``update``: 'squared' reads
     each gradient squared (exact here), an update not affine in its gradients as Adam's
@@ -388,11 +394,12 @@ def gradient_rounds(ctx, rounds, big=1 << 23, update="affine", wire=None, clip=4
     rounded to it, and are summed in float32 (by the kernel: averaged into the wire's dtype); its rounds are
     all steps, since the parameters' own average inside XLA takes no such wire."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    from pympgu import xla
     import jax
     import jax.numpy as jnp
 
+    from pympgu import xla
     from pympgu.exchange import Exchanger
+    from pympgu.xla import StepExchange
     dev = jax.devices("gpu")[ctx.device]
     shapes = [[64, 64], [64], [big], [512, 2048]]
     n = len(shapes)
@@ -446,18 +453,19 @@ def gradient_rounds(ctx, rounds, big=1 << 23, update="affine", wire=None, clip=4
         return [pi + vi for pi, vi in zip(p, new_v)] + new_v + [work]
 
     ex = Exchanger(ctx, layout, shadow=True, wire_dtype=wire)
+    inside = StepExchange(ex)
     try:
-        shadow = ex.xla_shadow(correction=False)
+        shadow = inside.shadow(correction=False)
         which, local = list(range(2 * n)), list(range(2 * n, 2 * n + 5))
         structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in start + data(0, 0)]
         exact = update == "affine"
         options = xla.alike_options()  # every rank compiles the update alike, as train's
         why = xla.gradient_plan(step, which, ex.backend.group, structs, local, shadow,
                                 exact=exact, alike=options is not None)[1]
-        stepped = jax.jit(lambda flat, shadow: ex.xla_average_gradients(
+        stepped = jax.jit(lambda flat, shadow: inside.average_gradients(
             step, which, which[:n], *flat, shadow=shadow, local=local, exact=exact,
             alike=options is not None)[:2 * n], compiler_options=options)
-        plain = jax.jit(lambda flat: ex.xla_average([a + np.float32(0) for a in flat[:n]]) +
+        plain = jax.jit(lambda flat: inside.average([a + np.float32(0) for a in flat[:n]]) +
                         list(flat[n:]))
         xs = [jax.device_put(a, dev) for a in start]
         for k in range(rounds):
@@ -473,7 +481,7 @@ def gradient_rounds(ctx, rounds, big=1 << 23, update="affine", wire=None, clip=4
                 rounded = [[from_f32(gi.ravel(), wire) for gi in g] for g in sums]
 
                 def mean(i):  # summed in float32 from the wire; by the kernel, into it
-                    if "kernel" in ex.xla_road:
+                    if "kernel" in inside.road:
                         return to_f32(model_average([g[i] for g in rounded], wire), wire)
                     return model_average([to_f32(g[i], wire) for g in rounded], "float32")
                 sums = [[mean(i).reshape(s) for i, s in enumerate(shapes)]] * ctx.nranks
@@ -497,7 +505,7 @@ def gradient_rounds(ctx, rounds, big=1 << 23, update="affine", wire=None, clip=4
         digest = hashlib.sha256(b"".join(np.asarray(a).tobytes() for a in xs[:n])).hexdigest()
     finally:
         ex.close()
-    return {"digest": digest, "why_not": why, "road": ex.xla_road}
+    return {"digest": digest, "why_not": why, "road": inside.road}
 
 
 def late_peer(ctx, timeout=2.0):
@@ -510,13 +518,15 @@ def late_peer(ctx, timeout=2.0):
     import jax
 
     from pympgu.exchange import Exchanger
+    from pympgu.xla import StepExchange
     ex = Exchanger(ctx, [("w", [4096], "float32")], timeout=timeout, shadow=True)
+    inside = StepExchange(ex)
     try:
         page = os.path.join("/dev/shm", ex.backend.group.flags_name)
         result = {"page_while_open": os.path.exists(page)}
         if ctx.rank == 0:
             x = [jax.device_put(np.ones(4096, np.float32), jax.devices("gpu")[ctx.device])]
-            step = jax.jit(lambda xs: ex.xla_average_during(xs, lambda y: y * 2, xs[0]))
+            step = jax.jit(lambda xs: inside.average_during(xs, lambda y: y * 2, xs[0]))
             t0 = time.monotonic()
             jax.block_until_ready(step(x))
             result["held_s"] = time.monotonic() - t0

@@ -9,7 +9,9 @@ import types
 import numpy as np
 import pytest
 
-from pympgu import evaluate, models, train
+from pympgu import evaluate, models
+from pympgu.training import checkpoint as ckpt
+from pympgu.training import cli
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -161,7 +163,7 @@ def resnet_run(tmp_path_factory):
     estimated from 2,048 examples (--bn-examples), as pympgu.evaluate then reads them."""
     pytest.importorskip("jax")
     out = str(tmp_path_factory.mktemp("resnet"))
-    assert train.main(["--cpu", "2", "--backend", "jax", "--model", f"{RESNET}:ResNet",
+    assert cli.main(["--cpu", "2", "--backend", "jax", "--model", f"{RESNET}:ResNet",
                        "--hidden", "4", "8", "--batch-size", "32", "--lr", "0.1", "--epochs",
                        "2", "--dropout", "0.1", "--bn-examples", "2048", "--out", out,
                        "--quiet"]) == 0
@@ -174,7 +176,7 @@ def test_a_resnet_learns_and_evaluate_gives_back_its_errors(resnet_run, capsys):
     test error training printed for the best epoch."""
     lines = [json.loads(x) for x in open(os.path.join(resnet_run, "metrics.jsonl"))]
     assert lines[-1]["test_error"] < 0.75 and lines[-1]["loss"] < lines[0]["loss"], lines
-    with np.load(os.path.join(resnet_run, train.BEST)) as f:
+    with np.load(os.path.join(resnet_run, ckpt.BEST)) as f:
         names = set(f.files)
     for norm in ("stem", "block0_1", "block0_2", "block1_1", "block1_2", "block1_shortcut"):
         assert {f"__mean_{norm}", f"__var_{norm}", f"gamma_{norm}", f"v_beta_{norm}"} <= names
@@ -191,8 +193,8 @@ def test_a_resumed_resnet_goes_on_as_the_run_it_continues(resnet_run, tmp_path):
     argv = ["--cpu", "2", "--backend", "jax", "--model", f"{RESNET}:ResNet", "--hidden", "4",
             "8", "--batch-size", "32", "--lr", "0.1", "--dropout", "0.1", "--bn-examples",
             "2048", "--out", out, "--quiet"]
-    assert train.main(argv + ["--epochs", "1"]) == 0
-    assert train.main(argv + ["--epochs", "2", "--resume", out]) == 0
+    assert cli.main(argv + ["--epochs", "1"]) == 0
+    assert cli.main(argv + ["--epochs", "2", "--resume", out]) == 0
 
     def read(run):
         return [{k: h[k] for k in ("epoch", "loss", "valid_error", "test_error")}
@@ -218,14 +220,14 @@ def test_bn_examples_is_refused_out_of_range_or_for_a_model_without_norms(capsys
                           (["--bn-examples", "64"], "--bn-examples 64: MLP has no batch "
                                                     "norms (Model.batch_norm)")):
         with pytest.raises(SystemExit) as info:
-            train.main(["--cpu", "2", *argv])
+            cli.main(["--cpu", "2", *argv])
         assert info.value.code == 2
         assert message in capsys.readouterr().err
 
 
 def test_a_checkpoint_without_statistics_is_named(resnet_run, tmp_path):
     path = str(tmp_path / "old.npz")
-    with np.load(os.path.join(resnet_run, train.BEST)) as f:
+    with np.load(os.path.join(resnet_run, ckpt.BEST)) as f:
         np.savez(path, **{k: f[k] for k in f.files if not k.startswith("__mean_stem")})
     for name in ("config.json",):
         with open(os.path.join(resnet_run, name)) as src, open(tmp_path / name, "w") as dst:

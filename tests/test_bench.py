@@ -10,6 +10,13 @@ pytestmark = pytest.mark.timeout(300)
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 
+def model_config(name, hidden=None):
+    """The RunConfig of a model that bench train times (pympgu.bench.train.model_config)."""
+    from pympgu.bench.train import model_config as fields
+    from pympgu.training.config import RunConfig
+    return RunConfig(**fields(name, hidden))
+
+
 def bench_on_cpu(tmp_path, *argv):
     """``python -m pympgu.bench train`` on 2 CPU workers, the seed's MLP, 2 steps after 1
     of warm-up, with ``argv``: the finished process and its rows."""
@@ -114,7 +121,8 @@ def test_train_bench_rejects_bad_flags():
 ])
 def test_exchange_bench_names_a_bad_flag_before_it_looks_for_gpus(argv, message, capsys):
     from pympgu import bench
-    assert bench.parse_size("64MiB") == 64 << 20 and bench.parse_size("1.5k") == 1536
+    from pympgu.bench.timing import parse_size
+    assert parse_size("64MiB") == 64 << 20 and parse_size("1.5k") == 1536
     with pytest.raises(SystemExit) as info:
         bench.main(argv)
     assert info.value.code == 2
@@ -122,7 +130,7 @@ def test_exchange_bench_names_a_bad_flag_before_it_looks_for_gpus(argv, message,
 
 
 def test_train_bench_names_a_bad_data_dir(capsys):
-    from pympgu import bench_train
+    from pympgu.bench import train as bench_train
     with pytest.raises(SystemExit) as info:
         bench_train.main(["--cpu", "2", "--data-dir", "/no/such/dir"])
     assert info.value.code == 2
@@ -130,7 +138,7 @@ def test_train_bench_names_a_bad_data_dir(capsys):
 
 
 def test_train_bench_table_says_whether_ddp_is_host_bound():
-    from pympgu.bench_train import table
+    from pympgu.bench.train import table
     row = dict(model="wide", system="DDP", gpus=[0], variant="-", batch=1024,
                samples_per_s=4.5e5, ms_per_step=2.262, scaling=1.0, host_ms=2.1, tf32=True,
                gpu_ms=0.932)
@@ -157,16 +165,18 @@ def test_ddp_run_that_fails_raises_at_once_naming_its_rank():
     import multiprocessing as mp
     import time
 
-    from pympgu.bench_train import MODELS, run_ddp
+    from pympgu.bench.train import MODELS
+    from pympgu.bench.torch_ddp import run_ddp
+    from pympgu.training.config import RunConfig
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"DDP rank [01] failed:[\s\S]*torch"):
-        run_ddp([0, 1], MODELS["seed"], 784, 10, steps=1, warmup=1, timeout=60)
+        run_ddp([0, 1], RunConfig(**MODELS["seed"]), 784, 10, steps=1, warmup=1, timeout=60)
     assert time.monotonic() - t0 < 50
     assert not mp.active_children()
 
 
 def test_train_bench_table_shows_the_slowest_ranks_clock():
-    from pympgu.bench_train import table
+    from pympgu.bench.train import table
     row = dict(model="wide", system="pympgu", gpus=[0, 1], variant="overlap4", batch=1024,
                samples_per_s=3.3e6, ms_per_step=0.619, sm_mhz=[1951.4, 1922.6],
                clock_capped=[0.5, 0.875])
@@ -177,7 +187,7 @@ def test_train_bench_table_shows_the_slowest_ranks_clock():
     assert ("wide: pympgu overlap4 on GPUs [0, 1]: 2 of 3 runs, 0.619 to 0.620 ms/step (the "
             "row: the median run); scaling run by run 0.9496, -, 0.9400") in table([runs])
     # The road an exact exchange inside XLA took, when one was asked for.
-    road = "the new values averaged after the update: PYMPGU_GRADIENTS=0"
+    road = "the new values averaged after the update: 1000 bytes of gradients, under PYMPGU_SPLIT_MIN_BYTES=16777216"
     assert f"wide: pympgu overlap4 on GPUs [0, 1]: {road}" in table([dict(row, road=road)])
     assert "pympgu overlap4 on GPUs" not in table([dict(row, road=None)])
     # CPU workers, DDP rows and machines without NVML have no clock.
@@ -191,7 +201,7 @@ def test_train_bench_scaling_against_each_gpus_own_rate():
     the rows of distinct GPUs get one against the sum of each GPU's own rate, given every
     GPU's 1-GPU row; none for ranks that share a GPU, a GPU without its row, or another
     system's 1-GPU row."""
-    from pympgu.bench_train import scaling_alone, table
+    from pympgu.bench.train import scaling_alone, table
 
     def row(gpus, rate, system="pympgu", variant="-"):
         return dict(model="wide", system=system, gpus=gpus, variant=variant, batch=1024,
@@ -214,10 +224,10 @@ def test_train_bench_times_each_gpu_alone(monkeypatch):
     """measure() on GPUs 0 and 1 (their runs faked: no GPU here) times each GPU alone, every
     round, and gives the pair's row both scalings; the 1-GPU row of GPU 1 shows its rate
     against GPU 0's and adds no exchange time."""
-    from pympgu import bench_train
+    from pympgu.bench import train as bench_train
     seen = []
 
-    def fake(devices, cfg, steps, warmup, plain_jax=False):
+    def fake(devices, cfg, steps, warmup, plain_jax=False, inside=True):
         seen.append(list(devices))
         # The pair 0.620 ms a step in the first round, 0.610 in the second.
         ms = {(0,): 0.580, (1,): 0.590}.get(tuple(devices), 0.630 - 0.010 * seen.count([0, 1]))
@@ -245,15 +255,16 @@ def test_train_bench_runs_ddp_with_its_hooks(monkeypatch):
     counterpart, 'DDP-bf16', is eager DDP with PyTorch's bf16_compress_hook; 'DDP-pympgu'
     eager DDP with pympgu.ddp's hook, and 'DDP-pympgu-graph' the same captured in a CUDA
     graph (runs faked: no GPU here)."""
-    from pympgu import bench_train
+    from pympgu.bench import train as bench_train
     seen = []
 
-    def fake_pympgu(devices, cfg, steps, warmup, plain_jax=False):
-        seen.append(("pympgu", len(devices), cfg["exchange_dtype"], cfg.get("xla_exchange")))
+    def fake_pympgu(devices, cfg, steps, warmup, plain_jax=False, inside=True):
+        seen.append(("pympgu", len(devices), cfg.exchange_dtype, inside))
         return {"ms_per_step": 1.0, "samples_per_s": 1024 * len(devices) * 1e3}
 
-    def fake_ddp(devices, cfg, n_in, n_classes, steps, warmup, graph=False):
-        seen.append(("DDP", len(devices), cfg["ddp_hook"], graph))
+    def fake_ddp(devices, cfg, n_in, n_classes, steps, warmup, graph=False, layout=None,
+                 hook=None):
+        seen.append(("DDP", len(devices), hook, graph))
         return {"ms_per_step": 1.0, "samples_per_s": 1024 * len(devices) * 1e3}
 
     monkeypatch.setattr(bench_train, "run_pympgu", fake_pympgu)
@@ -261,7 +272,7 @@ def test_train_bench_runs_ddp_with_its_hooks(monkeypatch):
     rows = bench_train.measure([0, 1], ["wide"], ["sync1-bf16"], 10, 2, None,
                                ddp=("DDP", "DDP-bf16", "DDP-pympgu", "DDP-pympgu-graph"),
                                log=lambda *a, **k: None)
-    assert seen == [("pympgu", 1, "float32", None)] * 2 + [("pympgu", 2, "bfloat16", True),
+    assert seen == [("pympgu", 1, "float32", True)] * 2 + [("pympgu", 2, "bfloat16", True),
                     ("DDP", 1, None, False), ("DDP", 2, None, False),
                     ("DDP", 1, "bf16_compress", False), ("DDP", 2, "bf16_compress", False),
                     ("DDP", 1, "pympgu", False), ("DDP", 2, "pympgu", False),
@@ -278,7 +289,7 @@ def test_train_bench_runs_ddp_with_its_hooks(monkeypatch):
 
 
 def test_train_bench_picks_ddp_systems_from_its_flags():
-    from pympgu.bench_train import DDP_SYSTEMS, ddp_systems
+    from pympgu.bench.torch_ddp import DDP_SYSTEMS, ddp_systems
     assert ddp_systems(["sync1"]) == ("DDP", "DDP-graph")
     assert ddp_systems(["sync1", "sync1-bf16"], graphs=False) == ("DDP", "DDP-bf16")
     assert ddp_systems(["sync1"], hook=True) == ("DDP", "DDP-graph", "DDP-pympgu",
@@ -293,15 +304,16 @@ def test_train_bench_ranks_time_the_multi_gpu_rows_at_each_size(monkeypatch):
     """--ranks 2 4 on GPUs 0 to 3 (runs faked: no GPU here): each GPU alone, then every
     variant and DDP on the first 2 and on all 4, each row scaled against GPU 0 alone and
     against its own GPUs alone."""
-    from pympgu import bench_train
+    from pympgu.bench import train as bench_train
     seen = []
 
-    def fake_pympgu(devices, cfg, steps, warmup, plain_jax=False):
+    def fake_pympgu(devices, cfg, steps, warmup, plain_jax=False, inside=True):
         seen.append(("pympgu", list(devices)))
         ms = 0.580 if len(devices) == 1 else 0.580 + 0.05 * len(devices)
         return {"ms_per_step": ms, "samples_per_s": 1024 * len(devices) * 1e3 / ms}
 
-    def fake_ddp(devices, cfg, n_in, n_classes, steps, warmup, graph=False):
+    def fake_ddp(devices, cfg, n_in, n_classes, steps, warmup, graph=False, layout=None,
+                 hook=None):
         seen.append(("DDP", list(devices)))
         ms = 0.9 * (1 + 0.1 * (len(devices) - 1))
         return {"ms_per_step": ms, "samples_per_s": 1024 * len(devices) * 1e3 / ms}
@@ -333,12 +345,12 @@ def test_train_bench_env_settings_alternate_within_each_round(monkeypatch):
     """--env NAME=A,B: each multi-GPU row once per value, the values alternating within each
     round beside the same round's 1-GPU runs, which keep the environment as given; each
     worker launch sees its value, and the environment is restored afterwards."""
-    from pympgu import bench_train
+    from pympgu.bench import train as bench_train
     knob = "PYMPGU_TEST_BENCH_KNOB"
     monkeypatch.delenv(knob, raising=False)
     seen = []
 
-    def fake(devices, cfg, steps, warmup, plain_jax=False):
+    def fake(devices, cfg, steps, warmup, plain_jax=False, inside=True):
         value = os.environ.get(knob)
         seen.append((list(devices), value))
         ms = 0.580 if len(devices) == 1 else {"a": 0.610, "b": 0.620}[value]
@@ -361,7 +373,7 @@ def test_train_bench_env_settings_alternate_within_each_round(monkeypatch):
 
 
 def test_train_bench_env_settings_parse_and_refuse():
-    from pympgu.bench_train import env_settings, main
+    from pympgu.bench.train import env_settings, main
     assert env_settings([]) == [{}]
     assert env_settings(["A=1,0", "B=x,y"]) == [
         {"A": "1", "B": "x"}, {"A": "1", "B": "y"}, {"A": "0", "B": "x"}, {"A": "0", "B": "y"}]
@@ -376,9 +388,9 @@ def test_train_bench_env_settings_parse_and_refuse():
 def test_train_bench_times_the_step_forms_in_rounds(monkeypatch):
     """The PyTensor call, the direct call and the plain JAX step are timed in rounds, each
     once a round after one untimed call each, and each gets the median of its rounds."""
-    from pympgu import bench_train
+    from pympgu.bench import steps
     clock, log = [0.0], []
-    monkeypatch.setattr(bench_train.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(steps.time, "perf_counter", lambda: clock[0])
 
     def form(name, seconds):
         # Each timed pass over the two batches takes the next of ``seconds``; the untimed
@@ -391,7 +403,7 @@ def test_train_bench_times_the_step_forms_in_rounds(monkeypatch):
                 clock[0] += next(left)
         return call, lambda: None
 
-    got = bench_train._time_rounds([form("a", [5.0, 1.0, 2.0]), form("b", [3.0, 4.0, 9.0])],
+    got = steps._time_rounds([form("a", [5.0, 1.0, 2.0]), form("b", [3.0, 4.0, 9.0])],
                                    [0, 1], rounds=3)
     assert log == ["a", "b"] + ["a", "a", "b", "b"] * 3, log
     assert got == [pytest.approx(1e3 * 2.0 / 2), pytest.approx(1e3 * 4.0 / 2)]
@@ -401,7 +413,7 @@ def test_clocks_averages_nvml_samples_and_counts_the_capped_ones(monkeypatch):
     import ctypes
     import time
 
-    from pympgu.clocks import Clocks
+    from pympgu.bench.clocks import Clocks
 
     class FakeNvml:
         """Returns 1980 MHz, then 1900 MHz held down by the power cap, in turn."""
@@ -446,7 +458,7 @@ def test_clocks_averages_nvml_samples_and_counts_the_capped_ones(monkeypatch):
 def test_exchange_bench_table_leaves_out_what_a_method_does_not_take():
     """'ll' takes buffers up to its mailboxes' size: beyond them its cells read nan, the
     other columns and the host times stay."""
-    from pympgu.bench import table
+    from pympgu.bench.exchange import table
     rows = [{"bytes": 4096, "ll": {"us": 5.0, "e2e_us": 14.0, "queue_us": 5.0},
              "oneshot": {"us": 8.0, "e2e_us": 16.0, "queue_us": 4.5},
              "nccl": {"us": 80.0, "e2e_us": 70.0, "queue_us": 24.0}},
@@ -464,7 +476,7 @@ def test_exchange_bench_table_leaves_out_what_a_method_does_not_take():
 def test_exchange_bench_columns_cap_kernels_and_size_the_resident_kernel():
     """--blocks B adds a capped column for every method but the copy method, which runs no
     grid of its own; for 'resident', B is its kernel's block count."""
-    from pympgu.bench import METHODS, columns
+    from pympgu.bench.exchange import METHODS, columns
     assert "resident" in METHODS
     got = columns(["ll", "resident", "copy"], [None, 4])
     assert got == [("ll", "ll", None), ("resident", "resident", None), ("copy", "copy", None),
@@ -492,7 +504,7 @@ def test_train_bench_times_a_model_of_ones_own(tmp_path):
     assert len({line.index("1024") for line in table[2:]}) == 1, table
     assert table[0].index("system") == table[2].index("pympgu"), table
     # --hidden alone sizes nothing; a --model that cannot be built is named.
-    from pympgu import bench_train
+    from pympgu.bench import train as bench_train
     with pytest.raises(SystemExit):
         bench_train.main(["--cpu", "2", "--hidden", "64"])
     r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "2", "--model",
@@ -519,11 +531,11 @@ def test_train_bench_times_a_convnet_at_the_batch_given(tmp_path):
 def test_a_model_of_ones_own_has_a_torch_twin_if_its_class_gives_one():
     """Which models bench train gives DDP rows: the MLPs, and LeNet, whose class has
     torch_twin; not the residual MLP, which has none."""
-    from pympgu import bench_train
-    lenet = bench_train.model_config(f"{EXAMPLES}/lenet.py:LeNet")
-    residual = bench_train.model_config(f"{EXAMPLES}/residual_mlp.py:ResidualMLP", [64, 64])
-    assert bench_train.has_torch_twin(bench_train.model_config("wide"))
-    assert bench_train.has_torch_twin(lenet) and not bench_train.has_torch_twin(residual)
+    from pympgu.bench.torch_ddp import has_torch_twin
+    lenet = model_config(f"{EXAMPLES}/lenet.py:LeNet")
+    residual = model_config(f"{EXAMPLES}/residual_mlp.py:ResidualMLP", [64, 64])
+    assert has_torch_twin(model_config("wide"))
+    assert has_torch_twin(lenet) and not has_torch_twin(residual)
 
 
 @pytest.mark.parametrize("example,hidden", [
@@ -533,11 +545,11 @@ def test_a_convnets_torch_twin_is_the_same_network(example, hidden):
     """The twin that DDP trains has pympgu's convnet's parameters (at the model's own
     default_hidden when none is given) and gives one score per class from flat inputs."""
     torch = pytest.importorskip("torch")
-    from pympgu import bench_train, models
-    cfg = bench_train.model_config(f"{EXAMPLES}/{example}", hidden)
-    hidden = cfg["hidden"]
-    twin = bench_train.torch_twin(cfg, 784, 10)
-    ours = models.build(cfg["model"], 784, hidden, 10)
+    from pympgu import models
+    from pympgu.bench.torch_ddp import torch_twin
+    cfg = model_config(f"{EXAMPLES}/{example}", hidden)
+    twin = torch_twin(cfg, 784, 10)
+    ours = models.build(cfg.model, 784, cfg.hidden, 10)
     # Shape for shape, but for the order of a dense layer's dimensions (PyTorch's Linear
     # keeps its weight as (out, in)).
     assert sorted(tuple(sorted(p.shape)) for p in twin.parameters()) == sorted(
@@ -549,13 +561,14 @@ def test_the_mlps_torch_twin_is_the_same_network():
     """DDP's MLP (bench train's own twin, no --model): pympgu's MLP's parameters, tanh
     layers, one score per class."""
     torch = pytest.importorskip("torch")
-    from pympgu import bench_train, models
-    cfg = bench_train.model_config("wide")
-    twin = bench_train.torch_twin(cfg, 784, 10)
-    ours = models.MLP(784, cfg["hidden"], 10)
+    from pympgu import models
+    from pympgu.bench.torch_ddp import torch_twin
+    cfg = model_config("wide")
+    twin = torch_twin(cfg, 784, 10)
+    ours = models.MLP(784, cfg.hidden, 10)
     assert [tuple(p.shape) for p in twin.parameters()] == [
         tuple(reversed(p.get_value(borrow=True).shape)) for p in ours.params]
-    assert sum(isinstance(m, torch.nn.Tanh) for m in twin) == len(cfg["hidden"])
+    assert sum(isinstance(m, torch.nn.Tanh) for m in twin) == len(cfg.hidden)
     assert tuple(twin(torch.zeros(3, 784)).shape) == (3, 10)
 
 
@@ -565,10 +578,10 @@ def test_ddp_lays_out_a_convnets_twin_as_asked(layout):
     convolution's input so, nchw leaves PyTorch's default; either gives the same scores.
     A twin without convolutions (the MLP's) has no layout to set."""
     torch = pytest.importorskip("torch")
-    from pympgu import bench_train
-    cfg = bench_train.model_config(f"{EXAMPLES}/resnet.py:ResNet", [4, 8])
+    from pympgu.bench.torch_ddp import lay_out, torch_twin
+    cfg = model_config(f"{EXAMPLES}/resnet.py:ResNet", [4, 8])
     torch.manual_seed(0)
-    twin = bench_train.torch_twin(cfg, 784, 10).eval()
+    twin = torch_twin(cfg, 784, 10).eval()
     x = torch.randn(3, 784)
     before = twin(x)
     seen = []
@@ -578,21 +591,20 @@ def test_ddp_lays_out_a_convnets_twin_as_asked(layout):
         conv.register_forward_hook(lambda m, args, out: seen.append(
             args[0].is_contiguous(memory_format=torch.channels_last)) if m.in_channels > 1
             else None)
-    assert bench_train.lay_out(twin, layout) == layout
+    assert lay_out(twin, layout) == layout
     after = twin(x)
     fast = layout == "channels-last"
     assert len(seen) == len(convs) - 1 and all(s == fast for s in seen), seen
     assert all(c.weight.is_contiguous(memory_format=torch.channels_last) == fast for c in convs
                if c.in_channels > 1 and c.kernel_size != (1, 1))  # others are alike both ways
     torch.testing.assert_close(after, before)
-    assert bench_train.lay_out(bench_train.torch_twin(bench_train.model_config("wide"), 784, 10),
-                               layout) is None
+    assert lay_out(torch_twin(model_config("wide"), 784, 10), layout) is None
 
 
 def test_train_bench_times_bfloat16_products(tmp_path):
     """--compute-dtype bfloat16 on CPU workers: pympgu's rows and the plain JAX twin
     multiply in bfloat16 (the rows say so); the table's DDP lines name the layout."""
-    from pympgu.bench_train import table
+    from pympgu.bench.train import table
     out = tmp_path / "rows.json"
     r = subprocess.run([sys.executable, "-m", "pympgu.bench", "train", "--cpu", "2", "--models",
                         "seed", "--steps", "2", "--warmup", "1", "--variants", "sync1",

@@ -132,7 +132,7 @@ def test_a_closed_state_refuses():
 
 def facts(**changed):
     base = {"handle": b"h", "device": 0, "nbytes": 4096, "method": "auto",
-            "auto_bytes": (1, 2, 3, 4), "max_blocks": 8, "host": "a"}
+            "settings": "ll_max_bytes=1", "max_blocks": 8, "host": "a"}
     return dict(base, **changed)
 
 
@@ -140,7 +140,7 @@ def facts(**changed):
     (facts(host="b"), "run on one machine.*rank 1: b"),
     (facts(nbytes=8192), "size the buffer alike.*rank 0: 4096, rank 1: 8192"),
     (facts(method="push"), "use the same method"),
-    (facts(auto_bytes=(1, 2, 3, 5)), "PYMPGU_LL_MAX_BYTES")])
+    (facts(settings="ll_max_bytes=2"), r"the same PYMPGU_\* settings.*ll_max_bytes=2")])
 def test_ranks_set_up_otherwise_are_refused(rank1, match):
     state = fake_state(4096, [])
     with pytest.raises(ValueError, match=match):

@@ -7,7 +7,9 @@ import shutil
 import numpy as np
 import pytest
 
-from pympgu import data, evaluate, train
+from pympgu import data, evaluate
+from pympgu.training import checkpoint as ckpt
+from pympgu.training import cli
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -19,7 +21,7 @@ def run_dir(tmp_path_factory):
     """An MLP trained for 2 epochs on 2 CPU workers, its --out directory. Trained with
     dropout, which evaluation, here as in training, must not apply."""
     out = str(tmp_path_factory.mktemp("run"))
-    assert train.main(["--cpu", "2", "--hidden", "32", "--epochs", "2", "--dropout", "0.2",
+    assert cli.main(["--cpu", "2", "--hidden", "32", "--epochs", "2", "--dropout", "0.2",
                        "--out", out, "--quiet"]) == 0
     return out
 
@@ -57,7 +59,7 @@ def test_many_classes_get_their_top5_error_and_their_worst_ten(tmp_path, capsys)
     x, xt = (centers[v] + rng.normal(0, 1, (len(v), 16)) for v in (y, yt))
     path, out = tmp_path / "blobs.npz", str(tmp_path / "run")
     np.savez(path, x_train=x, y_train=y, x_test=xt, y_test=yt)
-    assert train.main(["--cpu", "2", "--data-dir", str(path), "--hidden", "32", "--epochs",
+    assert cli.main(["--cpu", "2", "--data-dir", str(path), "--hidden", "32", "--epochs",
                        "1", "--out", out, "--quiet"]) == 0
     capsys.readouterr()
     run = evaluate.load(out, backend="c")
@@ -110,7 +112,7 @@ def test_a_convnet_run_is_evaluated_in_padded_batches(tmp_path):
     size)."""
     pytest.importorskip("jax")
     out = str(tmp_path)
-    assert train.main(["--cpu", "2", "--backend", "jax", "--model",
+    assert cli.main(["--cpu", "2", "--backend", "jax", "--model",
                        f"{EXAMPLES}/strided.py:StridedConvNet", "--hidden", "4", "8",
                        "--epochs", "1", "--out", out, "--quiet"]) == 0
     run = evaluate.load(out, backend="jax", batch_size=300)  # 1,000 = 3 x 300 + 100
@@ -125,9 +127,9 @@ def test_bad_runs_are_named(run_dir, tmp_path, capsys):
     with pytest.raises(evaluate.EvaluateError, match="bare: not a run directory "
                                                      r"\(no config.json"):
         evaluate.load(str(bare))
-    shutil.copy(os.path.join(run_dir, train.CHECKPOINT), bare)
+    shutil.copy(os.path.join(run_dir, ckpt.CHECKPOINT), bare)
     with pytest.raises(evaluate.EvaluateError, match="config.json: no such file"):
-        evaluate.load(str(bare / train.CHECKPOINT))
+        evaluate.load(str(bare / ckpt.CHECKPOINT))
     config = json.load(open(os.path.join(run_dir, "config.json")))
     json.dump(config, open(bare / "config.json", "w"))
     with pytest.raises(evaluate.EvaluateError, match=r"\(the run has checkpoint.npz\)"):

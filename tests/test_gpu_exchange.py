@@ -42,13 +42,13 @@ def check_results(results, cases, nranks):
 
 @pytest.mark.parametrize("nranks,max_blocks", [(2, None), (3, None), (4, None), (8, None),
                                                (2, 3), (3, 3), (4, 3)])
-def test_peer_group_all_methods(nranks, max_blocks, monkeypatch):
+def test_peer_group_all_methods(nranks, max_blocks, pympgu_env):
     seed = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run
     sizes = SIZES if max_blocks is None else SIZES[:-1]
     if max_blocks is not None:
         # Many small copy-engine chunks, some of them empty on the last rank's short slice
         # (the children inherit the environment).
-        monkeypatch.setenv("PYMPGU_CE_CHUNK_BYTES", str(64 * 1024 + 48))
+        pympgu_env(ce_chunk_bytes=64 * 1024 + 48)
     cases = [(seed + i, n, dtype, method, False)
              for i, (n, dtype, method) in enumerate(
                  (n, d, m) for n in sizes for d in DTYPES
@@ -312,9 +312,10 @@ def test_cuda_errors_carry_cuda_message():
     pympgu.cuda.get_device_count()  # the error was cleared, the runtime still works
 
 
-def test_staged_algorithms_need_staging(monkeypatch):
+def test_staged_algorithms_need_staging(monkeypatch, pympgu_env):
     cuda = pympgu.cuda
     monkeypatch.delenv("PYMPGU_PUSH_MIN_BYTES", raising=False)
+    pympgu_env()
     with cuda.PeerGroup(0, 2, 1 << 20) as small:  # below push_min_bytes: no staging area
         assert small.stage_bytes == 0
         assert small.algorithm(1 << 20) == "twoshot"
@@ -322,7 +323,7 @@ def test_staged_algorithms_need_staging(monkeypatch):
             with pytest.raises(ValueError, match="staging=True"):
                 small.algorithm(1 << 20, algo)
     big = cuda.push_min_bytes(2)
-    monkeypatch.setenv("PYMPGU_CE_MIN_BYTES", str(2 * big))  # read when the group is made
+    pympgu_env(ce_min_bytes=2 * big)  # read when the group is made
     with cuda.PeerGroup(0, 2, big) as group:
         assert group.stage_bytes == big // 2  # one slot: the peer's half
         assert group.algorithm(big) == "push"
@@ -330,8 +331,8 @@ def test_staged_algorithms_need_staging(monkeypatch):
         assert group.algorithm(2 * big) == "ce" and group.algorithm(2 * big - 1) == "push"
     with cuda.PeerGroup(0, 4, 1000, staging=True, shadow=True) as group:
         assert group.stage_bytes == 3 * 256  # 3 slots of ceil(1000 / 4) rounded up to 16 B
-        # Every area on a 2 MiB page, and the block whole pages: DMA both ways was up to a
-        # quarter slower otherwise (docs/BENCHMARKS.md, session 16).
+        # Every area on a 2 MiB page, and the block whole pages (docs/DECISIONS.md,
+        # "Page-aligned buffers").
         page = 2 << 20
         assert group.block.nbytes % page == 0
         assert group.data_offset % page == 0 and group.shadow_offset % page == 0

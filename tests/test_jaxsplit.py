@@ -11,7 +11,7 @@ from test_train import run_jax_on_cpu
 PRELUDE = (
     "import os; os.environ['JAX_PLATFORMS']='cpu';"
     "import numpy as np, jax; from jax import lax;"
-    "from pympgu import data, models, jaxsplit; from pympgu.jaxstep import JaxStep\n"
+    "from pympgu import data, models; from pympgu.xla import split as jaxsplit; from pympgu.xla.step import JaxStep\n"
     "ds = data.load('digits')\n"
     "def traced(hidden, batch, optimizer='sgd', lr=0.05, l1=0, l2=0, **opts):\n"
     "    m = models.MLP(ds.n_in, hidden, ds.n_classes)\n"
@@ -120,7 +120,7 @@ def test_flops_of_products_convolutions_and_nested_programs():
     pytest.importorskip("jax")
     code = (
         "import os; os.environ['JAX_PLATFORMS']='cpu';"
-        "import jax, jax.numpy as jnp, numpy as np; from jax import lax; from pympgu import jaxsplit\n"
+        "import jax, jax.numpy as jnp, numpy as np; from jax import lax; from pympgu.xla import split as jaxsplit\n"
         "def flops(fn, *shapes):\n"
         "    j = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(s, np.float32) for s in shapes]).jaxpr\n"
         "    return sum(jaxsplit._flops(e) for e in j.eqns)\n"
@@ -184,7 +184,7 @@ def test_tail_in_parts_and_the_gradients_plan(nesterov):
         "def plan(fn=compute, local=st.explicit, shadow=object(), g=group):\n"
         "    return xla.gradient_plan(fn, which, g, args, local, shadow)\n"
         "assert 'PYMPGU_SPLIT_MIN_BYTES' in plan()[1], plan()\n"
-        "xla.SPLIT_MIN_BYTES = 0\n"
+        "os.environ['PYMPGU_SPLIT_MIN_BYTES'] = '0'; from pympgu import settings; settings.reload()\n"
         "tail, why = plan()\n"
         "assert why is None, why\n"
         "assert len(tail.crossing) == len(m.params), tail.crossing  # one gradient each\n"
@@ -227,8 +227,6 @@ def test_tail_in_parts_and_the_gradients_plan(nesterov):
         "assert not xla.gradients_by_copies(group, object(), 'push')\n"
         "assert 'gather' in xla.gradient_plan(compute, which, group, args, st.explicit,\n"
         "                                     object(), 'gather')[1]\n"
-        "os.environ['PYMPGU_GRADIENTS'] = '0'\n"
-        "assert plan()[1] == 'PYMPGU_GRADIENTS=0'\n"
         "print('parts', split.early, split.late)\n"
     )
     run_jax_on_cpu(code, "parts")
@@ -254,7 +252,7 @@ def test_adams_update_takes_the_gradients_road_only_as_ddp(optimizer):
         "                             exact=exact)\n"
         "assert 'not affine in its gradients' in plan(True)[1], plan(True)\n"
         "tail, why = plan(False)  # under PYMPGU_SPLIT_MIN_BYTES too\n"
-        "assert why is None and xla.SPLIT_MIN_BYTES > 0, why\n"
+        "assert why is None and __import__('pympgu.settings').settings.get().split_min_bytes > 0, why\n"
         "assert len(tail.crossing) == len(m.params), tail.crossing\n"
         "assert sorted(v.aval.size for v in tail.crossing) == sorted(\n"
         "    p.get_value().size for p in m.params)\n"
@@ -340,11 +338,11 @@ def test_the_options_that_compile_a_step_alike_on_every_rank():
     pytest.importorskip("jax")
     code = (
         "import os; os.environ['JAX_PLATFORMS'] = 'cpu'\n"
-        "from pympgu import xla\n"
+        "from pympgu import xla; from pympgu.xla import alike\n"
         "assert xla.alike_options() == {}\n"
-        "assert xla.accepts(xla.ALIKE_OPTIONS[-1])\n"
-        "assert not xla.accepts({'xla_gpu_no_such_option': True})\n"
-        "print('alike', [xla.accepts(o) for o in xla.ALIKE_OPTIONS])\n"
+        "assert alike.accepts(alike.ALIKE_OPTIONS[-1])\n"
+        "assert not alike.accepts({'xla_gpu_no_such_option': True})\n"
+        "print('alike', [alike.accepts(o) for o in alike.ALIKE_OPTIONS])\n"
     )
     run_jax_on_cpu(code, "alike")
 
@@ -408,7 +406,7 @@ def test_a_batch_norms_gradients_cross_whole(optimizer, dtype):
         "which = [out_of[pos[id(s)]] for s in m.state]\n"
         "compute = lambda *a: list(f.vm.jit_fn(*a))\n"
         "group = SimpleNamespace(shadow_offset=4096, nranks=2, rank=0)\n"
-        "xla.SPLIT_MIN_BYTES = 0\n"
+        "os.environ['PYMPGU_SPLIT_MIN_BYTES'] = '0'; from pympgu import settings; settings.reload()\n"
         "tail, why = xla.gradient_plan(compute, which, group, args, st.explicit, object(),\n"
         f"                              exact={optimizer == 'sgd'})\n"
         f"if {optimizer == 'adam'}:\n"

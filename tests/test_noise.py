@@ -8,7 +8,10 @@ import sys
 import numpy as np
 import pytest
 
-from pympgu import models, train
+from pympgu import models
+from pympgu.training import checkpoint as ckpt
+from pympgu.training import cli
+from pympgu.training.launcher import run as train
 from test_train import config, run_jax_on_cpu
 
 pytestmark = pytest.mark.timeout(600)
@@ -72,14 +75,14 @@ def test_a_model_without_dropout_refuses_a_rate(capsys):
         m.training_logits(pt.tensor("x", dtype="float32", shape=(2, 4)))
     # From the command line it is a flag error, before any worker starts.
     with pytest.raises(SystemExit) as info:
-        train.main(["--cpu", "2", "--dropout", "0.5", "--model", f"{__file__}:Linear"])
+        cli.main(["--cpu", "2", "--dropout", "0.5", "--model", f"{__file__}:Linear"])
     assert info.value.code == 2
     assert "--dropout 0.5: Linear.logits has no dropout" in capsys.readouterr().err
 
 
 def test_cli_rejects_a_rate_out_of_range(capsys):
     with pytest.raises(SystemExit) as info:
-        train.main(["--cpu", "2", "--dropout", "1"])
+        cli.main(["--cpu", "2", "--dropout", "1"])
     assert info.value.code == 2
     assert "--dropout must be in [0, 1), got 1.0" in capsys.readouterr().err
 
@@ -90,15 +93,15 @@ def test_cli_rejects_a_rate_out_of_range(capsys):
 # interpreter.
 NOISE = """
 import os, sys; os.environ['JAX_PLATFORMS'] = 'cpu'
-import numpy as np; from types import SimpleNamespace; from pympgu import train
+import numpy as np; from types import SimpleNamespace
+from pympgu.training import replica; from pympgu.training.config import RunConfig
 backend, dropout = sys.argv[1], float(sys.argv[2])
-cfg = dict(train.DEFAULTS, data=None, backend=backend, hidden=[64], batch_size=64,
-           dropout=dropout, seed=7)
+cfg = RunConfig(backend=backend, hidden=[64], batch_size=64, dropout=dropout, seed=7)
 idx = np.arange(64, dtype=np.int32)
 
 def cost(rank, epoch):
     ctx = SimpleNamespace(device=None, rank=rank, nranks=2, is_cpu=True)
-    rep = train.Replica(ctx, cfg)
+    rep = replica.Replica(ctx, cfg)
     rep.seed_noise(epoch)
     return [float(rep.step(idx)) for _ in range(2)]
 
@@ -129,20 +132,19 @@ def test_each_rank_and_epoch_draws_its_own_masks(backend, dropout):
 def test_a_run_with_noise_resumes_to_the_same_numbers(tmp_path, backend, noise, says, capsys):
     """2 CPU workers with --dropout 0.5, or --flip --shift 2: stopped after the first epoch
     and resumed, the run draws what the run that never stopped drew, to the same numbers;
-    the replicas end identical (train.run checks); the noise changed the run, and its first
+    the replicas end identical (run() checks); the noise changed the run, and its first
     line says so."""
     if backend == "jax":
         pytest.importorskip("jax")
     opts = dict(noise, backend=backend, hidden=[64])
-    whole = train.run(config(epochs=2, **opts), [None, None], quiet=True)
+    whole = train(config(epochs=2, **opts), quiet=True)
     assert f"sgd, lr 0.05 constant, {says} |" in capsys.readouterr().out
     out = str(tmp_path / "run")
-    train.run(config(epochs=1, out=out, **opts), [None, None], quiet=True)
-    resumed = train.run(config(epochs=2, resume=os.path.join(out, train.CHECKPOINT), **opts),
-                        [None, None], quiet=True)
+    train(config(epochs=1, out=out, **opts), quiet=True)
+    resumed = train(config(epochs=2, resume=os.path.join(out, ckpt.CHECKPOINT), **opts), quiet=True)
     keys = ("loss", "valid_error", "test_error")
     assert [[h[k] for k in keys] for h in resumed] == [[h[k] for k in keys] for h in whole]
-    plain = train.run(config(epochs=1, backend=backend, hidden=[64]), [None, None], quiet=True)
+    plain = train(config(epochs=1, backend=backend, hidden=[64]), quiet=True)
     assert plain[0]["loss"] != whole[0]["loss"]
     # It learns (chance is 0.9; mirrored digits make MNIST harder: 27% after 2 epochs).
     assert whole[-1]["test_error"] < 0.4, whole
@@ -155,7 +157,7 @@ def test_jax_step_hands_the_exchange_the_noise_as_a_ranks_own_input():
     pytest.importorskip("jax")
     code = (
         "import os; os.environ['JAX_PLATFORMS']='cpu'\n"
-        "import numpy as np; from pympgu import data, models; from pympgu.jaxstep import JaxStep\n"
+        "import numpy as np; from pympgu import data, models; from pympgu.xla.step import JaxStep\n"
         "ds = data.load(); seen = []\n"
         "def make():\n"
         "    m = models.build(None, ds.n_in, [32], ds.n_classes, dropout=0.5)\n"
@@ -233,6 +235,6 @@ def test_augment_refuses_what_it_cannot_vary(capsys):
                                                 "28x28"),
                           (["--shift", "-1"], "--shift must be 0 or more pixels, got -1")):
         with pytest.raises(SystemExit) as info:
-            train.main(["--cpu", "2", *argv])
+            cli.main(["--cpu", "2", *argv])
         assert info.value.code == 2
         assert message in capsys.readouterr().err

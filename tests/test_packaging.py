@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_installed_package_carries_the_embedded_dataset(tmp_path):
     # Training falls back on the embedded MNIST test set when no --data-dir is given; an
-    # installed pympgu without it could not train offline (session 24 found one).
+    # installed pympgu without it could not train offline.
     r = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]

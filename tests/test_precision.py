@@ -4,7 +4,10 @@ rewritten to bfloat16, on CPU JAX; training with it on CPU workers, and its flag
 import numpy as np
 import pytest
 
-from pympgu import precision, train
+from pympgu import precision
+from pympgu.training import cli
+from pympgu.training.config import RunConfig
+from pympgu.training.launcher import run as train
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -192,12 +195,10 @@ def test_a_pytensor_step_compiled_in_bfloat16_convolves_and_multiplies_so():
 def test_two_cpu_workers_learn_in_bfloat16_and_end_identical(tmp_path):
     """The MLP on 2 CPU workers by JAX's backend: bfloat16 products learn as float32 ones
     do on the same data and seed, within a point, and run() checks the replicas agree."""
-    base = dict(train.DEFAULTS, data=None, backend="jax", method="auto", sync_every=1,
-                seed=0, overlap=False, exchange_dtype="float32", out=None, resume=None,
-                epochs=2, hidden=[64], devices=["cpu", "cpu"])
+    base = RunConfig(backend="jax", epochs=2, hidden=[64], devices=[None, None])
     out = str(tmp_path / "run")
-    low = train.run(dict(base, compute_dtype="bfloat16", out=out), [None, None], quiet=True)
-    full = train.run(base, [None, None], quiet=True)
+    low = train(base.replace(compute_dtype="bfloat16", out=out), quiet=True)
+    full = train(base, quiet=True)
     assert low[-1]["test_error"] < 0.15, low
     assert abs(low[-1]["test_error"] - full[-1]["test_error"]) <= 0.01, (low, full)
     assert low[-1]["loss"] != full[-1]["loss"]  # the bfloat16 products ran
@@ -221,6 +222,6 @@ def test_two_cpu_workers_learn_in_bfloat16_and_end_identical(tmp_path):
 
 def test_compute_dtype_is_refused_on_pytensors_own_backend(capsys):
     with pytest.raises(SystemExit) as info:
-        train.main(["--cpu", "2", "--backend", "c", "--compute-dtype", "bfloat16"])
+        cli.main(["--cpu", "2", "--backend", "c", "--compute-dtype", "bfloat16"])
     assert info.value.code == 2
     assert "--compute-dtype bfloat16 needs --backend jax" in capsys.readouterr().err

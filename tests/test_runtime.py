@@ -205,30 +205,28 @@ def test_exchanger_rejects_bad_arguments_before_any_setup(kwargs, message):
         Exchanger(ctx, [("w", [3], "float32")], **kwargs)
 
 
-def test_algorithm_thresholds_and_their_overrides(monkeypatch):
+def test_algorithm_thresholds_and_their_overrides(monkeypatch, pympgu_env):
     from pympgu import cuda
     if cuda._cuda is None:
         pytest.skip("built without CUDA")
-    for var, fn, default in (("PYMPGU_LL_MAX_BYTES", cuda.ll_max_bytes, 256 << 10),
-                             ("PYMPGU_ONESHOT_MAX_BYTES", cuda.oneshot_max_bytes, 128 << 10),
-                             ("PYMPGU_PUSH_MIN_BYTES", cuda.push_min_bytes, 16 << 20),
-                             ("PYMPGU_CE_MIN_BYTES", cuda.ce_min_bytes, 512 << 20)):
-        monkeypatch.delenv(var, raising=False)
-        assert fn(2) == default, var  # the documented defaults (docs/TRAINING.md)
-        monkeypatch.setenv(var, "12345")
-        assert fn(2) == 12345, var
-    for bad in ("-1", "64k"):  # a clear error naming the variable, not Cython's OverflowError
-        monkeypatch.setenv("PYMPGU_PUSH_MIN_BYTES", bad)
-        with pytest.raises(ValueError, match="PYMPGU_PUSH_MIN_BYTES must be a whole number"):
-            cuda.push_min_bytes(2)
-    monkeypatch.setenv("PYMPGU_LL_MAX_BYTES", "0")  # turns 'll' off
+    for name, fn, default in (("ll_max_bytes", cuda.ll_max_bytes, 256 << 10),
+                              ("oneshot_max_bytes", cuda.oneshot_max_bytes, 128 << 10),
+                              ("push_min_bytes", cuda.push_min_bytes, 16 << 20),
+                              ("ce_min_bytes", cuda.ce_min_bytes, 512 << 20)):
+        monkeypatch.delenv(f"PYMPGU_{name.upper()}", raising=False)
+        pympgu_env()
+        assert fn(2) == default, name  # the documented defaults (docs/DECISIONS.md)
+        pympgu_env(**{name: 12345})
+        assert fn(2) == 12345, name
+    pympgu_env(ll_max_bytes=0)  # turns 'll' off
     assert cuda.ll_max_bytes(2) == 0
     # 'll' cannot take more than its mailboxes hold, whatever the environment says.
-    monkeypatch.setenv("PYMPGU_LL_MAX_BYTES", str(cuda.LL_MAX_BYTES + 1))
+    pympgu_env(ll_max_bytes=cuda.LL_MAX_BYTES + 1)
     assert cuda.ll_max_bytes(2) == cuda.LL_MAX_BYTES
     monkeypatch.delenv("PYMPGU_CE_CHUNK_BYTES", raising=False)
+    pympgu_env()
     assert cuda.ce_chunk_bytes() == 16 << 20
-    monkeypatch.setenv("PYMPGU_CE_CHUNK_BYTES", "65536")
+    pympgu_env(ce_chunk_bytes=65536)
     assert cuda.ce_chunk_bytes() == 65536
     assert cuda.ce_chunks(2, 1 << 20, "float32")[-2:] == [(1 << 19) - 16384, 1 << 19]
 
@@ -273,24 +271,11 @@ def test_ce_chunks_names_bad_arguments():
         cuda.ce_chunks(2, 100, "int8")
 
 
-def test_xla_roads_name_every_setting_that_lays_out_the_step():
-    """What every rank's Exchanger compares when it connects (pympgu.xla.roads): each of
-    the settings changes it. The split thresholds are read when pympgu.xla is imported,
-    hence fresh interpreters."""
-    def roads(**env):
-        r = subprocess.run([sys.executable, "-c", "from pympgu import xla; print(xla.roads())"],
-                           capture_output=True, text=True, timeout=60,
-                           env={**{k: v for k, v in os.environ.items()
-                                   if not k.startswith("PYMPGU_")}, **env})
-        assert r.returncode == 0, r.stderr
-        return r.stdout.strip()
-
-    plain = roads()
-    assert plain == f"{16 << 20} 2 64 1 1 1", plain
-    changed = [roads(PYMPGU_SPLIT_MIN_BYTES="0"), roads(PYMPGU_SPLIT_MAX_RANKS="8"),
-               roads(PYMPGU_BESIDE_BLOCKS="32"), roads(PYMPGU_GRADIENTS="0"),
-               roads(PYMPGU_FUSED_CORRECTION="0"), roads(PYMPGU_OVERLAP_WHOLE="0")]
-    assert len({plain, *changed}) == 7, changed
-    bad = subprocess.run([sys.executable, "-c", "import pympgu.xla"], capture_output=True,
-                         text=True, timeout=60, env={**os.environ, "PYMPGU_BESIDE_BLOCKS": "0"})
-    assert bad.returncode != 0 and "PYMPGU_BESIDE_BLOCKS must be 1 to 512, got 0" in bad.stderr
+def test_workers_refuse_settings_that_differ_between_ranks():
+    """Every rank's Exchanger compares its settings' fingerprint when it connects: ranks
+    that cut their steps or chose algorithms otherwise would wait for each other forever."""
+    from pympgu import settings
+    from pympgu.exchange.gpu import CudaBackend
+    assert "settings" in CudaBackend.ALIKE
+    assert settings.load({}).fingerprint() != settings.load(
+        {"PYMPGU_BESIDE_BLOCKS": "32"}).fingerprint()

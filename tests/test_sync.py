@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pympgu.train import Replica, Sync
+from pympgu.training.replica import Replica
+from pympgu.training.sync import Sync
 
 
 class FakeEx:
@@ -95,39 +96,11 @@ def test_overlap_applies_the_delayed_correction():
     assert rep.state[0][0] == 1.25 and ex.pending is None
 
 
-def test_overlap_with_k_sends_the_momentum_then_the_parameters(monkeypatch):
-    # PYMPGU_OVERLAP_WHOLE=0, K = 4: the momentum's exchange spans the due step (step 3:
-    # started after step 2, corrected after it), the parameters' the next; each is half the
-    # state.
-    monkeypatch.setenv("PYMPGU_OVERLAP_WHOLE", "0")
-    rep = FakeRep(0.0, 100.0, params=1)
-    ex = FakeEx(lambda a: a * 0.5)
-    sync = Sync(rep, ex, 4, overlap=True)
-    pending = []
-    for i in range(8):
-        rep.step(1.0)
-        sync.after_step(i)
-        pending.append(ex.pending is not None)
-    assert pending == [False, False, True, True, False, False, True, True]
-    assert ex.entries == [(1, 2), (0, 1), (1, 2), (0, 1)]
-    # After step 2 the momentum is 103 and is sent; step 3 moves it to 104, corrected to
-    # 104 + (51.5 - 103) = 52.5, and sends the parameters (4); step 4 moves them to 5,
-    # corrected to 5 + (2 - 4) = 3. Then 3 steps; the momentum 55.5 is sent and
-    # corrected to 56.5 + (27.75 - 55.5) = 28.75, and the parameters' exchange, with no
-    # step after it, leaves them at its average, 3.
-    assert [s[0][0] for s in ex.sent] == [103.0, 4.0, 55.5, 6.0]
-    sync.drain()
-    assert [v[0] for v in rep.state] == [3.0, 28.75]
-
-
-@pytest.mark.parametrize("whole,parts", [("1", {"state"}), ("0", {"params", "momentum"})])
 @pytest.mark.parametrize("every", [2, 3, 4])
-def test_overlapped_exchanges_span_the_same_steps_fused_or_not(every, whole, parts,
-                                                               monkeypatch):
+def test_overlapped_exchanges_span_the_same_steps_fused_or_not(every):
     # The Python-queued path starts an exchange after the step before the one it spans;
     # the fused path runs it inside that step: the same schedule (but at the epoch's
     # first step, which no exchange started from Python can span).
-    monkeypatch.setenv("PYMPGU_OVERLAP_WHOLE", whole)
     rep = FakeRep(0.0, 0.0, params=1)
     ex = FakeEx(lambda a: a)
     sync = Sync(rep, ex, every, overlap=True)
@@ -140,7 +113,7 @@ def test_overlapped_exchanges_span_the_same_steps_fused_or_not(every, whole, par
             spans.append((i + 1, {(0, 1): "params", (1, 2): "momentum",
                                   (0, 2): "state"}[ex.entries[-1]]))
     assert spans == [(t, sync.spanning(t)) for t in range(1, 14) if sync.spanning(t)]
-    assert {p for _, p in spans} == parts
+    assert {p for _, p in spans} == {"state"}
 
 
 def test_overlap_snapshot_survives_in_place_updates():
@@ -160,32 +133,33 @@ def test_single_worker_never_exchanges():
     assert "wait" not in rep.calls and rep.state[0][0] == 2.0
 
 
-@pytest.mark.parametrize("every,overlap,whole,expected", [
+class Inside:
+    """A StepExchange that says whether the exchange can run inside XLA."""
+    why = None
+    wire = False  # a half-precision wire: inside XLA by the gradients' road alone
+
+    def unavailable(self, gradients=False):
+        return "the bfloat16 wire" if self.wire and not gradients else self.why
+
+
+@pytest.mark.parametrize("every,overlap,expected", [
     # Every rank starts each step from the same state: the mean gradients where the update
     # allows, else the parameters; the epoch's last step: the whole state.
-    (1, False, "1", ["params gradients"] * 5 + ["state gradients"]),
-    (2, False, "1", ["step", "state"] * 3),  # replicas drift: momentum averaged too
+    (1, False, ["params gradients"] * 5 + ["state gradients"]),
+    (2, False, ["step", "state"] * 3),  # replicas drift: momentum averaged too
     # Overlapped steps start from averaged parameters; the epoch's last is plain, so that
     # replicas end identical.
-    (1, True, "1", ["params overlapped"] * 5 + ["state"]),
-    # With K > 1 the whole state crosses during the due step; with PYMPGU_OVERLAP_WHOLE=0
-    # the momentum does, and the parameters during the next.
-    (4, True, "1", ["step"] * 3 + ["state overlapped", "step", "state"]),
-    (4, True, "0", ["step"] * 3 + ["momentum overlapped", "params overlapped", "state"]),
+    (1, True, ["params overlapped"] * 5 + ["state"]),
+    # With K > 1 the whole state crosses during the due step.
+    (4, True, ["step"] * 3 + ["state overlapped", "step", "state"]),
 ])
 @pytest.mark.parametrize("affine", [True, False])
-def test_fused_steps_average_parameters_alone_only_when_exact(every, overlap, whole, expected,
-                                                             affine, monkeypatch):
-    monkeypatch.setenv("PYMPGU_OVERLAP_WHOLE", whole)
+def test_fused_steps_average_parameters_alone_only_when_exact(every, overlap, expected, affine):
     class Rep(FakeRep):
-        def step(self, idx, ex=None, part="state", overlap=False, gradients=False):
-            self.calls.append(("step" if ex is None else part) +
+        def step(self, idx, inside=None, part="state", overlap=False, gradients=False):
+            self.calls.append(("step" if inside is None else part) +
                               (" overlapped" if overlap else "") +
                               (" gradients" if gradients else ""))
-
-    class Ex(FakeEx):
-        def xla_unavailable(self, gradients=False):
-            return None
 
     rep = Rep(0.0, 0.0, params=1, affine=affine)
     rep.jax = object()  # a JAX worker
@@ -193,45 +167,36 @@ def test_fused_steps_average_parameters_alone_only_when_exact(every, overlap, wh
         # Adam's moments are never left to each rank: every exchange that would have sent
         # the parameters alone sends the whole state (the road of the mean gradients stays).
         expected = [c.replace("params", "state") if every == 1 else c for c in expected]
-    sync = Sync(rep, Ex(lambda a: a), every, overlap=overlap)
+    sync = Sync(rep, FakeEx(lambda a: a), every, overlap, Inside())
     assert sync.fused
     for i in range(6):
         sync.step(None, i, last=i == 5)
     assert rep.calls == expected
-    assert not Sync(rep, Ex(lambda a: a), every, fuse=False).fused  # PYMPGU_XLA_EXCHANGE=0
+    assert not Sync(rep, FakeEx(lambda a: a), every).fused  # no StepExchange: from Python
 
 
 def test_sync_says_why_a_gpu_workers_exchange_runs_outside_xla():
-    class Ex(FakeEx):
-        why = None
-        wire = False  # a half-precision wire: inside XLA by the gradients' road alone
-
-        def xla_unavailable(self, gradients=False):
-            return "the bfloat16 wire" if self.wire and not gradients else self.why
-
     rep = FakeRep(0.0, 0.0, params=1)
-    ex = Ex(lambda a: a)
-    assert Sync(rep, ex).outside is None  # CPU workers: no XLA call to join
+    ex, inside = FakeEx(lambda a: a), Inside()
+    assert Sync(rep, ex, inside=inside).outside is None  # CPU workers: no XLA call to join
     rep.ctx = SimpleNamespace(is_cpu=False)
-    assert Sync(rep, ex).outside == "PyTensor's C backend has no XLA call"
+    assert Sync(rep, ex, inside=inside).outside == "PyTensor's C backend has no XLA call"
     rep.jax = object()
-    assert Sync(rep, ex).fused and Sync(rep, ex).outside is None
-    assert Sync(rep, ex, fuse=False).outside == "turned off (PYMPGU_XLA_EXCHANGE=0)"
-    ex.wire = True
-    assert Sync(rep, ex).fused and Sync(rep, ex).gradients
+    assert Sync(rep, ex, inside=inside).fused and Sync(rep, ex, inside=inside).outside is None
+    assert Sync(rep, ex).outside == "asked to (the benchmark's '-py' rows)"
+    inside.wire = True
+    assert Sync(rep, ex, inside=inside).fused and Sync(rep, ex, inside=inside).gradients
     for every, overlap in ((2, False), (1, True)):
-        assert Sync(rep, ex, every, overlap).outside == "the bfloat16 wire"
-    ex.wire = False
-    ex.why = "pympgu was built without jaxlib's XLA FFI headers; install jax and rebuild"
-    assert Sync(rep, ex).outside == ex.why
+        assert Sync(rep, ex, every, overlap, inside).outside == "the bfloat16 wire"
+    inside.wire = False
+    inside.why = "pympgu was built without jaxlib's XLA FFI headers; install jax and rebuild"
+    assert Sync(rep, ex, inside=inside).outside == inside.why
     assert Sync(rep, None).outside is None
 
 
-def test_overlap_whole_sends_the_whole_state_in_the_due_step(monkeypatch):
-    # The default (PYMPGU_OVERLAP_WHOLE unset), K = 4: one exchange a cycle, of the whole
-    # state, spanning the due step (started after step 2, corrected after step 3); none at
-    # the step after.
-    monkeypatch.delenv("PYMPGU_OVERLAP_WHOLE", raising=False)
+def test_overlap_with_k_sends_the_whole_state_in_the_due_step():
+    # K = 4: one exchange a cycle, of the whole state, spanning the due step (started after
+    # step 2, corrected after step 3); none at the step after.
     rep = FakeRep(0.0, 100.0, params=1)
     ex = FakeEx(lambda a: a * 0.5)
     sync = Sync(rep, ex, 4, overlap=True)
@@ -248,6 +213,3 @@ def test_overlap_whole_sends_the_whole_state_in_the_due_step(monkeypatch):
     assert [s[0][0] for s in ex.sent] == [3.0, 5.5]
     sync.drain()
     assert [v[0] for v in rep.state] == [3.75, 28.75]
-    monkeypatch.setenv("PYMPGU_OVERLAP_WHOLE", "yes")
-    with pytest.raises(ValueError, match="PYMPGU_OVERLAP_WHOLE must be '0' or '1'"):
-        Sync(rep, ex, 4, overlap=True)

@@ -11,22 +11,24 @@ import sys
 import numpy as np
 import pytest
 
-from pympgu import data, train
+from pympgu import data
+from pympgu.training import checkpoint as ckpt
+from pympgu.training import cli, launcher, replica
+from pympgu.training.config import RunConfig, UsageError
+from pympgu.training.launcher import run as train
+from pympgu.training.report import Reporter
 
 pytestmark = pytest.mark.timeout(600)
 
 
 def config(**over):
-    cfg = dict(train.DEFAULTS, data=None, backend="c", method="auto", sync_every=1, seed=0,
-               overlap=False, exchange_dtype="float32", out=None, resume=None,
-               devices=["cpu", "cpu"])
-    cfg.update(over)
-    return cfg
+    """A run of 2 CPU workers on PyTensor's own backend, with ``over`` changed."""
+    return RunConfig(**dict(dict(backend="c", devices=(None, None)), **over))
 
 
 def test_two_cpu_workers_learn_real_digits(tmp_path):
     out = str(tmp_path / "run")
-    hist = train.run(config(epochs=2, out=out), [None, None])
+    hist = train(config(epochs=2, out=out))
     assert len(hist) == 2
     assert hist[-1]["test_error"] < 0.25, hist  # chance is 0.9
     assert hist[-1]["loss"] < hist[0]["loss"]
@@ -35,8 +37,7 @@ def test_two_cpu_workers_learn_real_digits(tmp_path):
     lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
     assert [x["epoch"] for x in lines] == [1, 2]
     # Resume for a third epoch: it starts where the checkpoint ended.
-    more = train.run(config(epochs=3, out=out, resume=os.path.join(out, "checkpoint.npz")),
-                     [None, None])
+    more = train(config(epochs=3, out=out, resume=os.path.join(out, "checkpoint.npz")))
     assert [h["epoch"] for h in more] == [1, 2, 3]
     assert more[:2] == hist
 
@@ -45,13 +46,13 @@ def test_a_fresh_run_into_an_earlier_runs_out_starts_its_log_over(tmp_path, caps
     # Appending would interleave two runs' epochs in metrics.jsonl; a resumed run appends.
     out = str(tmp_path / "run")
     cfg = config(epochs=1, hidden=[16], out=out)
-    train.run(cfg, [None, None], quiet=True)
+    train(cfg, quiet=True)
     assert "holds an earlier run" not in capsys.readouterr().err
-    train.run(cfg, [None, None], quiet=True)
+    train(cfg, quiet=True)
     assert f"--out {out} holds an earlier run" in capsys.readouterr().err
     assert [json.loads(x)["epoch"] for x in open(os.path.join(out, "metrics.jsonl"))] == [1]
-    train.run(config(epochs=2, hidden=[16], out=out,
-                     resume=os.path.join(out, train.CHECKPOINT)), [None, None], quiet=True)
+    train(config(epochs=2, hidden=[16], out=out,
+                     resume=os.path.join(out, ckpt.CHECKPOINT)), quiet=True)
     assert "holds an earlier run" not in capsys.readouterr().err
     assert [json.loads(x)["epoch"] for x in open(os.path.join(out, "metrics.jsonl"))] == [1, 2]
 
@@ -64,43 +65,41 @@ def test_a_run_stopped_before_its_first_epoch_leaves_the_earlier_run_whole(tmp_p
     from pympgu.launch import WorkerFailed
     out = str(tmp_path / "run")
     read = lambda name: open(os.path.join(out, name)).read()  # noqa: E731
-    train.run(config(epochs=1, hidden=[16], out=out), [None, None], quiet=True)
+    train(config(epochs=1, hidden=[16], out=out), quiet=True)
     earlier = {name: read(name) for name in ("config.json", "metrics.jsonl")}
     path = tmp_path / "models.py"
     path.write_text(BAD_MODELS)
     with pytest.raises(WorkerFailed):  # its ranks start from different values
-        train.run(config(epochs=1, model=f"{path}:Unseeded", out=out), [None, None],
+        train(config(epochs=1, model=f"{path}:Unseeded", out=out),
                   quiet=True)
     assert {name: read(name) for name in earlier} == earlier
-    assert not os.path.exists(os.path.join(out, train.CONFIG_NEXT))
+    assert not os.path.exists(os.path.join(out, ckpt.CONFIG_NEXT))
     assert evaluate.load(out).epoch == 1
     # Resumed from elsewhere into it: a fresh log, and this run's flags once its epoch ends.
     other = str(tmp_path / "other")
-    train.run(config(epochs=1, hidden=[8], out=other), [None, None], quiet=True)
+    train(config(epochs=1, hidden=[8], out=other), quiet=True)
     capsys.readouterr()
-    train.run(config(epochs=2, hidden=[8], out=out, resume=os.path.join(other, train.CHECKPOINT)),
-              [None, None], quiet=True)
+    train(config(epochs=2, hidden=[8], out=out, resume=os.path.join(other, ckpt.CHECKPOINT)), quiet=True)
     assert f"--out {out} holds an earlier run" in capsys.readouterr().err
     assert [json.loads(x)["epoch"] for x in open(os.path.join(out, "metrics.jsonl"))] == [2]
     assert json.loads(read("config.json"))["hidden"] == [8]
-    assert not os.path.exists(os.path.join(out, train.CONFIG_NEXT))
+    assert not os.path.exists(os.path.join(out, ckpt.CONFIG_NEXT))
     assert evaluate.load(out).epoch == 2
 
 
 def test_a_checkpoint_of_another_shape_is_refused_before_any_worker_starts(tmp_path):
     out = str(tmp_path / "run")
-    train.run(config(epochs=1, hidden=[16], out=out), [None, None], quiet=True)
-    with pytest.raises(train.UsageError) as info:
-        train.run(config(epochs=2, hidden=[32], resume=os.path.join(out, train.CHECKPOINT)),
-                  [None, None], quiet=True)
+    train(config(epochs=1, hidden=[16], out=out), quiet=True)
+    with pytest.raises(UsageError) as info:
+        train(config(epochs=2, hidden=[32], resume=os.path.join(out, ckpt.CHECKPOINT)), quiet=True)
     assert info.value.flag == "--resume"
     assert ("cannot resume from it: 'W0' is (784, 16), this model's is (784, 32) (it holds "
             "MLP 784-16-10, trained by sgd; this run builds MLP 784-32-10, trained by sgd)"
             ) in str(info.value), info.value
     # SGD's momentum is not Adam's state.
-    with pytest.raises(train.UsageError) as info:
-        train.run(config(epochs=2, hidden=[16], optimizer="adam",
-                         resume=os.path.join(out, train.CHECKPOINT)), [None, None], quiet=True)
+    with pytest.raises(UsageError) as info:
+        train(config(epochs=2, hidden=[16], optimizer="adam",
+                         resume=os.path.join(out, ckpt.CHECKPOINT)), quiet=True)
     assert ("cannot resume from it: it has no 'm_W0' (it holds MLP 784-16-10, trained by sgd; "
             "this run builds MLP 784-16-10, trained by adam)") in str(info.value), info.value
 
@@ -289,10 +288,10 @@ def test_ema_run_checkpoints_evaluates_and_resumes_its_average(tmp_path, capsys)
     starts the average at the checkpoint's parameters, and says so."""
     from pympgu import evaluate
     out = str(tmp_path / "run")
-    hist = train.run(config(epochs=1, hidden=[32], ema=0.99, out=out), [None, None],
+    hist = train(config(epochs=1, hidden=[32], ema=0.99, out=out),
                      quiet=True)
     assert "evaluated by its moving average (0.99)" in capsys.readouterr().out
-    with np.load(os.path.join(out, train.CHECKPOINT)) as f:
+    with np.load(os.path.join(out, ckpt.CHECKPOINT)) as f:
         assert {"ema_W0", "ema_b1"} <= set(f.files)
         assert not np.array_equal(f["ema_W0"], f["W0"])
     run = evaluate.load(out, "last", backend="c")
@@ -300,10 +299,10 @@ def test_ema_run_checkpoints_evaluates_and_resumes_its_average(tmp_path, capsys)
     assert report["error"] == pytest.approx(hist[-1]["test_error"], abs=1e-9)
     assert "(its moving average)" in evaluate.format_report(run, report)[0]
     plain = str(tmp_path / "plain")
-    train.run(config(epochs=1, hidden=[32], out=plain), [None, None], quiet=True)
+    train(config(epochs=1, hidden=[32], out=plain), quiet=True)
     capsys.readouterr()
-    more = train.run(config(epochs=2, hidden=[32], ema=0.99,
-                            resume=os.path.join(plain, train.CHECKPOINT)), [None, None],
+    more = train(config(epochs=2, hidden=[32], ema=0.99,
+                            resume=os.path.join(plain, ckpt.CHECKPOINT)),
                      quiet=True)
     assert len(more) == 2
     assert "holds no moving average of the parameters; this run starts one" in \
@@ -319,21 +318,20 @@ def test_adam_resumed_goes_on_with_its_schedule_and_bias_correction(tmp_path, op
     learns. Resumed by the other of the two, whose state is the same, it says so."""
     opts = dict(optimizer=optimizer, lr=0.003, warmup=1.5, hidden=[32],
                 weight_decay=0.05 if optimizer == "adamw" else 0.0)
-    whole = train.run(config(epochs=2, **opts), [None, None], quiet=True)
+    whole = train(config(epochs=2, **opts), quiet=True)
     out = str(tmp_path / "run")
-    train.run(config(epochs=1, out=out, **opts), [None, None], quiet=True)
-    resumed = train.run(config(epochs=2, resume=os.path.join(out, train.CHECKPOINT), **opts),
-                        [None, None], quiet=True)
+    train(config(epochs=1, out=out, **opts), quiet=True)
+    resumed = train(config(epochs=2, resume=os.path.join(out, ckpt.CHECKPOINT), **opts), quiet=True)
     keys = ("loss", "valid_error", "test_error", "lr")
     assert [[h[k] for k in keys] for h in resumed] == [[h[k] for k in keys] for h in whole]
     assert whole[0]["lr"] < 0.003 and whole[1]["lr"] == 0.003, whole  # ramped, then held
     assert whole[-1]["test_error"] < 0.2, whole  # chance is 0.9
-    with np.load(os.path.join(out, train.CHECKPOINT)) as f:
+    with np.load(os.path.join(out, ckpt.CHECKPOINT)) as f:
         assert str(f["__optimizer__"]) == optimizer and {"m_W0", "s_b1"} <= set(f.files)
     other = {"adam": "adamw", "adamw": "adam"}[optimizer]
     capsys.readouterr()
-    train.run(config(epochs=2, optimizer=other, lr=0.003, hidden=[32],
-                     resume=os.path.join(out, train.CHECKPOINT)), [None, None], quiet=True)
+    train(config(epochs=2, optimizer=other, lr=0.003, hidden=[32],
+                     resume=os.path.join(out, ckpt.CHECKPOINT)), quiet=True)
     assert (f"its state was trained by {optimizer}; this run goes on by {other}"
             in capsys.readouterr().err)
 
@@ -343,27 +341,26 @@ def test_out_keeps_the_best_epoch_beside_the_last(tmp_path, capsys):
     --resume takes as it takes checkpoint.npz; the run's last line names it, and with a
     schedule every epoch's line shows its rate."""
     out = str(tmp_path / "run")
-    hist = train.run(config(epochs=3, hidden=[16], out=out, schedule="cosine", warmup=0.5),
-                     [None, None], quiet=True)
+    hist = train(config(epochs=3, hidden=[16], out=out, schedule="cosine", warmup=0.5), quiet=True)
     best = min(hist, key=lambda h: h["valid_error"])
-    assert train.checkpoint_epoch(os.path.join(out, train.BEST)) == best["epoch"], hist
+    assert ckpt.epoch_of(os.path.join(out, ckpt.BEST)) == best["epoch"], hist
     printed = capsys.readouterr().out
-    assert f"(epoch {best['epoch']}, its checkpoint {os.path.join(out, train.BEST)})" in printed
+    assert f"(epoch {best['epoch']}, its checkpoint {os.path.join(out, ckpt.BEST)})" in printed
     assert f"class by class: python -m pympgu.evaluate {out}" in printed
     assert [line.split("  lr ")[-1] for line in printed.splitlines()
             if line.startswith("epoch")] == [f"{h['lr']:.3g}" for h in hist], printed
-    more = train.run(config(epochs=4, hidden=[16], resume=os.path.join(out, train.BEST),
-                            schedule="cosine", warmup=0.5), [None, None], quiet=True)
+    more = train(config(epochs=4, hidden=[16], resume=os.path.join(out, ckpt.BEST),
+                            schedule="cosine", warmup=0.5), quiet=True)
     assert [h["epoch"] for h in more] == list(range(1, best["epoch"] + 1)) + [best["epoch"] + 1]
-    assert train.checkpoint_epoch(os.path.join(out, "missing.npz")) is None
+    assert ckpt.epoch_of(os.path.join(out, "missing.npz")) is None
 
 
 def test_epochs_since_best_counts_from_the_first_of_equals():
     def history(*errors):
         return [{"valid_error": e} for e in errors]
-    assert train.epochs_since_best(history(0.3)) == 0
-    assert train.epochs_since_best(history(0.3, 0.2, 0.25, 0.2)) == 2
-    assert train.epochs_since_best(history(0.3, 0.2, 0.1)) == 0
+    assert ckpt.epochs_since_best(history(0.3)) == 0
+    assert ckpt.epochs_since_best(history(0.3, 0.2, 0.25, 0.2)) == 2
+    assert ckpt.epochs_since_best(history(0.3, 0.2, 0.1)) == 0
 
 
 def test_patience_stops_every_worker_after_the_same_epoch(tmp_path, capsys):
@@ -373,8 +370,8 @@ def test_patience_stops_every_worker_after_the_same_epoch(tmp_path, capsys):
     import json
     out = str(tmp_path / "run")
     cfg = config(epochs=1, hidden=[16], out=out)
-    train.run(cfg, [None, None], quiet=True)
-    path = os.path.join(out, train.CHECKPOINT)
+    train(cfg, quiet=True)
+    path = os.path.join(out, ckpt.CHECKPOINT)
     with np.load(path) as f:
         arrays = dict(f)
     history = json.loads(str(arrays["__history__"]))
@@ -382,16 +379,16 @@ def test_patience_stops_every_worker_after_the_same_epoch(tmp_path, capsys):
     arrays["__history__"] = json.dumps(history)
     np.savez(path, **arrays)
     capsys.readouterr()
-    hist = train.run(dict(cfg, epochs=6, patience=2, resume=path), [None, None], quiet=True)
+    hist = train(cfg.replace(epochs=6, patience=2, resume=path), quiet=True)
     assert [h["epoch"] for h in hist] == [1, 2, 3]
     assert ("stopped after epoch 3 of 6: no better validation error than epoch 1's in 2 "
             "epochs (--patience 2)") in capsys.readouterr().out
-    assert train.checkpoint_epoch(path) == 3
+    assert ckpt.epoch_of(path) == 3
 
 
 def test_cpu_runs_are_reproducible():
-    a = train.run(config(epochs=1, hidden=[64]), [None, None])
-    b = train.run(config(epochs=1, hidden=[64]), [None, None])
+    a = train(config(epochs=1, hidden=[64]))
+    b = train(config(epochs=1, hidden=[64]))
     keys = ("loss", "valid_error", "test_error")
     assert [[h[k] for k in keys] for h in a] == [[h[k] for k in keys] for h in b]
 
@@ -400,8 +397,8 @@ def test_cpu_runs_are_reproducible():
 @pytest.mark.skipif(not os.path.isdir(data.FASHION_DIR), reason="dataset-fashion-mnist not installed")
 def test_fashion_two_workers_match_one(tmp_path):
     """Two workers of batch 128 averaged every step against one worker of batch 256."""
-    one = train.run(config(data="fashion", epochs=2, batch_size=256, hidden=[256]), [None])
-    two = train.run(config(data="fashion", epochs=2, batch_size=128, hidden=[256]), [None, None])
+    one = train(config(data="fashion", epochs=2, batch_size=256, hidden=[256], devices=[None]))
+    two = train(config(data="fashion", epochs=2, batch_size=128, hidden=[256]))
     e1, e2 = one[-1]["test_error"], two[-1]["test_error"]
     print(f"fashion-mnist test error: 1 worker {100 * e1:.2f}%, 2 workers {100 * e2:.2f}%")
     assert abs(e1 - e2) <= 0.005
@@ -413,8 +410,7 @@ def test_fashion_two_workers_match_one(tmp_path):
 def test_fashion_exchange_variants_match_plain_averaging():
     """--overlap, a bfloat16 wire and --sync-every 4 against plain per-step averaging. With
     --sync-every 4 --overlap the whole state crosses during the due step, corrected after
-    it (16.20%; the momentum and the parameters at successive steps, 16.28%; session 25):
-    corrected at the next sync point instead, this run reached 31% test error."""
+    it: corrected at the next sync point instead, this run reached 31% test error."""
     base = dict(data="fashion", epochs=2, batch_size=128, hidden=[256])
     runs = {"plain": {}, "overlap": dict(overlap=True), "bf16 wire": dict(exchange_dtype="bfloat16"),
             "sync every 4": dict(sync_every=4),
@@ -422,7 +418,7 @@ def test_fashion_exchange_variants_match_plain_averaging():
             "overlap + sync every 4": dict(overlap=True, sync_every=4)}
     errors = {}
     for name, over in runs.items():
-        errors[name] = train.run(config(**base, **over), [None, None])[-1]["test_error"]
+        errors[name] = train(config(**base, **over))[-1]["test_error"]
     print("fashion-mnist test error, 2 workers: " +
           ", ".join(f"{k} {100 * v:.2f}%" for k, v in errors.items()))
     for name, err in errors.items():
@@ -431,8 +427,8 @@ def test_fashion_exchange_variants_match_plain_averaging():
 
 def test_overlap_and_wire_dtype_keep_replicas_identical():
     # run() checks every rank's final digest and raises if the replicas differ
-    hist = train.run(config(epochs=1, hidden=[32], overlap=True, exchange_dtype="bfloat16",
-                            sync_every=3), [None, None, None])
+    hist = train(config(epochs=1, hidden=[32], overlap=True, exchange_dtype="bfloat16",
+                            sync_every=3, devices=[None, None, None]))
     assert hist[-1]["test_error"] < 0.5
 
 
@@ -552,7 +548,7 @@ def test_a_dataset_of_ones_own_trains_from_npz(tmp_path, capsys):
     # The validation split is a shuffled tenth of the training set, the same every time.
     assert np.array_equal(data.load(str(path)).valid[0], ds.valid[0])
     assert np.array_equal(np.sort(np.concatenate([ds.train[1], ds.valid[1]])), y[order])
-    assert train.main(["--cpu", "2", "--data-dir", str(path), "--hidden", "32", "--epochs",
+    assert cli.main(["--cpu", "2", "--data-dir", str(path), "--hidden", "32", "--epochs",
                        "2", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "blobs.npz (2700/300/500 train/valid/test, 20 inputs) | MLP 20-32-3" in out, out
@@ -623,7 +619,7 @@ def test_cifar_loads_from_its_directory_its_archive_or_a_directory_holding_them(
 
 def test_cifar_errors_name_the_file(tmp_path, capsys):
     with pytest.raises(SystemExit):  # a name, not a path: where to get it
-        train.main(["--cpu", "2", "--data-dir", "cifar10"])
+        cli.main(["--cpu", "2", "--data-dir", "cifar10"])
     assert "--data-dir cifar10: no such file or directory (pympgu reads CIFAR as its " \
         "authors ship it: download https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz" \
         in capsys.readouterr().err
@@ -654,7 +650,7 @@ def test_a_convnet_trains_on_cifar_shaped_images(tmp_path, capsys):
     pytest.importorskip("jax")
     fake_cifar(tmp_path / "cifar-10-batches-py", n=200)
     strided = os.path.join(os.path.dirname(EXAMPLE), "strided.py:StridedConvNet")
-    assert train.main(["--cpu", "2", "--data-dir", str(tmp_path), "--model", strided,
+    assert cli.main(["--cpu", "2", "--data-dir", str(tmp_path), "--model", strided,
                        "--hidden", "8", "16", "--batch-size", "50", "--epochs", "4",
                        "--optimizer", "adam", "--quiet"]) == 0
     out = capsys.readouterr().out
@@ -741,7 +737,7 @@ def test_seed_pickle_format(tmp_path):
 ])
 def test_cli_rejects_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
-        train.main(argv)
+        cli.main(argv)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
 
@@ -752,25 +748,25 @@ def test_cli_names_a_port_in_use(tmp_path, capsys):
     import socket
     out = tmp_path / "run"
     out.mkdir()
-    (out / train.CHECKPOINT).write_bytes(b"an earlier run's")
+    (out / ckpt.CHECKPOINT).write_bytes(b"an earlier run's")
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
         with pytest.raises(SystemExit) as info:
-            train.main(["--cpu", "2", "--port", str(port), "--out", str(out)])
+            cli.main(["--cpu", "2", "--port", str(port), "--out", str(out)])
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert f"error: --port {port}: Address already in use (another run's?" in err, err
     assert "Traceback" not in err
-    assert sorted(os.listdir(out)) == [train.CHECKPOINT]
+    assert sorted(os.listdir(out)) == [ckpt.CHECKPOINT]
 
 
 def test_cli_gives_adam_its_own_learning_rate():
     """Adam's and AdamW's default rate is 1e-3, SGD's 0.05 (a preset's is SGD's too); --lr
     overrides either. Neither Adam takes the L2 penalty unless --l2 is given, and AdamW
     decays by 0.01 (torch.optim.AdamW's default)."""
-    parser = train.build_parser()
+    parser = cli.build_parser()
     for argv, lr, l2, decay in [
             ([], 0.05, 1e-4, 0.0), (["--optimizer", "adam"], 1e-3, 0.0, 0.0),
             (["--optimizer", "adam", "--preset", "dual_mlp"], 1e-3, 0.0, 0.0),
@@ -779,18 +775,18 @@ def test_cli_gives_adam_its_own_learning_rate():
             (["--optimizer", "adamw", "--preset", "dual_mlp"], 1e-3, 0.0, 0.01),
             (["--optimizer", "adamw", "--weight-decay", "0.1", "--l2", "1e-5"], 1e-3, 1e-5,
              0.1)]:
-        cfg, _, _ = train.resolve(parser.parse_args(["--cpu", "2", *argv]), parser)
-        assert (cfg["lr"], cfg["l2"], cfg["weight_decay"]) == (lr, l2, decay), (argv, cfg)
+        cfg, _ = cli.resolve(parser.parse_args(["--cpu", "2", *argv]), parser)
+        assert (cfg.lr, cfg.l2, cfg.weight_decay) == (lr, l2, decay), (argv, cfg)
 
 
 def test_cli_backend_auto_is_jax_wherever_jax_is_installed(monkeypatch):
     """CPU workers compile with CPU JAX when it is installed (quicker than PyTensor's own
     backend for every model measured), else with PyTensor's; --backend says otherwise."""
     import importlib.util
-    parser = train.build_parser()
+    parser = cli.build_parser()
 
     def backend(*argv):
-        return train.resolve(parser.parse_args(["--cpu", "2", *argv]), parser)[0]["backend"]
+        return cli.resolve(parser.parse_args(["--cpu", "2", *argv]), parser)[0].backend
     assert backend("--backend", "c") == "c" and backend("--backend", "jax") == "jax"
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -805,13 +801,13 @@ def test_cli_refuses_a_batch_the_dataset_cannot_fill(capsys):
     """A batch larger than the training set allows, for the workers given, is a flag
     error before any worker starts, naming the flag and the largest batch that fits."""
     with pytest.raises(SystemExit) as info:
-        train.main(["--cpu", "2", "--batch-size", "5000", "--epochs", "1"])
+        cli.main(["--cpu", "2", "--batch-size", "5000", "--epochs", "1"])
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "--batch-size 5000 with 2 workers" in err and "give at most 4000" in err, err
     assert "Traceback" not in err
     with pytest.raises(SystemExit):  # the seed's batch of 5000 is the preset's
-        train.main(["--cpu", "2", "--preset", "dual_mlp", "--epochs", "1"])
+        cli.main(["--cpu", "2", "--preset", "dual_mlp", "--epochs", "1"])
     assert "the batch of --preset dual_mlp" in capsys.readouterr().err
 
 
@@ -819,11 +815,11 @@ def test_cli_names_an_out_dir_it_cannot_write(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     with pytest.raises(SystemExit) as info:
-        train.main(["--cpu", "2", "--epochs", "1", "--out", str(blocker / "run")])
+        cli.main(["--cpu", "2", "--epochs", "1", "--out", str(blocker / "run")])
     assert info.value.code == 2
     assert f"--out {blocker / 'run'}: " in capsys.readouterr().err
     with pytest.raises(SystemExit):  # a preset's batch, which fits one worker, is not blamed
-        train.main(["--cpu", "1", "--preset", "dual_mlp", "--out", str(blocker / "run")])
+        cli.main(["--cpu", "1", "--preset", "dual_mlp", "--out", str(blocker / "run")])
     err = capsys.readouterr().err
     assert f"--out {blocker / 'run'}: " in err and "the batch of --preset" not in err, err
 
@@ -833,39 +829,39 @@ def test_cli_says_what_a_stopped_run_left_to_resume(tmp_path, monkeypatch, capsy
     out = tmp_path / "run"
 
     def stopped(error, epochs_done):
-        def fake_run(cfg, devices, port=None, quiet=False):
+        def fake_run(cfg, port=None, quiet=False):
             out.mkdir(exist_ok=True)  # run() makes --out before any worker starts
             if epochs_done:  # what the worker writes after each epoch
-                np.savez(out / train.CHECKPOINT, __epoch__=epochs_done, __history__="[]")
+                np.savez(out / ckpt.CHECKPOINT, __epoch__=epochs_done, __history__="[]")
             raise error
         return fake_run
 
     argv = ["--cpu", "2", "--out", str(out)]
-    monkeypatch.setattr(train, "run", stopped(KeyboardInterrupt(), 2))
-    assert train.main(argv) == 130
+    monkeypatch.setattr(launcher, "run", stopped(KeyboardInterrupt(), 2))
+    assert cli.main(argv) == 130
     err = capsys.readouterr().err
     assert "interrupted" in err and f"epoch 2's checkpoint is in {out}" in err, err
     assert f"continue with --resume {out}" in err
     # The next run fails before its first epoch ends: the checkpoint is the earlier run's.
-    monkeypatch.setattr(train, "run", stopped(WorkerFailed(1, "exited with status 1"), 0))
-    assert train.main(argv) == 1
+    monkeypatch.setattr(launcher, "run", stopped(WorkerFailed(1, "exited with status 1"), 0))
+    assert cli.main(argv) == 1
     err = capsys.readouterr().err
     assert "rank 1" in err and "no epoch of this run finished" in err and "(epoch 2)" in err, err
-    (out / train.CHECKPOINT).write_text("not a checkpoint")
-    assert train.main(argv) == 1
+    (out / ckpt.CHECKPOINT).write_text("not a checkpoint")
+    assert cli.main(argv) == 1
     assert "checkpoint.npz cannot be read as a checkpoint" in capsys.readouterr().err
-    (out / train.CHECKPOINT).unlink()
-    assert train.main(argv) == 1
+    (out / ckpt.CHECKPOINT).unlink()
+    assert cli.main(argv) == 1
     assert f"no epoch finished, so {out} holds no checkpoint" in capsys.readouterr().err
-    monkeypatch.setattr(train, "run", stopped(KeyboardInterrupt(), 0))
-    assert train.main(["--cpu", "2"]) == 130
+    monkeypatch.setattr(launcher, "run", stopped(KeyboardInterrupt(), 0))
+    assert cli.main(["--cpu", "2"]) == 130
     assert "nothing was saved (--out DIR" in capsys.readouterr().err
 
 
 def test_epoch_lines_name_the_exchange_road_once(tmp_path, capsys):
     """The road of the step's exchange (Exchanger.xla_road) is printed after the first
     epoch that reports it, again only when it changes, and kept in metrics.jsonl."""
-    rep = train.Reporter(str(tmp_path), epochs=3, stream=io.StringIO())
+    rep = Reporter(str(tmp_path), epochs=3, stream=io.StringIO())
     epoch = dict(kind="epoch", loss=0.5, valid_error=0.1, test_error=0.1,
                  samples_per_s=1000.0, exchange_share=None)
     for k, road in enumerate(["the update of the mean gradients"] * 2 + ["averaged after"]):
@@ -900,7 +896,7 @@ def test_direct_jax_step_matches_pytensor_call():
     pytest.importorskip("jax")
     code = (
         "import os; os.environ['JAX_PLATFORMS']='cpu';"
-        "import numpy as np; from pympgu import data, models; from pympgu.jaxstep import JaxStep;"
+        "import numpy as np; from pympgu import data, models; from pympgu.xla.step import JaxStep;"
         "ds = data.load('digits'); rng = np.random.default_rng(0); seen = []\n"
         "def make():\n"
         "    m = models.MLP(ds.n_in, [32, 16], ds.n_classes)\n"
@@ -943,18 +939,19 @@ def test_replica_corrects_the_part_it_averages():
     pytest.importorskip("jax")
     code = (
         "import os; os.environ['JAX_PLATFORMS']='cpu';"
-        "import numpy as np; from types import SimpleNamespace; from pympgu import train\n"
-        "cfg = dict(train.DEFAULTS, data=None, backend='jax', hidden=[32], batch_size=64)\n"
+        "import numpy as np; from types import SimpleNamespace\n"
+        "from pympgu.training import replica; from pympgu.training.config import RunConfig\n"
+        "cfg = RunConfig(backend='jax', hidden=[32], batch_size=64)\n"
         "ctx = SimpleNamespace(device=None, rank=0, nranks=1, is_cpu=True)\n"
         "class Ex:\n"
-        "    def xla_shadow(self): return None\n"
-        "    def xla_correct_during(self, arrays, fn, *args, shadow=None, ready=()):\n"
+        "    def shadow(self): return None\n"
+        "    def correct_during(self, arrays, fn, *args, shadow=None, ready=()):\n"
         "        assert len(arrays) + len(ready) == 8  # the rest of the state need not wait\n"
         "        new, extra = fn(*args)\n"
         "        return [f + ((a + np.float32(1)) - a) for f, a in zip(new, arrays)], extra\n"
         "idx = np.arange(64, dtype=np.int32)\n"
         "for part in ('params', 'momentum', 'state'):\n"
-        "    reps = [train.Replica(ctx, cfg) for _ in range(2)]\n"
+        "    reps = [replica.Replica(ctx, cfg) for _ in range(2)]\n"
         "    for r in reps: r.step(idx)  # a momentum that is not zero\n"
         "    old = [np.asarray(v) for v in reps[1].values()]\n"
         "    reps[0].step(idx); reps[1].step(idx, Ex(), part, overlap=True)\n"
@@ -972,7 +969,7 @@ def test_replica_refuses_a_model_on_another_gpu(monkeypatch):
     # What Replica does when JAX put the model elsewhere: it names the rank and both GPUs.
     from pympgu import cuda
     monkeypatch.setattr(cuda, "pointer_device", lambda ptr: 0, raising=False)
-    rep = train.Replica.__new__(train.Replica)
+    rep = replica.Replica.__new__(replica.Replica)
     rep.ctx = type("Ctx", (), {"rank": 1, "device": 1})()
     array = type("A", (), {"unsafe_buffer_pointer": lambda self: 4096})()
     with pytest.raises(RuntimeError, match=r"rank 1: JAX put the model on GPU 0, not on this "
@@ -997,9 +994,9 @@ def test_jax_device_is_the_rank_gpu(seen, device, picked):
     ctx = type("Ctx", (), {"rank": 2, "device": device})()
     if picked is None:
         with pytest.raises(RuntimeError, match="rank 2: JAX has no device for GPU 5"):
-            train._jax_device(fake_jax, ctx)
+            replica.jax_device(fake_jax, ctx)
     else:
-        assert train._jax_device(fake_jax, ctx).local_hardware_id == picked
+        assert replica.jax_device(fake_jax, ctx).local_hardware_id == picked
 
 
 def test_jax_without_cuda_is_named_with_its_remedy():
@@ -1008,7 +1005,7 @@ def test_jax_without_cuda_is_named_with_its_remedy():
     ctx = type("Ctx", (), {"rank": 1, "device": 0})()
     with pytest.raises(RuntimeError, match=r"rank 1: JAX sees no GPU \(its devices: "
                                            r"\[CpuDevice\(id=0\)\]\); install JAX for CUDA"):
-        train._jax_device(fake_jax, ctx)
+        replica.jax_device(fake_jax, ctx)
 
 
 # ---------------------------------------------------------------- your own model (--model)
@@ -1024,25 +1021,25 @@ def test_your_own_model_trains_as_the_mlp_does(tmp_path, capsys):
     out = str(tmp_path / "run")
     spec = f"{EXAMPLE}:ResidualMLP"
     argv = ["--cpu", "2", "--model", spec, "--hidden", "64", "64", "--quiet"]
-    assert train.main(argv + ["--epochs", "2", "--out", out]) == 0
+    assert cli.main(argv + ["--epochs", "2", "--out", out]) == 0
     printed = capsys.readouterr().out
     assert "ResidualMLP (55,050 parameters)" in printed, printed
     lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
     assert lines[-1]["test_error"] < 0.3, lines  # chance is 0.9
     assert json.load(open(os.path.join(out, "config.json")))["model"] == spec
-    with np.load(os.path.join(out, train.CHECKPOINT)) as f:
+    with np.load(os.path.join(out, ckpt.CHECKPOINT)) as f:
         assert {"W_in", "W_block0", "v_W_out"} <= set(f.files), f.files
-    assert train.main(argv + ["--epochs", "3", "--resume", out]) == 0
+    assert cli.main(argv + ["--epochs", "3", "--resume", out]) == 0
     assert "epoch   3" in capsys.readouterr().out
     # The MLP's checkpoint is not this model's: refused before any worker starts, naming
     # the array it lacks and the model that made it.
     mlp = str(tmp_path / "mlp")
-    train.run(config(epochs=1, hidden=[16], out=mlp), [None, None], quiet=True)
+    train(config(epochs=1, hidden=[16], out=mlp), quiet=True)
     with pytest.raises(SystemExit) as info:
-        train.main(argv + ["--epochs", "2", "--resume", mlp])
+        cli.main(argv + ["--epochs", "2", "--resume", mlp])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert (f"--resume {os.path.join(mlp, train.CHECKPOINT)}: cannot resume from it: it has "
+    assert (f"--resume {os.path.join(mlp, ckpt.CHECKPOINT)}: cannot resume from it: it has "
             "no 'W_in' (it holds MLP 784-16-10, trained by sgd; this run builds ResidualMLP "
             "(55,050 parameters), trained by sgd)") in err, err
 
@@ -1064,7 +1061,7 @@ def test_a_convnet_trains_on_cpu_jax(tmp_path, capfd, example, hidden, described
     path = os.path.join(os.path.dirname(EXAMPLE), example)
     argv = ["--cpu", "2", "--backend", "jax", "--model", path, *hidden, "--epochs", "1",
             "--out", str(tmp_path), "--quiet"]
-    assert train.main(argv) == 0
+    assert cli.main(argv) == 0
     out, err = capfd.readouterr()
     assert described in out, out
     assert "Explicitly requested dtype" not in err, err[-2000:]
@@ -1075,27 +1072,27 @@ def test_a_convnet_trains_on_cpu_jax(tmp_path, capfd, example, hidden, described
 def test_config_keeps_the_models_file_and_the_data_by_absolute_path(tmp_path, monkeypatch):
     """config.json's --model file and --data-dir are absolute, so that pympgu.evaluate and
     --resume find them from any directory; names ('fashion') and modules stay as given."""
-    parser = train.build_parser()
+    parser = cli.build_parser()
     (tmp_path / "d.npz").write_bytes(b"")
     monkeypatch.chdir(tmp_path)
     relative = os.path.relpath(EXAMPLE)
-    cfg = train.resolve(parser.parse_args(["--cpu", "2", "--model", f"{relative}:ResidualMLP",
+    cfg = cli.resolve(parser.parse_args(["--cpu", "2", "--model", f"{relative}:ResidualMLP",
                                            "--data-dir", "d.npz"]), parser)[0]
-    assert cfg["model"] == f"{EXAMPLE}:ResidualMLP" and cfg["data"] == str(tmp_path / "d.npz")
-    cfg = train.resolve(parser.parse_args(["--cpu", "2", "--model", "pympgu.models:MLP",
+    assert cfg.model == f"{EXAMPLE}:ResidualMLP" and cfg.data == str(tmp_path / "d.npz")
+    cfg = cli.resolve(parser.parse_args(["--cpu", "2", "--model", "pympgu.models:MLP",
                                            "--data-dir", "digits"]), parser)[0]
-    assert (cfg["model"], cfg["data"]) == ("pympgu.models:MLP", "digits")
+    assert (cfg.model, cfg.data) == ("pympgu.models:MLP", "digits")
 
 
 def test_hidden_defaults_to_the_models_own():
     """Without --hidden a model of one's own gets its class's default_hidden (a convnet's
     channels are not the MLP's 500 units); --hidden and a preset's widths still win, and a
     --model that cannot be loaded is named by the parser."""
-    parser = train.build_parser()
+    parser = cli.build_parser()
     strided = os.path.join(os.path.dirname(EXAMPLE), "strided.py:StridedConvNet")
 
     def hidden(*argv):
-        return train.resolve(parser.parse_args(["--cpu", "2", *argv]), parser)[0]["hidden"]
+        return list(cli.resolve(parser.parse_args(["--cpu", "2", *argv]), parser)[0].hidden)
     assert hidden() == [500] and hidden("--model", f"{EXAMPLE}:ResidualMLP") == [500]
     assert hidden("--model", strided) == [32, 64]
     assert hidden("--model", strided, "--hidden", "8") == [8]
@@ -1155,7 +1152,7 @@ def test_a_model_that_cannot_be_built_is_a_flag_error(tmp_path, capsys, name, me
     path = tmp_path / "models.py"
     path.write_text(BAD_MODELS)
     with pytest.raises(SystemExit) as info:
-        train.main(["--cpu", "2", "--epochs", "1", "--model", f"{path}:{name}"])
+        cli.main(["--cpu", "2", "--epochs", "1", "--model", f"{path}:{name}"])
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert f"--model {path}:{name}: " in err and message in err, err
@@ -1169,7 +1166,7 @@ def test_a_model_that_cannot_be_built_is_a_flag_error(tmp_path, capsys, name, me
 ])
 def test_cli_rejects_a_model_it_cannot_find(spec, message, capsys):
     with pytest.raises(SystemExit) as info:
-        train.main(["--cpu", "2", "--model", spec])
+        cli.main(["--cpu", "2", "--model", spec])
     assert info.value.code == 2
     assert f"--model {spec}: {message}" in capsys.readouterr().err
 
@@ -1178,7 +1175,7 @@ def test_a_model_whose_module_fails_to_import_is_named(tmp_path, capsys):
     path = tmp_path / "broken.py"
     path.write_text("import numpy\nraise ImportError('needs a package this machine lacks')\n")
     with pytest.raises(SystemExit):
-        train.main(["--cpu", "2", "--model", f"{path}:Net"])
+        cli.main(["--cpu", "2", "--model", f"{path}:Net"])
     assert (f"loading {path} failed: ImportError: needs a package this machine lacks"
             in capsys.readouterr().err)
 
@@ -1192,7 +1189,7 @@ def test_replicas_that_start_differently_are_refused(tmp_path):
     path.write_text(BAD_MODELS)
     with pytest.raises(WorkerFailed, match="rank 1 differs from rank 0 in its initial values") \
             as info:
-        train.run(config(epochs=1, model=f"{path}:Unseeded"), [None, None], quiet=True)
+        train(config(epochs=1, model=f"{path}:Unseeded"), quiet=True)
     rank0, rank1 = info.value.details.splitlines()
     assert rank0.startswith("rank 0: W ") and rank1.startswith("rank 1: W ")
     # Only W was drawn: b and the momentum start at zero on both ranks.

@@ -11,8 +11,7 @@ so a step and its exchange are one dispatch, and the averages of the last layers
 link while the step computes the first layers' gradients. Given ``during`` instead
 (``Exchanger.xla_correct_during``), the state the step starts from is averaged while the
 step computes, and the step's result is corrected by what the average changed (the
-one-step-delayed correction of ``--overlap``). (The bookkeeping itself is
-small: about 13 µs a step for the seed MLP on an H200, docs/BENCHMARKS.md.)
+one-step-delayed correction of ``--overlap``).
 """
 import itertools
 

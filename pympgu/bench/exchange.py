@@ -2,7 +2,6 @@
 
     python -m pympgu.bench --gpus 0 1                 # 4 KiB .. 1 GiB, every method
     python -m pympgu.bench --gpus 0 --procs 4         # 4 ranks sharing one GPU (logic, not speed)
-    python -m pympgu.bench train --gpus 0 1           # training: against DDP (see --help there)
 
 One process per rank. For each size every method averages an fp32 buffer in place; device
 time per exchange comes from CUDA events around back-to-back exchanges (median of several
@@ -21,70 +20,11 @@ import sys
 import time
 import traceback
 
+from .timing import fmt_size, iters_for, parse_size, time_device, time_host
+
 METHODS = ("auto", "ll", "resident", "oneshot", "twoshot", "push", "ce", "copy")
 DEFAULT_SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20,
                  256 << 20, 1 << 30]
-
-
-def parse_size(text):
-    """A buffer size such as 4K, 64MiB or 1g, in bytes: argparse's type for --sizes."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    try:
-        n = int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 4K, 64M or 1G") \
-            from None
-    if n < 4:  # one float32 at least
-        raise argparse.ArgumentTypeError(f"{text!r}: a buffer of at least 4 bytes")
-    return n
-
-
-def fmt_size(n):
-    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= div and n % div == 0:
-            return f"{n // div} {unit}"
-    return f"{n} B"
-
-
-def _iters(nbytes):
-    return int(max(5, min(200, (2 << 30) // max(nbytes, 1))))
-
-
-def _time_device(run, stream, iters, repeats=5, new_event=None):
-    """Median device µs of one call of run(), from events around iters back-to-back calls.
-
-    Events are pympgu's by default; new_event() may make another framework's (torch's), for
-    work queued on that framework's stream.
-    """
-    if new_event is None:
-        from pympgu import cuda
-        new_event = cuda.Event
-    samples = []
-    for _ in range(repeats):
-        start, end = new_event(), new_event()
-        start.record(stream)
-        for _ in range(iters):
-            run()
-        end.record(stream)
-        end.synchronize()
-        ms = start.elapsed_ms(end) if hasattr(start, "elapsed_ms") else start.elapsed_time(end)
-        samples.append(ms * 1000 / iters)
-    return statistics.median(samples)
-
-
-def _time_host(run, sync, iters):
-    """Median host µs of one call of run() waited for by sync() ("e2e_us"), and of the
-    call alone ("queue_us": what the host spends before it can wait)."""
-    e2e, queued = [], []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        run()
-        t1 = time.perf_counter()
-        sync()
-        e2e.append((time.perf_counter() - t0) * 1e6)
-        queued.append((t1 - t0) * 1e6)
-    return {"e2e_us": statistics.median(e2e), "queue_us": statistics.median(queued)}
 
 
 def _time_resident(group, n, blocks, iters=200):
@@ -100,7 +40,7 @@ def _time_resident(group, n, blocks, iters=200):
                 fast.allreduce(n)
             runs.append((time.perf_counter() - t0) * 1e6 / iters)
         out = {"us": statistics.median(runs)}
-        out.update(_time_host(lambda: fast.allreduce(n), lambda: None, iters))
+        out.update(time_host(lambda: fast.allreduce(n), lambda: None, iters))
     return out
 
 
@@ -141,13 +81,13 @@ def rank_main(rank, nranks, device, sizes, methods, conn, init_file, use_nccl, b
                 else:
                     def run(n=n, m=method, cap=cap):
                         group.allreduce(n, "float32", algo=m, synchronize=False, max_blocks=cap)
-                iters = _iters(nbytes)
+                iters = iters_for(nbytes)
                 for _ in range(3):
                     run()
                 group.synchronize()
-                row[name] = {"us": _time_device(run, group.stream, iters)}
+                row[name] = {"us": time_device(run, group.stream, iters)}
                 if nbytes <= (1 << 20):
-                    row[name].update(_time_host(run, group.synchronize, 200))
+                    row[name].update(time_host(run, group.synchronize, 200))
                 if name == "auto":
                     row[name]["algo"] = group.algorithm(nbytes)
             results.append(row)
@@ -174,11 +114,11 @@ def _nccl(rank, nranks, device, sizes, results, init_file):
             for _ in range(3):
                 run()
             torch.cuda.synchronize()
-            row["nccl"] = {"us": _time_device(
-                run, stream, _iters(nbytes),
+            row["nccl"] = {"us": time_device(
+                run, stream, iters_for(nbytes),
                 new_event=lambda: torch.cuda.Event(enable_timing=True))}
             if nbytes <= (1 << 20):
-                row["nccl"].update(_time_host(run, torch.cuda.synchronize, 200))
+                row["nccl"].update(time_host(run, torch.cuda.synchronize, 200))
     finally:
         dist.destroy_process_group()
 
@@ -282,9 +222,6 @@ def table(results, methods, blocks=(None,)):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "train":
-        from pympgu import bench_train
-        return bench_train.main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m pympgu.bench", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)

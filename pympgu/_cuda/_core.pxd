@@ -57,7 +57,6 @@ cdef extern from "pympgu.h" nogil:
         cudaEvent_t side_first
         void *shadow
         size_t shadow_offset
-        int barrier_on_xla
         pmg_stream_sync *stream_sync
         uint32_t *stream_flags[PMG_MAX_RANKS]
         cudaEvent_t marks[PMG_MARKS]

@@ -41,35 +41,33 @@ the largest share of samples the driver held down for power or heat): a step is 
 a GPU held below its top clock. With ``--repeats N`` every row runs N times, in rounds, and
 shows its median run, with the spread and each round's scaling: one run in new processes
 says little where the rows differ by a few per cent, and eager DDP's, paced by its host,
-moved from 0.78 to 1.00 between runs (docs/BENCHMARKS.md).
+moves the most between runs.
 
 ``--env NAME=A,B`` compares settings of an environment variable that pympgu's workers read
-(PYMPGU_STREAM_BARRIER, say; README, "Environment variables"): every multi-GPU pympgu row
+(PYMPGU_BESIDE_BLOCKS, say; pympgu.settings): every multi-GPU pympgu row
 runs once per value, its variant named with the setting, and with --repeats the settings
 alternate within each round, beside the same round's 1-GPU runs, which keep the environment
 as given. Several --env flags run every combination.
 
     python -m pympgu.bench train --gpus 0 1 --models wide --variants overlap4 --no-ddp \\
-        --repeats 4 --env PYMPGU_STREAM_BARRIER=1,0
+        --repeats 4 --env PYMPGU_BESIDE_BLOCKS=64,128
 """
 import argparse
 import contextlib
-import functools
 import itertools
 import json
 import os
 import re
-import statistics
 import sys
-import time
-import traceback
 
-from .exchange import ITEMSIZE, METHODS
-from .models import OPTIMIZERS
-from .precision import DTYPES as COMPUTE_DTYPES
-from .precision import autocast
-from .schedule import SCHEDULES
-from .train import ADAM_LR, optimizer_defaults
+from ..exchange import METHODS
+from ..models import OPTIMIZERS
+from ..precision import DTYPES as COMPUTE_DTYPES
+from ..schedule import SCHEDULES
+from ..training.config import ADAM_LR, RunConfig, optimizer_defaults
+from .steps import pympgu_worker
+from .torch_ddp import (DDP_LAYOUTS, DDP_SYSTEMS, DDP_TIMEOUT_S, ddp_systems, has_torch_twin,
+                        run_ddp)
 
 MODELS = {
     "seed": dict(hidden=[500], lr=0.13, momentum=0.0, batch_size=5000, l1=0.0, l2=1e-4),
@@ -78,14 +76,14 @@ MODELS = {
 
 
 def model_config(name, hidden=None):
-    """The configuration of a model to time: MODELS[name], or, for a model of one's own
+    """The RunConfig fields of a model to time: MODELS[name], or, for a model of one's own
     (``FILE.py:CLASS`` or ``MODULE:CLASS``, as pympgu.train's --model), the wide MLP's batch
     and optimiser with ``hidden`` (default: the model's default_hidden, as pympgu.train's)
     passed to it."""
     if name in MODELS:
         return dict(MODELS[name])
     if not hidden:
-        from .models import load
+        from ..models import load
         hidden = load(name).default_hidden
     return dict(MODELS["wide"], hidden=list(hidden), model=name)
 
@@ -108,501 +106,7 @@ VARIANTS = {  # name: (sync_every, overlap, exchange dtype, exchange inside the 
     "sync1-bf16": (1, False, "bfloat16", True),
     "bf16-py": (1, False, "bfloat16", False),
 }
-# The PyTorch baselines: DDP as most scripts run it (eager), and with each step captured in
-# a CUDA graph (one launch a step), its fastest form for a small model whose host is slower
-# than its GPU: eager DDP's host takes all of each step to issue it, so its scaling measures
-# the host (0.78 to 1.00 on the same machine, docs/BENCHMARKS.md, sessions 12 and 17).
-# 'DDP-bf16' is eager DDP with PyTorch's bf16_compress_hook, the gradients all-reduced in
-# bfloat16: the counterpart of pympgu's 'sync1-bf16', and run with it. 'DDP-pympgu' is
-# eager DDP whose buckets pympgu.ddp's hook averages in place of NCCL (--ddp-pympgu), and
-# 'DDP-pympgu-graph' the same captured in a graph: the kernels count their barriers and
-# sequence numbers on in device memory, so a replay is a fresh exchange.
-# name: (captured in a graph, DDP's communication hook; None: its own all-reduce).
-DDP_SYSTEMS = {"DDP": (False, None), "DDP-graph": (True, None),
-               "DDP-bf16": (False, "bf16_compress"), "DDP-pympgu": (False, "pympgu"),
-               "DDP-pympgu-graph": (True, "pympgu")}
 
-
-def ddp_systems(variants, graphs=True, hook=False):
-    """The DDP_SYSTEMS a run of ``variants`` times: eager DDP, and with ``graphs`` DDP in a
-    CUDA graph; DDP-bf16 beside 'sync1-bf16'; with ``hook``, DDP with pympgu's hook, eager
-    and (with ``graphs``) in a graph."""
-    systems = ["DDP", "DDP-graph"] if graphs else ["DDP"]
-    if "sync1-bf16" in variants:
-        systems.append("DDP-bf16")
-    if hook:
-        systems += ["DDP-pympgu", "DDP-pympgu-graph"] if graphs else ["DDP-pympgu"]
-    return tuple(systems)
-
-
-# How DDP's twin lays out a convolution's images: channels last by default, the layout a
-# PyTorch user tuning for speed picks (PyTorch's performance guide), or its default NCHW.
-DDP_LAYOUTS = ("channels-last", "nchw")
-# Eager DDP steps queued behind a held GPU to time them on the GPU alone: few enough that
-# their kernels fit CUDA's launch queue (about 40 a step), so the host never waits.
-GPU_TIMED_STEPS = 10
-
-
-# ---------------------------------------------------------------- pympgu workers
-
-def pympgu_worker(ctx, cfg, steps, warmup, plain_jax):
-    """One rank: time `steps` training steps with exchanges, as the training loop runs them."""
-    import numpy as np
-
-    from .clocks import Clocks
-    from .schedule import Schedule
-    from .train import Replica, Sync, _setup_backend, make_exchanger
-    _setup_backend(ctx, "jax")
-    rep = Replica(ctx, cfg)
-    rep.seed_noise(0)  # each rank its own masks, as in training (--dropout)
-    ex = make_exchanger(ctx, rep, cfg)
-    try:
-        ntrain = len(rep.dataset.train[1])
-        rng = np.random.default_rng(ctx.rank)
-        batches = rep.device_batches([rng.integers(0, ntrain, cfg["batch_size"]).astype(np.int32)
-                                      for _ in range(warmup + steps)])
-        sync = Sync(rep, ex, cfg["sync_every"], cfg["overlap"], cfg.get("xla_exchange", True))
-        # The rate set before every step as the training loop sets it (Replica.apply_rate).
-        schedule = Schedule(cfg["lr"], warmup + steps, cfg.get("schedule", "constant"))
-        if cfg.get("xla_exchange", True) and ex is not None and not ctx.is_cpu and not sync.fused \
-                and cfg["method"] != "copy":
-            # A variant meant to run inside XLA (VARIANTS: float32) that cannot: say so,
-            # rather than time the Python-queued exchange under its name.
-            raise RuntimeError(f"the exchange cannot run inside XLA: {ex.xla_unavailable()}")
-        for i, idx in enumerate(batches[:warmup]):
-            rep.apply_rate(schedule, i)
-            sync.step(idx, i, last=i == warmup - 1)
-        sync.drain()
-        rep.wait()
-        if ctx.nranks > 1:
-            ctx.barrier()
-        sync.seconds = loop_s = 0.0
-        with Clocks(ctx.device if not ctx.is_cpu else None) as clocks:
-            t0 = time.perf_counter()
-            for i, idx in enumerate(batches[warmup:]):
-                t1 = time.perf_counter()
-                rep.apply_rate(schedule, warmup + i)
-                sync.step(idx, i, last=i == steps - 1)
-                loop_s += time.perf_counter() - t1
-            sync.drain()
-            rep.wait()
-            wall = time.perf_counter() - t0
-        # Host time per step: in the training call (with a fused exchange, that too), and in
-        # exchanges queued on their own.
-        out = {"samples_per_s": ctx.nranks * cfg["batch_size"] * steps / wall,
-               "ms_per_step": 1e3 * wall / steps, "fused": sync.fused,
-               "sync_host_ms_per_step": 1e3 * sync.seconds / steps,
-               "step_host_ms_per_step": 1e3 * (loop_s - sync.seconds) / steps,
-               "sm_mhz": clocks.mhz, "clock_capped": clocks.capped}
-        if ex is not None:
-            # Elements a regular exchange moves: half the state (the parameters or the
-            # momentum) or all of it.
-            moved = ex.part(*rep.part(sync.regular))
-            out["wire_bytes"] = moved * ITEMSIZE[ex.wire_dtype or ex.dtype]
-            out["exchanges"] = ex.stats["exchanges"]
-            out["road"] = ex.xla_road
-            if not ctx.is_cpu:
-                out["bare_kernel_ms"] = _bare_kernel_ms(ex, moved)
-        if plain_jax:
-            out["pytensor_ms"], out["direct_ms"], out["plain_jax_ms"] = _time_rounds(
-                [(rep.train_fn, rep.wait), (rep.step, rep.wait), _plain_jax_step(rep, cfg)],
-                batches)
-            if not ctx.is_cpu and ctx.nranks == 1:
-                out["r1"] = _exchange_overhead(ctx, rep, cfg)
-        return out
-    finally:
-        if ex is not None:
-            ex.close()
-
-
-def _bare_kernel_ms(ex, n=None):
-    """Device time of the exchange kernel alone on the first n elements of the exchanger's
-    buffer (default: all), in its wire dtype. Every rank runs it together: each call crosses
-    the GPU barrier."""
-    from .bench import _time_device
-    g = ex.backend.group
-    dtype = ex.wire_dtype or ex.dtype
-    n = ex.total if n is None else n
-    if ex.method == "copy":
-        def run():
-            g.copy_average(n, dtype, synchronize=False)
-    else:
-        def run():
-            g.allreduce(n, dtype, algo=ex.method, synchronize=False,
-                        max_blocks=ex.max_blocks)
-    for _ in range(3):
-        run()
-    g.synchronize()
-    return _time_device(run, g.stream, 20) / 1e3
-
-
-def _exchange_overhead(ctx, rep, cfg, calls=20):
-    """One whole exchange of the replica's state with R = 1 (pack, kernel, unpack and the
-    JAX copy-back: every pass but the link's), from an idle GPU until its result is ready,
-    beside the kernel alone on the same bytes. On one GPU this isolates what the Exchanger
-    adds around the kernel. The parts are host times: queueing the pack (with the arrays'
-    DLPack exports), the average, and the unpack; the JAX import and split queue after."""
-    from .exchange import Exchanger
-    from .train import state_layout
-    with Exchanger(ctx, state_layout(rep), method=cfg["method"]) as ex:
-        rep.exchange(ex)
-        rep.wait()
-        before = dict(ex.stats)
-        samples, queued = [], []
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            rep.exchange(ex)
-            t1 = time.perf_counter()
-            rep.wait()
-            samples.append(1e3 * (time.perf_counter() - t0))
-            queued.append(1e3 * (t1 - t0))
-        per = {k: 1e3 * (ex.stats[k] - before[k]) / calls for k in ("pack_s", "average_s",
-                                                                     "unpack_s")}
-        return {"exchange_ms": statistics.median(samples), "kernel_ms": _bare_kernel_ms(ex),
-                "bytes": ex.nbytes, "pack_ms": per["pack_s"], "average_ms": per["average_s"],
-                "unpack_ms": per["unpack_s"], "queued_ms": statistics.median(queued),
-                "copy_back_ms": statistics.median(queued) - sum(per.values())}
-
-
-def _time_rounds(calls, batches, rounds=5):
-    """The median ms per call of each ``(call, wait)`` in ``calls``, each called on every
-    batch back to back, then waited for. After one call each (compilation), they are timed
-    in rounds, each once a round, so that a drift of the GPU between them touches each
-    alike. Timed one after another, three times each, the direct call read 0.602 ms a step
-    while the run's own 300 steps through it took 0.584 (docs/BENCHMARKS.md, session 24)."""
-    for call, wait in calls:
-        call(batches[0])
-        wait()
-    samples = [[] for _ in calls]
-    for _ in range(rounds):
-        for (call, wait), times in zip(calls, samples):
-            wait()
-            t0 = time.perf_counter()
-            for idx in batches:
-                call(idx)
-            wait()
-            times.append(1e3 * (time.perf_counter() - t0) / len(batches))
-    return [statistics.median(times) for times in samples]
-
-
-def _plain_jax_step(rep, cfg):
-    """The same step written directly in JAX (grad of the same loss, one jitted function,
-    the same optimizer at a fixed rate), as ``(call, wait)`` for _time_rounds."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    model = rep.model
-    params = [jnp.asarray(np.asarray(p.get_value())) for p in model.params]
-    adam = model.optimizer != "sgd"
-    vel = [jnp.zeros_like(p) for p in params * (2 if adam else 1)]  # donated: distinct
-    x_all, y_all = (jnp.asarray(np.asarray(v.get_value())) for v in model.data_vars[:2])
-    lr, mu, l2 = (np.float32(cfg[k]) for k in ("lr", "momentum", "l2"))
-    kept = np.float32(1) - lr * np.float32(cfg.get("weight_decay", 0.0))  # AdamW's weights
-    b2, eps, k = np.float32(model.beta2), np.float32(model.eps), len(params)
-    clip = np.float32(model.clip_norm)
-    ema = np.float32(model.ema)
-
-    def loss(params, x, y):
-        h = x
-        for i in range(0, len(params) - 2, 2):
-            h = jnp.tanh(h @ params[i] + params[i + 1])
-        logits = h @ params[-2] + params[-1]
-        nll = -jnp.mean(jnp.sum(y * jax.nn.log_softmax(logits, axis=1), axis=1))
-        return nll + l2 * sum(jnp.sum(params[i] ** 2) for i in range(0, len(params), 2))
-
-    def update(params, vel, x_all, y_all, idx):
-        # Autocast around the gradient, not inside it: the backward pass's products are
-        # then in the traced program too, and read bfloat16 as pympgu's do.
-        cost, g = autocast(jax.value_and_grad(loss), cfg.get("compute_dtype"))(
-            params, x_all[idx], y_all[idx])
-        if clip:  # as optax.clip_by_global_norm would, with torch's 1e-6
-            norm = jnp.sqrt(sum(jnp.sum(gi * gi) for gi in g))
-            g = [gi * jnp.minimum(np.float32(1), clip / (norm + np.float32(1e-6))) for gi in g]
-        if adam:
-            m = [mu * mi + (1 - mu) * gi for mi, gi in zip(vel[:k], g)]
-            v = [b2 * si + (1 - b2) * gi * gi for si, gi in zip(vel[k:], g)]
-            params = [p * kept if i % 2 == 0 and model.optimizer == "adamw" else p
-                      for i, p in enumerate(params)]
-            return ([p - lr * mi / (jnp.sqrt(vi) + eps) for p, mi, vi in zip(params, m, v)],
-                    m + v, cost)
-        vel = [mu * v - lr * gi for v, gi in zip(vel, g)]
-        return [p + v for p, v in zip(params, vel)], vel, cost
-
-    # The dataset is an argument, not a closed-over constant, and the state is donated, as
-    # a JAX user would write it.
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def step(params, vel, x_all, y_all, idx):
-        if not ema:
-            return update(params, vel, x_all, y_all, idx)
-        # --ema: the average after the optimizer's state, moved from the new parameters.
-        held, average = vel[:len(vel) - k], vel[len(vel) - k:]
-        params, held, cost = update(params, held, x_all, y_all, idx)
-        return params, held + [ema * a + (1 - ema) * p for a, p in zip(average, params)], cost
-
-    # Donated arrays must be distinct: the average starts as a copy of the parameters.
-    state = [params, vel + ([jnp.array(p, copy=True) for p in params] if ema else [])]
-
-    def call(idx):
-        state[0], state[1], _ = step(state[0], state[1], x_all, y_all, jnp.asarray(idx))
-
-    return call, lambda: jax.block_until_ready(state)
-
-
-# ---------------------------------------------------------------- DDP
-
-def has_torch_twin(cfg):
-    """Whether cfg's model has a PyTorch twin for the DDP rows: the MLP has; a model of one's
-    own has if its class defines ``torch_twin(n_in, hidden, n_out)`` (examples/lenet.py)."""
-    if "model" not in cfg:
-        return True
-    from .models import load
-    return callable(getattr(load(cfg["model"]), "torch_twin", None))
-
-
-def torch_twin(cfg, n_in, n_out):
-    """cfg's model in PyTorch (a torch.nn.Module on the CPU taking flat inputs (batch,
-    n_in)): the MLP's tanh layers, or what a model of one's own gives (has_torch_twin)."""
-    import torch
-    if "model" in cfg:
-        from .models import load
-        return load(cfg["model"]).torch_twin(n_in, list(cfg["hidden"]), n_out)
-    sizes = [n_in, *cfg["hidden"], n_out]
-    layers = []
-    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
-        layers.append(torch.nn.Linear(a, b))
-        if i < len(sizes) - 2:
-            layers.append(torch.nn.Tanh())
-    return torch.nn.Sequential(*layers)
-
-
-def lay_out(model, layout):
-    """Lay out the convolutions of ``model`` (a torch module) as ``layout`` (DDP_LAYOUTS)
-    says; returns ``layout``, or None for a model without convolutions."""
-    import torch
-    convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
-    if not convs:
-        return None
-    if layout == "channels-last":
-        # The layout cuDNN's fastest convolutions take on tensor cores (2.4 times as fast
-        # as NCHW for the ResNet's step, docs/BENCHMARKS.md, session 33): the filters
-        # stored so, and each convolution's input made so, which costs a copy at the first
-        # and nothing after.
-        model.to(memory_format=torch.channels_last)
-        for conv in convs:
-            conv.register_forward_pre_hook(
-                lambda _, args: (args[0].contiguous(memory_format=torch.channels_last),
-                                 *args[1:]))
-    return layout
-
-
-def ddp_rank(rank, world, devices, cfg, n_in, n_out, steps, warmup, init_file, graph=False):
-    """One DDP rank: the same model (torch_twin), batch and optimiser in PyTorch; rank 0
-    returns timings.
-    With ``graph``, the whole step (forward, backward with DDP's all-reduces, optimiser) is
-    captured once in a CUDA graph and replayed, PyTorch's recipe for a step whose host is
-    slower than its GPU: one launch a step, so the GPU sets the pace."""
-    import torch
-    import torch.distributed as dist
-    device = devices[rank]
-    torch.cuda.set_device(device)
-    # JAX multiplies float32 matrices in TF32 on these GPUs by default; torch does not.
-    # Give DDP the same precision, or the comparison measures the precision, not the system.
-    torch.set_float32_matmul_precision("high")
-    # Ranks sharing a GPU (DDP-pympgu alone, measure) set up through gloo: NCCL refuses them.
-    backend = "nccl" if len(set(devices)) == len(devices) else "gloo"
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    hook_state = None
-    try:
-        # Capture needs DDP built and warmed up on a stream other than the default one, and
-        # at least 11 eager steps first (DDP settles its buckets in the first ones).
-        side = torch.cuda.Stream() if graph else None
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # no-op for None
-            model = torch_twin(cfg, n_in, n_out).cuda()
-            layout = lay_out(model, cfg.get("ddp_layout", DDP_LAYOUTS[0]))
-            ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device])
-            hook = cfg.get("ddp_hook")
-            if hook == "bf16_compress":  # DDP-bf16
-                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-                ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
-            elif hook == "pympgu":  # DDP-pympgu
-                from . import ddp as pympgu_ddp
-                hook_state = pympgu_ddp.register(ddp)
-            # The weights, as pympgu penalises them; biases (one dimension) are not.
-            weights = [p for p in model.parameters() if p.dim() > 1]
-            biases = [p for p in model.parameters() if p.dim() <= 1]
-            # pympgu's cost has l2 * sum(W^2), whose gradient is 2 * l2 * W: weight decay 2 * l2
-            # (Adam's, too, is added to the gradient); AdamW's is its own, decoupled.
-            adamw = cfg.get("optimizer", "sgd") == "adamw"
-            groups = [{"params": weights,
-                       "weight_decay": cfg["weight_decay"] if adamw else 2 * cfg["l2"]},
-                      {"params": biases, "weight_decay": 0.0}]
-            if adamw:
-                opt = torch.optim.AdamW(groups, lr=cfg["lr"], eps=1e-8, capturable=graph,
-                                        betas=(cfg["momentum"], cfg.get("beta2", 0.999)))
-            elif cfg.get("optimizer", "sgd") == "adam":
-                # Its step count on the GPU (capturable) where the step is a graph replayed.
-                opt = torch.optim.Adam(groups, lr=cfg["lr"], eps=1e-8, capturable=graph,
-                                       betas=(cfg["momentum"], cfg.get("beta2", 0.999)))
-            else:
-                opt = torch.optim.SGD(groups, lr=cfg["lr"], momentum=cfg["momentum"])
-            # The default generator: a captured graph draws new indices at each replay.
-            torch.cuda.manual_seed(rank)
-            ntrain = 8000
-            x_all = torch.randn(ntrain, n_in, device="cuda")
-            y_all = torch.randint(0, n_out, (ntrain,), device="cuda")
-
-            low = cfg.get("compute_dtype", "float32") != "float32"
-            # --ema: the parameters' moving average, moved after each step by one fused
-            # lerp over them all, as timm's ModelEmaV3 does (capturable, unlike
-            # AveragedModel's update, which asks the host whether it is the first).
-            ema = cfg.get("ema", 0.0)
-            average = [p.detach().clone() for p in model.parameters()] if ema else []
-
-            def body():
-                idx = torch.randint(0, ntrain, (cfg["batch_size"],), device="cuda")
-                # pympgu's --compute-dtype bfloat16 in PyTorch's idiom: autocast, which
-                # multiplies in bfloat16 (and keeps the products' results so).
-                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=low):
-                    loss = torch.nn.functional.cross_entropy(ddp(x_all[idx]), y_all[idx])
-                loss.backward()
-                if cfg.get("clip_norm"):
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip_norm"])
-                opt.step()
-                if ema:
-                    with torch.no_grad():
-                        torch._foreach_lerp_(average, list(model.parameters()), 1.0 - ema)
-
-            def eager():
-                opt.zero_grad(set_to_none=True)
-                body()
-
-            for _ in range(max(warmup, 11) if graph else warmup):
-                eager()
-        step = eager
-        if graph:
-            torch.cuda.current_stream().wait_stream(side)
-            captured = torch.cuda.CUDAGraph()
-            # Captured with no gradients, backward writes them afresh at each replay.
-            opt.zero_grad(set_to_none=True)
-            # On the warm-up's stream: a gradient accumulated on another stream than the
-            # one its parameter's first backward ran on makes autograd wait across streams.
-            with torch.cuda.graph(captured, stream=side, capture_error_mode="thread_local"):
-                body()
-            step = captured.replay
-            for _ in range(warmup):
-                step()
-        torch.cuda.synchronize()
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        # PyTorch returns before the GPU is done, as JAX does: a loop as long as the whole
-        # means the host sets DDP's pace, not the GPU (or that the launch queue filled).
-        issued = time.perf_counter() - t0
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-        out = {"samples_per_s": world * cfg["batch_size"] * steps / wall,
-               "ms_per_step": 1e3 * wall / steps, "host_ms": 1e3 * issued / steps,
-               "tf32": bool(torch.backends.cuda.matmul.allow_tf32),
-               "layout": layout}
-        if not graph:
-            # What the GPUs alone take a step: a sleeping kernel holds each GPU while the
-            # host queues a few steps behind it, and events time them back to back. That is
-            # DDP's step if its host kept up.
-            dist.barrier()
-            torch.cuda.synchronize()
-            torch.cuda._sleep(int(2e8))  # about 0.1 s at H200's clock; the queueing takes ~0.02
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            for _ in range(GPU_TIMED_STEPS):
-                step()
-            end.record()
-            end.synchronize()
-            out["gpu_ms"] = begin.elapsed_time(end) / GPU_TIMED_STEPS
-        return out
-    finally:
-        if hook_state is not None:
-            hook_state.close()
-        # After NCCL work captured in a CUDA graph, destroy_process_group hangs in
-        # ncclCommDestroy (pytorch/pytorch#115388; both ranks of the 2-GPU graph run stopped
-        # there, docs/BENCHMARKS.md, session 17): _ddp_entry ends such a rank without it.
-        if not graph:
-            dist.destroy_process_group()
-
-
-# How long a DDP run may go without a word from every rank (a run takes about 15 s).
-DDP_TIMEOUT_S = 120
-
-
-def _ddp_entry(rank, conn, args, stall_s):
-    import faulthandler
-    # A rank stuck in NCCL or CUDA says nothing: print where every thread is before the
-    # parent gives up on it.
-    faulthandler.dump_traceback_later(stall_s)
-    try:
-        conn.send(("result", ddp_rank(rank, *args)))
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-        raise SystemExit(1)
-    finally:
-        faulthandler.cancel_dump_traceback_later()
-    if args[-1]:  # graph: no teardown of its process group (ddp_rank); os._exit skips the
-        # interpreter's, which may reach the same NCCL call, and the parent reaps the process.
-        conn.close()
-        os._exit(0)
-
-
-def run_ddp(devices, cfg, n_in, n_out, steps, warmup, graph=False, timeout=DDP_TIMEOUT_S):
-    """DDP over devices in spawned processes (``graph``: each step a CUDA graph); rank 0's
-    timings. The first rank to fail, die or stall past ``timeout`` seconds raises at once
-    (its peers would wait for it in NCCL forever), and every child is reaped."""
-    import multiprocessing as mp
-    import multiprocessing.connection
-    import tempfile
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="pympgu-ddp-") as tmp:
-        args = (len(devices), devices, cfg, n_in, n_out, steps, warmup, os.path.join(tmp, "init"),
-                graph)
-        pipes, procs, ok = [], [], False
-        try:
-            for rank in range(len(devices)):
-                a, b = ctx.Pipe()
-                p = ctx.Process(target=_ddp_entry, args=(rank, b, args, max(1, timeout - 10)),
-                                daemon=True)
-                p.start()
-                pipes.append(a)
-                procs.append(p)
-            results, deadline = {}, time.monotonic() + timeout
-            pending = {pipe: rank for rank, pipe in enumerate(pipes)}
-            while pending:
-                ready = mp.connection.wait(list(pending), max(0.0, deadline - time.monotonic()))
-                if not ready:
-                    raise RuntimeError(f"DDP ranks {sorted(pending.values())} said nothing "
-                                       f"for {timeout} s")
-                for pipe in ready:
-                    rank = pending.pop(pipe)
-                    try:
-                        kind, value = pipe.recv()
-                    except EOFError:
-                        raise RuntimeError(f"DDP rank {rank} died (exit code "
-                                           f"{procs[rank].exitcode})") from None
-                    if kind == "error":
-                        raise RuntimeError(f"DDP rank {rank} failed:\n{value}")
-                    results[rank] = value
-            ok = True
-            return results[0]
-        finally:
-            for p in procs:
-                p.join(30 if ok else 0)
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
-
-
-# ---------------------------------------------------------------- driver
 
 def env_settings(specs):
     """The combinations of ``--env`` specs (each ``NAME=V1,V2,...``), as a list of dicts in
@@ -639,10 +143,11 @@ def environment(values):
                 os.environ[k] = v
 
 
-def run_pympgu(devices, cfg, steps, warmup, plain_jax=False):
+def run_pympgu(devices, cfg, steps, warmup, plain_jax=False, inside=True):
     """pympgu on devices (None entries: CPU workers); rank 0's timings, every rank's clock."""
-    from .launch import launch
-    args = (cfg, steps, warmup, plain_jax)
+    from ..launch import launch
+    cfg = cfg.replace(devices=tuple(devices))
+    args = (cfg, steps, warmup, plain_jax, inside)
     if devices[0] is None:
         results = launch(pympgu_worker, args, cpu=len(devices))
     else:
@@ -675,8 +180,8 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
     row alike), and each row is its median run; ``runs_ms`` lists every run's ms per step
     and ``run_scalings`` each round's scaling against the 1-GPU run of the same round (and
     ``run_scalings_alone`` against each GPU's own run alone in that round)."""
-    from . import data as datamod
-    from . import models as modelmod
+    from .. import data as datamod
+    from .. import models as modelmod
     ds = datamod.load(data)
     for name in models:  # a model of one's own that cannot be built: ModelError, here
         if name not in MODELS:
@@ -685,39 +190,38 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
     multi = len(gpus) > 1
     groups = [gpus[:n] for n in (ranks or [len(gpus)]) if n > 1]
     for name in models:
-        base = dict(model_config(name, hidden), data=data, backend="jax", method=method,
-                    seed=0, epochs=1, resume=None, out=None, sync_every=1, overlap=False,
-                    exchange_dtype="float32", exchange_blocks=exchange_blocks,
-                    optimizer=optimizer, schedule=schedule, dropout=dropout,
-                    compute_dtype=compute_dtype, ddp_layout=ddp_layout, clip_norm=clip_norm,
-                    ema=ema)
-        base.update(optimizer_defaults(optimizer))
+        fields = dict(model_config(name, hidden), data=data, backend="jax", method=method,
+                      epochs=1, exchange_blocks=exchange_blocks, optimizer=optimizer,
+                      schedule=schedule, dropout=dropout, compute_dtype=compute_dtype,
+                      clip_norm=clip_norm, ema=ema)
+        fields.update(optimizer_defaults(optimizer))
         if batch_size is not None:
-            base["batch_size"] = batch_size
+            fields["batch_size"] = batch_size
+        base = RunConfig(**fields)
         # A model of one's own has no plain JAX form, and a PyTorch twin (DDP) only if its
-        # class gives one (has_torch_twin).
-        runs = [("pympgu", gpus[:1], "-", base, "model" not in base and not dropout, {})]
+        # class gives one (has_torch_twin). Each run: (system, devices, variant, config,
+        # plain JAX step, environment, the exchange inside the step's XLA call).
+        runs = [("pympgu", gpus[:1], "-", base, base.model is None and not dropout, {}, True)]
         if multi and gpus[0] is not None:  # each other GPU alone
-            runs += [("pympgu", [g], "-", base, False, {})
+            runs += [("pympgu", [g], "-", base, False, {}, True)
                      for g in dict.fromkeys(gpus[1:]) if g != gpus[0]]
         for group in groups:
             for v in variants:
                 k, overlap, wire, in_xla = VARIANTS[v]
-                cfg = dict(base, sync_every=k, overlap=overlap, exchange_dtype=wire,
-                           xla_exchange=in_xla)
+                cfg = base.replace(sync_every=k, overlap=overlap, exchange_dtype=wire)
                 for env in settings:
                     label = " ".join([v, *(f"{n}={x}" for n, x in env.items())])
-                    runs.append(("pympgu", group, label, cfg, False, env))
+                    runs.append(("pympgu", group, label, cfg, False, env, in_xla))
         if gpus[0] is not None and has_torch_twin(base):
             for system in ddp:
-                runs.append((system, gpus[:1], "-", base, False, {}))
+                runs.append((system, gpus[:1], "-", base, False, {}, None))
                 # NCCL refuses two ranks on one GPU; pympgu's hook shares one (gloo then
                 # carries DDP's setup, ddp_rank), which checks its logic, not its speed.
-                runs += [(system, group, "-", base, False, {}) for group in groups
+                runs += [(system, group, "-", base, False, {}, None) for group in groups
                          if len(set(group)) == len(group) or DDP_SYSTEMS[system][1] == "pympgu"]
         done = [[] for _ in runs]  # each run's results, one per round
         for k in range(repeats):
-            for (system, devs, variant, cfg, plain, env), results in zip(runs, done):
+            for (system, devs, variant, cfg, plain, env, inside), results in zip(runs, done):
                 where = f"{len(devs)} CPU workers" if devs[0] is None else f"GPUs {devs}"
                 what = f"{model_label(name)}: {system} on {where}, variant {variant}" + (
                     f", run {k + 1} of {repeats}" if repeats > 1 else "")
@@ -725,12 +229,12 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
                 if system == "pympgu":
                     # The plain JAX step's timings once: they do not depend on the round.
                     with environment(env):
-                        r = run_pympgu(devs, cfg, steps, warmup, plain and k == 0)
+                        r = run_pympgu(devs, cfg, steps, warmup, plain and k == 0, inside)
                 else:
                     try:
                         graph, hook = DDP_SYSTEMS[system]
-                        r = run_ddp(devs, dict(cfg, ddp_hook=hook), ds.n_in,
-                                    ds.n_classes, steps, warmup, graph=graph)
+                        r = run_ddp(devs, cfg, ds.n_in, ds.n_classes, steps, warmup,
+                                    graph=graph, layout=ddp_layout, hook=hook)
                     except RuntimeError as e:  # a baseline that fails leaves the others
                         log(f"  {what} failed, no row: {e}", flush=True)
                         r = None
@@ -739,7 +243,7 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
                 if r is not None:
                     log(f"  {what}: {r['ms_per_step']:.3f} ms/step, "
                         f"{r['samples_per_s']:.0f} samples/s", flush=True)
-        for (system, devs, variant, cfg, _, env), results in zip(runs, done):
+        for (system, devs, variant, cfg, _, env, _), results in zip(runs, done):
             kept = [r for r in results if r is not None]
             if not kept:
                 continue
@@ -747,7 +251,7 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
             # what only the first run timed.
             median = sorted(kept, key=lambda r: r["ms_per_step"])[(len(kept) - 1) // 2]
             row = dict(kept[0], **median, model=model_label(name), system=system,
-                       gpus=list(devs), variant=variant, batch=cfg["batch_size"],
+                       gpus=list(devs), variant=variant, batch=cfg.batch_size,
                        optimizer=optimizer, compute_dtype=compute_dtype, clip_norm=clip_norm,
                        ema=ema,
                        schedule=schedule if system == "pympgu" else None,
@@ -813,6 +317,7 @@ def _run_by_run(scalings):
 
 
 def table(rows):
+    """The rows (measure) as the benchmark prints them."""
     from .clocks import describe
 
     def where(r):
@@ -898,8 +403,6 @@ def main(argv=None):
                              "the model's default_hidden)")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
                         help="pympgu variants for the multi-GPU rows (default: all)")
-    # 100 steps of the wide MLP (65 ms) read 0.01-0.02 ms a step slower than 300 in the same
-    # run (docs/BENCHMARKS.md, session 11).
     parser.add_argument("--batch-size", type=int, default=None, metavar="B",
                         help="every row's minibatch per GPU, drawn at random from the "
                              "training set (default: each model's own: 5000 for the seed, "
@@ -972,7 +475,7 @@ def main(argv=None):
         settings = env_settings(args.env)
     except ValueError as e:
         parser.error(f"--env: {e}")
-    from . import cuda
+    from .. import cuda
     if args.schedule != "constant" and not args.no_ddp and args.cpu is None:
         parser.error("--schedule times pympgu's rows alone: add --no-ddp")
     if args.dropout and not args.no_ddp and args.cpu is None:
@@ -1033,8 +536,8 @@ def main(argv=None):
         print("  one GPU: only the 1-GPU rows (give two or more GPUs for scaling)", flush=True)
     ddp = (ddp_systems(args.variants, graphs=not args.no_ddp_graph, hook=args.ddp_pympgu)
            if use_ddp else ())
-    from .data import DataError
-    from .models import ModelError
+    from ..data import DataError
+    from ..models import ModelError
     try:  # measure loads the dataset and builds a --model before any worker starts
         rows = measure(gpus, models, args.variants, args.steps, args.warmup,
                        args.data_dir, ddp, exchange_blocks=args.exchange_blocks,
@@ -1052,3 +555,4 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump({"gpus": gpus, "names": names, "rows": rows}, f, indent=1)
     return 0
+

@@ -15,10 +15,9 @@ class Clocks:
     apply CUDA_VISIBLE_DEVICES).
 
     Why: after a few seconds of the wide MLP an H200 spends most samples held below its
-    1980 MHz, more so with the exchange's traffic (NVLink, DMA, HBM), and its steps take
-    longer (0.584 ms at 1946 MHz against 0.580 at 1980). A timing that starts on a cool GPU
-    does not see it, so a comparison must say at which clock each side ran
-    (docs/BENCHMARKS.md, session 13)."""
+    top clock for power, and its steps take longer. A timing that starts on a cool GPU does
+    not see it, so a comparison must say at which clock each side ran (docs/DECISIONS.md,
+    "Clocks beside timings")."""
 
     # nvmlClocksEventReasons: SwPowerCap, HwSlowdown, SwThermalSlowdown, HwThermalSlowdown,
     # HwPowerBrakeSlowdown.

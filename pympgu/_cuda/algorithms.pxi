@@ -1,0 +1,57 @@
+# 'auto''s choice of algorithm by buffer size: the thresholds come from pympgu.settings
+# (docs/DECISIONS.md, "Algorithm thresholds"), read once when a PeerGroup is made.
+
+LL_MAX_BYTES = PMG_LL_MAX_BYTES
+
+
+def ll_max_bytes(int nranks):
+    """Largest buffer 'auto' averages with 'll' (one crossing of the link, no barrier;
+    csrc/pympgu.h); above it, one-shot or two-shot. PYMPGU_LL_MAX_BYTES, at most
+    LL_MAX_BYTES (0 turns 'll' off)."""
+    return min(settings.get().ll_max_bytes, LL_MAX_BYTES)
+
+
+def oneshot_max_bytes(int nranks):
+    """Largest buffer 'auto' sends one-shot; above it, two-shot (PYMPGU_ONESHOT_MAX_BYTES)."""
+    return settings.get().oneshot_max_bytes
+
+
+def push_min_bytes(int nranks):
+    """Smallest buffer 'auto' averages with 'push' (two-shot by stores) rather than
+    'twoshot'; PeerGroups at least this large get a staging area by default
+    (PYMPGU_PUSH_MIN_BYTES)."""
+    return settings.get().push_min_bytes
+
+
+def ce_min_bytes(int nranks):
+    """Smallest buffer 'auto' averages with 'ce' (two-shot, every byte by DMA) rather than
+    'push', in a PeerGroup with a staging area (PYMPGU_CE_MIN_BYTES)."""
+    return settings.get().ce_min_bytes
+
+
+def ce_chunk_bytes():
+    """Bytes of each of the last two pipelined chunks of a rank's slice in the 'ce'
+    algorithm; each chunk before them is twice the one after it (ce_chunks;
+    PYMPGU_CE_CHUNK_BYTES; every rank must use the same)."""
+    return settings.get().ce_chunk_bytes
+
+
+def ce_chunks(int nranks, size_t n, dtype, chunk_bytes=None):
+    """The bounds, in elements from the start of a rank's slice, of the chunks that the 'ce'
+    algorithm pipelines for n elements of dtype over nranks ranks: a list of chunks + 1
+    offsets, the last the slice's length. chunk_bytes defaults to ce_chunk_bytes()."""
+    cdef size_t bounds[PMG_CE_MAX_CHUNKS + 1]
+    cdef int count = 0
+    cdef size_t last = ce_chunk_bytes() if chunk_bytes is None else chunk_bytes
+    status = pmg_ce_chunks(nranks, n, dtype_code(dtype), last, bounds, &count)
+    if status:
+        _raise(status, f"ce_chunks(nranks={nranks}, n={n}, chunk_bytes={last})")
+    return [bounds[i] for i in range(count + 1)]
+
+
+ALGORITHMS = ("ll", "oneshot", "twoshot", "push", "ce")
+# The C API's code of each algorithm (pmg_algo).
+# (The overlapped XLA pair also has "gather": pympgu.xla.)
+ALGORITHM_CODES = {"ll": PMG_ALGO_LL, "oneshot": PMG_ALGO_ONESHOT,
+                   "twoshot": PMG_ALGO_TWOSHOT, "push": PMG_ALGO_PUSH, "ce": PMG_ALGO_CE,
+                   "gather": PMG_ALGO_GATHER}

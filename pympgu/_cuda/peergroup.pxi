@@ -1,0 +1,540 @@
+# The group of processes that average a buffer together: its registered block, the peers'
+# mappings, the kernels' launches, and its registration for the XLA operations.
+
+cdef class Resident  # below: a PeerGroup knows its running one
+
+
+cdef class PeerGroup:
+    """This process's replica in a group of nranks processes that average a buffer together.
+
+    It allocates one registered block on the current (or given) device: a signal area that
+    peers write barrier flags into, the mailboxes they store into for the algorithm 'll'
+    (2 * nranks * 512 KiB), then ``nbytes`` of data, then (``staging``) the area the
+    peers store into for the algorithms 'push' and 'ce', (nranks - 1) / nranks of ``nbytes``.
+    staging=None allocates it when 'auto' would use it, for buffers of at least
+    ``push_min_bytes(nranks)``. ``shadow`` adds nranks - 1 copies of ``nbytes`` that the
+    peers copy their arrays into by DMA: the XLA operations' 'gather' algorithm then needs no
+    pack (pympgu.xla.average_results, correct_during); without it, the shadow they need is
+    private and allocated on first use. Every rank must pass the same nbytes, staging,
+    shadow and stream_barriers. With ``stream_barriers`` (the default), more than one rank
+    and a driver with stream memory operations it also makes the page of flags that the XLA
+    pair's stream barriers use (HostFlags), named ``flags_prefix`` and random digits;
+    without, the pair's barriers are kernels, which hold an SM while they wait. Share ``handle`` (the block's 64-byte
+    IPC handle, then that page's name) with the peers, then ``connect()`` with every rank's
+    handle in rank order; after that ``allreduce()`` averages the data buffers of all ranks
+    in place with no host round-trip. ``close()`` unmaps the peers and frees the block.
+    """
+    cdef pmg_peers peers
+    cdef readonly int rank
+    cdef readonly int nranks
+    cdef readonly size_t nbytes
+    cdef readonly size_t data_offset
+    cdef size_t stage_offset  # from the data to the staging area
+    cdef readonly int device
+    cdef readonly int max_blocks
+    cdef readonly bint connected
+    cdef public uint64_t timeout_ns
+    cdef readonly object block
+    cdef readonly Stream stream
+    cdef readonly size_t stage_bytes
+    cdef object mappings
+    cdef object shadow  # a private shadow's DeviceBuffer
+    cdef readonly size_t shadow_offset  # from the data to the shared shadow; 0: none
+    cdef Stream copy_stream
+    cdef Event order
+    cdef int64_t _xla_id
+    cdef Stream side  # the overlapped XLA pair's, made with the registration
+    cdef Event side_in, side_out, side_first
+    cdef pmg_stream_sync sync  # the XLA pair's stream barriers (pmg_group.stream_sync)
+    cdef object watchdog  # the thread that times them out, once they are used
+    cdef object watch_stop
+    # The stream barriers' flags (stream_barriers, where the driver has the operations):
+    # this rank's, and every rank's mapped here once connected (this one's too).
+    cdef HostFlags flags
+    cdef object rank_flags
+    cdef object marks  # the pair's timeline events (record_timeline), or None
+    # 'auto''s thresholds, read once: they are looked up at every small exchange.
+    cdef size_t ll_max, oneshot_max, push_min, ce_min
+    cdef Resident _resident  # while one runs: nothing else may exchange
+
+    def __init__(self, int rank, int nranks, size_t nbytes, device=None, double timeout=60.0,
+                 staging=None, bint shadow=False, flags_prefix=None,
+                 bint stream_barriers=True):
+        if nranks < 1 or nranks > PMG_MAX_RANKS:
+            raise ValueError(f"nranks must be 1 to {PMG_MAX_RANKS}, got {nranks}")
+        if rank < 0 or rank >= nranks:
+            raise ValueError(f"rank {rank} is outside 0..{nranks - 1}")
+        if device is not None:
+            set_device(device)
+        self.device = get_device()
+        self.rank = rank
+        self.nranks = nranks
+        self.nbytes = nbytes
+        self.timeout_ns = <uint64_t>(timeout * 1e9)
+        # The signal block, then the LL mailboxes (csrc/pympgu.h), then the data.
+        self.data_offset = _align(sizeof(pmg_signal) + pmg_ll_bytes(nranks), _PAGE)
+        self.ll_max = ll_max_bytes(nranks)
+        self.oneshot_max = oneshot_max_bytes(nranks)
+        self.push_min = push_min_bytes(nranks)
+        self.ce_min = ce_min_bytes(nranks)
+        if staging is None:
+            staging = nranks > 1 and nbytes >= self.push_min
+        self.stage_bytes = pmg_stage_bytes(nranks, nbytes) if staging else 0
+        self.stage_offset = _align(nbytes, _PAGE)
+        cdef size_t end = self.stage_offset + self.stage_bytes
+        self.shadow_offset = 0
+        if shadow and nranks > 1:
+            self.shadow_offset = _align(end, _PAGE)
+            end = self.shadow_offset + (nranks - 1) * _align(nbytes, _PAGE)
+        self.block = DeviceBuffer(_align(self.data_offset + end, _PAGE))
+        self.stream = Stream()
+        self._resident = None
+        if self.stage_bytes:
+            self.copy_stream = Stream()
+            self.order = Event(timing=False)
+        self.mappings = []
+        self.shadow = None
+        self.connected = False
+        self.max_blocks = min(2 * device_sm_count(self.device), PMG_MAX_BLOCKS)
+        memset(&self.peers, 0, sizeof(pmg_peers))
+        cdef void *base = <void *><uintptr_t>self.block.ptr
+        # Zero the flags, counters and mailboxes before the handle leaves this process: a
+        # peer may signal into them as soon as it has mapped them.
+        cdef cudaStream_t s = self.stream.handle
+        with nogil:
+            check(pmg_memset_async(base, 0, self.data_offset, s))
+            check(pmg_stream_synchronize(s))
+        self.rank_flags = []
+        if nranks > 1 and stream_barriers and pmg_stream_barrier_available() == 0:
+            self.flags = HostFlags(_flags_name(flags_prefix), create=True)
+
+    @property
+    def handle(self):
+        """What the peers need to connect to this rank: the 64-byte IPC handle of its
+        registered block, then the name of its stream barriers' flags page, if it has one."""
+        return ipc_get_handle(self.block) + (self.flags.name.encode() if self.flags else b"")
+
+    @property
+    def flags_name(self):
+        """The name of this rank's stream barrier flags page in /dev/shm, or None."""
+        return self.flags.name if self.flags is not None else None
+
+    @property
+    def sm_count(self):
+        return device_sm_count(self.device)
+
+    def data(self, dtype="uint8", shape=None, size_t offset=0):
+        """A DeviceArray view of this rank's data buffer, written by work on the group's
+        stream: consumers that name a stream through DLPack are ordered after it."""
+        if shape is None:
+            shape = ((self.nbytes - offset) // _ITEMSIZE[str(dtype)],)
+        if offset + (np.prod(shape, dtype=np.int64) * _ITEMSIZE[str(dtype)]) > self.nbytes:
+            raise ValueError("view overruns the group's data buffer")
+        return self.block.view(dtype, shape, self.data_offset + offset, self.stream)
+
+    @property
+    def data_ptr(self):
+        return self.block.ptr + self.data_offset
+
+    def shadow_view(self, dtype="float32"):
+        """A DeviceArray of ``dtype`` over the shared shadow (nranks - 1 slots; the XLA
+        pair's peers push into it), or None without one. pympgu.xla.shadow_array gives it
+        to JAX."""
+        if not self.shadow_offset:
+            return None
+        n = (self.nranks - 1) * _align(self.nbytes, _PAGE) // _ITEMSIZE[dtype]
+        return self.block.view(dtype, (n,), self.data_offset + self.shadow_offset)
+
+    def connect(self, handles, max_blocks=None):
+        """Map every peer's block; handles[r] is rank r's handle (ours is skipped).
+
+        max_blocks must be the same on every rank (the launcher passes twice the smallest
+        SM count in the group); by default twice this device's.
+        """
+        if self.connected:
+            raise RuntimeError("PeerGroup.connect called twice")
+        if len(handles) != self.nranks:
+            raise ValueError(f"connect needs {self.nranks} handles, got {len(handles)}")
+        if max_blocks is not None:
+            if not 1 <= max_blocks <= PMG_MAX_BLOCKS:
+                raise ValueError(f"max_blocks must be 1 to {PMG_MAX_BLOCKS}, got {max_blocks}")
+            self.max_blocks = max_blocks
+        ipc, names = _split_handles(handles, self.nranks)
+        if (names is None) != (self.flags is None):  # this rank's own handle was not given
+            raise ValueError(f"rank {self.rank}: handles[{self.rank}] is not this group's "
+                             "handle (stream barrier flags "
+                             f"{'missing' if names is None else 'unexpected'})")
+        set_device(self.device)
+        cdef uintptr_t base
+        try:
+            for r, h in enumerate(ipc):
+                if r == self.rank:
+                    base = self.block.ptr
+                else:
+                    m = IpcMapping(h)
+                    self.mappings.append(m)
+                    base = m.ptr
+                self.peers.signal[r] = <pmg_signal *>base
+                self.peers.data[r] = <void *>(base + self.data_offset)
+            for r, name in enumerate(names or ()):
+                self.rank_flags.append(self.flags if r == self.rank else
+                                       HostFlags(name, create=False))
+        except CudaError as e:
+            self._unmap()
+            raise CudaError(e.status, e.name, e.message,
+                            f"rank {self.rank} could not map rank {r}'s buffer") from None
+        except OSError as e:  # a peer's flags page: gone, or never made on this machine
+            self._unmap()
+            raise OSError(e.errno, f"rank {self.rank} could not map rank {r}'s stream barrier "
+                                   f"flags: {e.strerror}", e.filename) from None
+        self.connected = True
+
+    cdef _require(self, size_t n, int code):
+        self._require_idle()
+        self._require_fit(n, code)
+
+    cdef _require_fit(self, size_t n, int code):
+        if n * pmg_dtype_size(code) > self.nbytes:
+            raise ValueError(f"{n} elements do not fit the group's {self.nbytes}-byte buffer")
+
+    cdef _require_idle(self):
+        if not self.connected:
+            raise RuntimeError("PeerGroup is not connected: call connect(handles) first")
+        if self._resident is not None:
+            raise RuntimeError(f"rank {self.rank}: the group's resident exchange is running; "
+                               f"average through it, or close it first")
+
+    def resident(self, blocks=None):
+        """Start this rank's resident exchange (a :class:`Resident`; every rank starts its
+        own): a kernel left running that averages the group's buffer by 'll' each time
+        ``Resident.allreduce`` rings it, with no launch, for up to LL_MAX_BYTES. ``blocks``
+        (default RESIDENT_BLOCKS, at most the SM count) of 512 threads stay on the GPU until
+        it is closed; meanwhile the group's other methods refuse, and so does
+        ``cuda.synchronize()``: anything that waits for the whole device (torch.cuda.
+        synchronize, cudaFree) would wait for it forever."""
+        self._require_idle()
+        cdef int b = RESIDENT_BLOCKS if blocks is None else blocks
+        if not 1 <= b <= min(self.sm_count, PMG_MAX_BLOCKS):
+            raise ValueError(f"blocks must be 1 to the GPU's {self.sm_count} SMs (every block "
+                             f"must fit on the device at once), got {b}")
+        return Resident(self, b)
+
+    def algorithm(self, size_t nbytes, algo="auto"):
+        """The algorithm ('ll', 'oneshot', 'twoshot', 'push' or 'ce') that allreduce would
+        use for nbytes."""
+        return self._choose(nbytes, algo)
+
+    cdef str _choose(self, size_t nbytes, algo):
+        if algo == "auto":
+            if nbytes <= self.ll_max:
+                return "ll"
+            if nbytes <= self.oneshot_max:
+                return "oneshot"
+            if self.stage_bytes and nbytes >= self.ce_min:
+                return "ce"
+            if self.stage_bytes and nbytes >= self.push_min:
+                return "push"
+            return "twoshot"
+        if algo not in ALGORITHMS:
+            raise ValueError(f"algo must be 'auto' or one of {ALGORITHMS}, got {algo!r}")
+        if algo in ("push", "ce") and not self.stage_bytes and self.nranks > 1:
+            raise ValueError(f"algo {algo!r} needs a PeerGroup made with staging=True")
+        if algo == "ll" and nbytes > LL_MAX_BYTES:
+            raise ValueError(f"algo 'll' averages at most {LL_MAX_BYTES} bytes, got {nbytes}")
+        return algo
+
+    def allreduce(self, size_t n, dtype="float32", algo="auto", bint synchronize=True,
+                  max_blocks=None, size_t offset=0):
+        """Average n elements of every rank's data buffer, in place, on the GPU: the first
+        n, or those from ``offset`` bytes in (a multiple of 16, for the kernels' vector
+        loads), so that arrays averaged one after another keep their own places, as
+        pympgu.ddp's gradient buckets do.
+
+        algo: 'll' (every rank stores its values, flagged, into every peer's mailbox: small
+        buffers), 'oneshot' (every rank reads every replica), 'twoshot' (each rank reads a slice
+        of every replica and stores its mean into all), 'push' (two-shot by stores only) and
+        'ce' (two-shot, every byte by DMA) are described in csrc/pympgu.h; 'push' and 'ce' need
+        staging (see the class). 'auto' picks by size. Every rank must call it with the same
+        n, dtype, algo and max_blocks. max_blocks (default: the group's) caps the kernel's
+        grid: fewer blocks leave SMs to work that runs beside the exchange. Returns the
+        algorithm used.
+        """
+        cdef int code = dtype_code(dtype)
+        self._require_idle()
+        if offset % 16:
+            raise ValueError(f"offset must be a multiple of 16 bytes, got {offset}")
+        if offset + n * pmg_dtype_size(code) > self.nbytes:
+            raise ValueError(f"{n} {dtype} elements from byte {offset} do not fit the "
+                             f"group's {self.nbytes}-byte buffer")
+        cdef int blocks = self.max_blocks if max_blocks is None else max_blocks
+        if not 1 <= blocks <= PMG_MAX_BLOCKS:
+            raise ValueError(f"max_blocks must be 1 to {PMG_MAX_BLOCKS}, got {blocks}")
+        chosen = self._choose(n * pmg_dtype_size(code), algo)
+        cdef int a = ALGORITHM_CODES[chosen]
+        # The kernels average from every rank's data[r]; staging and the LL mailboxes stay
+        # where they are (the staging's distance shrinks by the offset, the mailboxes hang
+        # off the signal block).
+        cdef pmg_peers shifted = self.peers
+        cdef size_t stage = self.stage_offset - offset
+        cdef int r
+        for r in range(self.nranks):
+            shifted.data[r] = <void *>(<char *>self.peers.data[r] + offset)
+        check(pmg_set_device(self.device))  # with the GIL held: it takes far less than a release
+        if chosen == "ce":
+            status = pmg_ce_allreduce_average(
+                &shifted, stage, self.rank, self.nranks, n, code, ce_chunk_bytes(),
+                blocks, self.timeout_ns, self.stream.handle,
+                self.copy_stream.handle if self.copy_stream is not None else NULL,
+                self.order.handle if self.order is not None else NULL)
+        else:
+            status = pmg_allreduce_average(&shifted, stage, self.rank, self.nranks, n, code, a,
+                                           blocks, self.timeout_ns, self.stream.handle)
+        self._launched(status, synchronize)
+        return chosen
+
+    def xla_id(self, bint shadow=False):
+        """This group's id for pympgu's XLA operations (pympgu.xla), registering it on first
+        use; close() unregisters it, after which functions traced with it fail with an error
+        rather than touch freed memory. shadow: the operations also get the shadow of the
+        gather algorithm: the shared one (see the class), or else a private one ((nranks - 1)
+        * nbytes, allocated once, here)."""
+        self._require_idle()
+        if self._xla_id and (not shadow or self.shadow_offset or self.shadow is not None
+                             or self.nranks == 1):
+            return self._xla_id
+        return self._register(shadow)
+
+    cdef int64_t _register(self, bint shadow) except -1:
+        """Register the group for the XLA operations, or update its registration."""
+        cdef pmg_group g
+        memset(&g, 0, sizeof(pmg_group))
+        g.peers = self.peers
+        g.stage_offset = self.stage_offset
+        g.nbytes = self.nbytes
+        g.rank, g.nranks, g.device = self.rank, self.nranks, self.device
+        g.timeout_ns = self.timeout_ns
+        if self.copy_stream is not None:
+            g.copy_stream = self.copy_stream.handle
+            g.event = self.order.handle
+        set_device(self.device)
+        if self.side is None:
+            self.side = Stream(high_priority=True)
+            self.side_in = Event(timing=False)
+            self.side_out = Event(timing=False)
+            self.side_first = Event(timing=False)
+        g.side = self.side.handle
+        g.side_in, g.side_out = self.side_in.handle, self.side_out.handle
+        g.side_first = self.side_first.handle
+        if self.rank_flags:
+            g.stream_sync = &self.sync
+            for r in range(self.nranks):
+                g.stream_flags[r] = <uint32_t *>(<HostFlags>self.rank_flags[r]).device
+            self._start_watchdog()
+        if self.marks is not None:
+            for i, ev in enumerate(self.marks):
+                g.marks[i] = (<Event>ev).handle
+        if shadow or self.shadow_offset or self.shadow is not None:
+            g.shadow = self._shadow()
+            g.shadow_offset = self.shadow_offset
+        check(pmg_xla_register(&g, &self._xla_id))  # a new id, or the same id updated
+        return self._xla_id
+
+    def _start_watchdog(self):
+        import threading
+        if self.watchdog is not None:
+            return
+        self.watch_stop = threading.Event()
+        self.watchdog = threading.Thread(target=self._watch, daemon=True,
+                                         name=f"pympgu-barrier-watchdog-{self.rank}")
+        self.watchdog.start()
+
+    def _watch(self):
+        """The stream barriers' timeout (a barrier kernel has its own): every so often, read
+        how far this rank's stream got (its flag of its own) and what each peer announced.
+        When the stream has waited more than the group's timeout for a peer that made no
+        progress, mark the group, so that every later start fails with an error naming that
+        peer (xla_ffi.cc, peers_in_step), say so on stderr, and from then on let the stream
+        past every barrier it waits at (write the number it waits for in the late peers'
+        place): XLA's stream, and the host behind it, are not held for good. The exchanges
+        let go that way end without the late peer's values. When the group closes, every
+        barrier still queued is let go, so that nothing on the device waits for good.
+
+        Plain loads and stores in host memory, and no CUDA call: the first launch of a kernel
+        that CUDA loads lazily waits for a pending stream wait and holds the driver
+        meanwhile, so a copy here could wait behind the very barrier it should release
+        (docs/DECISIONS.md, "Stream barriers")."""
+        import sys
+        import time
+        n, rank = self.nranks, self.rank
+        flags = self.flags.view
+        watch = BarrierWatch(rank, self.timeout_ns / 1e9)
+        while not self.watch_stop.wait(min(0.25, watch.timeout / 8)):
+            found = watch.late
+            late = watch.look([int(flags[p]) for p in range(n)], time.monotonic())
+            if found is None and watch.late is not None:
+                # Marked before the stream goes on: the start that follows must see it.
+                self.sync.late_rank_plus_one = watch.late + 1
+                print(f"pympgu: rank {rank} of {n} waited more than {watch.timeout:g} s at "
+                      f"an exchange's barrier for rank {watch.late}, which died or stopped "
+                      "exchanging; its next exchange fails", file=sys.stderr, flush=True)
+            for p in late:
+                flags[p] = flags[rank]
+        # Closing: no barrier is queued after this, so every one a peer has not announced
+        # yet is let go.
+        queued = self.sync.queued
+        for p in watch.behind([int(flags[p]) for p in range(n)], queued):
+            flags[p] = queued
+
+    def _stop_watchdog(self):
+        if self.watchdog is not None:
+            self.watch_stop.set()
+            self.watchdog.join()
+            self.watchdog = None
+
+    def record_timeline(self):
+        """Record timing events at each point of the exchanges through the XLA start/done
+        pair from now on (xla_timeline reads them), for the probes in benchmarks/. A
+        function traced before records them too: the group's registration is updated."""
+        if self.marks is None:
+            self.marks = [Event(timing=True) for _ in range(PMG_MARKS)]
+            if self._xla_id:
+                self._register(False)
+
+    def xla_timeline(self):
+        """Where the last exchange through the XLA start/done pair spent its time: a dict
+        of milliseconds from its (first) start on XLA's stream to each point of
+        ``XLA_MARKS`` (csrc/pympgu.h, pmg_mark). None unless record_timeline was called
+        before it. Waits for that exchange to end."""
+        if self.marks is None:
+            return None
+        self.marks[-1].synchronize()
+        start = self.marks[0]
+        return {name: start.elapsed_ms(ev) for name, ev in zip(XLA_MARKS, self.marks)}
+
+    def copy_average(self, size_t n, dtype="float32", bint synchronize=True):
+        """The seed's method: copy each peer's buffer into a shadow, then average locally."""
+        cdef int code = dtype_code(dtype)
+        self._require(n, code)
+        cdef void *shadow = self._shadow()
+        set_device(self.device)
+        self._launched(pmg_copy_average(&self.peers, self.rank, self.nranks, shadow, n, code,
+                                        self.timeout_ns, self.stream.handle), synchronize)
+
+    def gather(self, size_t n, dtype="float32", bint synchronize=True):
+        """First half of the copy method without GPU barriers: copy peers into the shadow.
+
+        For GPUs without peer access to each other's memory: hold a host barrier before
+        this and after it returns, then call shadow_average. ``synchronize=False`` leaves
+        the copies queued on the group's stream (benchmarks/probe_timeline.py runs them
+        beside a training step).
+        """
+        cdef int code = dtype_code(dtype)
+        self._require(n, code)
+        set_device(self.device)
+        self._launched(pmg_gather_peers(&self.peers, self.rank, self.nranks, self._shadow(), n,
+                                        code, self.stream.handle), synchronize)
+
+    def shadow_average(self, size_t n, dtype="float32", bint synchronize=True):
+        """Second half of the copy method: average own buffer and the shadow, in place."""
+        cdef int code = dtype_code(dtype)
+        self._require(n, code)
+        set_device(self.device)
+        self._launched(pmg_shadow_average(&self.peers, self.rank, self.nranks, self._shadow(),
+                                          n, code, self.stream.handle), synchronize)
+
+    def barrier(self, bint synchronize=True):
+        """A GPU-side barrier of the whole group, queued on the group's stream."""
+        self._require_idle()
+        set_device(self.device)
+        self._launched(pmg_device_barrier(&self.peers, self.rank, self.nranks, self.timeout_ns,
+                                          self.stream.handle), synchronize)
+
+    def synchronize(self):
+        """Wait for the group's stream."""
+        self._launched(0, True)
+
+    cdef void *_shadow(self) except? NULL:
+        if self.nranks == 1:
+            return NULL
+        if self.shadow_offset:
+            return <void *><uintptr_t>(self.block.ptr + self.data_offset + self.shadow_offset)
+        if self.shadow is None:
+            self.shadow = DeviceBuffer((self.nranks - 1) * _align(self.nbytes, _PAGE),
+                                       self.device)
+        return <void *><uintptr_t>self.shadow.ptr
+
+    cdef _launched(self, int status, bint synchronize):
+        if status == 0 and synchronize:
+            with nogil:
+                status = pmg_stream_synchronize(self.stream.handle)
+        if status != 0:
+            context = f"rank {self.rank} of {self.nranks}"
+            if status == 719:  # cudaErrorLaunchFailure: how a barrier timeout surfaces
+                context += (f" (if a peer died or stopped exchanging, the GPU barrier traps "
+                            f"after {self.timeout_ns / 1e9:g} s)")
+            _raise(status, context)
+
+    cdef _unmap(self):
+        errors = []
+        for m in self.mappings:
+            try:
+                m.close()
+            except CudaError as e:
+                errors.append(e)
+        self.mappings = []
+        for f in self.rank_flags:
+            if f is not self.flags:
+                try:
+                    f.close()
+                except CudaError as e:
+                    errors.append(e)
+        self.rank_flags = []
+        memset(&self.peers, 0, sizeof(pmg_peers))
+        self.connected = False
+        return errors
+
+    def close(self):
+        """Unmap every peer and free this rank's memory; calling it again does nothing."""
+        errors = []
+        if self._resident is not None:
+            try:
+                self._resident.close()
+            except CudaError as e:  # free the rest all the same
+                errors.append(e)
+        if self._xla_id:
+            pmg_xla_unregister(self._xla_id)
+            self._xla_id = 0
+        self._stop_watchdog()  # which lets every barrier still queued go
+        if self.side is not None and self.rank_flags:
+            # Its last barriers may still write into the peers' flags pages, unmapped next.
+            try:
+                self.side.synchronize()
+            except CudaError as e:
+                errors.append(e)
+        errors += self._unmap()
+        if self.flags is not None:
+            try:
+                self.flags.close()
+            except CudaError as e:
+                errors.append(e)
+            self.flags = None
+        if self.shadow is not None:
+            self.shadow.close()
+            self.shadow = None
+        if self.block is not None:
+            self.block.close()
+        if self.stream is not None:
+            self.stream.close()
+        if self.copy_stream is not None:
+            self.copy_stream.close()
+        if self.side is not None:
+            self.side.close()
+            self.side = None
+        if errors:
+            raise errors[0]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,20 @@
+"""pympgu's benchmarks, which print tables (speed is measured here, never by tests).
+
+    python -m pympgu.bench --gpus 0 1         # the exchange, 4 KiB to 1 GiB, against NCCL
+    python -m pympgu.bench train --gpus 0 1   # training samples/s and scaling against DDP
+
+Modules: exchange (the exchange benchmark), train (the training benchmark's rows and
+table), steps (pympgu's timed workers), torch_ddp (the PyTorch twins and DDP's ranks),
+timing and clocks (device and host time, and the SM clock a row ran at).
+"""
+import sys
+
+
+def main(argv=None):
+    """``python -m pympgu.bench [train] ...``."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "train":
+        from .train import main as train
+        return train(argv[1:])
+    from .exchange import main as exchange
+    return exchange(argv)

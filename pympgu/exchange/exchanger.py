@@ -1,0 +1,170 @@
+"""The Exchanger: a worker's arrays averaged with every other worker's, on CPUs or GPUs."""
+import math
+import time
+import warnings
+
+from .layout import ITEMSIZE, plan_layout
+
+METHODS = ("auto", "ll", "oneshot", "twoshot", "push", "ce", "copy")
+WIRE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class Exchanger:
+    """Averages a fixed list of parameter arrays across every worker of a run.
+
+    ``layout`` is a list of (name, shape, dtype); ``method`` is 'auto', one of the PeerGroup
+    algorithms ('ll', 'oneshot', 'twoshot', 'push', 'ce') or 'copy' (the seed's peer-copy method)
+    and only matters on GPUs. ``wire_dtype`` is None (the layout's dtype), or 'bfloat16' /
+    'float16' for float32 layouts (see the module docstring). ``max_blocks`` caps the GPU averaging kernel's grid (every rank must give the
+    same; None: twice the SM count), leaving SMs free for compute that overlaps it.
+    ``shadow`` (GPUs; every rank the same) gives the peer group a shared shadow, nranks - 1
+    more copies of the buffer, that peers copy their arrays into by DMA: the XLA exchanges
+    that overlap computation (pympgu.xla.average_results, correct_during) then need no
+    pack, and average_results can cut the step in two (pympgu.cuda.PeerGroup).
+    ``stream_barriers=False`` (GPUs; every rank the same) makes the XLA exchanges' barriers
+    kernels, as on drivers without stream memory operations.
+    ``stats`` adds up the host seconds spent in each step and counts exchanges.
+    """
+
+    def __init__(self, ctx, layout, method="auto", wire_dtype=None, timeout=60.0,
+                 max_blocks=None, shadow=False, stream_barriers=True):
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        self.ctx = ctx
+        self.layout = [(str(n), [int(s) for s in shape], str(d)) for n, shape, d in layout]
+        self.offsets, self.total, self.dtype = plan_layout(self.layout)
+        self.sizes = [math.prod(shape) for _, shape, _ in self.layout]
+        self.method = method
+        self.shadow = bool(shadow)
+        if max_blocks is not None and not 1 <= int(max_blocks) <= 512:
+            raise ValueError(f"max_blocks must be 1 to 512, got {max_blocks}")
+        self.max_blocks = None if max_blocks is None else int(max_blocks)
+        if wire_dtype in (None, self.dtype):
+            self.wire_dtype = None
+        elif wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire dtype must be one of {WIRE_DTYPES}, got {wire_dtype!r}")
+        elif self.dtype != "float32":
+            raise ValueError(f"a {wire_dtype} wire needs float32 parameters, the layout is "
+                             f"{self.dtype}")
+        else:
+            self.wire_dtype = wire_dtype
+        self.primed = self.wire_dtype is None  # ref is set by the first (exact) exchange
+        self.pending = None  # the kind of exchange started and not finished
+        self._started = None  # its entries (lo, hi) and their count of elements
+        self.stats = {"pack_s": 0.0, "average_s": 0.0, "unpack_s": 0.0, "exchanges": 0}
+        if ctx.is_cpu:
+            from .host import HostBackend
+            self.backend = HostBackend(self, timeout)
+        else:
+            from .gpu import CudaBackend
+            self.backend = CudaBackend(self, timeout, stream_barriers)
+
+    @property
+    def nbytes(self):
+        """Bytes of the staging buffer (enough for an exact exchange)."""
+        return self.total * ITEMSIZE[self.dtype]
+
+    @property
+    def wire_nbytes(self):
+        """Bytes each rank's buffer holds on the wire in a regular exchange."""
+        return self.total * ITEMSIZE[self.wire_dtype or self.dtype]
+
+    def start(self, arrays, flat=False, entries=None):
+        """Pack this rank's arrays and start averaging them; every rank must call it.
+
+        flat=True takes one 1-D array of ``total`` elements instead, laid out as finish's
+        flat result (each entry at its offset; the padding between entries zero): a
+        framework that packs its arrays itself then hands over a single array.
+        ``entries=(lo, hi)`` averages the layout's entries lo to hi - 1 alone (their flat
+        array has ``part(lo, hi)`` elements): they must have the shapes of the first
+        hi - lo entries, in whose place they cross (a model's momentum, after its
+        parameters), and only their bytes are sent. A low-precision wire keeps each
+        entry's own reference.
+        On the GPU the average may still be running when this returns: the arrays must stay
+        unchanged until finish(), and are kept alive until then.
+        """
+        if self.pending is not None:
+            raise RuntimeError("Exchanger.start called twice without finish()")
+        lo, hi = (0, len(self.layout)) if entries is None else entries
+        count = self.part(lo, hi)
+        if flat:
+            pairs = [("flat", self.dtype, 0, count, arrays)]
+        elif len(arrays) != hi - lo:
+            raise ValueError(f"start got {len(arrays)} arrays for {hi - lo} entries of the "
+                             "layout")
+        else:
+            pairs = [(self.layout[lo + i][0], self.dtype, self.offsets[i], self.sizes[lo + i], a)
+                     for i, a in enumerate(arrays)]
+        kind = "delta" if self.primed and self.wire_dtype else "exact"
+        t0 = time.perf_counter()
+        self.backend.pack(pairs, kind, self.offsets[lo])
+        t1 = time.perf_counter()
+        self.backend.average(self.wire_dtype if kind == "delta" else self.dtype, count)
+        self.stats["pack_s"] += t1 - t0
+        self.stats["average_s"] += time.perf_counter() - t1
+        self.pending = kind
+        self._started = (lo, hi, count)
+
+    def part(self, lo, hi):
+        """The elements that averaging the layout's entries lo to hi - 1 on their own
+        (start's ``entries``) takes in the buffer: they go where the first hi - lo entries
+        go, so they must have their shapes."""
+        n = len(self.layout)
+        if not 0 <= lo < hi <= n:
+            raise ValueError(f"entries ({lo}, {hi}) are not a part of a layout of {n}")
+        shapes = [shape for _, shape, _ in self.layout[lo:hi]]
+        if shapes != [shape for _, shape, _ in self.layout[:hi - lo]]:
+            raise ValueError(f"entries {lo} to {hi - 1} ({shapes}) must have the shapes of the "
+                             f"layout's first {hi - lo}, in whose place they are averaged")
+        return self.offsets[hi - lo] if hi - lo < n else self.total
+
+    def finish(self, flat=False, wait=True):
+        """Complete the started exchange; the averaged arrays (numpy, or DeviceArray views).
+
+        flat=True returns one 1-D array instead, each entry at its offset in ``offsets``
+        (``total`` elements; after ``start(entries=...)``, the part's count, laid out as the
+        first entries): a framework then imports the result once, not per array.
+        wait=False (GPU) does not wait for the average: the views are then for consumers
+        that import them through DLPack naming their stream, which orders them after it.
+        Either way they hold the result until the next start().
+        """
+        if self.pending is None:
+            raise RuntimeError("Exchanger.finish called with no exchange started")
+        kind, self.pending = self.pending, None
+        lo, hi, count = self._started
+        t0 = time.perf_counter()
+        # May queue more work (the wire's accumulate).
+        out = self.backend.unpack(kind, flat, hi - lo, count, self.offsets[lo])
+        t1 = time.perf_counter()
+        if wait:
+            self.backend.wait()
+        if kind == "exact" and self.wire_dtype and hi - lo == len(self.layout):
+            self.primed = True  # every entry's reference is set
+        self.stats["unpack_s"] += t1 - t0
+        self.stats["average_s"] += time.perf_counter() - t1
+        self.stats["exchanges"] += 1
+        return out
+
+    def average_arrays(self, arrays):
+        """start and finish in one call."""
+        self.start(arrays)
+        return self.finish()
+
+    def xla_average(self, arrays):
+        """Deprecated: ``pympgu.xla.average(arrays, exchanger)``."""
+        warnings.warn("Exchanger.xla_average is deprecated; call pympgu.xla.average(arrays, "
+                      "exchanger)", DeprecationWarning, stacklevel=2)
+        from .. import xla
+        return xla.average(arrays, self)
+
+    def close(self):
+        """Release the staging buffer and every peer mapping; calling it again does nothing."""
+        if self.backend is not None:
+            self.backend.close()
+            self.backend = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,173 @@
+"""GPU workers' exchange: a PeerGroup buffer shared through CUDA IPC, averaged by the kernels."""
+import os
+import warnings
+
+from .. import settings
+from .layout import ITEMSIZE
+
+
+class CudaBackend:
+    """GPU workers: a PeerGroup buffer shared through CUDA IPC, averaged by the fused kernel.
+
+    Everything runs on the group's stream, in order: pack, average, and (wire dtype) the
+    accumulation into ref; wait() synchronises it once.
+
+    Reusing the buffer needs no host wait either: what a consumer imported from the last
+    exchange is read before the arrays handed to the next start() are computed (they are
+    made from it), and pack waits for those; peers write into this buffer only after this
+    rank has packed (the kernel's GPU barrier).
+    """
+
+    # What every rank's group must share, beside its layout: ranks that queue different
+    # barriers (other grids, algorithms, chunks or cuts of the step) would wait for partners
+    # that never come, so a difference is refused before any exchange.
+    ALIKE = {"exchange_blocks": "cap the exchange kernel alike (max_blocks)",
+             "method": "use the same method",
+             "shadow": "give the Exchanger a shadow alike",  # peers copy into each other's
+             "stream_barriers": "make its Exchanger with stream_barriers alike",
+             "settings": "run with the same PYMPGU_* settings (pympgu.settings)"}
+
+    def __init__(self, ex, timeout, stream_barriers=True):
+        from .. import cuda, shm
+        self.cuda = cuda
+        ctx = self.ctx = ex.ctx
+        self.ex = ex
+        self.keep = None
+        # The staging area of 'push' and 'ce', and of 'auto' when the buffer is large enough
+        # that it would pick 'push'.
+        staging = {"push": True, "ce": True, "auto": None}.get(ex.method, False)
+        # The flags page is named after the run, so that the launcher removes what a failed
+        # run left in /dev/shm (shm.unlink_run).
+        self.group = cuda.PeerGroup(ctx.rank, ctx.nranks, ex.nbytes, device=ctx.device,
+                                    timeout=timeout, staging=staging, shadow=ex.shadow,
+                                    flags_prefix=shm.segment_name(ctx.token, ctx.rank) + "-flags",
+                                    stream_barriers=stream_barriers)
+        try:
+            if ex.method in cuda.ALGORITHMS:
+                # Refuse, before any exchange, a layout the method cannot take ('ll' beyond
+                # its mailboxes): the largest exchange is the exact one, in ex.dtype.
+                self.group.algorithm(ex.nbytes, ex.method)
+            current = settings.get()
+            facts = {"device": ctx.device, "sm_count": self.group.sm_count, "pid": os.getpid(),
+                     "exchange_blocks": ex.max_blocks, "method": ex.method,
+                     "shadow": ex.shadow, "stream_barriers": bool(stream_barriers),
+                     "settings": current.fingerprint()}
+            all_facts, blobs, max_blocks = ctx.register(ex.layout, facts, self.group.handle)
+            for key, what in self.ALIKE.items():
+                values = [f.get(key) for f in all_facts]
+                if len(set(values)) != 1:
+                    raise ValueError(f"every rank must {what}; {key} by rank: " +
+                                     ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)))
+            devices = [f["device"] for f in all_facts]
+            self.peer_ok = all(d == ctx.device or cuda.can_access_peer(ctx.device, d)
+                               for d in devices)
+            if not self.peer_ok:
+                warnings.warn(f"rank {ctx.rank}: GPU {ctx.device} has no peer access to every "
+                              f"GPU of {devices}; falling back to the copy method with host "
+                              "barriers", RuntimeWarning)
+            elif current.no_p2p:
+                # The fallback forced on GPUs that report peer access: for a broken P2P
+                # path, and to test the fallback where peer access works.
+                self.peer_ok = False
+                warnings.warn(f"rank {ctx.rank}: PYMPGU_NO_P2P=1: using the copy method with "
+                              "host barriers", RuntimeWarning)
+            self.group.connect(blobs, max_blocks=max_blocks)
+            # Padding between parameters is averaged too: give it defined contents.
+            self.group.data("uint8").fill_bytes(0)
+            self.copy_table = cuda.TensorTable(len(ex.layout), 1, ex.dtype)
+            self.packed = cuda.Event()  # the last pack has read its inputs
+            self.ref = self.delta_table = None
+            if ex.wire_dtype:
+                self.ref = cuda.DeviceBuffer(ex.nbytes, ctx.device)
+                self.delta_table = cuda.TensorTable(len(ex.layout), 2, ex.wire_dtype, op="delta")
+        except BaseException:
+            self.group.close()
+            raise
+
+    def pack(self, pairs, kind, shift):
+        ex = self.ex
+        out_dtype = ex.wire_dtype if kind == "delta" else ex.dtype
+        out_size, in_size = ITEMSIZE[out_dtype], ITEMSIZE[ex.dtype]
+        base, stream = self.group.data_ptr, self.group.stream
+        if self.keep is not None:
+            # The last exchange was finished without waiting: its inputs may be released
+            # once its pack has read them (long done, unless the host ran far ahead).
+            self.packed.synchronize()
+            self.keep = None
+        entries, keep = [], []
+        for name, dtype, off, size, a in pairs:
+            # Ordered after the array's producer on our stream, with no host wait.
+            info = self.cuda.array_info(a, f"parameter {name!r}", stream)
+            if info.size != size or info.dtype != dtype:
+                raise ValueError(f"parameter {name!r} is {info.size} {info.dtype} elements, "
+                                 f"the layout says {size} {dtype}")
+            keep.append(info)
+            ins = ((info.ptr, self.ref.ptr + (shift + off) * in_size) if kind == "delta"
+                   else (info.ptr,))
+            entries.append((ins, base + off * out_size, size))
+        table = self.delta_table if kind == "delta" else self.copy_table
+        table.set(entries)
+        table.launch(stream)
+        self.packed.record(stream)
+        # The kernel reads the arrays until `packed`: their owner must not free them before.
+        self.keep = keep
+
+    def average(self, dtype, n):
+        g = self.group
+        if not self.peer_ok:
+            g.synchronize()  # packed, before the host barrier tells peers to copy
+            self.ctx.barrier()
+            g.gather(n, dtype)
+            self.ctx.barrier()
+            g.shadow_average(n, dtype, synchronize=False)
+        elif self.ex.method == "copy":
+            g.copy_average(n, dtype, synchronize=False)
+        else:
+            g.allreduce(n, dtype, algo=self.ex.method, synchronize=False,
+                        max_blocks=self.ex.max_blocks)
+
+    def wait(self):
+        try:
+            self.group.synchronize()
+        finally:
+            self.keep = None
+
+    def unpack(self, kind, flat, k, count, shift):
+        ex, g = self.ex, self.group
+        itemsize = ITEMSIZE[ex.dtype]
+        source, base = g, 0
+        if ex.wire_dtype:
+            ref = self.ref.view("float32", (count,), shift * itemsize)
+            if kind == "delta":
+                self.cuda.accumulate(ref, g.data(ex.wire_dtype, (count,)), stream=g.stream,
+                                     synchronize=False)
+            else:
+                # The exact exchange sets ref; later regular exchanges only write the wire
+                # slots of their entries, so clear the float32 bytes that padding would read.
+                ref.copy_from(g.data("float32", (count,)))
+                g.data("uint8").fill_bytes(0)
+            source, base = self.ref, shift * itemsize
+
+        def view(dtype, shape, offset):
+            if source is g:
+                return g.data(dtype, shape, offset)
+            return source.view(dtype, shape, base + offset, g.stream)
+
+        if flat:
+            return view(ex.dtype, (count,), 0)
+        return [view(dtype, shape, off * itemsize)
+                for (_, shape, dtype), off in zip(ex.layout[:k], ex.offsets)]
+
+    def close(self):
+        try:
+            # Nothing queued may outlive the memory it uses: neither our kernels nor a
+            # consumer still reading the last result (JAX's streams too: device-wide).
+            self.cuda.set_device(self.group.device)
+            self.cuda.synchronize()
+        except self.cuda.CudaError:
+            pass  # a broken context: the error that broke it has been raised already
+        finally:
+            self.keep = None
+            if self.ref is not None:
+                self.ref.close()
+            self.group.close()

@@ -1,0 +1,92 @@
+"""CPU workers' exchange: staging buffers in POSIX shared memory, averaged by the host kernel."""
+import os
+
+import numpy as np
+
+from .. import _host, shm
+
+
+class HostBackend:
+    """CPU workers: staging buffers in POSIX shared memory, averaged by the host kernel."""
+
+    def __init__(self, ex, timeout):
+        ctx = self.ctx = ex.ctx
+        self.ex = ex
+        nbytes = ex.nbytes
+        name = shm.segment_name(ctx.token, ctx.rank)
+        self.segments = []
+        self.own = shm.Segment(name, nbytes, create=True)
+        try:
+            _, blobs, _ = ctx.register(ex.layout, {"pid": os.getpid()}, name.encode())
+            for r, blob in enumerate(blobs):
+                seg = self.own if r == ctx.rank else shm.Segment(blob.decode(), nbytes, create=False)
+                self.segments.append(seg)
+        except BaseException:
+            self.close()
+            raise
+        self.views = {}
+        for dtype in {ex.dtype, ex.wire_dtype or ex.dtype}:
+            storage = np.uint16 if dtype == "bfloat16" else np.dtype(dtype)
+            self.views[dtype] = [np.frombuffer(s.buffer, dtype=storage, count=ex.total)
+                                 for s in self.segments]
+        self.ref = np.zeros(ex.total, np.float32) if ex.wire_dtype else None
+
+    def pack(self, pairs, kind, shift):
+        """pairs: (name, dtype, offset, size, array) for each array to pack; shift: how far
+        past its offset in the buffer each array's reference is (a part, Exchanger.start)."""
+        ex, rank = self.ex, self.ctx.rank
+        own = self.views[ex.wire_dtype if kind == "delta" else ex.dtype][rank]
+        for name, _, off, size, a in pairs:
+            a = np.asarray(a)
+            if a.size != size:
+                raise ValueError(f"parameter {name!r} has {a.size} elements, layout says {size}")
+            if kind == "delta":
+                ref = self.ref[shift + off:shift + off + size]
+                _host.host_delta(np.ascontiguousarray(a, np.float32).reshape(-1), ref,
+                                 own[off:off + size], ex.wire_dtype)
+            else:
+                own[off:off + size] = a.reshape(-1)
+
+    def average(self, dtype, count):
+        """Average the buffers' first count elements: this rank's 1/R slice of them."""
+        rank = self.ctx.rank
+        chunk = -(-count // self.ctx.nranks)
+        lo = min(count, rank * chunk)
+        hi = min(count, lo + chunk)
+        arrays = self.views[dtype]
+        self.ctx.barrier()  # every rank has packed
+        mine = arrays[rank][lo:hi]
+        _host.host_average([a[lo:hi] for a in arrays], mine, dtype=dtype)
+        for r, a in enumerate(arrays):
+            if r != rank:
+                a[lo:hi] = mine
+        self.ctx.barrier()  # every slice has reached every rank
+
+    def wait(self):
+        pass  # the host average is complete when average() returns
+
+    def unpack(self, kind, flat, k, count, shift):
+        """The first k entries' averages (count elements of the buffer), whose references
+        lie shift elements further in ref."""
+        ex, rank = self.ex, self.ctx.rank
+        result = self.views[ex.dtype][rank][:count]
+        if ex.wire_dtype:
+            ref = self.ref[shift:shift + count]
+            if kind == "delta":
+                _host.host_accumulate(ref, self.views[ex.wire_dtype][rank][:count],
+                                      ex.wire_dtype)
+            else:
+                ref[:] = result
+            result = ref
+        if flat:
+            return result.copy()
+        return [result[off:off + size].reshape(shape).copy()
+                for (_, shape, _), off, size in zip(ex.layout[:k], ex.offsets, ex.sizes)]
+
+    def close(self):
+        self.views = {}  # drop the numpy views first, or the mappings cannot close
+        for seg in self.segments:
+            if seg is not self.own:
+                seg.close()
+        self.segments = []
+        self.own.close()

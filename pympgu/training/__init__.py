@@ -1,0 +1,11 @@
+"""Training one network on several workers by data parallelism (``python -m pympgu.train``).
+
+Modules, one concern each, calls running down the list: cli (the flags into a RunConfig),
+launcher (the run: checks, workers launched and supervised, the summary), report (what the
+user sees), worker (a worker's training loop), sync (when and how replicas meet), replica
+(a worker's model and state), checkpoint (the run's files), config (RunConfig).
+"""
+from .config import RunConfig, UsageError
+from .launcher import run
+
+__all__ = ["RunConfig", "UsageError", "run"]

@@ -1,0 +1,135 @@
+"""A run's files under --out: the checkpoints and their reading, and what a stopped run left.
+
+checkpoint.npz holds the last finished epoch, best.npz the epoch of least validation error,
+config.json the run's RunConfig (from which pympgu.evaluate builds the model). Each is
+replaced atomically, so that a crash leaves the previous one whole.
+"""
+import json
+import os
+import shutil
+
+CHECKPOINT = "checkpoint.npz"
+BEST = "best.npz"  # the checkpoint of the epoch of least validation error
+CONFIG = "config.json"  # the run's flags, from which pympgu.evaluate builds its model
+# A fresh run's config.json while the directory still holds an earlier run's checkpoints:
+# rank 0 moves it into place beside its own first checkpoint.
+CONFIG_NEXT = "config.json.next"
+METRICS = "metrics.jsonl"
+
+
+def save(path, model, values, epoch, history):
+    """Write ``model``'s state (``values``, numpy or JAX arrays in its state's order) and its
+    batch norms' statistics as the checkpoint of ``epoch`` at ``path``, atomically."""
+    import numpy as np
+    arrays = {s.name: np.asarray(v) for s, v in zip(model.state, values)}
+    # The norms' population statistics that the epoch's errors were evaluated with.
+    arrays.update({s.name: s.get_value() for s in model.statistics})
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        np.savez(f, __epoch__=epoch, __history__=json.dumps(history),
+                 __model__=model.describe(), __optimizer__=model.optimizer, **arrays)
+    os.replace(tmp, path)
+
+
+def keep_best(out):
+    """Keep --out's checkpoint as best.npz too (a copy, replaced atomically)."""
+    path = os.path.join(out, CHECKPOINT)
+    shutil.copyfile(path, path + ".best.tmp")
+    os.replace(path + ".best.tmp", os.path.join(out, BEST))
+
+
+def read(path, model, use="--resume {path}: cannot resume from it", variables=None, note=None):
+    """(epoch, history, values of ``variables``: ``model``'s state by default) from a
+    checkpoint that save wrote, or a ValueError, ``use`` (formatted with the path) and what
+    does not fit this model. ``note`` is called with a line when the checkpoint fits but
+    another optimizer trained it (Adam's moments serve AdamW as they are, and back), which
+    nothing else would tell."""
+    import numpy as np
+    made = None
+    try:
+        with np.load(path) as f:
+            epoch = int(f["__epoch__"])
+            history = json.loads(str(f["__history__"]))
+            # Checkpoints of SGD runs may lack the optimizer's name.
+            saved = str(f["__optimizer__"]) if "__optimizer__" in f.files else "sgd"
+            made = str(f["__model__"]) if "__model__" in f.files else None
+            if made:
+                made += f", trained by {saved}"
+            values, started = [], False
+            averaged = {id(a): p.name for p, a in zip(model.params, model.averages)}
+            for s in model.state if variables is None else variables:
+                name = s.name
+                if name not in f.files and id(s) in averaged:
+                    # Saved without --ema: this run starts the average at its parameters.
+                    name, started = averaged[id(s)], True
+                if name not in f.files:
+                    raise ValueError(f"it has no {name!r}")
+                v = f[name]
+                if v.shape != s.get_value(borrow=True).shape:
+                    raise ValueError(f"{s.name!r} is {v.shape}, this model's is "
+                                     f"{s.get_value(borrow=True).shape}")
+                values.append(v.astype(np.float32))
+    except (OSError, ValueError, KeyError) as e:
+        builds = f"{model.describe()}, trained by {model.optimizer}"
+        other = f" (it holds {made}; this run builds {builds})" if made and made != builds else ""
+        raise ValueError(f"{use.format(path=path)}: {e}{other}") from None
+    if note and saved != model.optimizer:
+        note(f"{path}: its state was trained by {saved}; this run goes on by {model.optimizer}")
+    if note and started:
+        note(f"{path}: it holds no moving average of the parameters; this run starts one at "
+             "them (--ema)")
+    return epoch, history, values
+
+
+def epoch_of(path):
+    """The epoch after which the checkpoint at ``path`` was written, or None where there is
+    none (or it cannot be read: this runs on the error path too, and never fails)."""
+    try:
+        import numpy as np
+        with np.load(path) as f:  # lazy: reads this one entry
+            return int(f["__epoch__"])
+    except Exception:
+        return None
+
+
+def stamp(out):
+    """When --out's checkpoint was last written (ns), or None: rank 0 replaces the file
+    after each epoch, so a new stamp means a new checkpoint."""
+    try:
+        return os.stat(os.path.join(out, CHECKPOINT)).st_mtime_ns if out else None
+    except OSError:
+        return None
+
+
+def replaces_a_run(out, resume):
+    """Whether a run writing into ``out`` replaces another run's checkpoints there: one it
+    does not resume from (a --resume from elsewhere appends to no log but its own)."""
+    if not out or not os.path.exists(os.path.join(out, CHECKPOINT)):
+        return False
+    return not resume or (os.path.realpath(os.path.dirname(os.path.abspath(resume)))
+                          != os.path.realpath(out))
+
+
+def left(out, before):
+    """What a run stopped early (interrupted, or a worker failed) leaves to resume from, in
+    words: the training itself is lost, but each finished epoch was checkpointed under
+    --out. ``before``: stamp(out) when the run started, to tell its checkpoint from one an
+    earlier run left in the same directory."""
+    if not out:
+        return "nothing was saved (--out DIR keeps a checkpoint after every epoch)"
+    path = os.path.join(out, CHECKPOINT)
+    epoch = epoch_of(path)
+    if epoch is None:
+        if os.path.exists(path):
+            return f"{path} cannot be read as a checkpoint"
+        return f"no epoch finished, so {out} holds no checkpoint"
+    if stamp(out) == before:
+        return f"no epoch of this run finished; {path} is an earlier run's (epoch {epoch})"
+    return f"epoch {epoch}'s checkpoint is in {path}: continue with --resume {out}"
+
+
+def epochs_since_best(history):
+    """Epochs since the one of least validation error in ``history`` (the first of equals,
+    the one best.npz keeps): 0 when the last epoch is the best."""
+    errors = [h["valid_error"] for h in history]
+    return len(errors) - 1 - errors.index(min(errors))

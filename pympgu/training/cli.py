@@ -1,0 +1,281 @@
+"""Train one network on several GPUs (or CPU workers) by data parallelism.
+
+    python -m pympgu.train --gpus 0 1            # one worker per GPU
+    python -m pympgu.train --cpu 2               # two CPU workers, no GPU needed
+    python -m pympgu.train                       # every visible GPU, else 2 CPU workers
+    python -m pympgu.train --model examples/residual_mlp.py:ResidualMLP   # your own model
+    python -m pympgu.train --out runs/a && python -m pympgu.evaluate runs/a   # then its errors
+
+Each worker trains a replica on its own minibatches (disjoint shards of every epoch); every
+--sync-every steps the replicas are averaged GPU to GPU by pympgu's kernels (CPU workers:
+through shared memory). Without --data-dir the MNIST test set shipped with pympgu is used,
+so it runs offline. docs/TRAINING.md explains the exchange's options.
+"""
+import argparse
+import os
+import sys
+
+from .. import settings
+from ..exchange import METHODS, WIRE_DTYPES
+from ..models import OPTIMIZERS, STATISTICS_EXAMPLES
+from ..precision import DTYPES as COMPUTE_DTYPES
+from ..schedule import SCHEDULES
+from . import checkpoint
+from .config import (ADAM_LR, ADAMW_DECAY, MAX_WORKERS, PRESETS, RunConfig, UsageError,
+                     auto_backend, optimizer_defaults)
+
+DEFAULTS = RunConfig()
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python -m pympgu.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("where to run")
+    g.add_argument("--gpus", type=int, nargs="+", metavar="I",
+                   help="GPU indexes, one worker each (default: every visible GPU)")
+    g.add_argument("--cpu", type=int, metavar="N",
+                   help="N CPU workers instead of GPUs (default without a usable GPU: 2)")
+    g = p.add_argument_group("data")
+    g.add_argument("--data-dir", metavar="DIR",
+                   help="MNIST-format IDX files, mnist.pkl.gz, 'fashion', 'digits', CIFAR's "
+                        "python version, or a .npz (docs/MODELS.md; default: embedded MNIST)")
+    g.add_argument("--flip", action="store_true",
+                   help="mirror each training image left to right with probability 1/2")
+    g.add_argument("--shift", type=int, metavar="PIXELS",
+                   help="move each training image by up to PIXELS each way (default: 0)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of the minibatch order, dropout and augmentation (default: 0)")
+    g = p.add_argument_group("model")
+    g.add_argument("--model", metavar="FILE.py:CLASS",
+                   help="a pympgu.models.Model subclass to train (default: the MLP)")
+    g.add_argument("--hidden", type=int, nargs="+", metavar="H",
+                   help=f"hidden widths (default: {DEFAULTS.hidden[0]}, or the model's own)")
+    g.add_argument("--preset", choices=sorted(PRESETS),
+                   help="dual_mlp: the 2014 seed's run; explicit flags override it")
+    g.add_argument("--dropout", type=float, metavar="RATE",
+                   help="drop hidden units with probability RATE in training (default: 0)")
+    g.add_argument("--bn-examples", type=int, metavar="N",
+                   help="training examples that estimate batch norms' statistics (default: "
+                        f"{STATISTICS_EXAMPLES})")
+    g.add_argument("--compute-dtype", choices=list(COMPUTE_DTYPES), default="float32",
+                   help="dtype of products and convolutions: bfloat16 is mixed precision")
+    g = p.add_argument_group("optimizer")
+    g.add_argument("--epochs", type=int, help=f"epochs (default: {DEFAULTS.epochs})")
+    g.add_argument("--batch-size", type=int,
+                   help=f"minibatch per worker (default: {DEFAULTS.batch_size})")
+    g.add_argument("--optimizer", choices=list(OPTIMIZERS), default=DEFAULTS.optimizer,
+                   help="sgd (with momentum), adam, or adamw (default: sgd)")
+    g.add_argument("--lr", type=float, help=f"learning rate (default: {DEFAULTS.lr}; "
+                   f"{ADAM_LR} for adam and adamw)")
+    g.add_argument("--schedule", choices=list(SCHEDULES), default=DEFAULTS.schedule,
+                   help="the rate after --warmup: held, or decayed to zero (default: constant)")
+    g.add_argument("--warmup", type=float, metavar="EPOCHS",
+                   help="ramp the rate up over this many epochs (default: 0)")
+    g.add_argument("--momentum", type=float,
+                   help=f"SGD's momentum, or Adam's beta1 (default: {DEFAULTS.momentum})")
+    g.add_argument("--nesterov", action="store_true", help="SGD with Nesterov's momentum")
+    g.add_argument("--beta2", type=float,
+                   help=f"Adam's second-moment decay (default: {DEFAULTS.beta2})")
+    g.add_argument("--weight-decay", type=float, metavar="WD",
+                   help=f"AdamW's decoupled weight decay (default: {ADAMW_DECAY})")
+    g.add_argument("--l1", type=float, help="L1 weight penalty (default: 0)")
+    g.add_argument("--l2", type=float, help=f"L2 weight penalty (default: {DEFAULTS.l2}; "
+                   "0 for adam and adamw)")
+    g.add_argument("--clip-norm", type=float, metavar="C",
+                   help="clip the gradients to a 2-norm of at most C (default: 0, off)")
+    g.add_argument("--label-smoothing", type=float, metavar="EPS",
+                   help="smooth the targets by EPS (default: 0, off)")
+    g.add_argument("--ema", type=float, metavar="DECAY",
+                   help="evaluate a moving average of the parameters (default: 0, off)")
+    g.add_argument("--patience", type=int, metavar="EPOCHS",
+                   help="stop after EPOCHS epochs without a better validation error")
+    g = p.add_argument_group("exchange")
+    g.add_argument("--sync-every", type=int, default=1, metavar="K",
+                   help="average the replicas every K steps (default: 1)")
+    g.add_argument("--overlap", action="store_true",
+                   help="average while the next step computes, then correct it")
+    g.add_argument("--exchange-dtype", choices=list(WIRE_DTYPES), default="float32",
+                   help="dtype on the wire: bfloat16 or float16 send half the bytes")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", metavar="DIR",
+                   help="write config.json, metrics.jsonl, checkpoints and curves.png here")
+    g.add_argument("--resume", metavar="PATH",
+                   help="continue from a checkpoint, or from an --out directory")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g = p.add_argument_group("advanced")
+    g.add_argument("--backend", choices=["auto", "c", "jax"], default="auto",
+                   help="PyTensor's backend: jax (GPUs need it) or c (default: auto)")
+    g.add_argument("--method", choices=list(METHODS), default="auto",
+                   help="the GPU averaging algorithm (default: auto, by size)")
+    g.add_argument("--exchange-blocks", type=int, metavar="B",
+                   help="cap the GPU averaging kernel at B thread blocks (1-512)")
+    g.add_argument("--port", type=int,
+                   help="the coordinator's port on 127.0.0.1 (default: a free one)")
+    return p
+
+
+# Flags whose value goes into the RunConfig as it is, when given.
+_PLAIN = ("hidden", "epochs", "batch_size", "lr", "momentum", "l1", "l2", "beta2",
+          "weight_decay", "clip_norm", "ema", "patience", "warmup", "dropout",
+          "label_smoothing", "shift", "bn_examples")
+
+
+def resolve(args, parser):
+    """The run's RunConfig from the flags, or a parser error naming the flag at fault (and
+    a note, or None: why the run falls back to CPU workers)."""
+    try:
+        settings.get()  # read again by every worker: a bad value fails here, before any
+    except settings.SettingsError as e:
+        parser.error(str(e))
+    values = {}
+    if args.preset:
+        values.update(PRESETS[args.preset])
+    values.update(optimizer=args.optimizer, schedule=args.schedule)
+    values.update(optimizer_defaults(args.optimizer))  # a preset's rate is SGD's
+    if args.optimizer == "sgd" and args.beta2 is not None:
+        parser.error("--beta2 is Adam's; give --optimizer adam or adamw with it")
+    for key in _PLAIN:
+        if getattr(args, key) is not None:
+            values[key] = getattr(args, key)
+    for key in ("nesterov", "flip"):
+        if getattr(args, key):
+            values[key] = True
+    if args.hidden is None and args.model and not args.preset:
+        from .. import models
+        try:  # the model's own widths (a convnet's channels are not the MLP's 500 units)
+            values["hidden"] = list(models.load(args.model).default_hidden)
+        except models.ModelError as e:
+            parser.error(str(e))
+    devices, note = _devices(args, parser)
+    cpu = devices[0] is None
+    backend = args.backend if args.backend != "auto" else auto_backend(cpu)
+    values.update(devices=devices, backend=backend, method=args.method,
+                  sync_every=args.sync_every, overlap=args.overlap,
+                  exchange_dtype=args.exchange_dtype, exchange_blocks=args.exchange_blocks,
+                  compute_dtype=args.compute_dtype, seed=args.seed, out=args.out,
+                  data=_data(args.data_dir, parser), model=_model(args.model),
+                  resume=_resume(args.resume, parser))
+    try:
+        cfg = RunConfig(**values)
+    except UsageError as e:
+        parser.error(str(e))
+    if cfg.warmup > cfg.epochs:
+        parser.error(f"--warmup must be 0 to --epochs ({cfg.epochs}), got {cfg.warmup}")
+    if not cpu:
+        _check_jax_for_gpus(parser)
+    return cfg, note
+
+
+def _devices(args, parser):
+    """The workers' devices (a GPU index, or None per CPU worker) and a note when the run
+    falls back to CPU workers, from --gpus and --cpu."""
+    from .. import cuda
+    if args.gpus is not None and args.cpu is not None:
+        parser.error("give --gpus or --cpu, not both")
+    if args.cpu is not None:
+        if not 1 <= args.cpu <= MAX_WORKERS:
+            parser.error(f"--cpu must be 1 to {MAX_WORKERS}, got {args.cpu}")
+        return [None] * args.cpu, None
+    ok, info = cuda.availability()
+    if args.gpus is None:
+        if ok:
+            return list(range(min(info, MAX_WORKERS))), None
+        return [None, None], f"no usable GPU ({info}); running 2 CPU workers"
+    if not ok:
+        parser.error(f"--gpus: no usable GPU here ({info}); --cpu N trains on N CPU workers")
+    if len(set(args.gpus)) != len(args.gpus):
+        parser.error(f"--gpus: indexes must be distinct, got {args.gpus}")
+    bad = [g for g in args.gpus if not 0 <= g < info]
+    if bad:
+        parser.error(f"--gpus: GPU {bad[0]} does not exist ({info} visible: 0..{info - 1})")
+    if len(args.gpus) > MAX_WORKERS:
+        parser.error(f"--gpus: at most {MAX_WORKERS} GPUs")
+    return list(args.gpus), None
+
+
+def _check_jax_for_gpus(parser):
+    """Refuse GPU workers when JAX has no CUDA backend installed, before any worker starts
+    (each would fail on its own). Found without importing JAX, which would take a CUDA
+    context on every GPU in this process."""
+    import importlib.util
+    if importlib.util.find_spec("jax") is None:
+        parser.error('--gpus: JAX is not installed; pip install "jax[cuda13]" (or cuda12, as '
+                     "your driver allows), or train on CPU workers with --cpu N")
+    plugins = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_plugins.xla_cuda13",
+               "jax_plugins.xla_cuda12")
+    for name in plugins:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return
+        except ModuleNotFoundError:
+            continue
+    parser.error('--gpus: JAX is installed without CUDA; pip install "jax[cuda13]" (or '
+                 "cuda12, as your driver allows), or train on CPU workers with --cpu N")
+
+
+def _data(data, parser):
+    """--data-dir, made absolute (so that pympgu.evaluate and --resume find it from any
+    directory), or a flag error when it names nothing."""
+    if data is None or data in ("fashion", "digits"):
+        return data
+    if not os.path.exists(data):
+        hint = ""
+        if "cifar" in data.lower():  # a name, as 'fashion' is: CIFAR must be downloaded
+            hint = (" (pympgu reads CIFAR as its authors ship it: download "
+                    "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz, or "
+                    "cifar-100-python.tar.gz, and give its path)")
+        parser.error(f"--data-dir {data}: no such file or directory{hint}")
+    return os.path.abspath(data)
+
+
+def _model(model):
+    """--model with its file made absolute, for the same reason as --data-dir."""
+    if model and model.rpartition(":")[0].endswith(".py"):
+        where, _, name = model.rpartition(":")
+        return f"{os.path.abspath(where)}:{name}"
+    return model
+
+
+def _resume(resume, parser):
+    """--resume as a checkpoint file (an --out directory's checkpoint.npz)."""
+    if not resume:
+        return None
+    path = os.path.join(resume, checkpoint.CHECKPOINT) if os.path.isdir(resume) else resume
+    if not os.path.isfile(path):
+        parser.error(f"--resume {resume}: no checkpoint there")
+    return path
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cfg, note = resolve(args, parser)
+    if note:
+        print(f"pympgu: {note}", file=sys.stderr)
+    from ..data import DataError
+    from ..launch import WorkerFailed
+    from .launcher import run
+    before = checkpoint.stamp(cfg.out)
+    try:
+        run(cfg, port=args.port, quiet=args.quiet)
+    except UsageError as e:
+        preset = (f" (the batch of --preset {args.preset}, which --batch-size overrides)"
+                  if e.flag == "--batch-size" and args.preset and args.batch_size is None
+                  else "")
+        parser.error(f"{e}{preset}")
+    except DataError as e:
+        print(f"pympgu: {e}", file=sys.stderr)
+        return 2
+    except WorkerFailed as e:
+        print(f"pympgu: training failed: {e}\npympgu: {checkpoint.left(cfg.out, before)}",
+              file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("pympgu: interrupted; every worker was stopped\n"
+              f"pympgu: {checkpoint.left(cfg.out, before)}", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

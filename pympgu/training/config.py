@@ -1,0 +1,199 @@
+"""A training run's configuration: typed, frozen, checked once, and saved as config.json.
+
+``RunConfig`` holds what ``python -m pympgu.train``'s flags say (pympgu.training.cli turns
+the flags into one), what every worker is given, and what pympgu.evaluate rebuilds the
+model from. Its checks raise :class:`UsageError` naming the flag at fault.
+"""
+import dataclasses
+import importlib.util
+import json
+
+from ..exchange import METHODS, WIRE_DTYPES
+from ..models import OPTIMIZERS, STATISTICS_EXAMPLES
+from ..precision import DTYPES as COMPUTE_DTYPES
+from ..schedule import SCHEDULES
+
+BACKENDS = ("jax", "c")
+# Adam's (and AdamW's) learning rate when --lr is not given: SGD's would be far too large.
+ADAM_LR = 1e-3
+# AdamW's --weight-decay when not given: torch.optim.AdamW's default.
+ADAMW_DECAY = 1e-2
+# What every rank builds its model with (pympgu.models.Model): replicas start identical.
+MODEL_SEED = 1234
+MAX_WORKERS = 8
+
+
+class UsageError(ValueError):
+    """A setting that cannot be honoured (a flag out of range, a batch the data cannot
+    fill, an --out that cannot be written): ``flag`` names it, and the command line
+    reports it as its parser reports a bad flag."""
+
+    def __init__(self, flag, message):
+        super().__init__(message)
+        self.flag = flag
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything a training run is given (the flags of ``python -m pympgu.train``)."""
+
+    # Where to run: a GPU index per worker, or None per CPU worker.
+    devices: tuple = (None, None)
+    backend: str = "jax"
+    method: str = "auto"
+    # Data: a --data-dir (None: the embedded MNIST test set).
+    data: str = None
+    # The model: --model (None: the MLP of ``hidden``) and its widths.
+    model: str = None
+    hidden: tuple = (500,)
+    # The optimizer and its schedule.
+    epochs: int = 5
+    batch_size: int = 128
+    optimizer: str = "sgd"
+    lr: float = 0.05
+    schedule: str = "constant"
+    warmup: float = 0.0
+    momentum: float = 0.9
+    nesterov: bool = False
+    beta2: float = 0.999
+    weight_decay: float = 0.0
+    clip_norm: float = 0.0
+    ema: float = 0.0
+    patience: int = 0
+    l1: float = 0.0
+    l2: float = 1e-4
+    dropout: float = 0.0
+    label_smoothing: float = 0.0
+    flip: bool = False
+    shift: int = 0
+    bn_examples: int = STATISTICS_EXAMPLES
+    compute_dtype: str = "float32"
+    # The exchange.
+    sync_every: int = 1
+    overlap: bool = False
+    exchange_dtype: str = "float32"
+    exchange_blocks: int = None
+    # Output.
+    seed: int = 0
+    out: str = None
+    resume: str = None
+
+    def __post_init__(self):
+        # Lists (from JSON or a caller) become tuples: the configuration stays hashable and
+        # immutable in every worker.
+        object.__setattr__(self, "devices", tuple(self.devices))
+        object.__setattr__(self, "hidden", tuple(int(h) for h in self.hidden))
+        self.check()
+
+    @property
+    def nworkers(self):
+        return len(self.devices)
+
+    @property
+    def cpu(self):
+        """Whether the workers are CPU workers."""
+        return self.devices[0] is None
+
+    def replace(self, **changes):
+        """A copy with ``changes``, checked."""
+        return dataclasses.replace(self, **changes)
+
+    def check(self):
+        """Raise UsageError naming the first setting out of range."""
+        def need(ok, flag, message):
+            if not ok:
+                raise UsageError(flag, f"{flag} {message}")
+
+        need(1 <= len(self.devices) <= MAX_WORKERS, "--gpus" if self.devices[:1] != (None,)
+             else "--cpu", f"must name 1 to {MAX_WORKERS} workers, got {len(self.devices)}")
+        need(all(d is None for d in self.devices) or all(isinstance(d, int) and d >= 0
+                                                         for d in self.devices),
+             "--gpus", f"takes GPU indexes, or --cpu N alone; got {list(self.devices)}")
+        need(self.backend in BACKENDS, "--backend", f"must be one of {BACKENDS}")
+        need(self.cpu or self.backend == "jax", "--backend",
+             "c runs on CPUs only; GPU workers use --backend jax")
+        need(self.method in METHODS, "--method", f"must be one of {METHODS}")
+        need(self.optimizer in OPTIMIZERS, "--optimizer", f"must be one of {list(OPTIMIZERS)}")
+        need(self.schedule in SCHEDULES, "--schedule", f"must be one of {list(SCHEDULES)}")
+        need(self.compute_dtype in COMPUTE_DTYPES, "--compute-dtype",
+             f"must be one of {list(COMPUTE_DTYPES)}")
+        need(self.compute_dtype == "float32" or self.backend == "jax", "--compute-dtype",
+             f"{self.compute_dtype} needs --backend jax (PyTensor's own backend multiplies in "
+             "its variables' dtype)")
+        need(self.exchange_dtype in WIRE_DTYPES, "--exchange-dtype",
+             f"must be one of {WIRE_DTYPES}")
+        need(all(h >= 1 for h in self.hidden) and self.hidden, "--hidden",
+             f"widths must be positive, got {list(self.hidden)}")
+        need(self.lr > 0, "--lr", f"must be positive, got {self.lr}")
+        need(0 <= self.momentum < 1, "--momentum", f"must be in [0, 1), got {self.momentum}")
+        need(0 <= self.beta2 < 1, "--beta2", f"must be in [0, 1), got {self.beta2}")
+        need(not self.nesterov or self.optimizer == "sgd", "--nesterov",
+             "is SGD's momentum; Adam's beta1 is --momentum")
+        need(not self.nesterov or self.momentum > 0, "--nesterov",
+             f"needs a --momentum above 0, got {self.momentum}")
+        need(0 <= self.weight_decay < 1, "--weight-decay",
+             f"must be in [0, 1), got {self.weight_decay}")
+        need(self.weight_decay == 0 or self.optimizer == "adamw", "--weight-decay",
+             "is AdamW's decoupled decay; give --optimizer adamw with it (--l2 penalises the "
+             "weights for sgd and adam)")
+        need(self.clip_norm >= 0, "--clip-norm", f"must be 0 (off) or above, got {self.clip_norm}")
+        need(0 <= self.ema < 1, "--ema", f"must be in [0, 1) (0: off), got {self.ema}")
+        need(self.patience >= 0, "--patience",
+             f"must be 0 (off) or more epochs, got {self.patience}")
+        need(0 <= self.dropout < 1, "--dropout", f"must be in [0, 1), got {self.dropout}")
+        need(0 <= self.label_smoothing < 1, "--label-smoothing",
+             f"must be in [0, 1), got {self.label_smoothing}")
+        need(self.shift >= 0, "--shift", f"must be 0 or more pixels, got {self.shift}")
+        for flag, value in (("--epochs", self.epochs), ("--batch-size", self.batch_size),
+                            ("--sync-every", self.sync_every),
+                            ("--bn-examples", self.bn_examples)):
+            need(value >= 1, flag, f"must be at least 1, got {value}")
+        # Longer than the run is allowed: it may be resumed for more epochs (the command
+        # line refuses it, pympgu.training.cli).
+        need(self.warmup >= 0, "--warmup", f"must be 0 or more epochs, got {self.warmup}")
+        need(self.exchange_blocks is None or 1 <= self.exchange_blocks <= 512,
+             "--exchange-blocks", f"must be 1 to 512, got {self.exchange_blocks}")
+
+    def to_json(self):
+        """The configuration as config.json holds it."""
+        values = dataclasses.asdict(self)
+        values["devices"] = ["cpu" if d is None else d for d in self.devices]
+        values["hidden"] = list(self.hidden)
+        return values
+
+    @classmethod
+    def from_json(cls, values):
+        """The configuration that config.json (``values``) holds. Keys this version does not
+        know are left out, and missing ones take their defaults, so that a run written by
+        another version of pympgu still evaluates and resumes."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in values.items() if k in known}
+        if "devices" in values:
+            values["devices"] = [None if d == "cpu" else d for d in values["devices"]]
+        return cls(**values)
+
+    def dumps(self):
+        return json.dumps(self.to_json(), indent=1)
+
+
+def optimizer_defaults(name):
+    """What the optimizer ``name`` changes in the defaults (or a preset) when its flags are
+    not given: Adam's and AdamW's learning rate, AdamW's decay, and no L2 penalty for
+    either, as torch.optim.Adam's and AdamW's defaults (docs/DECISIONS.md, "Adam without
+    an L2 penalty")."""
+    if name == "sgd":
+        return {}
+    decay = {"weight_decay": ADAMW_DECAY} if name == "adamw" else {}
+    return dict(lr=ADAM_LR, l2=0.0, **decay)
+
+
+# The 2014 seed's run: MLP 784-500-10, plain SGD, lr 0.13, batch 5000, L2 1e-4, 10 epochs.
+PRESETS = {"dual_mlp": dict(hidden=(500,), lr=0.13, momentum=0.0, batch_size=5000, l1=0.0,
+                            l2=1e-4, epochs=10)}
+
+
+def auto_backend(cpu):
+    """What --backend auto means: JAX on GPUs, and on CPU workers wherever it is installed,
+    where XLA runs the MLP about twice and the convnets 8 to 10 times as fast as PyTensor's
+    own backend (docs/DECISIONS.md, "JAX on CPU workers"); else 'c'."""
+    return "jax" if not cpu or importlib.util.find_spec("jax") is not None else "c"

@@ -1,0 +1,153 @@
+"""A training run from the launcher's side: everything checked before any worker starts,
+the workers launched and supervised, their reports shown, and the result summed up."""
+import os
+import sys
+import time
+
+from . import checkpoint
+from .config import UsageError
+from .replica import build_model
+from .report import Reporter, plot
+from .worker import make_schedule, worker
+
+
+def run(cfg, port=None, quiet=False):
+    """Train as ``cfg`` (a RunConfig) says: launch the workers, report as they go, and
+    return rank 0's history. Raises UsageError for a setting the data or model cannot take,
+    before any worker starts; pympgu.launch.WorkerFailed when a worker fails."""
+    from .. import data
+    from ..control import BindError
+    from ..launch import launch
+    ds = data.load(cfg.data)  # fail here, with the file's name, before any worker starts
+    model = _check_model(cfg, ds)
+    if cfg.resume:  # a checkpoint of another model: said here, not by every worker
+        try:
+            checkpoint.read(cfg.resume, model, note=lambda line: print(
+                f"pympgu: --resume {line}", file=sys.stderr, flush=True))
+        except ValueError as e:
+            raise UsageError("--resume", str(e)) from None
+    # Every worker takes whole, disjoint batches each epoch (data.shard_batches): refuse a
+    # batch no epoch can fill here, rather than in every worker after they start.
+    ntrain, workers = len(ds.train[1]), cfg.nworkers
+    if not data.batches_per_epoch(ntrain, cfg.batch_size, workers):
+        raise UsageError("--batch-size",
+                         f"--batch-size {cfg.batch_size} with {workers} workers needs "
+                         f"{cfg.batch_size * workers} training examples a step, and {ds.name} "
+                         f"has {ntrain}: give at most {ntrain // workers}")
+    replacing = checkpoint.replaces_a_run(cfg.out, cfg.resume)
+    config = _write_config(cfg, replacing)
+    schedule = make_schedule(cfg, ntrain, workers)
+    print(f"pympgu: {describe(cfg, ds, model, schedule)}", flush=True)
+    reporter = Reporter(cfg.out, cfg.epochs, quiet=quiet,
+                        resume=bool(cfg.resume) and not replacing,
+                        rates=schedule.kind != "constant" or schedule.warmup > 0)
+    t0 = time.perf_counter()
+    try:
+        if cfg.cpu:
+            results = launch(worker, (cfg,), cpu=workers, port=port, on_metric=reporter)
+        else:
+            results = launch(worker, (cfg,), gpus=list(cfg.devices), port=port,
+                             on_metric=reporter)
+    except BindError as e:  # before any worker started
+        if not port:  # no free port to be had: not a flag's fault
+            raise
+        raise UsageError("--port", f"--port {port}: {e.strerror} (another run's? without "
+                                   "--port the coordinator takes a free one)") from None
+    finally:
+        reporter.close()
+        if replacing and config and os.path.exists(config):  # no epoch ended: it stays
+            os.remove(config)
+    if len({r["digest"] for r in results}) != 1:
+        raise RuntimeError("the replicas ended with different parameters: " +
+                           ", ".join(f"rank {r['rank']} {r['digest'][:12]}" for r in results))
+    history = results[0]["history"]
+    if history:
+        _summarize(cfg, history, time.perf_counter() - t0)
+    return history
+
+
+def _check_model(cfg, ds):
+    """The run's model, built here so that a --model that cannot be loaded or built, or a
+    flag it cannot take, is named before any worker starts."""
+    from .. import models
+    try:
+        model = build_model(cfg, ds)
+    except models.ModelError as e:
+        raise UsageError("--model", str(e)) from None
+    if cfg.dropout or cfg.flip or cfg.shift:
+        import pytensor.tensor as pt
+        try:
+            model.training_logits(pt.tensor("x", dtype="float32", shape=(cfg.batch_size, ds.n_in)))
+        except models.FlagError as e:
+            raise UsageError(e.flag, str(e)) from None
+    if cfg.bn_examples != models.STATISTICS_EXAMPLES and not model.norms:
+        raise UsageError("--bn-examples", f"--bn-examples {cfg.bn_examples}: "
+                         f"{type(model).__name__} has no batch norms (Model.batch_norm)")
+    return model
+
+
+def _write_config(cfg, replacing):
+    """Write config.json under --out before any worker starts, so that an --out that cannot
+    be written loses no training; returns its path (None without --out). Over an earlier
+    run it waits beside it (config.json.next) until this run's first checkpoint, so that a
+    run stopped sooner leaves that run whole (its config.json builds its model for
+    pympgu.evaluate)."""
+    if not cfg.out:
+        return None
+    pending = os.path.join(cfg.out, checkpoint.CONFIG_NEXT)
+    config = pending if replacing else os.path.join(cfg.out, checkpoint.CONFIG)
+    try:
+        os.makedirs(cfg.out, exist_ok=True)
+        with open(config, "w") as f:
+            f.write(cfg.dumps())
+        if not replacing and os.path.exists(pending):
+            os.remove(pending)  # a stopped run's
+    except OSError as e:
+        raise UsageError("--out", f"--out {cfg.out}: {e.strerror or e}") from e
+    if replacing:
+        print(f"pympgu: --out {cfg.out} holds an earlier run; this run replaces its "
+              f"config.json, checkpoints and metrics.jsonl after its first epoch "
+              f"(--resume {cfg.out} would continue it)", file=sys.stderr, flush=True)
+    return config
+
+
+def describe(cfg, ds, model, schedule):
+    """The run in one line: data, model, optimizer, workers, batch and exchange."""
+    where = f"{cfg.nworkers} CPU workers" if cfg.cpu else f"GPUs {list(cfg.devices)}"
+    noise = "".join([f", dropout {cfg.dropout:g}" if cfg.dropout else "",
+                     f", label smoothing {cfg.label_smoothing:g}" if cfg.label_smoothing else "",
+                     ", flipped" if cfg.flip else "",
+                     f", shifted by {cfg.shift}" if cfg.shift else ""])
+    decay = (f" decay {model.weight_decay:g}" if model.optimizer == "adamw" else
+             " nesterov" if model.nesterov else "")
+    if model.clip_norm:
+        decay += f", clipped to norm {model.clip_norm:g}"
+    if model.ema:
+        decay += f", evaluated by its moving average ({model.ema:g})"
+    wire = "" if cfg.exchange_dtype == "float32" else f", {cfg.exchange_dtype} wire"
+    products = "" if cfg.compute_dtype == "float32" else f"{cfg.compute_dtype} products, "
+    return (f"{ds} | {model.describe()} | {model.optimizer}{decay}, {schedule}{noise} | "
+            f"{where} | batch {cfg.batch_size}/worker | sync every {cfg.sync_every}"
+            f"{' overlapped' if cfg.overlap else ''}{wire} | {products}backend {cfg.backend}")
+
+
+def _summarize(cfg, history, seconds):
+    """The last lines of a run: its best epoch, where its checkpoint is, and the curves."""
+    best = min(history, key=lambda h: h["valid_error"])
+    mean_rate = sum(h["samples_per_s"] for h in history) / len(history)
+    kept = ""
+    best_path = os.path.join(cfg.out, checkpoint.BEST) if cfg.out else None
+    if best_path and checkpoint.epoch_of(best_path) == best["epoch"]:
+        kept = f", its checkpoint {best_path}"
+    last = history[-1]["epoch"]
+    if cfg.patience and last < cfg.epochs:
+        print(f"stopped after epoch {last} of {cfg.epochs}: no better validation error than "
+              f"epoch {best['epoch']}'s in {last - best['epoch']} epochs "
+              f"(--patience {cfg.patience})")
+    print(f"done in {seconds:.1f} s: best validation error {100 * best['valid_error']:.2f}% "
+          f"(epoch {best['epoch']}{kept}), its test error {100 * best['test_error']:.2f}%, "
+          f"{mean_rate:.0f} samples/s")
+    if cfg.out:
+        plot(history, os.path.join(cfg.out, "curves.png"))
+        if kept:
+            print(f"its errors class by class: python -m pympgu.evaluate {cfg.out}")

@@ -1,0 +1,78 @@
+"""What a run shows its user: the progress bar, a line per epoch, metrics.jsonl and the
+curves."""
+import json
+import os
+import sys
+
+from .checkpoint import METRICS
+
+
+class Reporter:
+    """Prints the progress bar and one line per epoch; appends metrics.jsonl."""
+
+    def __init__(self, out, epochs, stream=sys.stderr, quiet=False, resume=False, rates=False):
+        # A resumed run adds its epochs to the log; a fresh one starts it over, at its first
+        # epoch, when its worker replaces the checkpoint too: until then the directory
+        # still holds the earlier run whole.
+        self.path, self.mode = (os.path.join(out, METRICS) if out else None,
+                                "a" if resume else "w")
+        self.metrics = None
+        self.epochs, self.stream, self.quiet = epochs, stream, quiet
+        self.tty = stream.isatty()
+        self.road = None  # the exchange's road last printed
+        self.rates = rates  # the learning rate changes: print each epoch's last
+
+    def __call__(self, rank, data):
+        kind = data.pop("kind", None)
+        data.pop("rank", None)
+        if kind == "progress" and self.tty and not self.quiet:
+            width = 30
+            done = int(width * data["step"] / data["steps"])
+            self.stream.write(f"\repoch {data['epoch']}/{self.epochs} "
+                              f"[{'#' * done}{'.' * (width - done)}] {data['step']}/{data['steps']}")
+            self.stream.flush()
+        elif kind == "epoch":
+            if self.tty and not self.quiet:
+                self.stream.write("\r" + " " * 70 + "\r")
+            share = data["exchange_share"]
+            share = "in the step" if share is None else f"{100 * share:5.1f}%"
+            print(f"epoch {data['epoch']:3d}  loss {data['loss']:.4f}  "
+                  f"valid {100 * data['valid_error']:6.2f}%  test {100 * data['test_error']:6.2f}%  "
+                  f"{data['samples_per_s']:9.0f} samples/s  exchange {share}" +
+                  (f"  lr {data['lr']:.3g}" if self.rates else ""), flush=True)
+            if data.get("road") and data["road"] != self.road:  # once, and if it changes
+                self.road = data["road"]
+                print(f"          exchange: {self.road}", flush=True)
+            if self.path:
+                if self.metrics is None:
+                    self.metrics = open(self.path, self.mode)
+                self.metrics.write(json.dumps(data) + "\n")
+                self.metrics.flush()
+
+    def close(self):
+        if self.metrics:
+            self.metrics.close()
+
+
+def plot(history, path):
+    """Loss and error curves as a PNG (skipped, with a note, without matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("pympgu: matplotlib is not installed; no plot written", file=sys.stderr)
+        return
+    epochs = [h["epoch"] for h in history]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(epochs, [h["loss"] for h in history], marker="o")
+    a.set_xlabel("epoch")
+    a.set_ylabel("training loss")
+    b.plot(epochs, [100 * h["valid_error"] for h in history], marker="o", label="validation")
+    b.plot(epochs, [100 * h["test_error"] for h in history], marker="o", label="test")
+    b.set_xlabel("epoch")
+    b.set_ylabel("error (%)")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
