@@ -21,11 +21,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 @pytest.mark.parametrize("nranks,dtype,method,bucket_view", [
     (2, "float32", "auto", False), (3, "float32", "twoshot", True),
     (2, "bfloat16", "auto", True), (2, "float16", "push", False)])
-def test_ddp_gradients_are_the_exact_mean(nranks, dtype, method, bucket_view):
+def test_ddp_gradients_are_the_exact_mean(nranks, dtype, method, bucket_view, seed):
     """After each backward pass every rank holds the same gradients, the rank-order fp32
     mean of the ranks' own, bit for bit, bucket after bucket, before and after DDP rebuilds
     its buckets; and the hook, not DDP's own all-reduce, made them."""
-    seed = int.from_bytes(os.urandom(3), "little")
     with tempfile.TemporaryDirectory() as tmp:
         results = run_children(ddp_grads, nranks,
                                (nranks, visible_gpus(), os.path.join(tmp, "init"), seed, dtype,
@@ -43,12 +42,12 @@ def test_ddp_gradients_are_the_exact_mean(nranks, dtype, method, bucket_view):
                     f"step {step}, parameter {k}, rank {rank}: not the exact mean"
 
 
-def test_ddp_hook_under_torch_compile():
+def test_ddp_hook_under_torch_compile(seed):
     """torch.compile over DDP with the hook (DDP's optimizer cuts the compiled program at its
     buckets): every rank gets the same gradients, which the hook averaged, and they are the
     mean of the ranks' own (a compiled copy without DDP, whose kernels may round otherwise
     than the cut program's) to float32 rounding."""
-    nranks, seed = 2, int.from_bytes(os.urandom(3), "little")
+    nranks = 2
     with tempfile.TemporaryDirectory() as tmp:
         results = run_children(ddp_grads, nranks,
                                (nranks, visible_gpus(), os.path.join(tmp, "init"), seed,

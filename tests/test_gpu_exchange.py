@@ -42,8 +42,7 @@ def check_results(results, cases, nranks):
 
 @pytest.mark.parametrize("nranks,max_blocks", [(2, None), (3, None), (4, None), (8, None),
                                                (2, 3), (3, 3), (4, 3)])
-def test_peer_group_all_methods(nranks, max_blocks, pympgu_env):
-    seed = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run
+def test_peer_group_all_methods(nranks, max_blocks, pympgu_env, seed):
     sizes = SIZES if max_blocks is None else SIZES[:-1]
     if max_blocks is not None:
         # Many small copy-engine chunks, some of them empty on the last rank's short slice
@@ -61,11 +60,10 @@ def test_peer_group_all_methods(nranks, max_blocks, pympgu_env):
 
 
 @pytest.mark.parametrize("nranks", [2, 3])
-def test_peer_group_offset(nranks):
+def test_peer_group_offset(nranks, seed):
     """allreduce(offset=): the elements from that byte on are averaged, exact, by every
     algorithm, and nothing before or after them is touched (pympgu.ddp's buckets each keep
     their place in the buffer)."""
-    seed = int.from_bytes(os.urandom(4), "little")
     sizes = [n for n in (7, 4097, (1 << 20) + 3) if n <= max(SIZES)]  # PYMPGU_TEST_MAX_N
     cases = [(seed + i, n, dtype, method, False)
              for i, (n, dtype, method) in enumerate(
@@ -78,7 +76,7 @@ def test_peer_group_offset(nranks):
     check_results(results, cases, nranks)
 
 
-def test_peer_group_offset_is_checked():
+def test_peer_group_offset_is_checked(seed):
     group = pympgu.cuda.PeerGroup(0, 1, 4096, device=0)
     try:
         group.connect([group.handle])
@@ -91,11 +89,10 @@ def test_peer_group_offset_is_checked():
         group.close()
 
 
-def ll_plan(rounds):
+def ll_plan(rounds, seed):
     """[(seed, n, dtype)] for rounds of 'll': every dtype in turn, sizes from one element to
     the most its mailboxes take, so that the grid changes from round to round."""
-    rng = np.random.default_rng()
-    seed = int(rng.integers(1 << 31))
+    rng = np.random.default_rng(seed)
     plan = []
     for i in range(rounds):
         dtype = DTYPES[i % 3]
@@ -106,21 +103,21 @@ def ll_plan(rounds):
 
 
 @pytest.mark.parametrize("nranks", [2, 3, 8])
-def test_ll_rounds_back_to_back(nranks):
+def test_ll_rounds_back_to_back(nranks, seed):
     """'ll' keeps one round's mailboxes clear of the next's with no barrier between rounds,
     over sizes that change the grid from round to round (a line may change blocks), up to
     the largest it takes, in every dtype: every round exact on every rank."""
-    plan = ll_plan(40)
+    plan = ll_plan(40, seed)
     results = run_children(ll_rounds, nranks, (nranks, visible_gpus(), plan))
     check_results(results, [(s, n, d, "ll", False) for s, n, d in plan], nranks)
 
 
-def test_ll_on_one_rank_and_its_limit():
+def test_ll_on_one_rank_and_its_limit(seed):
     top = pympgu.cuda.LL_MAX_BYTES
     group = pympgu.cuda.PeerGroup(0, 1, 2 * top, device=0)
     try:
         group.connect([group.handle])
-        x = np.random.default_rng().standard_normal(top // 4).astype(np.float32)
+        x = np.random.default_rng(seed).standard_normal(top // 4).astype(np.float32)
         group.data("float32", x.size).copy_from_host(x)
         assert group.allreduce(x.size, "float32", algo="ll") == "ll"
         assert np.array_equal(group.data("float32", x.size).copy_to_host(), x)
@@ -134,12 +131,12 @@ def test_ll_on_one_rank_and_its_limit():
 
 
 @pytest.mark.parametrize("nranks,blocks", [(2, None), (3, 2), (8, 1)])
-def test_resident_exchange(nranks, blocks):
+def test_resident_exchange(nranks, blocks, seed):
     """The resident kernel, over rounds that change size and dtype with no barrier between
     them: every round exact on every rank, as 'll' launched; the group refuses its other
     work meanwhile, memory freed meanwhile waits for the kernel's end; launched exchanges
     work after it."""
-    plan = ll_plan(24)
+    plan = ll_plan(24, seed)
     results = run_children(resident_rounds, nranks, (nranks, visible_gpus(), plan, blocks))
     methods = ["resident"] * (len(plan) - 2) + ["ll", "oneshot"]
     check_results([r[0] for r in results],
@@ -161,14 +158,14 @@ def test_resident_peer_that_never_rings():
     assert refused == ["allreduce", "close"]
 
 
-def test_resident_on_one_rank_and_its_limits():
+def test_resident_on_one_rank_and_its_limits(seed):
     top = pympgu.cuda.LL_MAX_BYTES
     group = pympgu.cuda.PeerGroup(0, 1, 2 * top, device=0)
     try:
         group.connect([group.handle])
         with pytest.raises(ValueError, match="SMs"):
             group.resident(blocks=group.sm_count + 1)
-        x = np.random.default_rng().standard_normal(top // 4).astype(np.float32)
+        x = np.random.default_rng(seed).standard_normal(top // 4).astype(np.float32)
         group.data("float32", x.size).copy_from_host(x)
         with group.resident(blocks=1) as fast:
             for _ in range(1000):
@@ -188,10 +185,9 @@ def test_resident_on_one_rank_and_its_limits():
 
 
 @pytest.mark.multi_gpu(2)
-def test_matches_nccl_on_integer_inputs():
+def test_matches_nccl_on_integer_inputs(seed):
     torch = pytest.importorskip("torch")
     assert torch.cuda.device_count() >= 2
-    seed = int.from_bytes(os.urandom(4), "little")
     n = (4 << 20) + 3
     with tempfile.TemporaryDirectory() as tmp:
         nccl = run_children(nccl_average, 2, (2, seed, n, os.path.join(tmp, "init")))
@@ -255,13 +251,13 @@ def test_stream_wait_for_orders_after_a_framework_stream():
 
 
 @pytest.mark.parametrize("wire", ["float16", "bfloat16"])
-def test_wire_kernels_match_host(wire):
+def test_wire_kernels_match_host(wire, seed):
     """The multi-tensor delta and the accumulation on the GPU, bit for bit against the host
     functions, over odd lengths and offsets that break 16-byte alignment."""
     torch = pytest.importorskip("torch")
     from pympgu._host import host_accumulate, host_delta
     tdtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}[wire]
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed)
     sizes, shift = [1, 5, 4096, 100_003, 1_000_001], [0, 1, 0, 3, 2]
     xs = [rng.standard_normal(n).astype(np.float32) for n in sizes]
     refs = [x - (rng.standard_normal(n) * 0.01).astype(np.float32) for x, n in zip(xs, sizes)]

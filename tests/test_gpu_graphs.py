@@ -26,11 +26,11 @@ CASES = [(1000, "float32", "ll"), (4097, "bfloat16", "oneshot"), (65537, "float1
 
 
 @pytest.mark.parametrize("nranks", [2, 3])
-def test_captured_exchanges_replay_exact(nranks):
+def test_captured_exchanges_replay_exact(nranks, seed):
     """Each algorithm, captured with no eager call before, gives at every replay the exact
     rank-order mean of that replay's inputs, on every rank, also after replays back to
     back with no host wait between them."""
-    seed, replays = int.from_bytes(os.urandom(3), "little"), 4
+    replays = 4
     cases = [(seed + 100 * k, n, dtype, method) for k, (n, dtype, method) in enumerate(CASES)]
     results = run_children(graph_allreduce, nranks, (nranks, visible_gpus(), cases, replays, 20))
     for c, (case_seed, n, dtype, method) in enumerate(cases):
@@ -46,11 +46,10 @@ def test_captured_exchanges_replay_exact(nranks):
 
 
 @pytest.mark.parametrize("nranks,method", [(2, "auto"), (3, "oneshot")])
-def test_ddp_hook_in_a_cuda_graph(nranks, method):
+def test_ddp_hook_in_a_cuda_graph(nranks, method, seed):
     """DDP's forward and backward with pympgu's hook, captured in a graph and replayed on
     new minibatches: every rank's gradients are the exact mean of the ranks' own at every
     replay."""
-    seed = int.from_bytes(os.urandom(3), "little")
     with tempfile.TemporaryDirectory() as tmp:
         results = run_children(ddp_graph_grads, nranks,
                                (nranks, visible_gpus(), os.path.join(tmp, "init"), seed,

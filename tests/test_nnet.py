@@ -1,8 +1,5 @@
 """pympgu.nnet's convolution and pooling: numpy's values against scipy, both gradients against
 finite differences, the JAX conversion against numpy, and the errors for bad input."""
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -116,38 +113,10 @@ def test_bad_layers_are_named(build, message):
 
 
 @pytest.mark.parametrize("platform", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_jax_conversion_agrees_with_numpy(platform):
+def test_jax_conversion_agrees_with_numpy(jax_process, platform):
     """The same layer, its output and both gradients, with padding, strides and dilation,
     by PyTensor's CPU backend (numpy's perform) and by its JAX backend (XLA's convolution;
     on a GPU cuDNN's, at full float32 precision rather than TF32, so that one tolerance
-    fits both), in float32. A fresh interpreter, since JAX's platform must be chosen
-    before JAX is imported."""
+    fits both), in float32, in a fresh process on that platform."""
     pytest.importorskip("jax")
-    code = f"""
-import os; os.environ['JAX_PLATFORMS'] = '{platform}'
-import jax; jax.config.update('jax_default_matmul_precision', 'highest')
-assert jax.devices()[0].platform == '{"gpu" if platform == "cuda" else "cpu"}', jax.devices()
-import numpy as np
-from pympgu import nnet
-import pytensor, pytensor.tensor as pt
-rng = np.random.default_rng(3)
-# One function of every geometry's layer, compiled once by each backend.
-geometries = [((0, 0), 1, 1), ((2, 1), 1, 1), ((1, 0), 2, 1), ((1, 1), (2, 3), (2, 1))]
-x = pt.tensor('x', dtype='float32', shape=(4, 3, 11, 9))
-outs = []
-for geometry in geometries:
-    w = pytensor.shared(rng.standard_normal((5, 3, 5, 3)).astype(np.float32))
-    y = nnet.conv2d(x, w, *geometry)
-    cost = (nnet.max_pool_2d(pt.tanh(y), 2) ** 2).sum()
-    outs += [y, *pytensor.grad(cost, [x, w])]
-xv = rng.standard_normal((4, 3, 11, 9)).astype(np.float32)
-a, b = ([np.asarray(o) for o in pytensor.function([x], outs, mode=m)(xv)]
-        for m in ('FAST_RUN', 'JAX'))
-for k, (u, v) in enumerate(zip(a, b)):
-    assert u.shape == v.shape and np.allclose(u, v, rtol=1e-4, atol=1e-4 * abs(u).max()), \
-        (geometries[k // 3], ('y', 'gx', 'gw')[k % 3], abs(u - v).max())
-print('agree')
-"""
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=250,
-                       env=dict(os.environ, PYTHONWARNINGS="ignore"))
-    assert r.returncode == 0 and "agree" in r.stdout, r.stderr[-3000:]
+    jax_process("convolutions_agree", platform, platform=platform)

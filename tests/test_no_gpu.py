@@ -64,7 +64,7 @@ def test_device_count_is_zero_not_an_error():
 
 def test_xla_operation_is_built_and_says_why_it_cannot_run():
     import importlib.util
-    from pympgu import settings, xla
+    from pympgu import xla
     from pympgu.xla import ops
     try:
         from pympgu import _cuda
@@ -81,8 +81,7 @@ def test_xla_operation_is_built_and_says_why_it_cannot_run():
 
 
 def test_xla_average_checks_before_it_needs_a_gpu():
-    from pympgu import settings, xla
-    from pympgu.xla import ops
+    from pympgu import xla
 
     class Group(StandInGroup):
         nbytes = 1024
@@ -110,7 +109,7 @@ def test_xla_average_keeps_jax_fast_dispatch(monkeypatch):
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
 
-    from pympgu import settings, xla
+    from pympgu import xla
     from pympgu.xla import ops
 
     Group = StandInGroup
@@ -157,7 +156,7 @@ def test_xla_correction_inside_the_update(monkeypatch, pympgu_env):
     import jax.numpy as jnp
     import numpy as np
 
-    from pympgu import settings, xla
+    from pympgu import xla
     from pympgu.xla import ops
 
     class Group(StandInGroup):
@@ -269,7 +268,7 @@ def test_overlapped_exchange_gathers_only_up_to_split_max_ranks(monkeypatch, pym
     pytest.importorskip("jax")
     import numpy as np
 
-    from pympgu import settings, xla
+    from pympgu import xla
     from pympgu.xla import ops
 
     class Group(StandInGroup):
@@ -386,7 +385,7 @@ def test_xla_average_results_cuts_the_step(monkeypatch, pympgu_env):
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
 
-    from pympgu import settings, xla
+    from pympgu import xla
     from pympgu.xla import ops
 
     class Group(StandInGroup):
@@ -615,7 +614,7 @@ def test_gradients_cross_in_half_precision(monkeypatch, wire, pympgu_env):
     import numpy as np
     from reference import bf16_to_f32, f32_to_bf16
 
-    from pympgu import settings, xla
+    from pympgu import xla
     from pympgu.xla import ops
 
     class Group(StandInGroup):

@@ -2,8 +2,6 @@
 (pympgu.nnet.augment), each rank's own draws, and runs that resume to the same numbers, on
 CPU workers (the GPU's runs are in test_gpu_runtime)."""
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -12,7 +10,7 @@ from pympgu import models
 from pympgu.training import checkpoint as ckpt
 from pympgu.training import cli
 from pympgu.training.launcher import run as train
-from test_train import config, run_jax_on_cpu
+from test_train import config
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -87,43 +85,12 @@ def test_cli_rejects_a_rate_out_of_range(capsys):
     assert "--dropout must be in [0, 1), got 1.0" in capsys.readouterr().err
 
 
-# Each rank's noise (Replica.seed_noise), on both backends: from one state and one
-# minibatch, a rank's step gives the same cost for the same (rank, epoch), and another
-# for another rank or epoch. CPU JAX must be chosen before JAX is imported: a fresh
-# interpreter.
-NOISE = """
-import os, sys; os.environ['JAX_PLATFORMS'] = 'cpu'
-import numpy as np; from types import SimpleNamespace
-from pympgu.training import replica; from pympgu.training.config import RunConfig
-backend, dropout = sys.argv[1], float(sys.argv[2])
-cfg = RunConfig(backend=backend, hidden=[64], batch_size=64, dropout=dropout, seed=7)
-idx = np.arange(64, dtype=np.int32)
-
-def cost(rank, epoch):
-    ctx = SimpleNamespace(device=None, rank=rank, nranks=2, is_cpu=True)
-    rep = replica.Replica(ctx, cfg)
-    rep.seed_noise(epoch)
-    return [float(rep.step(idx)) for _ in range(2)]
-
-a, again, other_rank, other_epoch = cost(0, 0), cost(0, 0), cost(1, 0), cost(0, 1)
-assert a == again, (a, again)
-if dropout:  # the second step's cost: the first's is log(10), the output layer at zero
-    assert a[1] != other_rank[1] and a[1] != other_epoch[1], (a, other_rank, other_epoch)
-else:
-    assert a == other_rank == other_epoch
-print('noise', a, other_rank, other_epoch)
-"""
-
-
 @pytest.mark.parametrize("backend", ["c", "jax"])
 @pytest.mark.parametrize("dropout", [0.5, 0.0])
-def test_each_rank_and_epoch_draws_its_own_masks(backend, dropout):
+def test_each_rank_and_epoch_draws_its_own_masks(jax_process, backend, dropout):
     if backend == "jax":
         pytest.importorskip("jax")
-    r = subprocess.run([sys.executable, "-c", NOISE, backend, str(dropout)],
-                       capture_output=True, text=True, timeout=500)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "noise" in r.stdout
+    jax_process("noise_costs", backend, dropout)
 
 
 @pytest.mark.parametrize("backend", ["c", "jax"])
@@ -150,72 +117,22 @@ def test_a_run_with_noise_resumes_to_the_same_numbers(tmp_path, backend, noise, 
     assert whole[-1]["test_error"] < 0.4, whole
 
 
-def test_jax_step_hands_the_exchange_the_noise_as_a_ranks_own_input():
+def test_jax_step_hands_the_exchange_the_noise_as_a_ranks_own_input(jax_process):
     """JaxStep on a step that draws: the exchange sees a program of arrays, the key's among
     the rank's own inputs (local), the state at its positions in the state's order; and
     the step computes what PyTensor's own call does, bit for bit."""
     pytest.importorskip("jax")
-    code = (
-        "import os; os.environ['JAX_PLATFORMS']='cpu'\n"
-        "import numpy as np; from pympgu import data, models; from pympgu.xla.step import JaxStep\n"
-        "ds = data.load(); seen = []\n"
-        "def make():\n"
-        "    m = models.build(None, ds.n_in, [32], ds.n_classes, dropout=0.5)\n"
-        "    return m, m.compile(ds, 64, 100, 0.05, 0.9, 0, 1e-4, 'JAX')[0]\n"
-        "(m1, f1), (m2, f2) = make(), make()\n"
-        "def exchange(compute, which, *args, local=()):\n"
-        "    outs = compute(*args)\n"
-        "    seen.append(([str(args[k].dtype) for k in local],\n"
-        "                 [tuple(outs[i].shape) for i in which]))\n"
-        "    return outs\n"
-        "step = JaxStep(f2, m2.state, exchange)\n"
-        "idx = np.arange(64, dtype=np.int32)\n"
-        "for k in range(3):\n"
-        "    assert float(f1(idx)) == float(step(idx)), k\n"
-        "for a, b in zip(m1.state, m2.state):\n"
-        "    assert np.array_equal(np.asarray(a.get_value()), np.asarray(b.get_value())), a.name\n"
-        "local, shapes = seen[0]\n"
-        "assert len(seen) == 1 and local[0] == 'int32' and 'uint32' in local, seen\n"
-        "assert shapes == [tuple(s.get_value().shape) for s in m2.state], shapes\n"
-        "print('local', local)\n"
-    )
-    run_jax_on_cpu(code, "local")
-
-
-AUGMENT = """
-import os, sys; os.environ['JAX_PLATFORMS'] = 'cpu'
-import numpy as np, pytensor, pytensor.tensor as pt
-from pympgu.nnet import augment
-x = pt.tensor('x', dtype='float32', shape=(64, 3, 8, 7))
-f = pt.tensor('f', dtype='float32', shape=(64,))
-o = pt.tensor('o', dtype='float32', shape=(64, 2))
-fn = pytensor.function([x, f, o], augment(x, f, 2, o), mode=sys.argv[1])
-rng = np.random.default_rng(0)
-xv = rng.normal(size=(64, 3, 8, 7)).astype(np.float32)
-fv, ov = rng.random(64).astype(np.float32), rng.random((64, 2)).astype(np.float32)
-out, moves = np.asarray(fn(xv, fv, ov)), set()
-for b in range(64):
-    image = xv[b][:, :, ::-1] if fv[b] < 0.5 else xv[b]
-    padded = np.pad(image, ((0, 0), (2, 2), (2, 2)))
-    dy, dx = np.floor(ov[b] * 5).astype(int)
-    assert np.array_equal(out[b], padded[:, dy:dy + 8, dx:dx + 7]), b
-    moves.add((dy, dx, fv[b] < 0.5))
-assert len(moves) > 30, moves  # of 5 x 5 x 2
-print('augmented', len(moves))
-"""
+    jax_process("noise_is_a_ranks_own_input")
 
 
 @pytest.mark.parametrize("mode", ["FAST_RUN", "JAX"])
-def test_augment_flips_and_shifts_each_image_its_own_way(mode):
+def test_augment_flips_and_shifts_each_image_its_own_way(jax_process, mode):
     """pympgu.nnet.augment on both backends: each image mirrored where its number is under
     1/2, then cut from its copy padded by the shift at its own offsets (what numpy's pad and
     slice give, exactly)."""
     if mode == "JAX":
         pytest.importorskip("jax")
-    r = subprocess.run([sys.executable, "-c", AUGMENT, mode], capture_output=True, text=True,
-                       timeout=500)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "augmented" in r.stdout
+    jax_process("augment_flips_and_shifts", mode)
 
 
 def test_augment_refuses_what_it_cannot_vary(capsys):

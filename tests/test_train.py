@@ -432,35 +432,10 @@ def test_overlap_and_wire_dtype_keep_replicas_identical():
     assert hist[-1]["test_error"] < 0.5
 
 
-def run_jax_on_cpu(code, says):
-    """Run code in a fresh interpreter (CPU JAX must be chosen before JAX is imported) and
-    check that it succeeded and printed `says`."""
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=500)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert says in r.stdout
-
-
 @pytest.mark.parametrize("optimizer,lr", [("sgd", 0.1), ("adam", 0.003), ("adamw", 0.003)])
-def test_jax_graph_agrees_with_c_backend_on_one_step(optimizer, lr):
+def test_jax_graph_agrees_with_c_backend_on_one_step(jax_process, optimizer, lr):
     pytest.importorskip("jax")
-    code = (
-        "import os; os.environ['JAX_PLATFORMS']='cpu';"
-        "import numpy as np; from pympgu import data, models;"
-        "ds = data.load(); idx = np.arange(64, dtype=np.int32); out = {}\n"
-        "for mode in ('FAST_RUN', 'JAX'):\n"
-        "    m = models.MLP(ds.n_in, [32, 16], 10)\n"
-        f"    m.set_optimizer({optimizer!r}, weight_decay={0.1 if optimizer == 'adamw' else 0})\n"
-        f"    tr, ev = m.compile(ds, 64, 100, {lr}, 0.9, 1e-5, 1e-4, mode)\n"
-        "    c = [float(tr(idx)) for _ in range(3)]\n"
-        "    out[mode] = (c, [np.asarray(p.get_value()) for p in m.state],"
-        "                 models.error_rates(ev, 1000, 1000, 100))\n"
-        "(c1, p1, e1), (c2, p2, e2) = out['FAST_RUN'], out['JAX']\n"
-        "assert np.allclose(c1, c2, rtol=1e-5), (c1, c2)\n"
-        "assert all(np.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(p1, p2))\n"
-        "assert abs(e1[0] - e2[0]) < 0.005, (e1, e2)\n"
-        "print('agree', c1, c2)\n"
-    )
-    run_jax_on_cpu(code, "agree")
+    jax_process("jax_graph_agrees_with_c_backend", optimizer, lr)
 
 
 def test_shards_are_disjoint_and_even():
@@ -887,82 +862,23 @@ def test_help_explains_every_flag():
         assert flag in r.stdout
 
 
-def test_direct_jax_step_matches_pytensor_call():
+def test_direct_jax_step_matches_pytensor_call(jax_process):
     """pympgu.jaxstep calls PyTensor's JAX program itself: the same costs and state, bit for
     bit, and an exchange given to it sees the new state in the model's state order, and
     which arguments are the rank's own (the minibatch). An
     overlapped exchange ('during') sees the state the step starts from and the step's own
     program, and its averages correct the step's result: new + (average - old)."""
     pytest.importorskip("jax")
-    code = (
-        "import os; os.environ['JAX_PLATFORMS']='cpu';"
-        "import numpy as np; from pympgu import data, models; from pympgu.xla.step import JaxStep;"
-        "ds = data.load('digits'); rng = np.random.default_rng(0); seen = []\n"
-        "def make():\n"
-        "    m = models.MLP(ds.n_in, [32, 16], ds.n_classes)\n"
-        "    return m, m.compile(ds, 64, 100, 0.05, 0.9, 1e-5, 1e-4, 'JAX')[0]\n"
-        "(m1, f1), (m2, f2) = make(), make()\n"
-        "def halve(compute, which, *args, local=()):\n"
-        "    assert [args[k].dtype for k in local] == [np.int32], local  # the minibatch\n"
-        "    outs = compute(*args)\n"
-        "    seen.append([tuple(outs[i].shape) for i in which])\n"
-        "    return [x * np.float32(0.5) if i in which else x for i, x in enumerate(outs)]\n"
-        "def during(old, compute, *args):\n"
-        "    seen.append([tuple(x.shape) for x in old])\n"
-        "    new, outs = compute(*args)\n"
-        "    return [n + ((o + np.float32(1)) - o) for n, o in zip(new, old[:2])], outs\n"
-        "plain, fused = JaxStep(f2, m2.state), JaxStep(f2, m2.state, halve)\n"
-        "overlapped = JaxStep(f2, m2.state, during=during)\n"
-        "for k in range(6):\n"
-        "    idx = rng.integers(0, len(ds.train[1]), 64).astype(np.int32)\n"
-        "    old = [np.asarray(s.get_value()) for s in m1.state]\n"
-        "    c1, c2 = f1(idx), {3: fused, 4: overlapped}.get(k, plain)(idx)\n"
-        "    assert float(c1) == float(c2), (k, c1, c2)\n"
-        "    if k == 3:\n"
-        "        for s in m1.state: s.set_value(np.asarray(s.get_value()) * np.float32(0.5))\n"
-        "    if k == 4:\n"
-        "        for s, o in zip(m1.state[:2], old):\n"
-        "            s.set_value(np.asarray(s.get_value()) + ((o + np.float32(1)) - o))\n"
-        "for a, b in zip(m1.state, m2.state):\n"
-        "    assert np.array_equal(np.asarray(a.get_value()), np.asarray(b.get_value())), a.name\n"
-        "assert seen == [[tuple(s.get_value().shape) for s in m2.state]] * 2, seen\n"
-        "print('same')\n"
-    )
-    run_jax_on_cpu(code, "same")
+    jax_process("direct_jax_step_matches_pytensor_call")
 
 
-def test_replica_corrects_the_part_it_averages():
+def test_replica_corrects_the_part_it_averages(jax_process):
     """Replica.jax_step with an overlapped exchange of one part of the state: the exchange
     gets the values that part starts the step from, and only that part's new values take
     the correction (here a stand-in average: old + 1). The model's other values are the
     plain step's, bit for bit."""
     pytest.importorskip("jax")
-    code = (
-        "import os; os.environ['JAX_PLATFORMS']='cpu';"
-        "import numpy as np; from types import SimpleNamespace\n"
-        "from pympgu.training import replica; from pympgu.training.config import RunConfig\n"
-        "cfg = RunConfig(backend='jax', hidden=[32], batch_size=64)\n"
-        "ctx = SimpleNamespace(device=None, rank=0, nranks=1, is_cpu=True)\n"
-        "class Ex:\n"
-        "    def shadow(self): return None\n"
-        "    def correct_during(self, arrays, fn, *args, shadow=None, ready=()):\n"
-        "        assert len(arrays) + len(ready) == 8  # the rest of the state need not wait\n"
-        "        new, extra = fn(*args)\n"
-        "        return [f + ((a + np.float32(1)) - a) for f, a in zip(new, arrays)], extra\n"
-        "idx = np.arange(64, dtype=np.int32)\n"
-        "for part in ('params', 'momentum', 'state'):\n"
-        "    reps = [replica.Replica(ctx, cfg) for _ in range(2)]\n"
-        "    for r in reps: r.step(idx)  # a momentum that is not zero\n"
-        "    old = [np.asarray(v) for v in reps[1].values()]\n"
-        "    reps[0].step(idx); reps[1].step(idx, Ex(), part, overlap=True)\n"
-        "    lo, hi = reps[1].part(part)\n"
-        "    for k, (a, b, o) in enumerate(zip(reps[0].values(), reps[1].values(), old)):\n"
-        "        a, b = np.asarray(a), np.asarray(b)\n"
-        "        want = a + ((o + np.float32(1)) - o) if lo <= k < hi else a\n"
-        "        assert np.array_equal(b, want), (part, k)\n"
-        "print('corrected')\n"
-    )
-    run_jax_on_cpu(code, "corrected")
+    jax_process("replica_corrects_the_part_it_averages")
 
 
 def test_replica_refuses_a_model_on_another_gpu(monkeypatch):
@@ -1241,3 +1157,31 @@ def test_model_parameters_are_checked():
     assert [s.name for s in mlp.state] == ["W0", "b0", "W1", "b1", "v_W0", "v_b0", "v_W1",
                                            "v_b1"]
     assert mlp.weights == [mlp.params[0], mlp.params[2]] and mlp.describe() == "MLP 784-32-10"
+
+
+def test_gpus_without_a_cuda_jax_is_a_flag_error_before_any_worker(monkeypatch, capsys):
+    """Where CUDA works but JAX has no CUDA backend installed, --gpus is refused with the
+    command that fixes it, before any worker starts (each would fail on its own); found
+    without importing JAX, which would take a context on every GPU."""
+    import importlib.util
+
+    from pympgu import cuda
+    monkeypatch.setattr(cuda, "availability", lambda: (True, 2))
+    find_spec = importlib.util.find_spec
+
+    def hidden(name, *a):
+        if "cuda" in name:
+            return None
+        return find_spec(name, *a)
+    monkeypatch.setattr(importlib.util, "find_spec", hidden)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--gpus", "0", "1"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert 'JAX is installed without CUDA; pip install "jax[cuda13]"' in err, err
+    assert "--cpu N" in err
+    parser = cli.build_parser()
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name in ("jax", "jax_cuda13_plugin") else None)
+    cfg, note = cli.resolve(parser.parse_args(["--gpus", "0", "1"]), parser)
+    assert cfg.devices == (0, 1) and cfg.backend == "jax" and note is None

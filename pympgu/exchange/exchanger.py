@@ -1,7 +1,6 @@
 """The Exchanger: a worker's arrays averaged with every other worker's, on CPUs or GPUs."""
 import math
 import time
-import warnings
 
 from .layout import ITEMSIZE, plan_layout
 
@@ -19,8 +18,7 @@ class Exchanger:
     same; None: twice the SM count), leaving SMs free for compute that overlaps it.
     ``shadow`` (GPUs; every rank the same) gives the peer group a shared shadow, nranks - 1
     more copies of the buffer, that peers copy their arrays into by DMA: the XLA exchanges
-    that overlap computation (pympgu.xla.average_results, correct_during) then need no
-    pack, and average_results can cut the step in two (pympgu.cuda.PeerGroup).
+    that overlap computation then need no pack, and can cut a training step in two.
     ``stream_barriers=False`` (GPUs; every rank the same) makes the XLA exchanges' barriers
     kernels, as on drivers without stream memory operations.
     ``stats`` adds up the host seconds spent in each step and counts exchanges.
@@ -150,12 +148,12 @@ class Exchanger:
         self.start(arrays)
         return self.finish()
 
-    def xla_average(self, arrays):
-        """Deprecated: ``pympgu.xla.average(arrays, exchanger)``."""
-        warnings.warn("Exchanger.xla_average is deprecated; call pympgu.xla.average(arrays, "
-                      "exchanger)", DeprecationWarning, stacklevel=2)
-        from .. import xla
-        return xla.average(arrays, self)
+    def __getattr__(self, name):
+        if name.startswith("xla_"):  # moved up: this package does not import pympgu.xla
+            raise AttributeError(f"Exchanger.{name} moved: pympgu.xla's operations take an "
+                                 f"Exchanger (pympgu.xla.average(arrays, exchanger)), and "
+                                 f"pympgu.xla.StepExchange(exchanger) holds the rest")
+        raise AttributeError(f"'Exchanger' object has no attribute {name!r}")
 
     def close(self):
         """Release the staging buffer and every peer mapping; calling it again does nothing."""
