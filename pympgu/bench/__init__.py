@@ -1,6 +1,7 @@
 """pympgu's benchmarks, which print tables (speed is measured here, never by tests).
 
     python -m pympgu.bench --gpus 0 1         # the exchange, 4 KiB to 1 GiB, against NCCL
+    python -m pympgu.bench exchange --gpus 0 1  # the same
     python -m pympgu.bench train --gpus 0 1   # training samples/s and scaling against DDP
 
 Modules: exchange (the exchange benchmark), train (the training benchmark's rows and
@@ -11,8 +12,10 @@ import sys
 
 
 def main(argv=None):
-    """``python -m pympgu.bench [train] ...``."""
+    """``python -m pympgu.bench [exchange|train] ...``."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "exchange":
+        argv = argv[1:]
     if argv and argv[0] == "train":
         from .train import main as train
         return train(argv[1:])
