@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Build pympgu's extensions in place (./build.sh), or remove every build output (./build.sh clean).
+# Build pympgu's extensions in place: ./build.sh prints one line (the compiler's output goes
+# to build/build.log, shown in full on failure); ./build.sh -v shows it as it goes;
+# ./build.sh clean removes every build output.
 set -euo pipefail
 cd "$(dirname "$0")"
 if [ "${1:-}" = "clean" ]; then
@@ -8,4 +10,27 @@ if [ "${1:-}" = "clean" ]; then
   echo "cleaned"
   exit 0
 fi
-python3 setup.py build_ext --inplace "$@"
+if [ "${1:-}" = "-v" ]; then
+  shift
+  exec python3 setup.py build_ext --inplace "$@"
+fi
+mkdir -p build
+log=build/build.log
+start=$SECONDS
+if ! python3 setup.py build_ext --inplace "$@" > "$log" 2>&1; then
+  tail -n 60 "$log"
+  echo "pympgu: the build failed; its whole log: $log" >&2
+  exit 1
+fi
+built="pympgu._host"
+if ! grep -q "building the host part only" "$log"; then
+  built+=" and pympgu._cuda._core"
+  if grep -q "building without the XLA operations" "$log"; then
+    built+=" (without the XLA operations: jaxlib's headers not found)"
+  else
+    built+=" (with the XLA operations)"
+  fi
+else
+  built+=" only ($(grep -o "PYMPGU_NO_CUDA=1\|no CUDA toolkit found" "$log" | head -1))"
+fi
+echo "pympgu: built $built in $((SECONDS - start)) s; log: $log"

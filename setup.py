@@ -118,7 +118,9 @@ def extensions():
     ]
     home = find_cuda()
     if home is None:
-        print("pympgu: no CUDA toolkit found; building the host part only", file=sys.stderr)
+        why = ("PYMPGU_NO_CUDA=1" if os.environ.get("PYMPGU_NO_CUDA") == "1" else
+               "no CUDA toolkit found")
+        print(f"pympgu: {why}; building the host part only", file=sys.stderr)
     else:
         include_dirs = [CSRC, os.path.join(home, "include")]
         macros = [("PMG_WITH_CUDA", "1")]

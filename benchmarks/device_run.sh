@@ -23,7 +23,7 @@ for step in ${*:-tests train bench}; do
   echo "=== $step (GPUs: $GPUS)"
   case $step in
     # Every test that needs a GPU, spread over the cores; K narrows it (pytest -k).
-    tests) timeout 560 python3 -m pytest -q -p no:cacheprovider -n ${JOBS:-15} ${K:+-k "$K"} \
+    tests) timeout ${TESTS_S:-560} python3 -m pytest -q -p no:cacheprovider -n ${JOBS:-15} ${K:+-k "$K"} \
              tests/test_gpu_runtime.py tests/test_gpu_exchange.py tests/test_gpu_ddp.py \
              tests/test_gpu_graphs.py tests/test_nnet.py 2>&1 | tail -15 ;;
     sanitize)

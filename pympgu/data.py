@@ -11,6 +11,7 @@ import io
 import os
 import pickle
 import tarfile
+import zlib
 
 import numpy as np
 
@@ -54,8 +55,8 @@ def read_idx(path, magic):
     try:
         with _open(path) as f:
             raw = f.read()
-    except (OSError, EOFError, gzip.BadGzipFile) as e:
-        raise DataError(f"{path}: cannot be read ({e})") from None
+    except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
+        raise DataError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
     if len(raw) < 8:
         raise DataError(f"{path}: truncated ({len(raw)} bytes, no IDX header)")
     found = int.from_bytes(raw[:4], "big")
@@ -271,14 +272,19 @@ def _cifar_files(path):
         raise DataError(f"{path}: no such file") from None
     except (tarfile.TarError, OSError) as e:
         raise DataError(f"{path}: not a readable CIFAR archive ({e})") from None
-    with archive:
-        members = {os.path.basename(m.name): m for m in archive.getmembers() if m.isfile()}
-        kind = _cifar_kind(set(members))
-        if kind is None:
-            raise DataError(f"{path}: holds no CIFAR-10 or CIFAR-100 files")
-        _, train_files, test_file, _, _ = CIFAR[kind]
-        blobs = {name: archive.extractfile(members[name]).read()
-                 for name in train_files + [test_file, CIFAR_META[kind][0]] if name in members}
+    try:
+        with archive:
+            members = {os.path.basename(m.name): m for m in archive.getmembers() if m.isfile()}
+            kind = _cifar_kind(set(members))
+            if kind is None:
+                raise DataError(f"{path}: holds no CIFAR-10 or CIFAR-100 files")
+            _, train_files, test_file, _, _ = CIFAR[kind]
+            blobs = {name: archive.extractfile(members[name]).read()
+                     for name in train_files + [test_file, CIFAR_META[kind][0]]
+                     if name in members}
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as e:  # corrupt past its header
+        raise DataError(f"{path}: not a readable CIFAR archive ({type(e).__name__}: {e})") \
+            from None
     return kind, blobs.__getitem__
 
 

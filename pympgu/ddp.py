@@ -104,9 +104,28 @@ class _Peers:
             # rank's own, or ranks that never set it would all gather on GPU 0.
             with self.torch.cuda.device(self.device or self.torch.cuda.current_device()):
                 dist.all_gather_object(everyone, (facts, reason), group=self.process_group)
-            if error is not None:
-                raise error
-            self._connect(cuda, [f for f, _ in everyone], [e for _, e in everyone])
+                if error is not None:
+                    raise error
+                facts, errors = [f for f, _ in everyone], [e for _, e in everyone]
+                if any(errors):  # every rank knows it: each raises, none waits for another
+                    self._connect(cuda, facts, errors)
+                failure = None
+                try:
+                    self._connect(cuda, facts, errors)
+                except Exception as e:
+                    failure = e
+                # Every rank has mapped every flags page (no name need stay in /dev/shm), or
+                # every rank learns which could not: none is left waiting for it.
+                dist.all_gather_object(everyone, None if failure is None else
+                                       f"{type(failure).__name__}: {failure}",
+                                       group=self.process_group)
+            if failure is not None:
+                raise failure
+            failed = [f"rank {r}: {e}" for r, e in enumerate(everyone) if e]
+            if failed:
+                raise RuntimeError("pympgu.ddp: not every rank could map its peers' buffers; "
+                                   + "; ".join(failed))
+            self.group.release_names()
         except BaseException:
             self.close()
             raise

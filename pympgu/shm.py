@@ -1,32 +1,71 @@
-"""POSIX shared memory for CPU workers: one segment per rank, named after the run's token.
+"""POSIX shared memory: CPU workers' segments and the GPU stream barriers' flag pages.
 
-Segments live in /dev/shm as ``pympgu-<token>-<rank>``, so two runs never clash and the
-launcher can unlink whatever a failed run left behind (:func:`unlink_run`). Opened with
-os.open/mmap directly: Python's multiprocessing resource tracker would otherwise unlink
-segments behind the workers' backs or warn about them at exit.
+Segments live in /dev/shm as ``pympgu-<run id>-<rank>``, mode 0600, the run id random and
+public (it is no key to the run's control plane), so two runs never clash and the launcher
+can unlink whatever a failed run left behind (:func:`unlink_run`). A name is unlinked as
+soon as every rank has mapped its segment (:meth:`Segment.unlink`); until then a worker
+whose launcher is killed removes those it created (:func:`unlink_created`). Only names of
+pympgu's own form are opened, and only regular files of this user that no one else can
+read: a peer's name is never a path to anything else. Opened with os.open/mmap directly:
+Python's multiprocessing resource tracker would otherwise unlink segments behind the
+workers' backs or warn about them at exit.
 """
 import errno
 import glob
 import mmap
 import os
+import re
+import stat
 
 SHM_DIR = "/dev/shm"
+# pympgu-<run id>-<rank>, or a PeerGroup's flags page: <that>-flags-<hex>, or, outside a
+# launcher, pympgu-flags-<pid>-<hex>.
+NAME = re.compile(r"pympgu-(?:[0-9a-f]{1,64}-[0-9]{1,3}|flags-[0-9]{1,10})(?:-flags)?"
+                  r"(?:-[0-9a-f]{1,32})?")
+_created = set()  # paths this process created and has not unlinked
 
 
-def segment_name(token, rank):
-    return f"pympgu-{token}-{rank}"
+def segment_name(run_id, rank):
+    """The prefix of every name rank ``rank`` of run ``run_id`` creates."""
+    return f"pympgu-{run_id}-{rank}"
+
+
+def new_name(prefix):
+    """``prefix`` and random digits: a name that no other process can take first."""
+    import secrets
+    return f"{prefix}-{secrets.token_hex(6)}"
+
+
+def check_name(name, prefix=None):
+    """Refuse a segment name that is not of pympgu's form, or (with ``prefix``) not of the
+    run's own: a name from a peer must never reach a path elsewhere."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ValueError(f"refused the shared-memory name {name[:80]!r}: not a pympgu "
+                         "segment's")
+    if prefix is not None and not (name == prefix or name.startswith(prefix + "-")):
+        raise ValueError(f"refused the shared-memory name {name!r}: not this run's "
+                         f"({prefix})")
+    return name
 
 
 class Segment:
     """A mapped shared-memory segment; ``buffer`` is a writable memoryview of it."""
 
-    def __init__(self, name, nbytes, create):
-        self.name = name
+    def __init__(self, name, nbytes, create, prefix=None):
+        self.name = check_name(name, prefix)
         self.path = os.path.join(SHM_DIR, name)
         self.owner = create
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create
+                                                             else 0)
         fd = os.open(self.path, flags, 0o600)
+        if create:
+            _created.add(self.path)
         try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                raise PermissionError(errno.EPERM, "refused: not a private file of this user "
+                                      f"(mode {stat.filemode(st.st_mode)}, uid {st.st_uid})",
+                                      self.path)
             if create:
                 _allocate(fd, self.path, max(nbytes, 1))
             size = os.fstat(fd).st_size
@@ -35,21 +74,27 @@ class Segment:
             self.map = mmap.mmap(fd, max(nbytes, 1))
         except BaseException:
             if create:
-                os.unlink(self.path)
+                self.unlink()
             raise
         finally:
             os.close(fd)
         self.buffer = memoryview(self.map)[:nbytes]
 
-    def close(self):
-        """Unlink (the creator) and unmap; calling it again does nothing."""
-        if self.map is None:
-            return
-        if self.owner:
+    def unlink(self):
+        """Remove the name (the creator only; the mappings stay): once every rank has mapped
+        the segment, nothing need ever be cleaned up after it."""
+        if self.owner and self.path in _created:
+            _created.discard(self.path)
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+    def close(self):
+        """Unlink (the creator) and unmap; calling it again does nothing."""
+        if self.map is None:
+            return
+        self.unlink()
         try:
             self.buffer.release()
             self.map.close()
@@ -83,10 +128,22 @@ def _mib(nbytes):
     return f"{nbytes / 2 ** 20:,.1f} MiB"
 
 
-def unlink_run(token):
-    """Remove every segment of the run with this token; returns the paths removed."""
+def unlink_created():
+    """Remove every name this process created and has not unlinked (a worker whose launcher
+    is gone, on its way out)."""
+    for path in list(_created):
+        _created.discard(path)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def unlink_run(run_id):
+    """Remove every segment of the run ``run_id``; returns the paths removed."""
+    check_name(segment_name(run_id, 0))
     removed = []
-    for path in glob.glob(os.path.join(SHM_DIR, f"pympgu-{token}-*")):
+    for path in glob.glob(os.path.join(SHM_DIR, f"pympgu-{run_id}-*")):
         try:
             os.unlink(path)
             removed.append(path)

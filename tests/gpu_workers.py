@@ -3,6 +3,8 @@
 Functions here run in spawned children, so they live in an importable module. Each child
 reports a result or its traceback; the parent checks every exit code.
 """
+import glob
+import os
 import traceback
 
 import numpy as np
@@ -293,6 +295,8 @@ def ddp_grads(rank, conn, nranks, ngpus, init_file, seed, dtype, method, bucket_
                 out.append(([_raw(p.grad) for p in local.parameters()],
                             [_raw(p.grad).tobytes() for p in model.parameters()]))
             torch.cuda.synchronize()
+            # Every rank mapped this rank's stream barrier flags at setup: their name is gone.
+            assert not glob.glob(f"/dev/shm/pympgu-flags-{os.getpid()}-*"), "a name stayed"
             return out, sorted(state.places)
         finally:
             state.close()

@@ -1,4 +1,5 @@
 """Worker functions for the runtime tests (spawned children import them from here)."""
+import glob
 import hashlib
 import os
 import signal
@@ -10,6 +11,11 @@ from reference import from_f32, model_average, model_wire_exchanges, to_f32
 
 LAYOUT = [("w1", [31, 17], "float32"), ("b1", [17], "float32"), ("w2", [17, 5], "float32"),
           ("b2", [5], "float32")]
+
+
+def shm_left(run_id):
+    """What run ``run_id`` has in /dev/shm."""
+    return glob.glob(f"/dev/shm/pympgu-{run_id}-*")
 
 
 def check_bits(got, wanted, layout, where):
@@ -30,19 +36,24 @@ def rank_params(rank, round_, layout=LAYOUT):
     return [rng.standard_normal(shape).astype(dtype) for _, shape, dtype in layout]
 
 
-def average_rounds(ctx, rounds, pid_dir=None, fail=None, layout=None, flat=False):
+def average_rounds(ctx, rounds, pid_dir=None, fail=None, layout=None, flat=False, pace=0.0):
     """Exchange `rounds` times; check each result against the exact model; digest the last.
 
     fail = (rank, round, how) makes that rank 'raise', 'kill' itself or 'hang' at that round.
     flat=True hands the Exchanger one packed array (start(flat=True)), as JAX workers do.
+    pace: seconds of sleep before each round (a run that lasts).
     """
     from pympgu.exchange import Exchanger
     if pid_dir:
         open(os.path.join(pid_dir, f"{ctx.rank}.pid"), "w").write(str(os.getpid()))
+        open(os.path.join(pid_dir, "run_id"), "w").write(ctx.run_id)
     layout = layout or LAYOUT
     if layout == "mismatch":
         layout = LAYOUT[:-1] + [("b2", [6] if ctx.rank == 1 else [5], "float32")]
     with Exchanger(ctx, layout) as ex:
+        if ctx.nranks > 1:  # every rank has mapped this rank's segment: its name is gone
+            from pympgu import shm
+            assert not glob.glob(f"/dev/shm/{shm.segment_name(ctx.run_id, ctx.rank)}-*")
         digest = None
         for k in range(rounds):
             if fail and fail[0] == ctx.rank and fail[1] == k:
@@ -52,6 +63,7 @@ def average_rounds(ctx, rounds, pid_dir=None, fail=None, layout=None, flat=False
                     os.kill(os.getpid(), signal.SIGKILL)
                 if fail[2] == "hang":
                     time.sleep(3600)
+            time.sleep(pace)
             mine = rank_params(ctx.rank, k, layout)
             if flat:
                 packed = np.zeros(ex.total, np.float32)
@@ -68,11 +80,11 @@ def average_rounds(ctx, rounds, pid_dir=None, fail=None, layout=None, flat=False
                     raise AssertionError(f"rank {ctx.rank} round {k} tensor {t} is wrong")
             digest = hashlib.sha256(b"".join(a.tobytes() for a in out)).hexdigest()
             ctx.metric(round=k)
-        return {"digest": digest, "stats": ex.stats}
+        return {"digest": digest, "stats": ex.stats, "run_id": ctx.run_id}
 
 
 def attack_then_average(ctx, rounds):
-    """Rank 0 first throws junk at the coordinator's port: raw bytes, a wrong token, a
+    """Rank 0 first throws junk at the coordinator's port: raw bytes, a forged HELLO, a
     truncated message and a payload that is not JSON; then everyone exchanges as usual."""
     import socket
     import time
@@ -86,9 +98,9 @@ def attack_then_average(ctx, rounds):
         d = zctx.socket(zmq.DEALER)
         d.setsockopt(zmq.LINGER, 1000)
         d.connect(ctx.link.address)
-        d.send_multipart([b"wrong-token", b"HELLO", b"{}", b"x"])
+        d.send_multipart([b"HELLO 1 1", b"{}", b"x" * 32])  # no secret: a wrong MAC
         d.send_multipart([b"x"])
-        d.send_multipart([ctx.token.encode(), b"METRIC", b"{not json", b""])
+        d.send_multipart([b"METRIC 0 5", b"{not json", b"", b"y" * 32])
         time.sleep(0.2)
         d.close()
         zctx.term()
@@ -102,6 +114,8 @@ def average_rounds_gpu(ctx, rounds):
     from pympgu.exchange import Exchanger
     torch.cuda.set_device(ctx.device)
     with Exchanger(ctx, LAYOUT) as ex:
+        # Every rank has mapped this rank's stream barrier flags: their name is gone.
+        assert not glob.glob(f"/dev/shm/pympgu-{ctx.run_id}-{ctx.rank}-*")
         digest = None
         for k in range(rounds):
             mine = [torch.from_numpy(a).cuda() for a in rank_params(ctx.rank, k)]
@@ -513,7 +527,8 @@ def late_peer(ctx, timeout=2.0):
     until the group's watchdog lets it go on, after ``timeout`` seconds (the exchange ends
     without rank 1's values), and rank 0's next exchange fails, naming rank 1. Both ranks
     keep their groups open until rank 0 is done: rank 0 still writes into rank 1's. Each
-    rank also says whether its flags page was in /dev/shm while open, and after close."""
+    rank also says whether its flags page's name was in /dev/shm while the group was open
+    (every rank has mapped it by then), and after close."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
 
@@ -544,3 +559,20 @@ def late_peer(ctx, timeout=2.0):
 def shared_rounds(ctx, rounds):
     """Barriers at which every rank offers its own value: each returns rank 0's."""
     return [ctx.barrier(shared={"rank": ctx.rank, "round": k}) for k in range(rounds)]
+
+
+def hold_segment(ctx, pid_dir, hold_s, unlink=False):
+    """Make this rank's shared-memory segment as the host exchange does, unlink its name
+    (with ``unlink``), write <rank>.pid and <rank>.ready in pid_dir, and hold the segment
+    hold_s seconds; returns its name, mode and owner."""
+    from pympgu import shm
+    open(os.path.join(pid_dir, f"{ctx.rank}.pid"), "w").write(str(os.getpid()))
+    open(os.path.join(pid_dir, "run_id"), "w").write(ctx.run_id)
+    seg = shm.Segment(shm.new_name(shm.segment_name(ctx.run_id, ctx.rank)), 4096, create=True)
+    st = os.stat(seg.path)
+    if unlink:
+        seg.unlink()
+    open(os.path.join(pid_dir, f"{ctx.rank}.ready"), "w").close()
+    time.sleep(hold_s)
+    seg.close()
+    return {"rank": ctx.rank, "name": seg.name, "mode": st.st_mode, "uid": st.st_uid}

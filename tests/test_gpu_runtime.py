@@ -176,8 +176,8 @@ def test_gpu_stream_barrier_times_out_on_a_late_peer():
     first = results[0]
     assert 2.0 <= first["held_s"] < 20, first
     assert "barrier for rank 1, which died or stopped exchanging" in first["error"], first
-    for r in results:  # each rank's flags page lives as long as its group
-        assert r["page_while_open"] and not r["page_after_close"], r
+    for r in results:  # the pages stay mapped, their names gone once every rank mapped them
+        assert not r["page_while_open"] and not r["page_after_close"], r
 
 
 @pytest.mark.parametrize("every", [1, 2])

@@ -474,34 +474,44 @@ def test_barrier_watch_finds_a_peer_that_stopped():
 
 def test_peer_group_handles_are_split_and_checked():
     """A PeerGroup's handle is its block's IPC handle, then its stream barrier flags' name:
-    either every rank has flags or none, and a short handle is refused."""
+    either every rank has flags or none, and a short handle is refused. A name is opened
+    as a file: one not of pympgu's form, or not of the rank's prefix, is refused."""
     try:
-        from pympgu._cuda import _split_handles
+        from pympgu._cuda._core import _split_handles
     except ImportError:
         pytest.skip("pympgu was built without CUDA")
     ipc = [bytes([r]) * 64 for r in range(3)]
     assert _split_handles(ipc, 3) == (ipc, None)
-    named = [h + f"pympgu-t-{r}-flags".encode() for r, h in enumerate(ipc)]
-    assert _split_handles(named, 3) == (ipc, [f"pympgu-t-{r}-flags" for r in range(3)])
+    names = [f"pympgu-7e57-{r}-flags-0a{r}" for r in range(3)]
+    named = [h + n.encode() for h, n in zip(ipc, names)]
+    prefixes = [f"pympgu-7e57-{r}-flags" for r in range(3)]
+    assert _split_handles(named, 3) == (ipc, names)
+    assert _split_handles(named, 3, prefixes) == (ipc, names)
     assert _split_handles(named[:1], 1) == (ipc[:1], None)  # one rank has no barriers
-    with pytest.raises(ValueError, match="PYMPGU_STREAM_BARRIER alike.*rank 0: on, "
+    with pytest.raises(ValueError, match="stream_barriers alike.*rank 0: on, "
                                          "rank 1: off, rank 2: on"):
         _split_handles([named[0], ipc[1], named[2]], 3)
     with pytest.raises(ValueError, match="at least 64 bytes, got 63"):
         _split_handles([ipc[0], ipc[1][:63]], 2)
+    for bad in (b"/etc/passwd", b"../../etc/shadow", b"pympgu-7e57-1-flags/../../x",
+                "pympgu-7e57-1-flags-\u00e9".encode()):
+        with pytest.raises(ValueError, match="refused the shared-memory name"):
+            _split_handles([named[0], ipc[1] + bad, named[2]], 3)
+    with pytest.raises(ValueError, match="not this run's \\(pympgu-7e57-1-flags\\)"):
+        _split_handles([named[0], ipc[1] + names[2].encode(), named[2]], 3, prefixes)
 
 
 def test_host_flags_that_cannot_be_registered_leave_nothing():
     """Without a driver the flags page cannot be page-locked: CUDA's error, and no segment
     left in /dev/shm."""
     try:
-        from pympgu._cuda import HostFlags, _flags_name
+        from pympgu._cuda._core import HostFlags, _flags_name
     except ImportError:
         pytest.skip("pympgu was built without CUDA")
     import os
     name = _flags_name()
     assert name.startswith(f"pympgu-flags-{os.getpid()}-") and name != _flags_name()
-    assert _flags_name("pympgu-tok-1-flags").startswith("pympgu-tok-1-flags-")
+    assert _flags_name("pympgu-7e57-1-flags").startswith("pympgu-7e57-1-flags-")
     with pytest.raises(pympgu.CudaError) as info:
         HostFlags(name, create=True)
     assert info.value.message

@@ -47,6 +47,27 @@ def test_source_distribution_carries_the_cuda_sources(tmp_path):
     assert not missing, missing
 
 
+def test_build_sh_says_what_it_built_in_one_line_and_shows_the_log_on_failure(tmp_path):
+    src = clean_copy(tmp_path)
+    env = dict(os.environ, PYMPGU_NO_CUDA="1")
+    r = subprocess.run(["bash", "build.sh"], cwd=src, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.splitlines() == [r.stdout.strip()] and not r.stderr, r.stdout + r.stderr
+    assert r.stdout.startswith("pympgu: built pympgu._host only (PYMPGU_NO_CUDA=1) in ")
+    assert r.stdout.strip().endswith("log: build/build.log")
+    assert "building 'pympgu._host' extension" in (src / "build" / "build.log").read_text()
+    broken = src / "csrc" / "host_average.cpp"
+    broken.write_text("this is not C++\n")
+    later = os.stat(broken).st_mtime + 5  # setuptools compares whole seconds
+    os.utime(broken, (later, later))
+    r = subprocess.run(["bash", "build.sh"], cwd=src, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 1
+    assert "host_average.cpp" in r.stdout and "error" in r.stdout.lower(), r.stdout[-3000:]
+    assert "pympgu: the build failed; its whole log: build/build.log" in r.stderr
+
+
 def clean_copy(tmp_path):
     """The tracked files alone, as a fresh clone has them: nothing built."""
     listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)

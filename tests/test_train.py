@@ -5,8 +5,11 @@ import json
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
+import tarfile
+import time
 
 import numpy as np
 import pytest
@@ -488,6 +491,17 @@ def test_data_errors_name_the_file(tmp_path):
     (tmp_path / "t10k-images-idx3-ubyte.gz").write_bytes(b"not gzip at all")
     with pytest.raises(data.DataError, match="t10k-images-idx3-ubyte.gz: cannot be read"):
         data.load(str(tmp_path))
+    # A gzip header and corrupt deflate data past it (zlib.error), and a gzip cut short.
+    packed = bytearray(gzip.compress(raw[:200000]))
+    packed[12:20] = b"\xff" * 8
+    (tmp_path / "t10k-images-idx3-ubyte.gz").write_bytes(bytes(packed))
+    with pytest.raises(data.DataError, match="t10k-images-idx3-ubyte.gz: cannot be read "
+                                             r"\(error: .*invalid code lengths set"):
+        data.load(str(tmp_path))
+    (tmp_path / "t10k-images-idx3-ubyte.gz").write_bytes(gzip.compress(raw)[:5000])
+    with pytest.raises(data.DataError, match="t10k-images-idx3-ubyte.gz: cannot be read "
+                                             r"\(EOFError: "):
+        data.load(str(tmp_path))
     (tmp_path / "t10k-images-idx3-ubyte.gz").unlink()
     (tmp_path / "t10k-images-idx3-ubyte").write_bytes(raw[:8] + raw[16:])  # header cut
     with pytest.raises(data.DataError, match="magic|bytes"):
@@ -616,6 +630,17 @@ def test_cifar_errors_name_the_file(tmp_path, capsys):
     (tmp_path / "bad.tar.gz").write_bytes(b"not an archive")
     with pytest.raises(data.DataError, match="bad.tar.gz: not a readable CIFAR archive"):
         data.load(str(tmp_path / "bad.tar.gz"))
+    # An archive whose gzip header reads, and whose deflate data past it does not.
+    fake_cifar(tmp_path / "d")
+    with tarfile.open(tmp_path / "d.tar.gz", "w:gz") as tar:
+        tar.add(tmp_path / "d", arcname="cifar-10-batches-py")
+    packed = bytearray((tmp_path / "d.tar.gz").read_bytes())
+    cut = len(packed) * 3 // 10  # past the first member's header
+    packed[cut:cut + 8] = b"\xff" * 8
+    (tmp_path / "d.tar.gz").write_bytes(bytes(packed))
+    with pytest.raises(data.DataError, match=r"d.tar.gz: not a readable CIFAR archive "
+                                             r"\(error: Error -3 while decompressing"):
+        data.load(str(tmp_path / "d.tar.gz"))
 
 
 def test_a_convnet_trains_on_cifar_shaped_images(tmp_path, capsys):
@@ -804,7 +829,7 @@ def test_cli_says_what_a_stopped_run_left_to_resume(tmp_path, monkeypatch, capsy
     out = tmp_path / "run"
 
     def stopped(error, epochs_done):
-        def fake_run(cfg, port=None, quiet=False):
+        def fake_run(cfg, port=None, quiet=False, **where):
             out.mkdir(exist_ok=True)  # run() makes --out before any worker starts
             if epochs_done:  # what the worker writes after each epoch
                 np.savez(out / ckpt.CHECKPOINT, __epoch__=epochs_done, __history__="[]")
@@ -1185,3 +1210,117 @@ def test_gpus_without_a_cuda_jax_is_a_flag_error_before_any_worker(monkeypatch, 
                         lambda name, *a: object() if name in ("jax", "jax_cuda13_plugin") else None)
     cfg, note = cli.resolve(parser.parse_args(["--gpus", "0", "1"]), parser)
     assert cfg.devices == (0, 1) and cfg.backend == "jax" and note is None
+
+
+# ---------------------------------------------------------------- stops, damage, resumes
+
+def test_resume_dir_writes_into_it_and_its_log_goes_on_from_the_epoch_resumed(tmp_path,
+                                                                               capsys):
+    """--resume DIR without --out writes into DIR: its checkpoint and metrics.jsonl go on
+    (from best.npz, the log's later epochs are replaced, not repeated)."""
+    out = str(tmp_path / "run")
+    argv = ["--cpu", "2", "--hidden", "16", "--quiet", "--backend", "c"]
+    assert cli.main(argv + ["--epochs", "2", "--out", out]) == 0
+    epochs = lambda: [json.loads(x)["epoch"] for x in open(os.path.join(out, ckpt.METRICS))]  # noqa: E731
+    assert cli.main(argv + ["--epochs", "4", "--resume", out]) == 0
+    assert f"goes on writing into {out}" in capsys.readouterr().err
+    assert epochs() == [1, 2, 3, 4] and ckpt.epoch_of(os.path.join(out, ckpt.CHECKPOINT)) == 4
+    best = ckpt.epoch_of(os.path.join(out, ckpt.BEST))
+    assert cli.main(argv + ["--epochs", "5", "--resume", os.path.join(out, ckpt.BEST)]) == 0
+    assert epochs() == list(range(1, best + 1)) + list(range(best + 1, 6))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "bit flipped"])
+def test_a_damaged_checkpoint_is_named_with_its_intact_sibling(tmp_path, capsys, damage):
+    out = tmp_path / "run"
+    train(config(epochs=2, hidden=[16], out=str(out)), quiet=True)
+    path = out / ckpt.CHECKPOINT
+    raw = bytearray(path.read_bytes())
+    if damage == "truncated":
+        raw = raw[:len(raw) // 2]
+    elif damage == "empty":
+        raw = b""
+    else:
+        raw[len(raw) // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
+    best = ckpt.epoch_of(str(out / ckpt.BEST))
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--cpu", "2", "--hidden", "16", "--epochs", "3", "--resume", str(out)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--resume {path}: cannot resume from it: it is damaged (" in err, err
+    assert f"{out / ckpt.BEST} is intact (epoch {best}): --resume {out / ckpt.BEST}" in err
+    assert "Traceback" not in err
+    (out / ckpt.BEST).write_bytes(b"")  # both damaged: nothing to suggest
+    with pytest.raises(SystemExit):
+        cli.main(["--cpu", "2", "--hidden", "16", "--epochs", "3", "--resume", str(out)])
+    err = capsys.readouterr().err
+    assert "it is damaged" in err and "intact" not in err, err
+
+
+def test_a_diverging_run_stops_at_its_first_non_finite_loss(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["--cpu", "2", "--hidden", "16", "--quiet", "--out", str(out)]
+    assert cli.main(argv + ["--epochs", "1"]) == 0
+    kept = (out / ckpt.CHECKPOINT).read_bytes()
+    capsys.readouterr()
+    assert cli.main(argv + ["--epochs", "4", "--lr", "1e30", "--resume", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert "the training loss was nan in epoch 2: the run diverged and stopped there" \
+        in captured.err, captured.err
+    assert "epoch   2" not in captured.out and "done in" not in captured.out
+    assert (out / ckpt.CHECKPOINT).read_bytes() == kept  # epoch 1's, the last good one
+    assert f"{out / ckpt.CHECKPOINT} keeps epoch 1, the last good one" in captured.err
+    assert [json.loads(x)["epoch"] for x in open(out / ckpt.METRICS)] == [1]
+
+
+def test_a_run_says_what_it_does_before_its_first_epoch(capsys):
+    assert cli.main(["--cpu", "2", "--hidden", "16", "--epochs", "1"]) == 0
+    err = capsys.readouterr().err
+    stages = [line for line in err.splitlines() if line.startswith("pympgu: ") and " s: " in line]
+    assert [line.split(" s: ", 1)[1] for line in stages] == [
+        "building the model and compiling its step", "connecting the workers' exchange",
+        "training from epoch 1 (its first steps compile)"], err
+
+
+def test_without_jax_the_run_says_which_backend_runs_and_why(monkeypatch):
+    import importlib.util
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "jax" else find(name, *a))
+    parser = cli.build_parser()
+    cfg, note = cli.resolve(parser.parse_args(["--cpu", "2"]), parser)
+    assert cfg.backend == "c"
+    assert "JAX is not installed, so the CPU workers run PyTensor's C backend" in note
+    assert "pip install jax" in note
+
+
+def test_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
+    """A scheduler's SIGTERM (Slurm's, at a job's end): every worker stopped, the status a
+    SIGTERM gives (143), and the line that says how to resume."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "pympgu.train", "--cpu", "2", "--epochs",
+                             "500", "--hidden", "16", "--quiet", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while ckpt.epoch_of(str(out / ckpt.CHECKPOINT)) is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, err
+    assert "stopped by SIGTERM; every worker was stopped" in err
+    assert f"continue with --resume {out}" in err
+    assert "Traceback" not in err
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        left = subprocess.run(["ps", "-o", "pid,args", "--no-headers", "-s", str(proc.pid)],
+                              capture_output=True, text=True).stdout.strip()
+        if not left:
+            break
+        time.sleep(0.2)
+    assert not left, f"outlived the run: {left}"

@@ -66,18 +66,23 @@ def _flags_name(prefix=None):
     return f"{prefix or f'pympgu-flags-{os.getpid()}'}-{secrets.token_hex(6)}"
 
 
-def _split_handles(handles, int nranks):
+def _split_handles(handles, int nranks, prefixes=None):
     """PeerGroup handles (``PeerGroup.handle``) as (the IPC handles, the names of the ranks'
     flags pages, or None when no rank has one). Ranks that disagree on stream barriers would
-    wait for flags that never come: refused, naming them."""
+    wait for flags that never come: refused, naming them. A name not of pympgu's form (or
+    not beginning with ``prefixes[r]``) is refused too: it must never reach another file."""
+    from .. import shm
     ipc, names = [], []
-    for h in handles:
+    for r, h in enumerate(handles):
         h = bytes(h)
         if len(h) < PMG_IPC_HANDLE_BYTES:
             raise ValueError(f"a PeerGroup handle is at least {PMG_IPC_HANDLE_BYTES} bytes, "
                              f"got {len(h)}")
         ipc.append(h[:PMG_IPC_HANDLE_BYTES])
-        names.append(h[PMG_IPC_HANDLE_BYTES:].decode())
+        name = h[PMG_IPC_HANDLE_BYTES:].decode("ascii", "replace")
+        if name:
+            shm.check_name(name, prefixes[r] if prefixes is not None else None)
+        names.append(name)
     if nranks < 2 or not any(names):
         return ipc, None
     if not all(names):
@@ -118,6 +123,11 @@ cdef class HostFlags:
             self.host = NULL
             self.close()
             raise
+
+    def unlink(self):
+        """Remove the page's name (the creator only); the mappings stay."""
+        if self.segment is not None:
+            self.segment.unlink()
 
     @property
     def device_ptr(self):

@@ -145,11 +145,13 @@ cdef class PeerGroup:
         n = (self.nranks - 1) * _align(self.nbytes, _PAGE) // _ITEMSIZE[dtype]
         return self.block.view(dtype, (n,), self.data_offset + self.shadow_offset)
 
-    def connect(self, handles, max_blocks=None):
+    def connect(self, handles, max_blocks=None, flags_prefixes=None):
         """Map every peer's block; handles[r] is rank r's handle (ours is skipped).
 
         max_blocks must be the same on every rank (the launcher passes twice the smallest
-        SM count in the group); by default twice this device's.
+        SM count in the group); by default twice this device's. flags_prefixes[r], if
+        given, is how rank r's flags page name must begin (its ``flags_prefix``).
+        Once every rank has connected, release_names() leaves nothing in /dev/shm.
         """
         if self.connected:
             raise RuntimeError("PeerGroup.connect called twice")
@@ -159,7 +161,7 @@ cdef class PeerGroup:
             if not 1 <= max_blocks <= PMG_MAX_BLOCKS:
                 raise ValueError(f"max_blocks must be 1 to {PMG_MAX_BLOCKS}, got {max_blocks}")
             self.max_blocks = max_blocks
-        ipc, names = _split_handles(handles, self.nranks)
+        ipc, names = _split_handles(handles, self.nranks, flags_prefixes)
         if (names is None) != (self.flags is None):  # this rank's own handle was not given
             raise ValueError(f"rank {self.rank}: handles[{self.rank}] is not this group's "
                              "handle (stream barrier flags "
@@ -188,6 +190,12 @@ cdef class PeerGroup:
             raise OSError(e.errno, f"rank {self.rank} could not map rank {r}'s stream barrier "
                                    f"flags: {e.strerror}", e.filename) from None
         self.connected = True
+
+    def release_names(self):
+        """Remove this rank's flags page from /dev/shm, the mappings kept: call it once
+        every rank has connected, and nothing is left there however the process ends."""
+        if self.flags is not None:
+            self.flags.unlink()
 
     cdef _require(self, size_t n, int code):
         self._require_idle()

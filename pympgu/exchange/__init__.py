@@ -7,7 +7,8 @@ parameters:
 1. pack: copy the parameters into the staging buffer (GPU: one multi-tensor launch);
 2. average: average every rank's staging buffer in place (GPU: the fused kernel with its
    GPU barrier; CPU: each rank averages its 1/R slice with the host kernel and writes it into
-   every rank's buffer, between two host barriers);
+   every rank's buffer, between two host barriers; on several nodes that slice is summed
+   across the nodes first, then divided once);
 3. unpack: hand the result back. On the CPU these are new numpy arrays. On the GPU they
    are DeviceArray views of pympgu memory, valid until the next exchange starts; the caller
    imports them into its framework and copies them there (``jax.dlpack`` then a copy), so
@@ -37,7 +38,8 @@ Layouts (names, shapes, dtypes) must be identical on every rank; the launcher co
 before any training and names both layouts if they differ.
 
 Modules: layout (where each array lies in the buffer), exchanger (the Exchanger), host (CPU
-workers' shared memory) and gpu (GPU workers' PeerGroup).
+workers' shared memory), across (CPU workers' sums between nodes) and gpu (GPU workers'
+PeerGroup).
 """
 from .exchanger import METHODS, WIRE_DTYPES, Exchanger
 from .layout import ALIGN_BYTES, ITEMSIZE, plan_layout

@@ -32,15 +32,20 @@ class CudaBackend:
         self.cuda = cuda
         ctx = self.ctx = ex.ctx
         self.ex = ex
+        if ctx.nnodes > 1:
+            raise NotImplementedError("GPU workers exchange within one node: the exchange "
+                                      "between nodes (NCCL) is not built yet; train on one "
+                                      "node, or CPU workers across nodes")
+        rank, nranks = ctx.local_rank, ctx.local_nranks
         self.keep = None
         # The staging area of 'push' and 'ce', and of 'auto' when the buffer is large enough
         # that it would pick 'push'.
         staging = {"push": True, "ce": True, "auto": None}.get(ex.method, False)
         # The flags page is named after the run, so that the launcher removes what a failed
-        # run left in /dev/shm (shm.unlink_run).
-        self.group = cuda.PeerGroup(ctx.rank, ctx.nranks, ex.nbytes, device=ctx.device,
+        # run left in /dev/shm (shm.unlink_run), and peers refuse any other name.
+        self.group = cuda.PeerGroup(rank, nranks, ex.nbytes, device=ctx.device,
                                     timeout=timeout, staging=staging, shadow=ex.shadow,
-                                    flags_prefix=shm.segment_name(ctx.token, ctx.rank) + "-flags",
+                                    flags_prefix=shm.segment_name(ctx.run_id, rank) + "-flags",
                                     stream_barriers=stream_barriers)
         try:
             if ex.method in cuda.ALGORITHMS:
@@ -71,7 +76,10 @@ class CudaBackend:
                 self.peer_ok = False
                 warnings.warn(f"rank {ctx.rank}: PYMPGU_NO_P2P=1: using the copy method with "
                               "host barriers", RuntimeWarning)
-            self.group.connect(blobs, max_blocks=max_blocks)
+            self.group.connect(blobs, max_blocks=max_blocks, flags_prefixes=[
+                shm.segment_name(ctx.run_id, r) + "-flags" for r in range(nranks)])
+            ctx.barrier(local=True)  # every rank has mapped every flags page: no name need stay
+            self.group.release_names()
             # Padding between parameters is averaged too: give it defined contents.
             self.group.data("uint8").fill_bytes(0)
             self.copy_table = cuda.TensorTable(len(ex.layout), 1, ex.dtype)
@@ -116,9 +124,9 @@ class CudaBackend:
         g = self.group
         if not self.peer_ok:
             g.synchronize()  # packed, before the host barrier tells peers to copy
-            self.ctx.barrier()
+            self.ctx.barrier(local=True)
             g.gather(n, dtype)
-            self.ctx.barrier()
+            self.ctx.barrier(local=True)
             g.shadow_average(n, dtype, synchronize=False)
         elif self.ex.method == "copy":
             g.copy_average(n, dtype, synchronize=False)

@@ -1,4 +1,5 @@
-"""CPU workers' exchange: staging buffers in POSIX shared memory, averaged by the host kernel."""
+"""CPU workers' exchange: staging buffers in POSIX shared memory, averaged by the host kernel
+inside a node, and summed across nodes by pympgu.exchange.across."""
 import os
 
 import numpy as np
@@ -7,20 +8,38 @@ from .. import _host, shm
 
 
 class HostBackend:
-    """CPU workers: staging buffers in POSIX shared memory, averaged by the host kernel."""
+    """CPU workers: staging buffers in POSIX shared memory, averaged by the host kernel.
+
+    Each of a node's ranks averages its 1/L slice of the buffers (L ranks a node) and
+    writes it into every buffer of the node. On several nodes the slice is first the sum
+    of the node's ranks', summed again across the nodes, then divided by the world size
+    once: every rank of every node gets the same bits."""
 
     def __init__(self, ex, timeout):
         ctx = self.ctx = ex.ctx
         self.ex = ex
+        self.rank, self.nranks = ctx.local_rank, ctx.local_nranks
+        self.across = None
+        if ctx.nnodes > 1:
+            if ex.wire_dtype or ex.dtype != "float32":
+                raise ValueError("across nodes the exchange is float32 (a half-precision "
+                                 "wire's error across nodes is not measured yet): give "
+                                 "--exchange-dtype float32")
+            from .across import NodeSum
+            self.across = NodeSum(ctx)
         nbytes = ex.nbytes
-        name = shm.segment_name(ctx.token, ctx.rank)
         self.segments = []
-        self.own = shm.Segment(name, nbytes, create=True)
+        self.own = shm.Segment(shm.new_name(shm.segment_name(ctx.run_id, ctx.local_rank)),
+                               nbytes, create=True)
         try:
-            _, blobs, _ = ctx.register(ex.layout, {"pid": os.getpid()}, name.encode())
+            _, blobs, _ = ctx.register(ex.layout, {"pid": os.getpid()}, self.own.name.encode())
             for r, blob in enumerate(blobs):
-                seg = self.own if r == ctx.rank else shm.Segment(blob.decode(), nbytes, create=False)
+                seg = self.own if r == self.rank else shm.Segment(
+                    blob.decode("ascii", "replace"), nbytes, create=False,
+                    prefix=shm.segment_name(ctx.run_id, r))
                 self.segments.append(seg)
+            ctx.barrier(local=True)  # every rank has mapped every segment: no name need stay
+            self.own.unlink()
         except BaseException:
             self.close()
             raise
@@ -34,7 +53,7 @@ class HostBackend:
     def pack(self, pairs, kind, shift):
         """pairs: (name, dtype, offset, size, array) for each array to pack; shift: how far
         past its offset in the buffer each array's reference is (a part, Exchanger.start)."""
-        ex, rank = self.ex, self.ctx.rank
+        ex, rank = self.ex, self.rank
         own = self.views[ex.wire_dtype if kind == "delta" else ex.dtype][rank]
         for name, _, off, size, a in pairs:
             a = np.asarray(a)
@@ -49,18 +68,26 @@ class HostBackend:
 
     def average(self, dtype, count):
         """Average the buffers' first count elements: this rank's 1/R slice of them."""
-        rank = self.ctx.rank
-        chunk = -(-count // self.ctx.nranks)
+        rank = self.rank
+        chunk = -(-count // self.nranks)
         lo = min(count, rank * chunk)
         hi = min(count, lo + chunk)
         arrays = self.views[dtype]
-        self.ctx.barrier()  # every rank has packed
+        self.ctx.barrier(local=True)  # every rank of the node has packed
         mine = arrays[rank][lo:hi]
-        _host.host_average([a[lo:hi] for a in arrays], mine, dtype=dtype)
+        if self.across is None:
+            _host.host_average([a[lo:hi] for a in arrays], mine, dtype=dtype)
+        else:
+            # Summed in rank order as the host kernel sums, across the nodes, then divided
+            # once; the slice padded to one length for every rank of this local index.
+            part = np.zeros(chunk, np.float32)
+            for a in arrays:
+                part[:hi - lo] += a[lo:hi]
+            mine[:] = self.across(part)[:hi - lo] / np.float32(self.ctx.nranks)
         for r, a in enumerate(arrays):
             if r != rank:
                 a[lo:hi] = mine
-        self.ctx.barrier()  # every slice has reached every rank
+        self.ctx.barrier(local=True)  # every slice has reached every rank of the node
 
     def wait(self):
         pass  # the host average is complete when average() returns
@@ -68,7 +95,7 @@ class HostBackend:
     def unpack(self, kind, flat, k, count, shift):
         """The first k entries' averages (count elements of the buffer), whose references
         lie shift elements further in ref."""
-        ex, rank = self.ex, self.ctx.rank
+        ex, rank = self.ex, self.rank
         result = self.views[ex.dtype][rank][:count]
         if ex.wire_dtype:
             ref = self.ref[shift:shift + count]

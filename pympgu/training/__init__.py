@@ -6,6 +6,6 @@ user sees), worker (a worker's training loop), sync (when and how replicas meet)
 (a worker's model and state), checkpoint (the run's files), config (RunConfig).
 """
 from .config import RunConfig, UsageError
-from .launcher import run
+from .launcher import Diverged, run
 
-__all__ = ["RunConfig", "UsageError", "run"]
+__all__ = ["Diverged", "RunConfig", "UsageError", "run"]

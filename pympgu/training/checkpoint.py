@@ -44,6 +44,48 @@ def read(path, model, use="--resume {path}: cannot resume from it", variables=No
     does not fit this model. ``note`` is called with a line when the checkpoint fits but
     another optimizer trained it (Adam's moments serve AdamW as they are, and back), which
     nothing else would tell."""
+    try:
+        return _read(path, model, variables, note)
+    except _Mismatch as e:
+        made, e = e.args[1], e.args[0]
+        builds = f"{model.describe()}, trained by {model.optimizer}"
+        other = f" (it holds {made}; this run builds {builds})" if made and made != builds else ""
+        raise ValueError(f"{use.format(path=path)}: {e}{other}") from None
+    except FileNotFoundError:
+        raise ValueError(f"{use.format(path=path)}: no such file") from None
+    except Exception as e:  # truncated, emptied, bits flipped: zipfile, zlib, numpy, json
+        raise ValueError(f"{use.format(path=path)}: it is damaged "
+                         f"({type(e).__name__}: {e}){_intact_beside(path)}") from None
+
+
+class _Mismatch(Exception):
+    """A checkpoint that reads, of another model: (what, what it holds)."""
+
+
+def _intact_beside(path):
+    """Where a damaged checkpoint has an intact sibling (checkpoint.npz and best.npz keep
+    each other's company): how to resume from it, in words."""
+    for name in (CHECKPOINT, BEST):
+        other = os.path.join(os.path.dirname(os.path.abspath(path)), name)
+        if os.path.abspath(path) != other and (epoch := _intact(other)) is not None:
+            return f"; {other} is intact (epoch {epoch}): --resume {other}"
+    return ""
+
+
+def _intact(path):
+    """The epoch of the checkpoint at ``path`` if every array of it reads (each one's CRC
+    checked), else None."""
+    try:
+        import numpy as np
+        with np.load(path) as f:
+            for name in f.files:
+                f[name]
+            return int(f["__epoch__"])
+    except Exception:
+        return None
+
+
+def _read(path, model, variables, note):
     import numpy as np
     made = None
     try:
@@ -63,22 +105,42 @@ def read(path, model, use="--resume {path}: cannot resume from it", variables=No
                     # Saved without --ema: this run starts the average at its parameters.
                     name, started = averaged[id(s)], True
                 if name not in f.files:
-                    raise ValueError(f"it has no {name!r}")
+                    raise _Mismatch(f"it has no {name!r}", made)
                 v = f[name]
                 if v.shape != s.get_value(borrow=True).shape:
-                    raise ValueError(f"{s.name!r} is {v.shape}, this model's is "
-                                     f"{s.get_value(borrow=True).shape}")
+                    raise _Mismatch(f"{s.name!r} is {v.shape}, this model's is "
+                                    f"{s.get_value(borrow=True).shape}", made)
                 values.append(v.astype(np.float32))
-    except (OSError, ValueError, KeyError) as e:
-        builds = f"{model.describe()}, trained by {model.optimizer}"
-        other = f" (it holds {made}; this run builds {builds})" if made and made != builds else ""
-        raise ValueError(f"{use.format(path=path)}: {e}{other}") from None
+    except KeyError as e:  # a checkpoint of pympgu's, but not one save wrote
+        raise _Mismatch(f"it has no {e}", made) from None
     if note and saved != model.optimizer:
         note(f"{path}: its state was trained by {saved}; this run goes on by {model.optimizer}")
     if note and started:
         note(f"{path}: it holds no moving average of the parameters; this run starts one at "
              "them (--ema)")
     return epoch, history, values
+
+
+def trim_metrics(out, epoch):
+    """Keep the lines of --out's metrics.jsonl up to ``epoch`` (a run resumed there goes on
+    from it: a later epoch of the log is replaced, not repeated)."""
+    path = os.path.join(out, METRICS)
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        return
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["epoch"] <= epoch:
+                kept.append(line if line.endswith("\n") else line + "\n")
+        except (ValueError, KeyError, TypeError):
+            pass  # a line cut by a crash
+    if kept != lines:
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
 
 
 def epoch_of(path):

@@ -13,6 +13,7 @@ so it runs offline. docs/TRAINING.md explains the exchange's options.
 """
 import argparse
 import os
+import signal
 import sys
 
 from .. import settings
@@ -35,6 +36,15 @@ def build_parser():
                    help="GPU indexes, one worker each (default: every visible GPU)")
     g.add_argument("--cpu", type=int, metavar="N",
                    help="N CPU workers instead of GPUs (default without a usable GPU: 2)")
+    g = p.add_argument_group("several nodes (one launch per node; README: Several machines)")
+    g.add_argument("--nnodes", type=int, metavar="N",
+                   help="nodes in the run (default: 1, or what Slurm, mpirun or torchrun say)")
+    g.add_argument("--node-rank", type=int, metavar="K", help="this node's index, 0 to N-1")
+    g.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="node 0's address, where it listens for the others")
+    g.add_argument("--secret-file", metavar="FILE",
+                   help="the run's shared secret (mode 600), else $PYMPGU_SECRET; a run of "
+                        "several nodes needs one")
     g = p.add_argument_group("data")
     g.add_argument("--data-dir", metavar="DIR",
                    help="MNIST-format IDX files, mnist.pkl.gz, 'fashion', 'digits', CIFAR's "
@@ -120,9 +130,10 @@ _PLAIN = ("hidden", "epochs", "batch_size", "lr", "momentum", "l1", "l2", "beta2
           "label_smoothing", "shift", "bn_examples")
 
 
-def resolve(args, parser):
+def resolve(args, parser, where=None):
     """The run's RunConfig from the flags, or a parser error naming the flag at fault (and
-    a note, or None: why the run falls back to CPU workers)."""
+    a note, or None: why the run falls back to CPU workers, or to PyTensor's backend).
+    ``where``: the run's nodes (nodes()), found from the flags when not given."""
     try:
         settings.get()  # read again by every worker: a bad value fails here, before any
     except settings.SettingsError as e:
@@ -148,13 +159,18 @@ def resolve(args, parser):
             parser.error(str(e))
     devices, note = _devices(args, parser)
     cpu = devices[0] is None
+    values["nnodes"] = (where or nodes(args, parser)[0]).nnodes
     backend = args.backend if args.backend != "auto" else auto_backend(cpu)
+    if args.backend == "auto" and backend == "c":
+        note = "; ".join(n for n in (note, _WITHOUT_JAX) if n)
+    resume = _resume(args.resume, parser)
+    # A resumed run goes on writing where it was, unless --out says otherwise.
+    out = args.out if args.out or not resume else os.path.dirname(resume)
     values.update(devices=devices, backend=backend, method=args.method,
                   sync_every=args.sync_every, overlap=args.overlap,
                   exchange_dtype=args.exchange_dtype, exchange_blocks=args.exchange_blocks,
-                  compute_dtype=args.compute_dtype, seed=args.seed, out=args.out,
-                  data=_data(args.data_dir, parser), model=_model(args.model),
-                  resume=_resume(args.resume, parser))
+                  compute_dtype=args.compute_dtype, seed=args.seed, out=out,
+                  data=_data(args.data_dir, parser), model=_model(args.model), resume=resume)
     try:
         cfg = RunConfig(**values)
     except UsageError as e:
@@ -164,6 +180,28 @@ def resolve(args, parser):
     if not cpu:
         _check_jax_for_gpus(parser)
     return cfg, note
+
+
+_WITHOUT_JAX = ("JAX is not installed, so the CPU workers run PyTensor's C backend: its "
+                "first compile takes up to a minute before the first epoch, and it trains "
+                "about half as fast (docs/DECISIONS.md, \"JAX on CPU workers\"); pip "
+                "install jax for the faster one")
+
+
+def nodes(args, parser):
+    """(pympgu.nodes.Nodes, the shared secret or None) from the flags or a job launcher's
+    environment, or a parser error naming the flag or variable at fault."""
+    from .. import nodes as _nodes
+    try:
+        where = _nodes.resolve(args.nnodes, args.node_rank, args.coordinator)
+        secret = _nodes.read_secret(args.secret_file)
+    except _nodes.NodesError as e:
+        parser.error(str(e))
+    if where.nnodes > 1 and secret is None:
+        parser.error(f"a run of {where.nnodes} nodes ({where.source}) needs a secret the "
+                     "nodes share: export PYMPGU_SECRET=$(openssl rand -hex 32) on every "
+                     "node, or give --secret-file FILE (mode 600)")
+    return where, secret
 
 
 def _devices(args, parser):
@@ -243,21 +281,26 @@ def _resume(resume, parser):
     path = os.path.join(resume, checkpoint.CHECKPOINT) if os.path.isdir(resume) else resume
     if not os.path.isfile(path):
         parser.error(f"--resume {resume}: no checkpoint there")
-    return path
+    return os.path.abspath(path)
 
 
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    cfg, note = resolve(args, parser)
+    where, secret = nodes(args, parser)
+    cfg, note = resolve(args, parser, where)
     if note:
         print(f"pympgu: {note}", file=sys.stderr)
     from ..data import DataError
-    from ..launch import WorkerFailed
-    from .launcher import run
+    from ..launch import Terminated, WorkerFailed
+    from .launcher import Diverged, run
+    if cfg.resume and not args.out:
+        print(f"pympgu: --resume: this run goes on writing into {cfg.out} (--out DIR writes "
+              "elsewhere)", file=sys.stderr)
     before = checkpoint.stamp(cfg.out)
     try:
-        run(cfg, port=args.port, quiet=args.quiet)
+        run(cfg, port=args.port, quiet=args.quiet, nodes=where if where.nnodes > 1 else None,
+            secret=secret)
     except UsageError as e:
         preset = (f" (the batch of --preset {args.preset}, which --batch-size overrides)"
                   if e.flag == "--batch-size" and args.preset and args.batch_size is None
@@ -270,6 +313,17 @@ def main(argv=None):
         print(f"pympgu: training failed: {e}\npympgu: {checkpoint.left(cfg.out, before)}",
               file=sys.stderr)
         return 1
+    except Diverged as e:
+        path = cfg.out and os.path.join(cfg.out, checkpoint.CHECKPOINT)
+        epoch = checkpoint.epoch_of(path) if path else None
+        kept = (f"{path} keeps epoch {epoch}, the last good one" if epoch is not None else
+                checkpoint.left(cfg.out, before))
+        print(f"pympgu: {e}\npympgu: {kept}", file=sys.stderr)
+        return 1
+    except Terminated:  # a scheduler's stop (Slurm's, say): the status a SIGTERM gives
+        print("pympgu: stopped by SIGTERM; every worker was stopped\n"
+              f"pympgu: {checkpoint.left(cfg.out, before)}", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("pympgu: interrupted; every worker was stopped\n"
               f"pympgu: {checkpoint.left(cfg.out, before)}", file=sys.stderr)

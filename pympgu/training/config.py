@@ -37,8 +37,9 @@ class UsageError(ValueError):
 class RunConfig:
     """Everything a training run is given (the flags of ``python -m pympgu.train``)."""
 
-    # Where to run: a GPU index per worker, or None per CPU worker.
+    # Where to run: a GPU index per worker (of each node), or None per CPU worker; nodes.
     devices: tuple = (None, None)
+    nnodes: int = 1
     backend: str = "jax"
     method: str = "auto"
     # Data: a --data-dir (None: the embedded MNIST test set).
@@ -87,7 +88,8 @@ class RunConfig:
 
     @property
     def nworkers(self):
-        return len(self.devices)
+        """Every worker of every node."""
+        return self.nnodes * len(self.devices)
 
     @property
     def cpu(self):
@@ -109,6 +111,15 @@ class RunConfig:
         need(all(d is None for d in self.devices) or all(isinstance(d, int) and d >= 0
                                                          for d in self.devices),
              "--gpus", f"takes GPU indexes, or --cpu N alone; got {list(self.devices)}")
+        from ..nodes import MAX_NODES
+        need(1 <= self.nnodes <= MAX_NODES, "--nnodes",
+             f"must be 1 to {MAX_NODES}, got {self.nnodes}")
+        need(self.nnodes == 1 or self.cpu, "--nnodes",
+             f"{self.nnodes}: GPU workers exchange within one node for now (the exchange "
+             "between nodes by NCCL is not built yet); CPU workers (--cpu N) run across nodes")
+        need(self.nnodes == 1 or self.exchange_dtype == "float32", "--exchange-dtype",
+             f"{self.exchange_dtype}: across nodes the exchange is float32 (a half-precision "
+             "wire's error across nodes is not measured yet)")
         need(self.backend in BACKENDS, "--backend", f"must be one of {BACKENDS}")
         need(self.cpu or self.backend == "jax", "--backend",
              "c runs on CPUs only; GPU workers use --backend jax")

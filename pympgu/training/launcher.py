@@ -11,18 +11,27 @@ from .report import Reporter, plot
 from .worker import make_schedule, worker
 
 
-def run(cfg, port=None, quiet=False):
+def run(cfg, port=None, quiet=False, nodes=None, secret=None):
     """Train as ``cfg`` (a RunConfig) says: launch the workers, report as they go, and
     return rank 0's history. Raises UsageError for a setting the data or model cannot take,
-    before any worker starts; pympgu.launch.WorkerFailed when a worker fails."""
+    before any worker starts; pympgu.launch.WorkerFailed when a worker fails.
+
+    On several nodes (``nodes``, pympgu.nodes.Nodes, and their shared ``secret``) this
+    launches this node's workers; node 0's run reports, writes --out and returns the
+    history, another node's returns None."""
+    if cfg.nnodes > 1 and (nodes is None or nodes.nnodes != cfg.nnodes):
+        raise UsageError("--nnodes", f"--nnodes {cfg.nnodes} needs this node's place among "
+                                     "them (--node-rank and --coordinator)")
+    if nodes is not None and nodes.node_rank > 0:
+        return _run_node(cfg, nodes, secret)
     from .. import data
     from ..control import BindError
     from ..launch import launch
     ds = data.load(cfg.data)  # fail here, with the file's name, before any worker starts
     model = _check_model(cfg, ds)
-    if cfg.resume:  # a checkpoint of another model: said here, not by every worker
+    if cfg.resume:  # a checkpoint of another model, or damaged: said here, not by every worker
         try:
-            checkpoint.read(cfg.resume, model, note=lambda line: print(
+            resumed, _, _ = checkpoint.read(cfg.resume, model, note=lambda line: print(
                 f"pympgu: --resume {line}", file=sys.stderr, flush=True))
         except ValueError as e:
             raise UsageError("--resume", str(e)) from None
@@ -36,19 +45,25 @@ def run(cfg, port=None, quiet=False):
                          f"has {ntrain}: give at most {ntrain // workers}")
     replacing = checkpoint.replaces_a_run(cfg.out, cfg.resume)
     config = _write_config(cfg, replacing)
+    if cfg.resume and cfg.out and not replacing:  # the log goes on from the epoch resumed
+        checkpoint.trim_metrics(cfg.out, resumed)
     schedule = make_schedule(cfg, ntrain, workers)
     print(f"pympgu: {describe(cfg, ds, model, schedule)}", flush=True)
     reporter = Reporter(cfg.out, cfg.epochs, quiet=quiet,
                         resume=bool(cfg.resume) and not replacing,
                         rates=schedule.kind != "constant" or schedule.warmup > 0)
     t0 = time.perf_counter()
+    where = dict(cpu=len(cfg.devices)) if cfg.cpu else dict(gpus=list(cfg.devices))
+    if cfg.nnodes > 1:
+        print(f"pympgu: node 0 of {cfg.nnodes}, waiting for the others at {nodes.address}",
+              file=sys.stderr, flush=True)
     try:
-        if cfg.cpu:
-            results = launch(worker, (cfg,), cpu=workers, port=port, on_metric=reporter)
-        else:
-            results = launch(worker, (cfg,), gpus=list(cfg.devices), port=port,
-                             on_metric=reporter)
+        results = launch(worker, (cfg,), port=port, on_metric=reporter, nodes=nodes,
+                         secret=secret, **where)
     except BindError as e:  # before any worker started
+        if cfg.nnodes > 1:
+            raise UsageError("--coordinator", f"--coordinator {nodes.address}: node 0 cannot "
+                                              f"listen there ({e.strerror})") from None
         if not port:  # no free port to be had: not a flag's fault
             raise
         raise UsageError("--port", f"--port {port}: {e.strerror} (another run's? without "
@@ -57,6 +72,8 @@ def run(cfg, port=None, quiet=False):
         reporter.close()
         if replacing and config and os.path.exists(config):  # no epoch ended: it stays
             os.remove(config)
+    if results[0]["diverged"]:
+        raise Diverged(**results[0]["diverged"])
     if len({r["digest"] for r in results}) != 1:
         raise RuntimeError("the replicas ended with different parameters: " +
                            ", ".join(f"rank {r['rank']} {r['digest'][:12]}" for r in results))
@@ -64,6 +81,30 @@ def run(cfg, port=None, quiet=False):
     if history:
         _summarize(cfg, history, time.perf_counter() - t0)
     return history
+
+
+class Diverged(RuntimeError):
+    """The training loss stopped being finite; the run stopped after that epoch, which it
+    did not checkpoint."""
+
+    def __init__(self, epoch, loss):
+        self.epoch, self.loss = epoch, loss
+        super().__init__(f"the training loss was {loss} in epoch {epoch}: the run diverged "
+                         "and stopped there, keeping no part of that epoch (a smaller --lr, "
+                         "a --warmup or --clip-norm may keep it finite)")
+
+
+def _run_node(cfg, nodes, secret):
+    """Node 1, 2...: this node's workers, joined to node 0's, which reports and saves."""
+    from .. import data
+    from ..launch import launch
+    data.load(cfg.data)  # fail here, with the file's name, before any worker starts
+    where = dict(cpu=len(cfg.devices)) if cfg.cpu else dict(gpus=list(cfg.devices))
+    print(f"pympgu: node {nodes.node_rank} of {nodes.nnodes}, joining node 0 at "
+          f"{nodes.address}", file=sys.stderr, flush=True)
+    launch(worker, (cfg,), nodes=nodes, secret=secret, **where)
+    print(f"pympgu: node {nodes.node_rank} done", file=sys.stderr, flush=True)
+    return None
 
 
 def _check_model(cfg, ds):
@@ -113,7 +154,9 @@ def _write_config(cfg, replacing):
 
 def describe(cfg, ds, model, schedule):
     """The run in one line: data, model, optimizer, workers, batch and exchange."""
-    where = f"{cfg.nworkers} CPU workers" if cfg.cpu else f"GPUs {list(cfg.devices)}"
+    where = f"{len(cfg.devices)} CPU workers" if cfg.cpu else f"GPUs {list(cfg.devices)}"
+    if cfg.nnodes > 1:
+        where = f"{cfg.nnodes} nodes x {where}"
     noise = "".join([f", dropout {cfg.dropout:g}" if cfg.dropout else "",
                      f", label smoothing {cfg.label_smoothing:g}" if cfg.label_smoothing else "",
                      ", flipped" if cfg.flip else "",

@@ -3,29 +3,35 @@ curves."""
 import json
 import os
 import sys
+import time
 
+from ..control import printable
 from .checkpoint import METRICS
 
 
 class Reporter:
     """Prints the progress bar and one line per epoch; appends metrics.jsonl."""
 
-    def __init__(self, out, epochs, stream=sys.stderr, quiet=False, resume=False, rates=False):
+    def __init__(self, out, epochs, stream=None, quiet=False, resume=False, rates=False):
         # A resumed run adds its epochs to the log; a fresh one starts it over, at its first
         # epoch, when its worker replaces the checkpoint too: until then the directory
         # still holds the earlier run whole.
         self.path, self.mode = (os.path.join(out, METRICS) if out else None,
                                 "a" if resume else "w")
         self.metrics = None
-        self.epochs, self.stream, self.quiet = epochs, stream, quiet
-        self.tty = stream.isatty()
+        self.epochs, self.stream, self.quiet = epochs, stream or sys.stderr, quiet
+        self.tty = self.stream.isatty()
         self.road = None  # the exchange's road last printed
         self.rates = rates  # the learning rate changes: print each epoch's last
+        self.t0 = time.monotonic()
 
     def __call__(self, rank, data):
         kind = data.pop("kind", None)
         data.pop("rank", None)
-        if kind == "progress" and self.tty and not self.quiet:
+        if kind == "stage" and not self.quiet:
+            print(f"pympgu: {time.monotonic() - self.t0:5.1f} s: {printable(data['text'], 200)}",
+                  file=self.stream, flush=True)
+        elif kind == "progress" and self.tty and not self.quiet:
             width = 30
             done = int(width * data["step"] / data["steps"])
             self.stream.write(f"\repoch {data['epoch']}/{self.epochs} "
@@ -42,7 +48,7 @@ class Reporter:
                   (f"  lr {data['lr']:.3g}" if self.rates else ""), flush=True)
             if data.get("road") and data["road"] != self.road:  # once, and if it changes
                 self.road = data["road"]
-                print(f"          exchange: {self.road}", flush=True)
+                print(f"          exchange: {printable(self.road, 500)}", flush=True)
             if self.path:
                 if self.metrics is None:
                     self.metrics = open(self.path, self.mode)

@@ -1,5 +1,6 @@
 """A worker's life: its backend set up, its replica built and made like its peers', and
 the training loop, epoch by epoch, with the exchange and rank 0's evaluation and checkpoints."""
+import math
 import os
 import time
 import warnings
@@ -78,43 +79,79 @@ def make_exchanger(ctx, rep, cfg, inside=True):
 
 
 def worker(ctx, cfg):
-    """The training loop of one worker (``cfg``: a RunConfig); returns its summary."""
+    """The training loop of one worker (``cfg``: a RunConfig); returns its summary: rank
+    0's history, a digest of the replica, and the epoch and loss where the loss stopped
+    being finite, if it did (``diverged``)."""
     setup_backend(ctx, cfg.backend)
+    stage(ctx, "building the model and compiling its step")
     rep = Replica(ctx, cfg)
-    start_epoch, history = 0, []
+    start_epoch, history, diverged = 0, [], None
     if cfg.resume:
         start_epoch, history = rep.load(cfg.resume)
+    if ctx.nnodes > 1:  # each node reads its own files: they must be the same
+        ctx.barrier("dataset (every node must read the same --data-dir and --resume)",
+                    f"{rep.dataset} {_fingerprint(rep.dataset)} from epoch {start_epoch}")
     if ctx.nranks > 1:
         # Data parallelism needs one starting point. The first exchange would average
         # replicas built differently (a model drawing its values elsewhere than from its
         # seed) into a model none of them is: refuse them instead, naming the rank.
         ctx.barrier("initial values (a model must draw them from its seed argument)",
                     rep.digest(each=True))
+        stage(ctx, "connecting the workers' exchange")
     ex, inside = make_exchanger(ctx, rep, cfg)
     try:
         schedule = make_schedule(cfg, len(rep.dataset.train[1]), ctx.nranks)
+        stage(ctx, f"training from epoch {start_epoch + 1} (its first steps compile)")
         for epoch in range(start_epoch, cfg.epochs):
             record = _epoch(ctx, cfg, rep, ex, inside, schedule, epoch)
+            stop = False
             if ctx.rank == 0:
-                record["valid_error"], record["test_error"] = rep.errors()
-                history.append(record)
-                ctx.metric(kind="epoch", **record)
-                if cfg.out:
-                    _save(cfg, rep, history, first=epoch == start_epoch)
-            if cfg.patience:
-                # Rank 0 alone evaluates, so it decides, and every rank stops after the
-                # same epoch, the replicas identical.
-                stop = (ctx.rank == 0
-                        and checkpoint.epochs_since_best(history) >= cfg.patience)
-                if ctx.barrier(shared=stop):
-                    break
+                if not math.isfinite(record["loss"]):
+                    # Nothing of this epoch is kept: the last checkpoint stays the last
+                    # good one.
+                    diverged = {"epoch": record["epoch"], "loss": record["loss"]}
+                    stop = True
+                else:
+                    record["valid_error"], record["test_error"] = rep.errors()
+                    history.append(record)
+                    ctx.metric(kind="epoch", **record)
+                    if cfg.out:
+                        _save(cfg, rep, history, first=epoch == start_epoch)
+                    stop = bool(cfg.patience
+                                and checkpoint.epochs_since_best(history) >= cfg.patience)
+            # Rank 0 alone evaluates, so it decides, and every rank stops after the same
+            # epoch, the replicas identical. Across nodes the replicas are compared every
+            # epoch (one digest a rank): a difference is named at once.
+            if ctx.nranks > 1:
+                stop = ctx.barrier("replica (every node's must stay identical)",
+                                   rep.digest() if ctx.nnodes > 1 else None, shared=stop)
+            if stop:
+                break
         # Replicas must end identical: a digest per rank lets the launcher's caller check.
         digest = rep.digest()
     finally:
         if ex is not None:
             ex.close()
     return {"rank": ctx.rank, "history": history if ctx.rank == 0 else None,
-            "digest": digest}
+            "digest": digest, "diverged": diverged}
+
+
+def _fingerprint(ds):
+    """A short hash of a dataset's labels and input sizes (what a node's copy must match)."""
+    import hashlib
+
+    import numpy as np
+    h = hashlib.sha256()
+    for x, y in (ds.train, ds.valid, ds.test):
+        h.update(repr((x.shape, str(x.dtype))).encode())
+        h.update(np.ascontiguousarray(y).tobytes())
+    return h.hexdigest()[:16]
+
+
+def stage(ctx, text):
+    """Rank 0 says what the run does before its first epoch, so that a log shows it."""
+    if ctx.rank == 0:
+        ctx.metric(kind="stage", text=text)
 
 
 def _epoch(ctx, cfg, rep, ex, inside, schedule, epoch):

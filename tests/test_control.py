@@ -1,0 +1,294 @@
+"""The control plane against a local process that knows everything but the run's secret, and
+the launcher's end when it is killed: nothing injected, hung, stopped, crashed, poisoned or
+written; nothing left running or in /dev/shm."""
+import glob
+import hashlib
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pympgu import control, shm
+from pympgu.launch import WorkerFailed, launch
+from runtime_targets import average_rounds, hold_segment, shm_left
+
+pytestmark = pytest.mark.timeout(240)
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+# The message format, and the coordinator's checks one by one.
+
+SECRET = bytes(range(32))
+
+
+def coordinator():
+    return control.Coordinator(2, secret=SECRET)
+
+
+def hello(rank=1, seq=1, secret=SECRET, **payload):
+    data = {"version": control.PROTOCOL_VERSION, "pid": 7, "device": None}
+    data.update(payload)
+    return control.seal(secret, b"C", "HELLO", rank, seq, data)
+
+
+def test_only_the_secret_opens_a_message():
+    frames = hello()
+    assert control.unseal(SECRET, b"C", frames, control.TO_COORDINATOR, 2)[:3] == ("HELLO", 1, 1)
+    with pytest.raises(control.Rejected, match="not authenticated"):
+        control.unseal(bytes(32), b"C", frames, control.TO_COORDINATOR, 2)
+    with pytest.raises(control.Rejected, match="not authenticated"):  # the other direction
+        control.unseal(SECRET, b"W", frames, control.TO_COORDINATOR, 2)
+    for i in range(len(frames)):
+        tampered = list(frames)
+        tampered[i] = tampered[i] + b" "
+        with pytest.raises(control.Rejected, match="not authenticated"):
+            control.unseal(SECRET, b"C", tampered, control.TO_COORDINATOR, 2)
+    # Frames moved between one another keep their bytes but not their MAC.
+    moved = [frames[0] + frames[1][:1], frames[1][1:], frames[2]]
+    with pytest.raises(control.Rejected, match="not authenticated"):
+        control.unseal(SECRET, b"C", moved, control.TO_COORDINATOR, 2)
+
+
+@pytest.mark.parametrize("kind,payload,blobs,reason", [
+    ("HELLO", {"version": 2, "pid": "7", "device": None}, (), "'pid' is a str"),
+    ("HELLO", {"version": 2, "pid": 7}, (), "has no 'device'"),
+    ("HELLO", {"version": 2, "pid": 7, "device": None, "x": 1}, (), "unknown fields"),
+    ("METRIC", [1, 2], (), "not an object"),
+    ("ERROR", {"traceback": 5}, (), "'traceback' is a int"),
+    ("REGISTER", {"layout": [["w", [2], "float32"]], "facts": {}}, (b"a", b"b"), "2 blobs"),
+    ("REGISTER", {"layout": [["w", "2", "float32"]], "facts": {}}, (b"a",), "not a list of"),
+    ("RUN", {}, (), "unknown message type"),
+])
+def test_payloads_are_checked_against_their_schema(kind, payload, blobs, reason):
+    frames = control.seal(SECRET, b"C", kind, 0, 1, payload, blobs)
+    with pytest.raises(control.Rejected, match=reason):
+        control.unseal(SECRET, b"C", frames, control.TO_COORDINATOR, 2)
+
+
+def test_ranks_beyond_the_run_replays_and_second_hellos_are_refused():
+    c = coordinator()
+    try:
+        assert c._accept([b"id1", *hello(rank=1)])[:2] == (1, "HELLO")
+        for identity, frames, reason in [
+                (b"id2", hello(rank=1, seq=2), "a second HELLO for rank 1"),
+                (b"id2", hello(rank=2), "outside 0..1"),
+                (b"id1", control.seal(SECRET, b"C", "METRIC", 1, 1, {}), "replayed"),
+                (b"id2", control.seal(SECRET, b"C", "METRIC", 1, 5, {}), "did not say HELLO"),
+                (b"id1", hello(rank=0, version=1), "speaks protocol 1")]:
+            with pytest.raises(control.Rejected, match=reason):
+                c._accept([identity, *frames])
+        assert c._accept([b"id1", *control.seal(SECRET, b"C", "METRIC", 1, 2, {"a": 1})])[1:3] \
+            == ("METRIC", {"a": 1})
+        # Heartbeats come from a socket of their own, numbered on their own.
+        assert c._accept([b"beat", *control.seal(SECRET, b"C", "HEARTBEAT", 1, 1, {})])
+    finally:
+        c.close()
+
+
+def test_rejections_are_summed_up_not_printed_one_by_one():
+    import zmq
+    logs = []
+    c = control.Coordinator(2, secret=SECRET, log=logs.append)
+    ctx = zmq.Context()
+    d = ctx.socket(zmq.DEALER)
+    try:
+        d.setsockopt(zmq.LINGER, 0)
+        d.connect(c.address)
+        for k in range(2000):
+            d.send_multipart(hello(rank=k % 2, secret=bytes(32)))
+        t0 = time.monotonic()
+        while c.rejected < 2000 and time.monotonic() - t0 < 30:
+            assert c.receive(100) is None
+        assert c.rejected == 2000
+    finally:
+        d.close()
+        ctx.term()
+        c.close()
+    assert 1 <= len(logs) <= 2 + (time.monotonic() - t0) / control.REJECT_SUMMARY_S, logs
+    assert "2000 in all" in logs[-1] and "not authenticated" in logs[-1]
+
+
+def test_worker_text_reaches_the_terminal_without_control_characters():
+    text = control.printable("line 1\n\tline 2 \x1b[2J\x1b]0;title\x07 \u202e done")
+    assert "\x1b" not in text and "\x07" not in text and "\u202e" not in text
+    assert text.startswith("line 1\n\tline 2 \\x1b[2J") and text.endswith("\\u202e done")
+    assert control.printable("x" * 50, limit=10) == "x" * 10 + "... (40 more characters)"
+
+
+# Whole runs under attack.
+
+def _attacked(tmp_path, run, seconds):
+    """run(port) while tests/attacker.py throws everything it has at the port; returns
+    run's value, the attacker's report, and what the launcher logged."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"untouched")
+    os.chmod(tmp_path, 0o755)
+    before = hashlib.sha256(victim.read_bytes()).hexdigest(), victim.stat().st_mtime_ns
+    port = free_port()
+    attacker = subprocess.Popen([sys.executable, os.path.join(HERE, "attacker.py"), str(port),
+                                 str(victim), str(seconds)], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True,
+                                env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                                    [ROOT, HERE, os.environ.get("PYTHONPATH", "")])))
+    try:
+        time.sleep(0.5)  # it is already firing when the coordinator binds
+        result = run(port)
+        ended = time.time()
+        out, err = attacker.communicate(timeout=seconds + 60)
+    finally:
+        if attacker.poll() is None:
+            attacker.kill()
+            attacker.wait()
+    assert attacker.returncode == 0, err
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report.get("phases_done_at", ended + 1) < ended, \
+        "the run ended before the attacker had fuzzed, connected and sent its big frame"
+    after = hashlib.sha256(victim.read_bytes()).hexdigest(), victim.stat().st_mtime_ns
+    assert after == before, "the run wrote into the attacker's victim"
+    assert report["names_read"] == 0, "another user read the run's shared memory"
+    return result, report
+
+
+def test_an_attacker_without_the_secret_cannot_steer_an_exchange(tmp_path):
+    clean = launch(average_rounds, (400,), cpu=2)
+    logs, metrics = [], []
+
+    def run(port):
+        return launch(average_rounds, (400, None, None, None, False, 0.02), cpu=2, port=port,
+                      log=logs.append,
+                      on_metric=lambda rank, data: metrics.append((rank, data)))
+
+    results, report = _attacked(tmp_path, run, seconds=12)
+    assert report["forged"] > 1000 and report["fuzzed"] >= 10000
+    assert report["connections"] >= 1000 and report["big"] == 1
+    assert len({r["digest"] for r in results}) == 1
+    assert all(r["stats"]["exchanges"] == 400 for r in results)
+    assert sorted(metrics, key=lambda m: (m[0], m[1]["round"])) == \
+        [(r, {"round": k}) for r in range(2) for k in range(400)]
+    assert results[0]["digest"] == clean[0]["digest"]
+    assert len(logs) <= 12 / control.REJECT_SUMMARY_S + 3, logs
+    assert not any("\x1b" in line or "pwned" in line for line in logs)
+    assert not shm_left(results[0]["run_id"])
+
+
+def test_an_attacked_training_run_ends_with_the_clean_runs_losses(tmp_path):
+    from pympgu.training import RunConfig, run
+    cfg = RunConfig(devices=(None, None), epochs=5, backend="jax")
+    clean = run(cfg, quiet=True)
+
+    def attacked(port):
+        return run(cfg.replace(out=str(tmp_path / "out")), port=port, quiet=True)
+
+    history, report = _attacked(tmp_path, attacked, seconds=15)
+    assert [h["epoch"] for h in history] == [1, 2, 3, 4, 5]
+    assert [(h["loss"], h["valid_error"]) for h in history] == \
+        [(h["loss"], h["valid_error"]) for h in clean]
+    lines = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["epoch"] for line in lines] == [1, 2, 3, 4, 5]
+    assert report["forged"] > 1000
+
+
+def test_shared_memory_is_private_and_its_names_say_nothing(tmp_path):
+    results = launch(hold_segment, (str(tmp_path), 0.0), cpu=2)
+    for r in results:
+        name, mode, uid = r["name"], r["mode"], r["uid"]
+        assert stat.S_IMODE(mode) == 0o600 and uid == os.geteuid()
+        assert shm.NAME.fullmatch(name) and f"-{r['rank']}-" in name
+    assert results[0]["name"].split("-")[1] == results[1]["name"].split("-")[1]
+    # A peer's name of any other form is refused before anything is opened.
+    for bad in ["/etc/passwd", "../etc/passwd", "pympgu-ab-1/../../etc/passwd",
+                results[1]["name"].replace("-1-", "-0-")]:
+        with pytest.raises(ValueError, match="refused"):
+            shm.Segment(bad, 16, create=False, prefix=shm.segment_name(
+                results[1]["name"].split("-")[1], 1))
+
+
+def test_a_name_of_the_run_that_is_a_link_or_someone_elses_file_is_refused(tmp_path):
+    target = tmp_path / "target"
+    target.write_bytes(b"\0" * 4096)
+    link = os.path.join(shm.SHM_DIR, "pympgu-5eed-1-abcdef")
+    os.symlink(target, link)
+    try:
+        with pytest.raises(OSError):
+            shm.Segment("pympgu-5eed-1-abcdef", 16, create=False, prefix="pympgu-5eed-1")
+    finally:
+        os.unlink(link)
+    path = os.path.join(shm.SHM_DIR, "pympgu-5eed-1-abcdee")
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+    os.ftruncate(fd, 4096)
+    os.close(fd)
+    os.chmod(path, 0o644)
+    try:
+        with pytest.raises(PermissionError, match="not a private file"):
+            shm.Segment("pympgu-5eed-1-abcdee", 16, create=False, prefix="pympgu-5eed-1")
+    finally:
+        os.unlink(path)
+
+
+# The hang check, and the launcher killed.
+
+def test_a_rank_that_heartbeats_but_never_arrives_fails_the_run():
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailed) as info:
+        launch(average_rounds, (50, None, (1, 3, "hang")), cpu=2, progress_timeout=3.0,
+               heartbeat_timeout=60.0)
+    assert info.value.rank == 1
+    assert "reached no barrier in 3 s while rank(s) [0] waited" in str(info.value)
+    assert time.monotonic() - t0 < 30
+
+
+LAUNCHER = ("import sys; sys.path.insert(0, {tests!r});"
+            "from pympgu.launch import launch; from runtime_targets import hold_segment;"
+            "launch(hold_segment, ({pids!r}, 3600.0, {unlink}), cpu=3)")
+
+
+@pytest.mark.parametrize("sig,unlinked", [(signal.SIGKILL, False), (signal.SIGKILL, True),
+                                          (signal.SIGTERM, False)])
+def test_the_launcher_killed_leaves_no_process_and_no_shared_memory(tmp_path, sig, unlinked):
+    """Each rank holds a segment (before its name is unlinked, or after), and the launcher
+    is killed: the workers go within seconds and take every name with them."""
+    script = LAUNCHER.format(tests=HERE, pids=str(tmp_path), unlink=unlinked)
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(glob.glob(str(tmp_path / "*.ready"))) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(glob.glob(str(tmp_path / "*.ready"))) == 3
+        pids = [int(open(p).read()) for p in glob.glob(str(tmp_path / "*.pid"))]
+        run_id = (tmp_path / "run_id").read_text()
+        assert len(shm_left(run_id)) == (0 if unlinked else 3)
+        os.kill(proc.pid, sig)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while [p for p in pids if alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if alive(p)], "a worker outlived its launcher"
+    assert not shm_left(run_id)
+    if sig == signal.SIGTERM:
+        assert b"Terminated" in err  # stopped as Ctrl-C stops it, not killed
+        assert proc.returncode != -signal.SIGTERM

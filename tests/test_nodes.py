@@ -1,0 +1,287 @@
+"""Several nodes on one host: each node's launcher a process of its own on loopback, started
+from a plain shell or with the variables of Slurm, Open MPI and torchrun set by hand."""
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pympgu import nodes
+
+pytestmark = pytest.mark.timeout(300)
+SECRET = "0f1e2d3c4b5a69788796a5b4c3d2e1f0"
+TRAIN = [sys.executable, "-m", "pympgu.train", "--cpu", "2", "--hidden", "16", "--quiet"]
+
+
+def free_port():
+    """A port free here whose next one is free too (JAX's rendezvous takes it)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+
+
+def start(argv, env=None, secret=SECRET):
+    env = dict(os.environ, **(env or {}))
+    env.pop(nodes.SECRET_ENV, None)
+    if secret:
+        env[nodes.SECRET_ENV] = secret
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+
+
+def node_argv(k, port, *more):
+    return TRAIN + ["--nnodes", "2", "--node-rank", str(k), "--coordinator",
+                    f"127.0.0.1:{port}", *more]
+
+
+def finish(procs, timeout=240):
+    out = []
+    try:
+        for p in procs:
+            o, e = p.communicate(timeout=timeout)
+            out.append((p.returncode, o, e))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    return out
+
+
+def session_left(pid):
+    """Processes still alive in the session a launcher led."""
+    return subprocess.run(["ps", "-o", "pid,args", "--no-headers", "-s", str(pid)],
+                          capture_output=True, text=True).stdout.strip()
+
+
+def epochs(path):
+    return [json.loads(line) for line in open(path)]
+
+
+# ---------------------------------------------------------------- where the nodes are
+
+@pytest.mark.parametrize("env,expected", [
+    ({"SLURM_NNODES": "4", "SLURM_NODEID": "2", "SLURM_JOB_NODELIST": "gpu[07-10],cpu1",
+      "SLURM_JOB_ID": "123456", "SLURM_NTASKS_PER_NODE": "1"},
+     nodes.Nodes(4, 2, "gpu07", nodes.DEFAULT_PORT + 456, "Slurm")),
+    ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "1",
+      "OMPI_MCA_orte_hnp_uri": "3045.0;tcp://10.1.2.3,172.17.0.1:38271"},
+     nodes.Nodes(2, 1, "10.1.2.3", nodes.DEFAULT_PORT, "Open MPI")),
+    ({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "3", "GROUP_RANK": "1", "RANK": "1",
+      "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "head", "MASTER_PORT": "29500"},
+     nodes.Nodes(3, 1, "head", 29501, "torchrun")),
+    ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "1",
+      nodes.COORDINATOR_ENV: "node0:4000"}, nodes.Nodes(2, 0, "node0", 4000, "Open MPI")),
+    ({}, None),
+])
+def test_nodes_come_from_a_job_launchers_variables(env, expected):
+    assert nodes.from_environment(env) == expected
+
+
+@pytest.mark.parametrize("env,flag,message", [
+    ({"SLURM_NNODES": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "a",
+      "SLURM_NTASKS_PER_NODE": "4"}, "SLURM_NTASKS_PER_NODE", "srun --ntasks-per-node=1"),
+    ({"OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_RANK": "0",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, "OMPI_COMM_WORLD_LOCAL_SIZE", "ppr:1:node"),
+    ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"}, nodes.COORDINATOR_ENV,
+     f"mpirun -x {nodes.COORDINATOR_ENV}=HOST:PORT"),
+    ({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "8", "GROUP_RANK": "0", "LOCAL_WORLD_SIZE": "8",
+      "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "LOCAL_WORLD_SIZE", "--nproc-per-node=1"),
+    ({"SLURM_NNODES": "2", "SLURM_NODEID": "5", "SLURM_JOB_NODELIST": "a"}, "--node-rank",
+     "0 to 1, got 5"),
+])
+def test_a_job_that_starts_a_process_per_gpu_is_told_how_to_start_one_per_node(env, flag,
+                                                                               message):
+    with pytest.raises(nodes.NodesError) as info:
+        nodes.from_environment(env)
+    assert info.value.flag == flag and message in str(info.value)
+
+
+def test_flags_are_all_three_or_none(tmp_path):
+    assert nodes.resolve(env={}) == nodes.Nodes()
+    assert nodes.resolve(2, 1, "h:7", env={}) == nodes.Nodes(2, 1, "h", 7)
+    for args, flag in [((None, 1, None), "--nnodes"), ((2, None, "h:7"), "--node-rank"),
+                       ((2, 1, None), "--coordinator"), ((2, 1, "h"), "--coordinator"),
+                       ((2, 2, "h:7"), "--node-rank"), ((0, 0, "h:7"), "--nnodes")]:
+        with pytest.raises(nodes.NodesError) as info:
+            nodes.resolve(*args, env={})
+        assert info.value.flag == flag, args
+
+
+def test_the_secret_comes_from_a_private_file_or_the_environment(tmp_path):
+    assert nodes.read_secret(env={}) is None
+    assert nodes.read_secret(env={nodes.SECRET_ENV: SECRET}) == SECRET.encode()
+    path = tmp_path / "secret"
+    path.write_text(SECRET + "\n")
+    os.chmod(path, 0o644)
+    with pytest.raises(nodes.NodesError, match="others may read it .* chmod 600"):
+        nodes.read_secret(str(path), env={})
+    os.chmod(path, 0o600)
+    assert nodes.read_secret(str(path), env={}) == SECRET.encode()
+    os.symlink(path, tmp_path / "link")
+    with pytest.raises(nodes.NodesError, match="--secret-file"):
+        nodes.read_secret(str(tmp_path / "link"), env={})
+    with pytest.raises(nodes.NodesError, match="holds 5 bytes; give at least 16"):
+        nodes.read_secret(env={nodes.SECRET_ENV: "short"})
+
+
+def test_a_run_of_several_nodes_without_a_secret_is_refused():
+    p = start(node_argv(0, free_port()), secret=None)
+    (code, _, err), = finish([p], timeout=60)
+    assert code == 2
+    assert "a run of 2 nodes (flags) needs a secret the nodes share: export PYMPGU_SECRET" \
+        in err, err
+
+
+# ---------------------------------------------------------------- training on two nodes
+
+@pytest.mark.parametrize("launcher", ["shell", "Slurm", "Open MPI", "torchrun"])
+def test_two_nodes_of_two_workers_train_as_four_workers_on_one(tmp_path, launcher):
+    """Replicas are compared across the nodes every epoch (a difference fails the run),
+    and the losses are those of 4 workers on one node, to float32 rounding."""
+    port = free_port()
+    out = tmp_path / "run"
+    argv = TRAIN + ["--epochs", "3"]
+    if launcher == "shell":
+        procs = [start(node_argv(k, port, *(["--out", str(out)] if k == 0 else []),
+                                 "--epochs", "3")) for k in range(2)]
+    else:
+        def env(k):
+            if launcher == "Slurm":
+                return {"SLURM_NNODES": "2", "SLURM_NODEID": str(k),
+                        "SLURM_JOB_NODELIST": "localhost",
+                        nodes.COORDINATOR_ENV: f"127.0.0.1:{port}"}
+            if launcher == "Open MPI":
+                return {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": str(k),
+                        "OMPI_COMM_WORLD_LOCAL_SIZE": "1",
+                        nodes.COORDINATOR_ENV: f"127.0.0.1:{port}"}
+            return {"TORCHELASTIC_RUN_ID": "t", "WORLD_SIZE": "2", "GROUP_RANK": str(k),
+                    "RANK": str(k), "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port - 1)}
+        procs = [start(argv + (["--out", str(out)] if k == 0 else []), env=env(k))
+                 for k in range(2)]
+    (code0, out0, err0), (code1, _, err1) = finish(procs)
+    assert code0 == 0, err0[-3000:]
+    assert code1 == 0, err1[-3000:]
+    assert "2 nodes x 2 CPU workers" in out0 and "pympgu: node 1 done" in err1
+    if launcher != "shell":
+        return
+    two = epochs(out / "metrics.jsonl")
+    one = tmp_path / "one"
+    (code, _, err), = finish([start(TRAIN + ["--cpu", "4", "--epochs", "3", "--out", str(one)],
+                                    secret=None)])
+    assert code == 0, err[-3000:]
+    four = epochs(one / "metrics.jsonl")
+    assert [e["epoch"] for e in two] == [1, 2, 3]
+    for a, b in zip(two, four):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)
+        assert a["valid_error"] == pytest.approx(b["valid_error"], abs=1e-3), (a, b)
+
+
+@pytest.mark.parametrize("victim", ["node 1's launcher", "node 0's launcher",
+                                    "a worker of node 1"])
+def test_a_node_or_rank_lost_stops_every_node_within_seconds(tmp_path, victim):
+    port = free_port()
+    out = tmp_path / "run"
+    before = set(glob.glob("/dev/shm/pympgu-*"))
+    procs = [start(node_argv(k, port, "--epochs", "100000",
+                             *(["--out", str(out)] if k == 0 else []))) for k in range(2)]
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "checkpoint.npz").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (out / "checkpoint.npz").exists(), "the run did not reach its first epoch"
+        if victim == "a worker of node 1":
+            workers = [int(p) for p in subprocess.run(
+                ["pgrep", "-f", "-s", str(procs[1].pid), "spawn_main"], capture_output=True,
+                text=True).stdout.split()]
+            assert workers, session_left(procs[1].pid)
+            os.kill(workers[-1], signal.SIGKILL)
+            survivors = procs
+        else:
+            k = 1 if victim.startswith("node 1") else 0
+            os.kill(procs[k].pid, signal.SIGKILL)
+            survivors = [procs[1 - k]]
+        t0 = time.monotonic()
+        for p in survivors:
+            p.wait(timeout=30)
+        stopped = time.monotonic() - t0
+        results = [(p.returncode, p.stderr.read()) for p in survivors]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert stopped < 10, f"the other node took {stopped:.1f} s to stop"
+    for code, err in results:
+        assert code == 1, err[-3000:]
+        assert "training failed" in err
+    err = results[0][1]
+    if victim == "node 1's launcher":
+        assert "node 1 (" in err and "stopped answering: its launcher is gone" in err, err
+    elif victim == "node 0's launcher":
+        assert f"node 0 at tcp://127.0.0.1:{port} stopped answering: its launcher is gone" \
+            in err, err
+    else:
+        assert "was killed by signal 9" in err and "(node 1)" in err, err
+        assert f"continue with --resume {out}" in err
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(session_left(p.pid) for p in procs):
+        time.sleep(0.2)
+    for p in procs:
+        assert not session_left(p.pid), f"outlived the run: {session_left(p.pid)}"
+    assert not set(glob.glob("/dev/shm/pympgu-*")) - before
+
+
+def test_a_node_without_the_secret_is_refused_and_the_run_goes_on(tmp_path):
+    port = free_port()
+    impostor = start(node_argv(1, port, "--epochs", "2"), secret="not the run's secret at all")
+    time.sleep(1.0)
+    procs = [start(node_argv(k, port, "--epochs", "2")) for k in range(2)]
+    try:
+        (code0, out0, err0), (code1, _, err1) = finish(procs)
+    finally:
+        os.killpg(impostor.pid, signal.SIGKILL)
+        impostor.wait()
+    assert code0 == 0 and code1 == 0, err0[-2000:] + err1[-2000:]
+    assert "rejected" in err0 and "not authenticated by the run's secret" in err0, err0
+    assert "epoch   2" in out0
+
+
+def test_gpu_workers_and_half_precision_wires_stay_on_one_node_for_now():
+    from pympgu.training.config import RunConfig, UsageError
+    with pytest.raises(UsageError, match="GPU workers exchange within one node") as info:
+        RunConfig(devices=(0, 1), nnodes=2)
+    assert info.value.flag == "--nnodes"
+    with pytest.raises(UsageError, match="across nodes the exchange is float32") as info:
+        RunConfig(nnodes=2, exchange_dtype="bfloat16")
+    assert info.value.flag == "--exchange-dtype"
+    assert RunConfig(nnodes=3, devices=(None, None)).nworkers == 6
+
+
+@pytest.mark.parametrize("node", [0, 1])
+def test_a_node_alone_says_which_is_missing(node):
+    """Node 0 without node 1, or node 1 without node 0: named once the join time is up."""
+    from pympgu.launch import WorkerFailed, launch
+    from runtime_targets import average_rounds
+    where = nodes.Nodes(2, node, "127.0.0.1", free_port())
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailed) as info:
+        launch(average_rounds, (1,), cpu=1, nodes=where, secret=SECRET.encode(),
+               join_timeout=2.0)
+    assert time.monotonic() - t0 < 20
+    if node == 0:
+        assert "node(s) [1] did not join within 2 s at tcp://127.0.0.1:" in str(info.value)
+    else:
+        assert f"node 0 did not answer at tcp://{where.address} within 2 s" in str(info.value)
