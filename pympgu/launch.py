@@ -269,7 +269,7 @@ class _Supervisor:
         self.joined, self.arrived, self.finished = {}, {}, {}
         self.node_beat, self.node_since, self.beat_sent = {}, None, 0.0
         # Another node: node 0.
-        self.started, self.heard, self.up_waiting, self.sent_finish = False, now, False, False
+        self.started, self.heard = False, now
         if up is not None:
             up.send("JOIN", {"version": control.PROTOCOL_VERSION, "pid": os.getpid(),
                              "host": os.uname().nodename, "nlocal": self.n})
@@ -293,21 +293,18 @@ class _Supervisor:
                     self._from_hub(*msg)
             self._check(time.monotonic())
         if self.up is not None:
-            return [self.results[r] for r in range(self.n)]
+            mine = [self.results[r] for r in range(self.n)]
+            self.up.send("FINISH", {"results": mine})
+            return mine
         everyone = [self.results[r] for r in range(self.n)]
         for k in range(1, self.nnodes):
             everyone += self.finished[k]
         return everyone
 
     def _done(self):
-        if len(self.results) < self.n:
-            return False
-        if self.up is not None:
-            if not self.sent_finish:
-                self.up.send("FINISH", {"results": [self.results[r] for r in range(self.n)]})
-                self.sent_finish = True
-            return True
-        return self.hub is None or len(self.finished) == self.nnodes - 1
+        """This node's ranks are done (and, on node 0, every other node)."""
+        return len(self.results) == self.n and (self.hub is None
+                                                 or len(self.finished) == self.nnodes - 1)
 
     def _drain_local(self):
         while (msg := self.coord.receive(0)) is not None:
@@ -400,7 +397,6 @@ class _Supervisor:
             self._arrive(0, arrival)
         else:
             self.up.send("ARRIVE", arrival)
-            self.up_waiting = True
 
     def _same(self, rank, first, d, first_rank):
         if (d["what"], d["value"]) != (first["what"], first["value"]):
@@ -469,7 +465,6 @@ class _Supervisor:
             self.started = True
             self._maybe_run()
         elif kind == "RELEASE":
-            self.up_waiting = False
             self._release(data)
         elif kind == "STOP":
             raise _NodeStopped(None, f"node 0 stopped the run: "

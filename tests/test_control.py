@@ -6,7 +6,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -16,25 +15,12 @@ import pytest
 
 from pympgu import control, shm
 from pympgu.launch import WorkerFailed, launch
+from processes import alive, free_port, kill_session, start, wait_until
 from runtime_targets import average_rounds, hold_segment, shm_left
 
 pytestmark = pytest.mark.timeout(240)
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 # The message format, and the coordinator's checks one by one.
@@ -269,26 +255,19 @@ def test_the_launcher_killed_leaves_no_process_and_no_shared_memory(tmp_path, si
     """Each rank holds a segment (before its name is unlinked, or after), and the launcher
     is killed: the workers go within seconds and take every name with them."""
     script = LAUNCHER.format(tests=HERE, pids=str(tmp_path), unlink=unlinked)
-    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE,
-                            start_new_session=True)
+    proc = start([sys.executable, "-c", script])
     try:
-        deadline = time.monotonic() + 60
-        while len(glob.glob(str(tmp_path / "*.ready"))) < 3 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert len(glob.glob(str(tmp_path / "*.ready"))) == 3
+        assert wait_until(lambda: len(glob.glob(str(tmp_path / "*.ready"))) == 3, 60)
         pids = [int(open(p).read()) for p in glob.glob(str(tmp_path / "*.pid"))]
         run_id = (tmp_path / "run_id").read_text()
         assert len(shm_left(run_id)) == (0 if unlinked else 3)
         os.kill(proc.pid, sig)
         _, err = proc.communicate(timeout=30)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while [p for p in pids if alive(p)] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in pids if alive(p)], "a worker outlived its launcher"
+        kill_session(proc)
+    assert wait_until(lambda: not [p for p in pids if alive(p)], 10), \
+        "a worker outlived its launcher"
     assert not shm_left(run_id)
     if sig == signal.SIGTERM:
-        assert b"Terminated" in err  # stopped as Ctrl-C stops it, not killed
+        assert "Terminated" in err  # stopped as Ctrl-C stops it, not killed
         assert proc.returncode != -signal.SIGTERM

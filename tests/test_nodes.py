@@ -4,13 +4,14 @@ import glob
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
+import processes
+from processes import kill_session, session_left, wait_until
 from pympgu import nodes
 
 pytestmark = pytest.mark.timeout(300)
@@ -20,16 +21,7 @@ TRAIN = [sys.executable, "-m", "pympgu.train", "--cpu", "2", "--hidden", "16", "
 
 def free_port():
     """A port free here whose next one is free too (JAX's rendezvous takes it)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
+    return processes.free_port(pair=True)
 
 
 def start(argv, env=None, secret=SECRET):
@@ -37,8 +29,7 @@ def start(argv, env=None, secret=SECRET):
     env.pop(nodes.SECRET_ENV, None)
     if secret:
         env[nodes.SECRET_ENV] = secret
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)
+    return processes.start(argv, env)
 
 
 def node_argv(k, port, *more):
@@ -54,15 +45,8 @@ def finish(procs, timeout=240):
             out.append((p.returncode, o, e))
     finally:
         for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+            kill_session(p)
     return out
-
-
-def session_left(pid):
-    """Processes still alive in the session a launcher led."""
-    return subprocess.run(["ps", "-o", "pid,args", "--no-headers", "-s", str(pid)],
-                          capture_output=True, text=True).stdout.strip()
 
 
 def epochs(path):
@@ -199,10 +183,8 @@ def test_a_node_or_rank_lost_stops_every_node_within_seconds(tmp_path, victim):
     procs = [start(node_argv(k, port, "--epochs", "100000",
                              *(["--out", str(out)] if k == 0 else []))) for k in range(2)]
     try:
-        deadline = time.monotonic() + 120
-        while not (out / "checkpoint.npz").exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert (out / "checkpoint.npz").exists(), "the run did not reach its first epoch"
+        assert wait_until((out / "checkpoint.npz").exists, 120, every=0.2), \
+            "the run did not reach its first epoch"
         if victim == "a worker of node 1":
             workers = [int(p) for p in subprocess.run(
                 ["pgrep", "-f", "-s", str(procs[1].pid), "spawn_main"], capture_output=True,
@@ -221,8 +203,7 @@ def test_a_node_or_rank_lost_stops_every_node_within_seconds(tmp_path, victim):
         results = [(p.returncode, p.stderr.read()) for p in survivors]
     finally:
         for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+            kill_session(p)
     assert stopped < 10, f"the other node took {stopped:.1f} s to stop"
     for code, err in results:
         assert code == 1, err[-3000:]
@@ -236,9 +217,7 @@ def test_a_node_or_rank_lost_stops_every_node_within_seconds(tmp_path, victim):
     else:
         assert "was killed by signal 9" in err and "(node 1)" in err, err
         assert f"continue with --resume {out}" in err
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(session_left(p.pid) for p in procs):
-        time.sleep(0.2)
+    wait_until(lambda: not any(session_left(p.pid) for p in procs), 10, every=0.2)
     for p in procs:
         assert not session_left(p.pid), f"outlived the run: {session_left(p.pid)}"
     assert not set(glob.glob("/dev/shm/pympgu-*")) - before

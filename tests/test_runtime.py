@@ -4,7 +4,6 @@ import glob
 import os
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -13,22 +12,11 @@ import numpy as np
 import pytest
 
 from pympgu.launch import WorkerFailed, launch
+from processes import alive, kill_session, start, wait_until
 from runtime_targets import (attack_then_average, average_rounds, part_rounds, shared_rounds,
                              shm_left, wire_rounds)
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.parametrize("nworkers", [1, 2, 3, 4, 8])
@@ -130,26 +118,21 @@ def test_a_segment_gets_its_pages_or_says_that_shared_memory_is_full():
 def test_ctrl_c_stops_every_worker(tmp_path):
     script = (
         "import sys; sys.path.insert(0, 'tests');"
-        "from pympgu.launch import launch; from runtime_targets import attack_then_average, average_rounds, wire_rounds;"
+        "from pympgu.launch import launch; from runtime_targets import average_rounds;"
         f"launch(average_rounds, (100000, {str(tmp_path)!r}), cpu=2)"
     )
-    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE,
-                            start_new_session=True)
+    proc = start([sys.executable, "-c", script])
     try:
-        deadline = time.monotonic() + 60
-        while len(glob.glob(str(tmp_path / "*.pid"))) < 2 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_until(lambda: len(glob.glob(str(tmp_path / "*.pid"))) == 2, 60, every=0.2)
         time.sleep(1.0)
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
         _, err = proc.communicate(timeout=20)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_session(proc)
     assert proc.returncode != 0
-    assert b"KeyboardInterrupt" in err
+    assert "KeyboardInterrupt" in err
     pids = [int(open(p).read()) for p in glob.glob(str(tmp_path / "*.pid"))]
-    time.sleep(0.5)
-    assert not [p for p in pids if alive(p)]
+    assert wait_until(lambda: not [p for p in pids if alive(p)], 5), "a worker outlived it"
     assert not shm_left((tmp_path / "run_id").read_text())
 
 

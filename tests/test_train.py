@@ -9,11 +9,11 @@ import signal
 import subprocess
 import sys
 import tarfile
-import time
 
 import numpy as np
 import pytest
 
+from processes import kill_session, session_left, start, wait_until
 from pympgu import data
 from pympgu.training import checkpoint as ckpt
 from pympgu.training import cli, launcher, replica
@@ -1299,28 +1299,17 @@ def test_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
     """A scheduler's SIGTERM (Slurm's, at a job's end): every worker stopped, the status a
     SIGTERM gives (143), and the line that says how to resume."""
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "pympgu.train", "--cpu", "2", "--epochs",
-                             "500", "--hidden", "16", "--quiet", "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = start([sys.executable, "-m", "pympgu.train", "--cpu", "2", "--epochs", "500",
+                  "--hidden", "16", "--quiet", "--out", str(out)])
     try:
-        deadline = time.monotonic() + 120
-        while ckpt.epoch_of(str(out / ckpt.CHECKPOINT)) is None and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_until(lambda: ckpt.epoch_of(str(out / ckpt.CHECKPOINT)) is not None, 120, every=0.2)
         os.kill(proc.pid, signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_session(proc)
     assert proc.returncode == 143, err
     assert "stopped by SIGTERM; every worker was stopped" in err
     assert f"continue with --resume {out}" in err
     assert "Traceback" not in err
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        left = subprocess.run(["ps", "-o", "pid,args", "--no-headers", "-s", str(proc.pid)],
-                              capture_output=True, text=True).stdout.strip()
-        if not left:
-            break
-        time.sleep(0.2)
-    assert not left, f"outlived the run: {left}"
+    assert wait_until(lambda: not session_left(proc.pid), 10, every=0.2), \
+        f"outlived the run: {session_left(proc.pid)}"

@@ -27,6 +27,8 @@ class HostBackend:
                                  "--exchange-dtype float32")
             from .across import NodeSum
             self.across = NodeSum(ctx)
+            # This rank's slice, padded to one length on every rank of its local index.
+            self.part = np.zeros(-(-ex.total // self.nranks), np.float32)
         nbytes = ex.nbytes
         self.segments = []
         self.own = shm.Segment(shm.new_name(shm.segment_name(ctx.run_id, ctx.local_rank)),
@@ -79,9 +81,10 @@ class HostBackend:
             _host.host_average([a[lo:hi] for a in arrays], mine, dtype=dtype)
         else:
             # Summed in rank order as the host kernel sums, across the nodes, then divided
-            # once; the slice padded to one length for every rank of this local index.
-            part = np.zeros(chunk, np.float32)
-            for a in arrays:
+            # once (what pads the slice is summed too, and dropped).
+            part = self.part[:chunk]
+            part[:hi - lo] = arrays[0][lo:hi]
+            for a in arrays[1:]:
                 part[:hi - lo] += a[lo:hi]
             mine[:] = self.across(part)[:hi - lo] / np.float32(self.ctx.nranks)
         for r, a in enumerate(arrays):

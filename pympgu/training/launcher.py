@@ -53,13 +53,12 @@ def run(cfg, port=None, quiet=False, nodes=None, secret=None):
                         resume=bool(cfg.resume) and not replacing,
                         rates=schedule.kind != "constant" or schedule.warmup > 0)
     t0 = time.perf_counter()
-    where = dict(cpu=len(cfg.devices)) if cfg.cpu else dict(gpus=list(cfg.devices))
     if cfg.nnodes > 1:
         print(f"pympgu: node 0 of {cfg.nnodes}, waiting for the others at {nodes.address}",
               file=sys.stderr, flush=True)
     try:
         results = launch(worker, (cfg,), port=port, on_metric=reporter, nodes=nodes,
-                         secret=secret, **where)
+                         secret=secret, **_workers(cfg))
     except BindError as e:  # before any worker started
         if cfg.nnodes > 1:
             raise UsageError("--coordinator", f"--coordinator {nodes.address}: node 0 cannot "
@@ -94,15 +93,19 @@ class Diverged(RuntimeError):
                          "a --warmup or --clip-norm may keep it finite)")
 
 
+def _workers(cfg):
+    """launch()'s arguments for this node's workers."""
+    return dict(cpu=len(cfg.devices)) if cfg.cpu else dict(gpus=list(cfg.devices))
+
+
 def _run_node(cfg, nodes, secret):
     """Node 1, 2...: this node's workers, joined to node 0's, which reports and saves."""
     from .. import data
     from ..launch import launch
     data.load(cfg.data)  # fail here, with the file's name, before any worker starts
-    where = dict(cpu=len(cfg.devices)) if cfg.cpu else dict(gpus=list(cfg.devices))
     print(f"pympgu: node {nodes.node_rank} of {nodes.nnodes}, joining node 0 at "
           f"{nodes.address}", file=sys.stderr, flush=True)
-    launch(worker, (cfg,), nodes=nodes, secret=secret, **where)
+    launch(worker, (cfg,), nodes=nodes, secret=secret, **_workers(cfg))
     print(f"pympgu: node {nodes.node_rank} done", file=sys.stderr, flush=True)
     return None
 
