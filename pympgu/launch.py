@@ -484,7 +484,7 @@ class _Supervisor:
             error, since = self.pending
             lost = self._lost(now, self.SILENT_S)
             if lost is not None:
-                raise WorkerFailed(None, f"{lost}; then rank {error.rank} raised an exception",
+                raise WorkerFailed(None, f"{lost}; then rank {error.rank} {error.reason}",
                                    error.details, node=error.node)
             if now - since > self.HOLD_S:
                 raise error
@@ -502,7 +502,14 @@ class _Supervisor:
                 how = (f"was killed by signal {-p.exitcode}" if p.exitcode < 0
                        else f"exited with status {p.exitcode}")
                 rank = self.offset + local
-                raise WorkerFailed(rank, f"{how} (pid {p.pid})", node=self._node_of(rank))
+                error = WorkerFailed(rank, f"{how} (pid {p.pid})", node=self._node_of(rank))
+                if self.nnodes == 1 or p.exitcode == -signal.SIGKILL:
+                    raise error
+                # Across nodes a worker's death may be the echo of another node's loss too
+                # (JAX's runtime aborts a process whose peer vanished): held as an exception.
+                # A SIGKILL is never such an echo.
+                self.pending = (error, now)
+                return
             if local not in self.results and now - self.last_beat[local] > self.heartbeat_timeout:
                 rank = self.offset + local
                 raise WorkerFailed(rank, f"sent nothing for {self.heartbeat_timeout:.0f} s "

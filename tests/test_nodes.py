@@ -175,6 +175,7 @@ def test_two_nodes_of_two_workers_train_as_four_workers_on_one(tmp_path, launche
 
 
 @pytest.mark.parametrize("victim", ["node 1's launcher", "node 0's launcher",
+                                    "node 0's launcher, then node 1's worker aborts",
                                     "a worker of node 1"])
 def test_a_node_or_rank_lost_stops_every_node_within_seconds(tmp_path, victim):
     port = free_port()
@@ -185,16 +186,20 @@ def test_a_node_or_rank_lost_stops_every_node_within_seconds(tmp_path, victim):
     try:
         assert wait_until((out / "checkpoint.npz").exists, 120, every=0.2), \
             "the run did not reach its first epoch"
+        workers = [int(p) for p in subprocess.run(
+            ["pgrep", "-f", "-s", str(procs[1].pid), "spawn_main"], capture_output=True,
+            text=True).stdout.split()]
+        assert workers, session_left(procs[1].pid)
         if victim == "a worker of node 1":
-            workers = [int(p) for p in subprocess.run(
-                ["pgrep", "-f", "-s", str(procs[1].pid), "spawn_main"], capture_output=True,
-                text=True).stdout.split()]
-            assert workers, session_left(procs[1].pid)
             os.kill(workers[-1], signal.SIGKILL)
             survivors = procs
         else:
             k = 1 if victim.startswith("node 1") else 0
             os.kill(procs[k].pid, signal.SIGKILL)
+            if victim.endswith("aborts"):
+                # As JAX's runtime aborts a process whose peer's node vanished: the loss
+                # is the cause, not the abort.
+                os.kill(workers[0], signal.SIGABRT)
             survivors = [procs[1 - k]]
         t0 = time.monotonic()
         for p in survivors:
@@ -214,6 +219,9 @@ def test_a_node_or_rank_lost_stops_every_node_within_seconds(tmp_path, victim):
     elif victim == "node 0's launcher":
         assert f"node 0 at tcp://127.0.0.1:{port} stopped answering: its launcher is gone" \
             in err, err
+    elif victim.endswith("aborts"):
+        assert f"node 0 at tcp://127.0.0.1:{port} stopped answering: its launcher is gone; " \
+            f"then rank 2 was killed by signal {int(signal.SIGABRT)}" in err, err
     else:
         assert "was killed by signal 9" in err and "(node 1)" in err, err
         assert f"continue with --resume {out}" in err
