@@ -134,7 +134,8 @@ def extensions():
                   file=sys.stderr)
         ext = Extension(
             "pympgu._cuda._core",
-            ["pympgu/_cuda/_core.pyx", f"{CSRC}/host_average.cpp", f"{CSRC}/xla_ffi.cc"],
+            ["pympgu/_cuda/_core.pyx", f"{CSRC}/host_average.cpp", f"{CSRC}/xla_ffi.cc",
+             f"{CSRC}/nccl.cc"],
             include_dirs=include_dirs, language="c++",
             define_macros=macros, extra_compile_args=flags,
             library_dirs=[cuda_libdir(home)],

@@ -59,7 +59,10 @@ enum pmg_status {
   PMG_ERR_MISALIGNED = 10004,
   PMG_ERR_NO_CUDA = 10005,
   PMG_ERR_TIMEOUT = 10006,
-  PMG_ERR_NOT_RUNNING = 10007
+  PMG_ERR_NOT_RUNNING = 10007,
+  PMG_ERR_NCCL_MISSING = 10008,
+  /* PMG_ERR_NCCL + r: NCCL's ncclResult_t r (csrc/nccl.cc) */
+  PMG_ERR_NCCL = 20000
 };
 
 /* Peer-visible control block at the start of every registered (IPC-shared) allocation.
@@ -208,6 +211,13 @@ int pmg_accumulate(float *ref, const void *avg, size_t n, int wire_dtype, cudaSt
 int pmg_allreduce_average(const pmg_peers *peers, size_t stage_offset, int rank, int nranks,
                           size_t n, int dtype, int algo, int max_blocks, uint64_t timeout_ns,
                           cudaStream_t stream);
+/* The average across nodes, float32 (docs/DECISIONS.md, "NCCL between nodes"): this node's
+ * nranks replicas are summed into rank k's slice of its own replica (rank order), nccl_comm
+ * (one communicator of every node's local rank k) sums that slice across the nodes, and
+ * rank k stores it divided by world into every replica of the node. Every rank of every node
+ * ends with the same bits. Returns once all three are queued on stream. */
+int pmg_node_average(const pmg_peers *peers, int rank, int nranks, size_t n, void *nccl_comm,
+                     int world, int max_blocks, uint64_t timeout_ns, cudaStream_t stream);
 /* Bytes of the staging area that PMG_ALGO_PUSH and pmg_ce_allreduce_average need on every
  * rank for buffers of up to nbytes: one slot per peer, each a 1/nranks slice of the buffer
  * rounded up to 16 bytes. */
@@ -324,6 +334,31 @@ int pmg_shadow_average(const pmg_peers *peers, int rank, int nranks, const void 
 int pmg_copy_average(const pmg_peers *peers, int rank, int nranks, void *shadow, size_t n,
                      int dtype, uint64_t timeout_ns, cudaStream_t stream);
 
+/* ---- NCCL, loaded at run time (csrc/nccl.cc) ----
+ * pmg_nccl_load dlopens the library at path once a process (later calls succeed at once) and
+ * refuses one without non-blocking communicators and ncclCommAbort, saying why in `why`.
+ * Communicators are non-blocking: pmg_nccl_init and pmg_nccl_finalize return at once, and
+ * pmg_nccl_state says when they are ready (0), still busy (PMG_ERR_NCCL + 7) or broken. */
+#define PMG_NCCL_MIN_VERSION 21400
+typedef struct pmg_nccl_id { char internal[128]; } pmg_nccl_id;
+int pmg_nccl_load(const char *path, char *why, size_t len);
+int pmg_nccl_loaded(void);
+int pmg_nccl_version(int *version);
+int pmg_nccl_unique_id(pmg_nccl_id *id);
+int pmg_nccl_init(void **comm, int nranks, int rank, const pmg_nccl_id *id);
+int pmg_nccl_state(void *comm);
+/* recv[i] = the sum (average: its mean, ncclAvg) over the communicator's ranks of send[i],
+ * queued on stream (a cudaStream_t); returns once queued, PMG_ERR_TIMEOUT if NCCL has not
+ * queued it within timeout_ns. */
+int pmg_nccl_allreduce(void *comm, const void *send, void *recv, size_t count, int dtype,
+                       int average, uint64_t timeout_ns, void *stream);
+int pmg_nccl_finalize(void *comm);
+int pmg_nccl_destroy(void *comm);
+int pmg_nccl_abort(void *comm);
+const char *pmg_nccl_last_error(void *comm);
+const char *pmg_nccl_status_name(int status);   /* NULL for a code that is not NCCL's */
+const char *pmg_nccl_status_string(int status);
+
 /* ---- the average as an XLA operation (csrc/xla_ffi.cc) ----
  * The points of an exchange through the start/done pair that a timeline marks: on XLA's
  * stream, the (first) start, the last part's start, the done's arrival and its end; on the
@@ -383,6 +418,12 @@ typedef struct pmg_group {
   /* Timing events that the pair records at each point of an exchange (pmg_mark), or all
    * NULL: PeerGroup.xla_timeline reads the last exchange's (PeerGroup.record_timeline). */
   cudaEvent_t marks[PMG_MARKS];
+  /* Non-NULL: every average is one across nodes (pmg_node_average: this NCCL communicator
+   * and world ranks in all; with nccl_flat, the communicator holds every rank and NCCL
+   * averages alone); NULL: inside this node. */
+  void *nccl_comm;
+  int world;
+  int nccl_flat;
 } pmg_group;
 /* *id == 0: register group under a new id, returned in *id. Otherwise replace the entry of
  * the registered id *id (the group gained a shadow). */

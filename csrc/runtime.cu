@@ -10,11 +10,13 @@ extern "C" {
 
 const char *pmg_error_name(int status) {
   const char *own = pmg_status_name(status);
+  if (own == nullptr) own = pmg_nccl_status_name(status);
   return own ? own : cudaGetErrorName(static_cast<cudaError_t>(status));
 }
 
 const char *pmg_error_string(int status) {
   const char *own = pmg_status_string(status);
+  if (own == nullptr) own = pmg_nccl_status_string(status);
   return own ? own : cudaGetErrorString(static_cast<cudaError_t>(status));
 }
 

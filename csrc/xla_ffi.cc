@@ -249,6 +249,13 @@ int allreduce(const pmg_group &g, int algo, int max_blocks, int64_t chunk_bytes,
   pmg_peers peers = g.peers;
   for (int r = 0; r < g.nranks; ++r) peers.data[r] = static_cast<char *>(peers.data[r]) + from;
   const size_t stage_offset = g.stage_offset - from;  // the staging area lies after the data
+  if (g.nccl_comm && g.nccl_flat)
+    return pmg_nccl_allreduce(g.nccl_comm, peers.data[g.rank], peers.data[g.rank], n, dtype, 1,
+                              g.timeout_ns, stream);
+  if (g.nccl_comm)
+    return dtype != PMG_FLOAT32 ? int(PMG_ERR_UNSUPPORTED_DTYPE)
+                                : pmg_node_average(&peers, g.rank, g.nranks, n, g.nccl_comm,
+                                                   g.world, max_blocks, g.timeout_ns, stream);
   if (algo == PMG_ALGO_CE)
     return pmg_ce_allreduce_average(&peers, stage_offset, g.rank, g.nranks, n, dtype,
                                     size_t(chunk_bytes), max_blocks, g.timeout_ns, stream,
@@ -289,6 +296,9 @@ ffi::Error pack(const char *op, const pmg_group &g, const std::vector<Array> &in
 // wire); a done operation then never averages them.
 ffi::Error gather_ready(const char *op, const pmg_group &g, int32_t algo, int dtype,
                         bool pushed = false) {
+  if (algo == PMG_ALGO_GATHER && g.nccl_comm)
+    return ffi::Error::InvalidArgument(std::string(op) +
+                                       ": the gather algorithm works inside one node");
   if (algo != PMG_ALGO_GATHER || (pushed && g.shadow_offset) ||
       (dtype == PMG_FLOAT32 && (g.shadow || g.nranks == 1)))
     return ffi::Error::Success();

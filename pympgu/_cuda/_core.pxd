@@ -60,6 +60,9 @@ cdef extern from "pympgu.h" nogil:
         pmg_stream_sync *stream_sync
         uint32_t *stream_flags[PMG_MAX_RANKS]
         cudaEvent_t marks[PMG_MARKS]
+        void *nccl_comm
+        int world
+        int nccl_flat
 
     const char *pmg_error_name(int status)
     const char *pmg_error_string(int status)
@@ -110,6 +113,9 @@ cdef extern from "pympgu.h" nogil:
     int pmg_allreduce_average(const pmg_peers *peers, size_t stage_offset, int rank,
                               int nranks, size_t n, int dtype, int algo, int max_blocks,
                               uint64_t timeout_ns, cudaStream_t stream)
+    int pmg_node_average(const pmg_peers *peers, int rank, int nranks, size_t n,
+                         void *nccl_comm, int world, int max_blocks, uint64_t timeout_ns,
+                         cudaStream_t stream)
     size_t pmg_stage_bytes(int nranks, size_t nbytes)
     size_t pmg_ll_bytes(int nranks)
     enum: PMG_CE_MAX_CHUNKS
@@ -139,6 +145,25 @@ cdef extern from "pympgu.h" nogil:
     int pmg_xla_register(const pmg_group *group, int64_t *id)
     int pmg_xla_unregister(int64_t id)
     void *pmg_xla_handler(const char *name)
+
+    ctypedef struct pmg_nccl_id:
+        char internal[128]
+    enum:
+        PMG_NCCL_MIN_VERSION
+        PMG_ERR_NCCL
+        PMG_ERR_NCCL_MISSING
+    int pmg_nccl_load(const char *path, char *why, size_t length)
+    int pmg_nccl_loaded()
+    int pmg_nccl_version(int *version)
+    int pmg_nccl_unique_id(pmg_nccl_id *id)
+    int pmg_nccl_init(void **comm, int nranks, int rank, const pmg_nccl_id *id)
+    int pmg_nccl_state(void *comm)
+    int pmg_nccl_allreduce(void *comm, const void *send, void *recv, size_t count,
+                           int dtype, int average, uint64_t timeout_ns, void *stream)
+    int pmg_nccl_finalize(void *comm)
+    int pmg_nccl_destroy(void *comm)
+    int pmg_nccl_abort(void *comm)
+    const char *pmg_nccl_last_error(void *comm)
 
 cdef extern from "dlpack.h" nogil:
     ctypedef struct DLDevice:

@@ -5,8 +5,8 @@ One extension built from one part per CUDA concept, as mpi4py builds its own: ru
 (errors, devices, streams, events), memory.pxi (device buffers and views, DLPack),
 arrays.pxi (other frameworks' arrays, the averaging calls, multi-tensor tables), ipc.pxi,
 algorithms.pxi ('auto''s thresholds), barriers.pxi (the stream barriers' flags and their
-watchdog, the XLA operations' handlers), peergroup.pxi and resident.pxi. Every C
-declaration is in _core.pxd.
+watchdog, the XLA operations' handlers), nccl.pxi (NCCL, loaded at run time, between
+nodes), peergroup.pxi and resident.pxi. Every C declaration is in _core.pxd.
 
 Rules of this module, stated once:
 
@@ -48,5 +48,6 @@ include "arrays.pxi"
 include "ipc.pxi"
 include "algorithms.pxi"
 include "barriers.pxi"
+include "nccl.pxi"
 include "peergroup.pxi"
 include "resident.pxi"

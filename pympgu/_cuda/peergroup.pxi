@@ -56,6 +56,9 @@ cdef class PeerGroup:
     # 'auto''s thresholds, read once: they are looked up at every small exchange.
     cdef size_t ll_max, oneshot_max, push_min, ce_min
     cdef Resident _resident  # while one runs: nothing else may exchange
+    cdef NcclComm across  # join_nodes: the communicator of every node's rank of this index
+    cdef int world
+    cdef bint flat  # ...or of every rank, NCCL alone averaging
 
     def __init__(self, int rank, int nranks, size_t nbytes, device=None, double timeout=60.0,
                  staging=None, bint shadow=False, flags_prefix=None,
@@ -221,6 +224,7 @@ cdef class PeerGroup:
         ``cuda.synchronize()``: anything that waits for the whole device (torch.cuda.
         synchronize, cudaFree) would wait for it forever."""
         self._require_idle()
+        self._one_node("resident()")
         cdef int b = RESIDENT_BLOCKS if blocks is None else blocks
         if not 1 <= b <= min(self.sm_count, PMG_MAX_BLOCKS):
             raise ValueError(f"blocks must be 1 to the GPU's {self.sm_count} SMs (every block "
@@ -277,6 +281,8 @@ cdef class PeerGroup:
         cdef int blocks = self.max_blocks if max_blocks is None else max_blocks
         if not 1 <= blocks <= PMG_MAX_BLOCKS:
             raise ValueError(f"max_blocks must be 1 to {PMG_MAX_BLOCKS}, got {blocks}")
+        if self.across is not None:
+            return self._across(n, code, blocks, offset, synchronize)
         chosen = self._choose(n * pmg_dtype_size(code), algo)
         cdef int a = ALGORITHM_CODES[chosen]
         # The kernels average from every rank's data[r]; staging and the LL mailboxes stay
@@ -299,6 +305,64 @@ cdef class PeerGroup:
                                            blocks, self.timeout_ns, self.stream.handle)
         self._launched(status, synchronize)
         return chosen
+
+    def join_nodes(self, NcclComm across, int world, bint flat=False):
+        """Make every later average of this group one of every node's ranks: this node's
+        replicas are summed slice by slice (rank k's slice into its own replica), ``across``
+        (an NcclComm of every node's rank k, on this group's GPU) sums each slice across the
+        nodes, and the slice divided by ``world`` (every node's ranks) is stored into every
+        replica here (pmg_node_average). float32 only; allreduce() and the XLA operations
+        then take that road whatever their algorithm, and the methods that gather into a
+        shadow, and resident(), are refused. Every rank of every node calls it alike.
+
+        ``flat``: ``across`` holds every rank of every node instead, and NCCL alone averages
+        the whole buffer (ncclAvg, any dtype): the baseline the hierarchy must beat, and the
+        road for GPUs without peer access."""
+        self._require_idle()
+        if across.comm == NULL:
+            raise ValueError("the NCCL communicator is closed")
+        if across.device != self.device:
+            raise ValueError(f"the NCCL communicator is on GPU {across.device}, the group on "
+                             f"GPU {self.device}")
+        if flat and world != across.nranks:
+            raise ValueError(f"a flat communicator holds every rank: world {world}, "
+                             f"communicator {across.nranks}")
+        if not flat and world < self.nranks * across.nranks:
+            raise ValueError(f"world must count every node's ranks ({self.nranks} x "
+                             f"{across.nranks}), got {world}")
+        self.across, self.world, self.flat = across, world, flat
+        if self._xla_id:
+            self._register(False)
+
+    cdef _one_node(self, what):
+        if self.across is not None:
+            raise ValueError(f"{what} works inside one node; this group averages across "
+                             "nodes (join_nodes): use allreduce()")
+
+    cdef _across(self, size_t n, int code, int blocks, size_t offset, bint synchronize):
+        if self.across.comm == NULL:
+            raise ValueError("the NCCL communicator is closed (aborted after an error?)")
+        cdef pmg_peers shifted = self.peers
+        cdef int r
+        for r in range(self.nranks):
+            shifted.data[r] = <void *>(<char *>self.peers.data[r] + offset)
+        check(pmg_set_device(self.device))
+        if self.flat:
+            status = pmg_nccl_allreduce(self.across.comm, shifted.data[self.rank],
+                                        shifted.data[self.rank], n, code, 1, self.timeout_ns,
+                                        self.stream.handle)
+        elif code != DTYPES["float32"]:
+            raise ValueError("the average across nodes is float32")
+        else:
+            status = pmg_node_average(&shifted, self.rank, self.nranks, n, self.across.comm,
+                                      self.world, blocks, self.timeout_ns, self.stream.handle)
+        if PMG_ERR_NCCL <= status < PMG_ERR_NCCL + 100:
+            self.across._check(status, "averaging across nodes")
+        self._launched(status, synchronize)
+        err = self.across.failure
+        if err is not None:
+            raise err
+        return "nccl" if self.flat else "nodes"
 
     def xla_id(self, bint shadow=False):
         """This group's id for pympgu's XLA operations (pympgu.xla), registering it on first
@@ -341,6 +405,8 @@ cdef class PeerGroup:
         if self.marks is not None:
             for i, ev in enumerate(self.marks):
                 g.marks[i] = (<Event>ev).handle
+        if self.across is not None:
+            g.nccl_comm, g.world, g.nccl_flat = self.across.comm, self.world, self.flat
         if shadow or self.shadow_offset or self.shadow is not None:
             g.shadow = self._shadow()
             g.shadow_offset = self.shadow_offset
@@ -422,6 +488,7 @@ cdef class PeerGroup:
     def copy_average(self, size_t n, dtype="float32", bint synchronize=True):
         """The seed's method: copy each peer's buffer into a shadow, then average locally."""
         cdef int code = dtype_code(dtype)
+        self._one_node("copy_average()")
         self._require(n, code)
         cdef void *shadow = self._shadow()
         set_device(self.device)
@@ -437,6 +504,7 @@ cdef class PeerGroup:
         beside a training step).
         """
         cdef int code = dtype_code(dtype)
+        self._one_node("gather()")
         self._require(n, code)
         set_device(self.device)
         self._launched(pmg_gather_peers(&self.peers, self.rank, self.nranks, self._shadow(), n,
@@ -445,6 +513,7 @@ cdef class PeerGroup:
     def shadow_average(self, size_t n, dtype="float32", bint synchronize=True):
         """Second half of the copy method: average own buffer and the shadow, in place."""
         cdef int code = dtype_code(dtype)
+        self._one_node("shadow_average()")
         self._require(n, code)
         set_device(self.device)
         self._launched(pmg_shadow_average(&self.peers, self.rank, self.nranks, self._shadow(),

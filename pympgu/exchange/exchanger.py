@@ -4,7 +4,7 @@ import time
 
 from .layout import ITEMSIZE, plan_layout
 
-METHODS = ("auto", "ll", "oneshot", "twoshot", "push", "ce", "copy")
+METHODS = ("auto", "ll", "oneshot", "twoshot", "push", "ce", "copy", "nccl")
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -12,8 +12,10 @@ class Exchanger:
     """Averages a fixed list of parameter arrays across every worker of a run.
 
     ``layout`` is a list of (name, shape, dtype); ``method`` is 'auto', one of the PeerGroup
-    algorithms ('ll', 'oneshot', 'twoshot', 'push', 'ce') or 'copy' (the seed's peer-copy method)
-    and only matters on GPUs. ``wire_dtype`` is None (the layout's dtype), or 'bfloat16' /
+    algorithms ('ll', 'oneshot', 'twoshot', 'push', 'ce'), 'copy' (the seed's peer-copy method)
+    or 'nccl' (NCCL alone, every rank of every node in one communicator: the baseline) and
+    only matters on GPUs. Across nodes every method but 'nccl' takes pympgu's hierarchy:
+    the kernels inside each node, NCCL between nodes (pympgu.exchange.gpu). ``wire_dtype`` is None (the layout's dtype), or 'bfloat16' /
     'float16' for float32 layouts (see the module docstring). ``max_blocks`` caps the GPU averaging kernel's grid (every rank must give the
     same; None: twice the SM count), leaving SMs free for compute that overlaps it.
     ``shadow`` (GPUs; every rank the same) gives the peer group a shared shadow, nranks - 1

@@ -1,4 +1,5 @@
-"""GPU workers' exchange: a PeerGroup buffer shared through CUDA IPC, averaged by the kernels."""
+"""GPU workers' exchange: a PeerGroup buffer shared through CUDA IPC, averaged by the kernels
+(and, across nodes, summed between them by NCCL)."""
 import os
 import warnings
 
@@ -32,12 +33,16 @@ class CudaBackend:
         self.cuda = cuda
         ctx = self.ctx = ex.ctx
         self.ex = ex
-        if ctx.nnodes > 1:
-            raise NotImplementedError("GPU workers exchange within one node: the exchange "
-                                      "between nodes (NCCL) is not built yet; train on one "
-                                      "node, or CPU workers across nodes")
+        if ex.method == "nccl" and ex.shadow:
+            raise ValueError("the nccl method takes no shadow")
+        if ctx.nnodes > 1 and ex.method != "nccl" and (
+                ex.dtype != "float32" or ex.wire_dtype or ex.shadow or ex.method == "copy"):
+            raise ValueError("pympgu's exchange across nodes averages float32 parameters, "
+                             "with no low-precision wire, no shadow and not by the copy "
+                             "method (or take method='nccl')")
         rank, nranks = ctx.local_rank, ctx.local_nranks
         self.keep = None
+        self.across = None
         # The staging area of 'push' and 'ce', and of 'auto' when the buffer is large enough
         # that it would pick 'push'.
         staging = {"push": True, "ce": True, "auto": None}.get(ex.method, False)
@@ -70,7 +75,7 @@ class CudaBackend:
                 warnings.warn(f"rank {ctx.rank}: GPU {ctx.device} has no peer access to every "
                               f"GPU of {devices}; falling back to the copy method with host "
                               "barriers", RuntimeWarning)
-            elif current.no_p2p:
+            elif current.no_p2p and ctx.nnodes == 1:
                 # The fallback forced on GPUs that report peer access: for a broken P2P
                 # path, and to test the fallback where peer access works.
                 self.peer_ok = False
@@ -80,6 +85,14 @@ class CudaBackend:
                 shm.segment_name(ctx.run_id, r) + "-flags" for r in range(nranks)])
             ctx.barrier(local=True)  # every rank has mapped every flags page: no name need stay
             self.group.release_names()
+            if ex.method == "nccl":
+                self._join_nccl(timeout, flat=True)
+            elif ctx.nnodes > 1:
+                if not self.peer_ok:
+                    raise ValueError(f"rank {ctx.rank}: pympgu's exchange across nodes needs "
+                                     f"peer access between this node's GPUs ({devices}); "
+                                     "method='nccl' does without")
+                self._join_nccl(timeout, flat=False)
             # Padding between parameters is averaged too: give it defined contents.
             self.group.data("uint8").fill_bytes(0)
             self.copy_table = cuda.TensorTable(len(ex.layout), 1, ex.dtype)
@@ -90,7 +103,25 @@ class CudaBackend:
                 self.delta_table = cuda.TensorTable(len(ex.layout), 2, ex.wire_dtype, op="delta")
         except BaseException:
             self.group.close()
+            if self.across is not None:
+                self.across.abort()
             raise
+
+    def _join_nccl(self, timeout, flat):
+        """One NCCL communicator of every node's rank of this local index (node 0's rank
+        makes its id), or with ``flat`` one of every rank (rank 0 makes it); every rank
+        learns its id from one run-wide gather (docs/DECISIONS.md, "NCCL between nodes")."""
+        ctx, cuda = self.ctx, self.cuda
+        cuda.set_device(ctx.device)
+        maker = ctx.rank == 0 if flat else ctx.node == 0
+        ids = ctx.gather(cuda.nccl_unique_id().hex() if maker else None)
+        uid = bytes.fromhex(ids[0 if flat else ctx.local_rank])
+        if flat:
+            self.across = cuda.NcclComm(ctx.nranks, ctx.rank, uid, timeout)
+        else:
+            self.across = cuda.NcclComm(ctx.nnodes, ctx.node, uid, timeout)
+        self.across.watch()
+        self.group.join_nodes(self.across, ctx.nranks, flat=flat)
 
     def pack(self, pairs, kind, shift):
         ex = self.ex
@@ -122,7 +153,9 @@ class CudaBackend:
 
     def average(self, dtype, n):
         g = self.group
-        if not self.peer_ok:
+        if self.across is not None:
+            g.allreduce(n, dtype, synchronize=False, max_blocks=self.ex.max_blocks)
+        elif not self.peer_ok:
             g.synchronize()  # packed, before the host barrier tells peers to copy
             self.ctx.barrier(local=True)
             g.gather(n, dtype)
@@ -137,6 +170,8 @@ class CudaBackend:
     def wait(self):
         try:
             self.group.synchronize()
+            if self.across is not None and self.across.failure is not None:
+                raise self.across.failure  # its watch aborted it: the sum may be partial
         finally:
             self.keep = None
 
@@ -179,3 +214,5 @@ class CudaBackend:
             if self.ref is not None:
                 self.ref.close()
             self.group.close()
+            if self.across is not None:
+                self.across.close()

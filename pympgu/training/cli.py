@@ -17,13 +17,13 @@ import signal
 import sys
 
 from .. import settings
-from ..exchange import METHODS, WIRE_DTYPES
+from ..exchange import WIRE_DTYPES
 from ..models import OPTIMIZERS, STATISTICS_EXAMPLES
 from ..precision import DTYPES as COMPUTE_DTYPES
 from ..schedule import SCHEDULES
 from . import checkpoint
-from .config import (ADAM_LR, ADAMW_DECAY, MAX_WORKERS, PRESETS, RunConfig, UsageError,
-                     auto_backend, optimizer_defaults)
+from .config import (ADAM_LR, ADAMW_DECAY, MAX_WORKERS, METHODS, PRESETS, RunConfig,
+                     UsageError, auto_backend, optimizer_defaults)
 
 DEFAULTS = RunConfig()
 

@@ -66,7 +66,7 @@ def make_exchanger(ctx, rep, cfg, inside=True):
     # last layers are computed, and spares the overlapped one its pack ('gather'). It costs
     # nranks - 1 copies of the state on each GPU: only where one of the two will use it.
     shadow = (rep.jax is not None and not ctx.is_cpu and inside and cfg.method == "auto"
-              and copies_to_every_peer(ctx.nranks)
+              and ctx.nnodes == 1 and copies_to_every_peer(ctx.nranks)
               and (cfg.exchange_dtype == "float32" or same_start(cfg.sync_every, cfg.overlap)))
     ex = Exchanger(ctx, state_layout(rep), method=cfg.method, wire_dtype=cfg.exchange_dtype,
                    max_blocks=blocks, shadow=shadow)

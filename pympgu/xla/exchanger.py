@@ -30,14 +30,21 @@ class StepExchange:
         if ex.wire_dtype and not gradients:
             return (f"the {ex.wire_dtype} wire keeps state outside XLA (inside it, only "
                     "--sync-every 1's gradients cross in it)")
-        if ex.method == "copy" or not ex.backend.peer_ok:
+        if ex.backend.across is None and (ex.method == "copy" or not ex.backend.peer_ok):
             return "the copy method with host barriers runs outside XLA"
         return ops.available()[1]
+
+    @property
+    def algo(self):
+        """The operations' algorithm: the exchanger's method, except where NCCL takes part
+        (across nodes, or the 'nccl' method), whose group takes NCCL's road whatever kernel
+        algorithm is named (PeerGroup.join_nodes): 'twoshot' is one that needs no shadow."""
+        return "twoshot" if self.ex.backend.across is not None else self.ex.method
 
     def average(self, arrays):
         """The averages of ``arrays`` as JAX arrays, for use inside a jitted function
         (pympgu.xla.average)."""
-        return ops.average(arrays, self._group(arrays), algo=self.ex.method,
+        return ops.average(arrays, self._group(arrays), algo=self.algo,
                            max_blocks=self.ex.max_blocks)
 
     def average_results(self, fn, which, *args):
@@ -46,7 +53,7 @@ class StepExchange:
         import jax
         shapes = jax.eval_shape(lambda *a: list(fn(*a)), *args)
         group = self._group([shapes[i] for i in which])
-        return average_results(fn, which, group, *args, algo=self.ex.method,
+        return average_results(fn, which, group, *args, algo=self.algo,
                                max_blocks=self.ex.max_blocks)
 
     def average_gradients(self, fn, updated, which, *args, shadow=None, local=(), exact=True,
@@ -61,31 +68,31 @@ class StepExchange:
         ex = self.ex
         shapes = jax.eval_shape(lambda *a: list(fn(*a)), *args)
         group = self._group([shapes[i] for i in which], gradients=True)
-        plan = gradient_plan(fn, updated, group, args, local, shadow, ex.method, exact,
+        plan = gradient_plan(fn, updated, group, args, local, shadow, self.algo, exact,
                              ex.wire_dtype, alike)
         wire = f", sent in {ex.wire_dtype}" if ex.wire_dtype else ""
         if plan[1] is not None:
             self.road = ("the new values averaged after the update"
                          f"{', in float32' if wire else ''}: {plan[1]}")
-        elif gradients_by_copies(group, shadow, ex.method):
+        elif gradients_by_copies(group, shadow, self.algo):
             self.road = f"the update of the mean gradients{wire}"
         else:
             self.road = (f"the update of the mean gradients{wire}, averaged by the kernel "
                          f"({group.nranks} ranks)")
         return average_gradients(fn, updated, which, group, *args, shadow=shadow, local=local,
-                                 algo=ex.method, max_blocks=ex.max_blocks, plan=plan,
+                                 algo=self.algo, max_blocks=ex.max_blocks, plan=plan,
                                  exact=exact, wire=ex.wire_dtype, alike=alike)
 
     def average_during(self, arrays, fn, *args):
         """``average(arrays)`` taken while ``fn(*args)`` computes; returns both
         (pympgu.xla.average_during)."""
-        return average_during(arrays, self._group(arrays), fn, *args, algo=self.ex.method,
+        return average_during(arrays, self._group(arrays), fn, *args, algo=self.algo,
                               max_blocks=self.ex.max_blocks)
 
     def correct_during(self, arrays, fn, *args, shadow=None, ready=()):
         """pympgu.xla.correct_during over the exchanger's group; ``shadow`` is
         ``shadow()``'s array, or None."""
-        return correct_during(arrays, self._group(arrays), fn, *args, algo=self.ex.method,
+        return correct_during(arrays, self._group(arrays), fn, *args, algo=self.algo,
                               max_blocks=self.ex.max_blocks, shadow=shadow, ready=ready)
 
     def shadow(self, correction=True):

@@ -1,0 +1,110 @@
+"""GPU workers across nodes, as several "nodes" of one host sharing GPU 0: pympgu's kernels
+inside each node and NCCL between them (or NCCL alone, method 'nccl'). NCCL_HOSTID per node
+makes NCCL take them for separate hosts, which meet over loopback sockets: this checks the
+logic bit for bit, and times nothing of a network."""
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from processes import free_port, kill_session, session_left, wait_until
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SECRET = "a secret of the GPU nodes' tests, long enough"
+
+
+def needs_nccl():
+    from pympgu import cuda
+    try:
+        cuda.nccl_load()
+    except cuda.CudaError as e:
+        pytest.skip(str(e))
+
+
+def start_node(nnodes, node, port, nlocal, target, args, tmp_path):
+    env = dict(os.environ, PYMPGU_SECRET=SECRET, NCCL_HOSTID=f"pympgu-test-node-{node}",
+               NCCL_SOCKET_IFNAME="lo", NCCL_IB_DISABLE="1", PYMPGU_TEST_DIR=str(tmp_path))
+    argv = [sys.executable, os.path.join(HERE, "node_targets.py"), str(nnodes), str(node),
+            str(port), str(nlocal), target, json.dumps(args)]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+
+
+def run_nodes(nnodes, nlocal, target, args, tmp_path, timeout=400):
+    port = free_port(pair=True)
+    procs = [start_node(nnodes, k, port, nlocal, target, args, tmp_path) for k in range(nnodes)]
+    out = []
+    try:
+        for p in procs:
+            o, e = p.communicate(timeout=timeout)
+            out.append((p.returncode, o, e))
+    finally:
+        for p in procs:
+            kill_session(p)
+    for code, o, e in out:
+        assert code == 0, e[-4000:]
+    return json.loads(out[0][1].strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("nnodes,nlocal,method", [(2, 1, "auto"), (2, 2, "auto"),
+                                                  (2, 1, "nccl")])
+def test_replicas_across_nodes_are_one_nodes_exchange_bit_for_bit(tmp_path, nnodes, nlocal,
+                                                                   method):
+    needs_nccl()
+    before = set(glob.glob("/dev/shm/pympgu-*"))
+    results = run_nodes(nnodes, nlocal, "node_rounds", [4, method], tmp_path)
+    assert len(results) == nnodes * nlocal
+    assert [r["node"] for r in results] == [k for k in range(nnodes) for _ in range(nlocal)]
+    assert len({r["digest"] for r in results}) == 1
+    from pympgu import xla
+    if xla.available()[0]:
+        assert all(r["roads"] == ["python", "xla"] * 2 for r in results)
+    assert not set(glob.glob("/dev/shm/pympgu-*")) - before
+
+
+@pytest.mark.parametrize("victim", ["a worker of node 1", "node 1's launcher"])
+def test_a_node_lost_during_nccl_stops_every_node_within_seconds(tmp_path, victim):
+    needs_nccl()
+    port = free_port(pair=True)
+    procs = [start_node(2, k, port, 2, "node_forever", ["auto"], tmp_path) for k in range(2)]
+    try:
+        assert wait_until(lambda: len(glob.glob(str(tmp_path / "*.pid"))) == 4, 240, every=0.2), \
+            "the nodes did not start exchanging"
+        time.sleep(1.0)
+        if victim == "a worker of node 1":
+            os.kill(int((tmp_path / "3.pid").read_text()), signal.SIGKILL)
+            survivors = procs
+        else:
+            os.kill(procs[1].pid, signal.SIGKILL)
+            survivors = [procs[0]]
+        t0 = time.monotonic()
+        for p in survivors:
+            p.wait(timeout=60)
+        stopped = time.monotonic() - t0
+        errs = [p.stderr.read() for p in survivors]
+    finally:
+        for p in procs:
+            kill_session(p)
+    assert stopped < 10, f"the other node took {stopped:.1f} s to stop"
+    assert all(p.returncode == 1 for p in survivors), errs[0][-3000:]
+    assert "(node 1)" in errs[0] or "node 1 (" in errs[0], errs[0][-3000:]
+    wait_until(lambda: not any(session_left(p.pid) for p in procs), 10, every=0.2)
+    for p in procs:
+        assert not session_left(p.pid), f"outlived the run: {session_left(p.pid)}"
+
+
+def test_a_communicator_whose_peer_never_comes_is_aborted_in_time():
+    needs_nccl()
+    from pympgu import cuda
+    cuda.set_device(0)
+    t0 = time.monotonic()
+    with pytest.raises(cuda.CudaError, match="did not finish within 2 s.*aborted"):
+        cuda.NcclComm(2, 0, cuda.nccl_unique_id(), 2.0)
+    assert time.monotonic() - t0 < 10
