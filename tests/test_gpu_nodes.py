@@ -108,3 +108,15 @@ def test_a_communicator_whose_peer_never_comes_is_aborted_in_time():
     with pytest.raises(cuda.CudaError, match="did not finish within 2 s.*aborted"):
         cuda.NcclComm(2, 0, cuda.nccl_unique_id(), 2.0)
     assert time.monotonic() - t0 < 10
+
+
+def test_bench_across_nodes_times_the_hierarchy_against_flat_nccl(tmp_path):
+    needs_nccl()
+    out = subprocess.run([sys.executable, "-m", "pympgu.bench", "--nnodes", "2", "--gpus", "0",
+                          "--sizes", "4K", "1M", "--json", str(tmp_path / "b.json")],
+                         capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "hierarchy us" in out.stdout and "flat/hierarchy" in out.stdout, out.stdout
+    rows = json.load(open(tmp_path / "b.json"))["results"]
+    assert [r["bytes"] for r in rows] == [4096, 1 << 20]
+    assert all(r["hierarchy"]["us"] > 0 and r["flat"]["us"] > 0 for r in rows)

@@ -2,6 +2,7 @@
 
     python -m pympgu.bench --gpus 0 1                 # 4 KiB .. 1 GiB, every method
     python -m pympgu.bench --gpus 0 --procs 4         # 4 ranks sharing one GPU (logic, not speed)
+    python -m pympgu.bench --nnodes 2 --gpus 0 1      # across nodes: pympgu.bench.nodes
 
 One process per rank. For each size every method averages an fp32 buffer in place; device
 time per exchange comes from CUDA events around back-to-back exchanges (median of several
@@ -240,6 +241,13 @@ def main(argv=None):
                              "compute costs; 'resident@B' runs B blocks (default: the full "
                              "grid only, and RESIDENT_BLOCKS for 'resident')")
     parser.add_argument("--no-nccl", action="store_true", help="skip the NCCL baseline")
+    parser.add_argument("--nnodes", type=int, metavar="N",
+                        help="time the exchange across N nodes against flat NCCL instead "
+                             "(alone: N nodes as processes of this host; with --node-rank and "
+                             "--coordinator, or under Slurm, Open MPI or torchrun: this node)")
+    parser.add_argument("--node-rank", type=int, metavar="K", help="this node's rank (0 to N-1)")
+    parser.add_argument("--coordinator", metavar="HOST:PORT",
+                        help="node 0's address, as every node reaches it")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args(argv)
     if args.blocks and not all(1 <= b <= 512 for b in args.blocks):
@@ -256,10 +264,26 @@ def main(argv=None):
     if len(set(gpus)) != len(gpus):
         parser.error("--gpus: indexes must be distinct")
     nranks = args.procs or len(gpus)
-    if not 2 <= nranks <= 8:
+    across = args.nnodes is not None or args.node_rank is not None or args.coordinator
+    if not (1 if across else 2) <= nranks <= 8:
         parser.error(f"the benchmark needs 2 to 8 ranks, got {nranks} (give --procs)")
     devices = [gpus[r % len(gpus)] for r in range(nranks)]
     sizes = args.sizes or DEFAULT_SIZES
+    if across:
+        from .. import nodes
+        from . import nodes as bench_nodes
+        here = args.node_rank is None and args.coordinator is None
+        if here and nodes.from_environment() is None:
+            if not args.nnodes or args.nnodes < 2:
+                parser.error("--nnodes: 2 or more")
+            return bench_nodes.run_here(args.nnodes, devices, sizes, args.json)
+        try:
+            where = nodes.resolve(args.nnodes, args.node_rank, args.coordinator)
+        except nodes.NodesError as e:
+            parser.error(str(e))
+        if where.nnodes < 2:
+            parser.error("--nnodes: 2 or more")
+        return bench_nodes.run_node(where, devices, sizes, args.json)
     use_nccl = not args.no_nccl and len(set(devices)) == nranks
     if use_nccl:
         try:
