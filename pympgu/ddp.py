@@ -22,9 +22,12 @@ pympgu's own training and the 2014 demo do (local SGD; torch's ``PeriodicModelAv
 the model's parameters, its batch norms' statistics and the optimizer's state live in the
 shared buffer, so an average is the kernels alone.
 
-The ranks must be processes of one machine whose GPUs reach one another (peer access).
-The process group carries the setup only (the buffers' handles, and DDP's own broadcast of
-the first parameters); pympgu's kernels move every value.
+The ranks of one machine share the buffer, and their GPUs must reach one another (peer
+access). Ranks on several machines (as many on each) average float32 tensors the way
+pympgu's training does across nodes: its kernels inside each machine, one NCCL
+communicator a local index between them (PeerGroup.join_nodes). The process group carries
+the setup only (the buffers' handles, NCCL's ids, and DDP's own broadcast of the first
+parameters); pympgu's kernels and NCCL move every value.
 """
 # Where each bucket's place starts, as the Exchanger's arrays; the dtypes pympgu averages.
 from . import settings
@@ -47,11 +50,12 @@ class _Peers:
     PeerState and ModelAverager share."""
 
     # What every rank's setup must agree on, beside the handles: the fact and what to do.
-    ALIKE = {"host": "run on one machine (CUDA IPC maps memory within one)",
-             "layout": "average the same tensors (the same model, and optimizer state alike)",
+    ALIKE = {"layout": "average the same tensors (the same model, and optimizer state alike)",
              "nbytes": "size the buffer alike (nbytes, or the same parameters)",
              "method": "use the same method",
              "settings": "run with the same PYMPGU_* settings (pympgu.settings)"}
+
+    across = None  # the NCCL communicator between hosts, when there are several
 
     def __init__(self, process_group, method, timeout):
         import torch
@@ -66,75 +70,104 @@ class _Peers:
         self.nranks = dist.get_world_size(process_group)
         self.method, self.timeout = method, timeout
         self.group = self.device = None
+        self.local, self.node, self.nnodes = self.rank, 0, 1
+        self.host_ranks = list(range(self.nranks))
 
     def _setup(self, prepare):
         """Collective. ``prepare()`` checks this rank's arguments and returns its CUDA
         device, the buffer's bytes and facts every rank must share (ALIKE's keys); then the
-        ranks meet, and each maps the others' buffers."""
+        ranks meet, and each maps the buffers of the ranks of its host. Ranks on several
+        hosts also join one NCCL communicator a local index, which sums each slice between
+        the hosts (PeerGroup.join_nodes)."""
         import torch.distributed as dist
         cuda = self.cuda
         # Every rank checks its arguments and makes its buffer before any rank gives up: one
-        # that raised alone would leave its peers waiting in the gather below.
+        # that raised alone would leave its peers waiting in the gathers below.
         facts, error = {}, None
         try:
             if self.method not in ("auto", *cuda.ALGORITHMS):
                 raise ValueError(f"method must be 'auto' or one of {cuda.ALGORITHMS}, "
                                  f"got {self.method!r}")
             self.device, nbytes, shared = prepare()
-            if self.nranks > 1:
-                # The staging area of 'push' and 'ce', and of 'auto' where it would push.
-                staging = {"push": True, "ce": True, "auto": None}.get(self.method, False)
-                self.group = cuda.PeerGroup(self.rank, self.nranks, nbytes,
-                                            device=self.device.index, timeout=self.timeout,
-                                            staging=staging)
-                facts = {"handle": self.group.handle, "device": self.device.index,
-                         "nbytes": nbytes, "method": self.method,
-                         "settings": settings.get().fingerprint(),
-                         "max_blocks": self.group.max_blocks, "host": _host(), **shared}
         except Exception as e:
             error = e
         if self.nranks == 1:  # nothing to exchange
             if error is not None:
                 raise error
             return
+        everyone = [None] * self.nranks
         try:
-            reason = None if error is None else f"{type(error).__name__}: {error}"
-            everyone = [None] * self.nranks
             # NCCL gathers objects through tensors on the current device: make it this
             # rank's own, or ranks that never set it would all gather on GPU 0.
             with self.torch.cuda.device(self.device or self.torch.cuda.current_device()):
-                dist.all_gather_object(everyone, (facts, reason), group=self.process_group)
-                if error is not None:
-                    raise error
-                facts, errors = [f for f, _ in everyone], [e for _, e in everyone]
-                if any(errors):  # every rank knows it: each raises, none waits for another
-                    self._connect(cuda, facts, errors)
+                dist.all_gather_object(everyone, (_host(), _reason(error)),
+                                       group=self.process_group)
+                _raise_any(error, [e for _, e in everyone], "set up its exchange")
+                self._place_on_hosts([h for h, _ in everyone])
+                try:
+                    # The staging area of 'push' and 'ce', and of 'auto' where it would push.
+                    staging = {"push": True, "ce": True, "auto": None}.get(self.method, False)
+                    self.group = cuda.PeerGroup(self.local, len(self.host_ranks), nbytes,
+                                                device=self.device.index,
+                                                timeout=self.timeout, staging=staging)
+                    facts = {"handle": self.group.handle, "device": self.device.index,
+                             "nbytes": nbytes, "method": self.method,
+                             "settings": settings.get().fingerprint(),
+                             "max_blocks": self.group.max_blocks, **shared}
+                except Exception as e:
+                    error = e
+                dist.all_gather_object(everyone, (facts, _reason(error)),
+                                       group=self.process_group)
+                _raise_any(error, [e for _, e in everyone], "set up its exchange")
                 failure = None
                 try:
-                    self._connect(cuda, facts, errors)
+                    self._connect(cuda, [f for f, _ in everyone])
                 except Exception as e:
                     failure = e
                 # Every rank has mapped every flags page (no name need stay in /dev/shm), or
                 # every rank learns which could not: none is left waiting for it.
-                dist.all_gather_object(everyone, None if failure is None else
-                                       f"{type(failure).__name__}: {failure}",
-                                       group=self.process_group)
-            if failure is not None:
-                raise failure
-            failed = [f"rank {r}: {e}" for r, e in enumerate(everyone) if e]
-            if failed:
-                raise RuntimeError("pympgu.ddp: not every rank could map its peers' buffers; "
-                                   + "; ".join(failed))
-            self.group.release_names()
+                dist.all_gather_object(everyone, _reason(failure), group=self.process_group)
+                _raise_any(failure, everyone, "map its peers' buffers")
+                self.group.release_names()
+                if self.nnodes > 1:
+                    self._join_nodes(dist)
         except BaseException:
             self.close()
             raise
 
-    def _connect(self, cuda, facts, errors):
-        failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
-        if failed:
-            raise RuntimeError("pympgu.ddp: not every rank could set up its exchange; "
-                               + "; ".join(failed))
+    def _place_on_hosts(self, hosts):
+        """This rank's host (node), and its place among the ranks there: the ranks of a
+        host, in rank order, share a PeerGroup. The host is NCCL's: $NCCL_HOSTID where set,
+        else the host name."""
+        order = list(dict.fromkeys(hosts))
+        counts = {h: hosts.count(h) for h in order}
+        if len(set(counts.values())) != 1:
+            raise ValueError("pympgu.ddp: every host must run as many ranks; ranks by host: "
+                             + ", ".join(f"{h}: {n}" for h, n in counts.items()))
+        mine = hosts[self.rank]
+        self.host_ranks = [r for r, h in enumerate(hosts) if h == mine]
+        self.local, self.node, self.nnodes = (self.host_ranks.index(self.rank),
+                                              order.index(mine), len(order))
+        self.first_host_ranks = [r for r, h in enumerate(hosts) if h == order[0]]
+
+    def _join_nodes(self, dist):
+        """One NCCL communicator of every host's rank of this local index: the first host's
+        rank makes its id (docs/DECISIONS.md, "NCCL between nodes")."""
+        cuda = self.cuda
+        everyone = [None] * self.nranks
+        mine = cuda.nccl_unique_id() if self.node == 0 else None
+        dist.all_gather_object(everyone, mine, group=self.process_group)
+        uid = everyone[self.first_host_ranks[self.local]]
+        self.across = cuda.NcclComm(self.nnodes, self.node, uid, self.timeout)
+        self.across.watch()
+        self.group.join_nodes(self.across, self.nranks)
+
+    def _across_dtype(self, dtype):
+        if self.across is not None and dtype != "float32":
+            raise ValueError(f"pympgu.ddp: rank {self.rank}: across hosts pympgu averages "
+                             f"float32 tensors, got {dtype}")
+
+    def _connect(self, cuda, facts):
         for key, what in self.ALIKE.items():
             values = [f.get(key) for f in facts]
             if any(v != values[0] for v in values):
@@ -143,7 +176,8 @@ class _Peers:
                 raise ValueError(f"pympgu.ddp: every rank must {what}; {key} by rank: " +
                                  ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)))
         own = self.device.index
-        unreachable = [(r, f["device"]) for r, f in enumerate(facts)
+        facts = [facts[r] for r in self.host_ranks]  # the peers are this host's ranks
+        unreachable = [(r, f["device"]) for r, f in zip(self.host_ranks, facts)
                        if f["device"] != own and not cuda.can_access_peer(own, f["device"])]
         if unreachable:
             raise RuntimeError(f"pympgu.ddp: rank {self.rank}'s GPU {own} has no peer access "
@@ -162,6 +196,9 @@ class _Peers:
                 self._release()
                 self.group.close()
                 self.group = None
+                if self.across is not None:
+                    self.across.close()
+                    self.across = None
 
     def _release(self):
         """What a subclass lets go of before the buffer is freed."""
@@ -210,6 +247,7 @@ class PeerState(_Peers):
         if bucket.index() == 0:  # DDP runs its buckets in order, every rank alike
             self.cursor = 0
         dtype = _dtype(grads)
+        self._across_dtype(dtype)
         n, offset = grads.numel(), self.cursor
         self.cursor += _aligned(n * grads.element_size())
         if self.cursor > self.group.nbytes:
@@ -382,6 +420,8 @@ class ModelAverager(_Peers):
                     "cannot capture; call it once before capturing")
             self._setup(self._prepare)
             self.ready = True
+            for _, _, dtype in self.regions:
+                self._across_dtype(dtype)
             if self.group is not None:
                 self._place()
         if self.group is None:  # one rank: nothing to exchange
@@ -494,6 +534,23 @@ def _layout(specs):
 
 
 def _host():
+    """The host as NCCL sees it: $NCCL_HOSTID where set (so that one machine's processes
+    can play several hosts), else the host name."""
+    import os
     import socket
-    return socket.gethostname()
+    return os.environ.get("NCCL_HOSTID") or socket.gethostname()
+
+
+def _reason(error):
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
+def _raise_any(error, reasons, what):
+    """After a gather of every rank's failure: this rank's own, else every rank raises
+    naming the ranks that could not ``what`` (none is left waiting for another)."""
+    if error is not None:
+        raise error
+    failed = [f"rank {r}: {e}" for r, e in enumerate(reasons) if e]
+    if failed:
+        raise RuntimeError(f"pympgu.ddp: not every rank could {what}; " + "; ".join(failed))
 

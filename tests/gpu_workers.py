@@ -626,3 +626,32 @@ def compiled_averaging(rank, conn, nranks, ngpus, init_file, mode):
         return rounds
     finally:
         dist.destroy_process_group()
+
+
+def averaging_across_hosts(rank, conn, nranks, ngpus, init_file, per_host):
+    """ModelAverager and the DDP hook on ranks that play ``nranks // per_host`` hosts
+    (NCCL_HOSTID): integer-valued replicas, so that every correct average has one value.
+    Returns each averaged tensor's raw bytes and the expected ones."""
+    os.environ["NCCL_HOSTID"] = f"pympgu-test-host-{rank // per_host}"
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_IB_DISABLE", "1")
+    import torch
+    import torch.distributed as dist
+
+    import pympgu.ddp
+    device = _gloo_group(rank, conn, nranks, ngpus, init_file)
+    try:
+        def ints(r, n):
+            g = torch.Generator().manual_seed(r)
+            return torch.randint(-64, 64, (n,), generator=g).float()
+        w = torch.nn.Parameter(ints(rank, 1000).cuda(device))
+        averager = pympgu.ddp.ModelAverager(torch.nn.ParameterList([w]), buffers=False)
+        averager.average()
+        torch.cuda.synchronize(device)
+        got = w.detach().cpu().numpy().tobytes()
+        want = (sum(ints(r, 1000) for r in range(nranks)) / nranks).numpy().tobytes()
+        where = (averager.node, averager.nnodes, averager.local)
+        averager.close()
+        return {"got": got, "want": want, "where": where}
+    finally:
+        dist.destroy_process_group()

@@ -97,6 +97,7 @@ def fake_state(nbytes, log):
     state.torch, state.group = torch, Group()
     state.rank, state.nranks, state.device, state.method = 0, 2, "cuda:0", "auto"
     state.cursor, state.places = 0, {}
+    state.host_ranks = [0, 1]
     return state
 
 
@@ -132,25 +133,46 @@ def test_a_closed_state_refuses():
 
 def facts(**changed):
     base = {"handle": b"h", "device": 0, "nbytes": 4096, "method": "auto",
-            "settings": "ll_max_bytes=1", "max_blocks": 8, "host": "a"}
+            "settings": "ll_max_bytes=1", "max_blocks": 8}
     return dict(base, **changed)
 
 
 @pytest.mark.parametrize("rank1,match", [
-    (facts(host="b"), "run on one machine.*rank 1: b"),
     (facts(nbytes=8192), "size the buffer alike.*rank 0: 4096, rank 1: 8192"),
     (facts(method="push"), "use the same method"),
     (facts(settings="ll_max_bytes=2"), r"the same PYMPGU_\* settings.*ll_max_bytes=2")])
 def test_ranks_set_up_otherwise_are_refused(rank1, match):
     state = fake_state(4096, [])
     with pytest.raises(ValueError, match=match):
-        state._connect(None, [facts(), rank1], [None, None])
+        state._connect(None, [facts(), rank1])
 
 
 def test_a_rank_that_could_not_set_up_is_named():
+    with pytest.raises(RuntimeError, match="could set up its exchange; rank 1: CudaError: "
+                                           "out of memory"):
+        ddp._raise_any(None, [None, "CudaError: out of memory"], "set up its exchange")
+    with pytest.raises(KeyError, match="its own"):  # a rank's own error comes first
+        ddp._raise_any(KeyError("its own"), [None, "CudaError: out"], "set up its exchange")
+    ddp._raise_any(None, [None, None], "set up its exchange")
+
+
+def test_ranks_share_a_buffer_with_their_hosts_ranks():
     state = fake_state(4096, [])
-    with pytest.raises(RuntimeError, match="rank 1: CudaError: out of memory"):
-        state._connect(None, [facts(), {}], [None, "CudaError: out of memory"])
+    state.rank, state.nranks = 3, 4
+    state._place_on_hosts(["a", "b", "a", "b"])
+    assert (state.host_ranks, state.local, state.node, state.nnodes) == ([1, 3], 1, 1, 2)
+    assert state.first_host_ranks == [0, 2]
+    with pytest.raises(ValueError, match="every host must run as many ranks; ranks by host: "
+                                         "a: 3, b: 1"):
+        state._place_on_hosts(["a", "a", "b", "a"])
+
+
+def test_only_float32_crosses_hosts():
+    state = fake_state(4096, [])
+    state.across = object()
+    with pytest.raises(ValueError, match="across hosts pympgu averages float32 tensors, got "
+                                         "bfloat16"):
+        ddp.average_hook(state, Bucket(0, Grads(100, "bfloat16", 2)))
 
 
 def test_gpus_without_peer_access_are_named():
@@ -158,7 +180,7 @@ def test_gpus_without_peer_access_are_named():
     state.device = types.SimpleNamespace(index=0)
     cuda = types.SimpleNamespace(can_access_peer=lambda a, b: False)
     with pytest.raises(RuntimeError, match="GPU 0 has no peer access to rank 1's GPU 1"):
-        state._connect(cuda, [facts(), facts(device=1)], [None, None])
+        state._connect(cuda, [facts(), facts(device=1)])
 
 
 def test_connect_gives_every_rank_the_smallest_grid():
@@ -167,8 +189,7 @@ def test_connect_gives_every_rank_the_smallest_grid():
     seen = {}
     state.group.connect = lambda handles, max_blocks: seen.update(h=handles, b=max_blocks)
     cuda = types.SimpleNamespace(can_access_peer=lambda a, b: True)
-    state._connect(cuda, [facts(handle=b"0"), facts(handle=b"1", device=1, max_blocks=4)],
-                   [None, None])
+    state._connect(cuda, [facts(handle=b"0"), facts(handle=b"1", device=1, max_blocks=4)])
     assert seen == {"h": [b"0", b"1"], "b": 4}
 
 
@@ -202,10 +223,9 @@ def test_ranks_averaging_other_tensors_are_told_which():
     other = [layout[0], ("optimizer state 'momentum_buffer' of w", "float32", 10)]
     with pytest.raises(ValueError, match="average the same tensors.*rank 0: #1 "
                        r"\('parameter b'.*rank 1: #1 \(\"optimizer state"):
-        state._connect(None, [facts(layout=layout), facts(layout=other)], [None, None])
+        state._connect(None, [facts(layout=layout), facts(layout=other)])
     with pytest.raises(ValueError, match="rank 0: 2 entries, rank 1: #2"):
-        state._connect(None, [facts(layout=layout), facts(layout=layout + layout[:1])],
-                       [None, None])
+        state._connect(None, [facts(layout=layout), facts(layout=layout + layout[:1])])
 
 
 class Tensor:

@@ -160,3 +160,22 @@ def test_model_averager_under_torch_compile(mode):
         for rank in range(nranks):
             assert results[rank][k][2] < 1e-4, \
                 f"round {k}, rank {rank}: compiled output {results[rank][k][2]} from eager's"
+
+
+@pytest.mark.parametrize("nranks,per_host", [(2, 1), (4, 2)])
+def test_model_averager_across_hosts_is_the_exact_mean(nranks, per_host):
+    """Ranks on several hosts (NCCL_HOSTID apart on this machine): pympgu's kernels inside
+    each, NCCL between them; every rank ends with the exact mean of integer replicas."""
+    from pympgu import cuda
+    try:
+        cuda.nccl_load()
+    except cuda.CudaError as e:
+        pytest.skip(str(e))
+    from gpu_workers import averaging_across_hosts
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_children(averaging_across_hosts, nranks,
+                               (nranks, visible_gpus(), os.path.join(tmp, "init"), per_host))
+    assert [r["where"] for r in results] == [
+        (r // per_host, nranks // per_host, r % per_host) for r in range(nranks)]
+    for r in results:
+        assert r["got"] == r["want"]
