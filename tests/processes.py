@@ -56,3 +56,17 @@ def free_port(pair=False):
                 return port
             except OSError:
                 continue
+
+
+def communicate_all(procs, timeout=240):
+    """(exit status, stdout, stderr) of every process, once each has ended; whatever is
+    left of their sessions is killed even when one outlives ``timeout``."""
+    out = []
+    try:
+        for p in procs:
+            o, e = p.communicate(timeout=timeout)
+            out.append((p.returncode, o, e))
+    finally:
+        for p in procs:
+            kill_session(p)
+    return out

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from processes import free_port, kill_session, session_left, wait_until
+from processes import communicate_all, free_port, kill_session, session_left, wait_until
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -40,14 +40,7 @@ def start_node(nnodes, node, port, nlocal, target, args, tmp_path):
 def run_nodes(nnodes, nlocal, target, args, tmp_path, timeout=400):
     port = free_port(pair=True)
     procs = [start_node(nnodes, k, port, nlocal, target, args, tmp_path) for k in range(nnodes)]
-    out = []
-    try:
-        for p in procs:
-            o, e = p.communicate(timeout=timeout)
-            out.append((p.returncode, o, e))
-    finally:
-        for p in procs:
-            kill_session(p)
+    out = communicate_all(procs, timeout)
     for code, o, e in out:
         assert code == 0, e[-4000:]
     return json.loads(out[0][1].strip().splitlines()[-1])

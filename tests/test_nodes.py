@@ -38,15 +38,7 @@ def node_argv(k, port, *more):
 
 
 def finish(procs, timeout=240):
-    out = []
-    try:
-        for p in procs:
-            o, e = p.communicate(timeout=timeout)
-            out.append((p.returncode, o, e))
-    finally:
-        for p in procs:
-            kill_session(p)
-    return out
+    return processes.communicate_all(procs, timeout)
 
 
 def epochs(path):

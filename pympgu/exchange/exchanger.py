@@ -15,9 +15,10 @@ class Exchanger:
     algorithms ('ll', 'oneshot', 'twoshot', 'push', 'ce'), 'copy' (the seed's peer-copy method)
     or 'nccl' (NCCL alone, every rank of every node in one communicator: the baseline) and
     only matters on GPUs. Across nodes every method but 'nccl' takes pympgu's hierarchy:
-    the kernels inside each node, NCCL between nodes (pympgu.exchange.gpu). ``wire_dtype`` is None (the layout's dtype), or 'bfloat16' /
-    'float16' for float32 layouts (see the module docstring). ``max_blocks`` caps the GPU averaging kernel's grid (every rank must give the
-    same; None: twice the SM count), leaving SMs free for compute that overlaps it.
+    the kernels inside each node, NCCL between nodes (pympgu.exchange.gpu). ``wire_dtype``
+    is None (the layout's dtype), or 'bfloat16' / 'float16' for float32 layouts (see the
+    module docstring). ``max_blocks`` caps the GPU averaging kernel's grid (every rank must
+    give the same; None: twice the SM count), leaving SMs free for compute that overlaps it.
     ``shadow`` (GPUs; every rank the same) gives the peer group a shared shadow, nranks - 1
     more copies of the buffer, that peers copy their arrays into by DMA: the XLA exchanges
     that overlap computation then need no pack, and can cut a training step in two.
