@@ -71,16 +71,18 @@ class CudaBackend:
             devices = [f["device"] for f in all_facts]
             self.peer_ok = all(d == ctx.device or cuda.can_access_peer(ctx.device, d)
                                for d in devices)
-            if not self.peer_ok:
+            fallback = ex.method != "nccl" and ctx.nnodes == 1  # else NCCL, or a refusal
+            if not self.peer_ok and fallback:
                 warnings.warn(f"rank {ctx.rank}: GPU {ctx.device} has no peer access to every "
                               f"GPU of {devices}; falling back to the copy method with host "
                               "barriers", RuntimeWarning)
-            elif current.no_p2p and ctx.nnodes == 1:
+            elif current.no_p2p:
                 # The fallback forced on GPUs that report peer access: for a broken P2P
                 # path, and to test the fallback where peer access works.
                 self.peer_ok = False
-                warnings.warn(f"rank {ctx.rank}: PYMPGU_NO_P2P=1: using the copy method with "
-                              "host barriers", RuntimeWarning)
+                if fallback:
+                    warnings.warn(f"rank {ctx.rank}: PYMPGU_NO_P2P=1: using the copy method "
+                                  "with host barriers", RuntimeWarning)
             self.group.connect(blobs, max_blocks=max_blocks, flags_prefixes=[
                 shm.segment_name(ctx.run_id, r) + "-flags" for r in range(nranks)])
             ctx.barrier(local=True)  # every rank has mapped every flags page: no name need stay
@@ -90,8 +92,8 @@ class CudaBackend:
             elif ctx.nnodes > 1:
                 if not self.peer_ok:
                     raise ValueError(f"rank {ctx.rank}: pympgu's exchange across nodes needs "
-                                     f"peer access between this node's GPUs ({devices}); "
-                                     "method='nccl' does without")
+                                     f"peer access between this node's GPUs ({devices}; "
+                                     "or PYMPGU_NO_P2P is set); method='nccl' does without")
                 self._join_nccl(timeout, flat=False)
             # Padding between parameters is averaged too: give it defined contents.
             self.group.data("uint8").fill_bytes(0)
