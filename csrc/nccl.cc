@@ -1,7 +1,8 @@
 // NCCL, loaded at run time: pympgu builds and imports without it, and uses the library that
 // the process already has (JAX's CUDA plugin brings the nvidia-nccl wheel) or the system's.
 // Only the calls below are declared, from NCCL's stable C ABI; the communicator's config is
-// the 2.14 prefix of ncclConfig_t, which later versions read by its size and version fields.
+// the 2.14 prefix of ncclConfig_t, which later versions read by its size and version fields
+// (the fields after it keep NCCL's defaults).
 #include <dlfcn.h>
 
 #include <chrono>
@@ -22,7 +23,7 @@ constexpr int kInProgress = 7;  // ncclInProgress
 constexpr int kFloat32 = 7, kFloat16 = 6, kBfloat16 = 9;  // ncclFloat32, ncclFloat16, ncclBfloat16
 constexpr int kSum = 0, kAvg = 4;  // ncclSum, ncclAvg
 
-struct nccl_config {  // ncclConfig_t as of NCCL 2.14
+struct nccl_config {  // ncclConfig_t as of NCCL 2.14: NCCL copies `size` bytes of it
   size_t size;
   unsigned int magic;
   unsigned int version;
@@ -31,7 +32,6 @@ struct nccl_config {  // ncclConfig_t as of NCCL 2.14
   int min_ctas;
   int max_ctas;
   const char *net_name;
-  int split_share;
 };
 
 struct Api {
@@ -131,7 +131,7 @@ int pmg_nccl_init(void **comm, int nranks, int rank, const pmg_nccl_id *id) {
   // Non-blocking: a peer that never comes cannot hang this process; the caller polls
   // pmg_nccl_state against its own deadline and aborts.
   nccl_config c = {sizeof(nccl_config), 0xcafebeef, PMG_NCCL_MIN_VERSION, 0, INT_MIN,
-                   INT_MIN, INT_MIN, nullptr, INT_MIN};
+                   INT_MIN, INT_MIN, nullptr};
   *comm = nullptr;
   nccl_result r = api.init_rank_config(comm, nranks, *id, rank, &c);
   return r == kInProgress ? 0 : status(r);
