@@ -1,8 +1,8 @@
 """``python -m pympgu``: what this installation can do here, and the commands.
 
 It says whether CUDA works (and CUDA's reason when not), which GPUs can read each other's
-memory, whether the exchange can run inside a training step's XLA call, and whether torch
-is there for pympgu.ddp. Without the XLA operation (pympgu built without jaxlib's headers,
+memory, whether the exchange can run inside a training step's XLA call, which NCCL the
+exchange between nodes would use, and whether torch is there for pympgu.ddp. Without the XLA operation (pympgu built without jaxlib's headers,
 as an isolated ``pip install .`` builds it) GPU training queues its exchanges from Python,
 at about half the wide MLP's speed, so this is the first thing to look at after
 installing.
@@ -37,6 +37,7 @@ def report():
     else:
         lines.append(f"  CUDA: not usable: {value} (training runs on CPU workers)")
     lines.append("  exchange inside the training step's XLA call: " + _xla_state(ok))
+    lines.append("  NCCL, between nodes: " + _nccl_state())
     lines.append("  PyTorch, DDP's hook and ModelAverager (pympgu.ddp): " + _torch_state())
     lines.append(COMMANDS)
     return lines
@@ -57,6 +58,17 @@ def _xla_state(gpu_ok):
         return "built in; it needs a GPU"
     ok, why = xla.available()
     return "yes" if ok else f"no: {why}"
+
+
+def _nccl_state():
+    """Which NCCL the exchange between nodes would load, or why none."""
+    from pympgu import cuda
+    try:
+        path = cuda.nccl_load()
+        v = cuda.nccl_version()
+    except cuda.CudaError as e:
+        return "no CUDA" if e.name == "pmgErrorNoCuda" else f"not usable: {e.message}"
+    return f"{v // 10000}.{v // 100 % 100}.{v % 100} ({path})"
 
 
 def _torch_state():

@@ -100,12 +100,12 @@ def test_an_nccl_that_loads_gives_its_version_and_ids(tmp_path):
     got = fresh(f"""
         import json
         from pympgu import cuda
-        cuda.nccl_load({stand_in(tmp_path)!r})
-        cuda.nccl_load("/not/there")  # loaded already: nothing to do
+        first = cuda.nccl_load({stand_in(tmp_path)!r})
+        again = cuda.nccl_load("/not/there")  # loaded already: nothing to do
         uid = cuda.nccl_unique_id()
-        print(json.dumps([cuda.nccl_version(), uid.decode(), len(uid)]))
+        print(json.dumps([first == again, cuda.nccl_version(), uid.decode(), len(uid)]))
     """)
-    assert got == [22306, "p" * 128, 128]
+    assert got == [True, 22306, "p" * 128, 128]
 
 
 def test_an_nccl_failure_is_a_cuda_error_with_nccls_name_and_message(tmp_path):

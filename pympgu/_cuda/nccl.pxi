@@ -21,17 +21,21 @@ def nccl_candidates():
     return found + ["libnccl.so.2"]
 
 
+_nccl_loaded_from = []
+
+
 def nccl_load(path=None):
     """Load NCCL once a process, from ``path`` or else the first of nccl_candidates() that
-    loads; CudaError (pmgErrorNcclMissing) naming every place tried and why each failed,
-    with the fix."""
+    loads, and return where it was loaded from; CudaError (pmgErrorNcclMissing) naming every
+    place tried and why each failed, with the fix."""
     cdef char why[512]
     if pmg_nccl_loaded():
-        return
+        return _nccl_loaded_from[0]
     tried = []
     for path in [path] if path is not None else nccl_candidates():
         if pmg_nccl_load(os.fsencode(path), why, sizeof(why)) == 0:
-            return
+            _nccl_loaded_from.append(path)
+            return path
         tried.append(f"{path}: {why.decode(errors='replace')}")
     raise CudaError(PMG_ERR_NCCL_MISSING, "pmgErrorNcclMissing",
                     "NCCL " + str(NCCL_MIN_VERSION // 10000) + "." +
