@@ -119,3 +119,29 @@ def test_an_nccl_failure_is_a_cuda_error_with_nccls_name_and_message(tmp_path):
             print(json.dumps([e.status, e.name, e.message]))
     """)
     assert got == [20002, "ncclSystemError", "stand-in error string"]
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(wire_dtype="bfloat16"), "no low-precision wire"),
+    (dict(method="copy"), "not by the copy method"),
+    (dict(shadow=True), "no shadow"),
+    (dict(method="nccl", shadow=True), "the nccl method takes no shadow")])
+def test_the_gpu_exchange_across_nodes_refuses_what_it_cannot_do(options, match):
+    """Before it touches a GPU: the hierarchy averages float32 by the kernels."""
+    from types import SimpleNamespace
+
+    from pympgu.exchange import Exchanger
+    ctx = SimpleNamespace(is_cpu=False, nnodes=2, rank=0, nranks=2, local_rank=0,
+                          local_nranks=1, node=0, device=0)
+    with pytest.raises(ValueError, match=match):
+        Exchanger(ctx, [("w", [4, 4], "float32")], **options)
+
+
+def test_inside_xla_the_nccl_road_is_named_by_a_kernel_algorithm_without_a_shadow():
+    from types import SimpleNamespace
+
+    from pympgu.xla import StepExchange
+    ex = SimpleNamespace(method="auto", backend=SimpleNamespace(across=object()))
+    assert StepExchange(ex).algo == "twoshot"
+    ex.backend.across = None
+    assert StepExchange(ex).algo == "auto"
