@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a GPU machine: build, then the named steps; logs and JSON go to $OUT.
-# Usage: bash benchmarks/device_run.sh [tests|sanitize|train|trainbench|bench|ddp|pip ...]
+# Usage: bash benchmarks/device_run.sh [tests|sanitize|train|trainbench|bench|ddp|pip|nodes ...]
 # Wheels for packages the machine lacks (pyzmq, pytensor) are read from .whl/.
 # On one GPU, ranks share it: results check the logic, not NVLink's speed.
 set -uo pipefail
@@ -25,7 +25,7 @@ for step in ${*:-tests train bench}; do
     # Every test that needs a GPU, spread over the cores; K narrows it (pytest -k).
     tests) timeout ${TESTS_S:-560} python3 -m pytest -q -p no:cacheprovider -n ${JOBS:-15} ${K:+-k "$K"} \
              tests/test_gpu_runtime.py tests/test_gpu_exchange.py tests/test_gpu_ddp.py \
-             tests/test_gpu_graphs.py tests/test_nnet.py 2>&1 | tail -15 ;;
+             tests/test_gpu_graphs.py tests/test_nnet.py tests/test_gpu_nodes.py 2>&1 | tail -15 ;;
     sanitize)
       for tool in memcheck racecheck; do
         PYMPGU_TEST_MAX_N=70000 timeout ${SANITIZE_S:-200} compute-sanitizer --tool $tool --target-processes all \
@@ -43,6 +43,13 @@ for step in ${*:-tests train bench}; do
     # The installed package, away from the source tree, on its embedded data.
     pip) timeout 300 python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/pipcheck . && (cd /tmp \
            && PYTHONPATH=/tmp/pipcheck:${PYTHONPATH:-} timeout 200 python3 -m pympgu.train --gpus $GPUS --epochs 1 --quiet 2>&1 | quiet | tail -3) ;;
+    # Across "nodes" of this host (NCCL_HOSTID apart): the tests, then the hierarchy
+    # against flat NCCL (loopback sockets between the nodes: overhead, not a network).
+    nodes) python3 -m pympgu | grep NCCL
+      timeout ${TESTS_S:-400} python3 -m pytest -q -p no:cacheprovider -n ${JOBS:-4} tests/test_gpu_nodes.py \
+        tests/test_gpu_ddp.py -k "${K:-nodes or across_hosts}" 2>&1 | tail -15
+      timeout 300 python3 -m pympgu.bench --nnodes 2 --gpus 0 ${BENCH:---sizes 4K 64K 1M 64M 256M} \
+        --json "$OUT/bench_nodes.json" 2>&1 | tail -20 ;;
     *) echo "unknown step: $step"; exit 2 ;;
   esac
 done
