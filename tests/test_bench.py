@@ -617,3 +617,17 @@ def test_train_bench_times_bfloat16_products(tmp_path):
     row = dict(model="ResNet", system="DDP-graph", gpus=[0], variant="-", batch=1024,
                samples_per_s=1e5, ms_per_step=6.3, host_ms=5.7, tf32=True, layout="nchw")
     assert "(TF32 matmuls on, convolutions nchw)" in table([row])
+
+
+def test_the_nodes_table_sets_the_hierarchy_against_flat_nccl():
+    from pympgu.bench.nodes import table
+    rows = [{"bytes": 4096, "hierarchy": {"us": 50.0, "e2e_us": 70.0, "queue_us": 5.0},
+             "flat": {"us": 60.0, "e2e_us": 80.0, "queue_us": 5.0}},
+            {"bytes": 1 << 26, "hierarchy": {"us": 5000.0}, "flat": {"us": 6000.0}}]
+    text = table(rows).splitlines()
+    assert "flat/hierarchy" in text[0]
+    assert text[2].split() == ["4", "KiB", "|", "50.0", "0.1", "|", "60.0", "0.1", "|", "1.20"]
+    assert text[3].split()[-1] == "1.20" and "13.4" in text[3]
+    assert text[-1].split() == ["4", "KiB", "|", "70.0", "80.0"]
+    alone = table([{k: v for k, v in r.items() if k != "flat"} for r in rows])
+    assert "flat/hierarchy" not in alone and alone.endswith("which NCCL refuses")

@@ -22,8 +22,9 @@ from .timing import fmt_size, iters_for, time_device, time_host
 ROADS = ("hierarchy", "flat")
 
 
-def bench_rank(ctx, sizes):
-    """One rank: time both roads at every size; rank 0 returns the rows."""
+def bench_rank(ctx, sizes, flat=True):
+    """One rank: time both roads (the hierarchy alone without ``flat``) at every size; rank
+    0 returns the rows."""
     import numpy as np
 
     from ..exchange import Exchanger
@@ -32,8 +33,9 @@ def bench_rank(ctx, sizes):
     rng = np.random.default_rng(ctx.rank)
     exchangers = {"hierarchy": Exchanger(ctx, [("x", [n_max], "float32")], timeout=120)}
     try:
-        exchangers["flat"] = Exchanger(ctx, [("x", [n_max], "float32")], method="nccl",
-                                       timeout=120)
+        if flat:
+            exchangers["flat"] = Exchanger(ctx, [("x", [n_max], "float32")], method="nccl",
+                                           timeout=120)
         for nbytes in sizes:
             n = nbytes // 4
             row = {"bytes": nbytes}
@@ -64,26 +66,32 @@ def bench_rank(ctx, sizes):
 
 
 def table(rows):
+    roads = [r for r in ROADS if r in rows[0]]
     lines = []
-    head = f"{'size':>9} |" + "".join(f" {r + ' us':>13} {r + ' GB/s':>12} |" for r in ROADS)
-    head += f" {'flat/hierarchy':>15}"
+    head = f"{'size':>9} |" + "".join(f" {r + ' us':>13} {r + ' GB/s':>12} |" for r in roads)
+    if "flat" in roads:
+        head += f" {'flat/hierarchy':>15}"
     lines.append(head)
     lines.append("-" * len(head))
     for row in rows:
         line = f"{fmt_size(row['bytes']):>9} |"
-        for r in ROADS:
+        for r in roads:
             us = row[r]["us"]
             line += f" {us:13.1f} {row['bytes'] / us / 1e3:12.1f} |"
-        line += f" {row['flat']['us'] / row['hierarchy']['us']:15.2f}"
+        if "flat" in roads:
+            line += f" {row['flat']['us'] / row['hierarchy']['us']:15.2f}"
         lines.append(line)
     small = [r for r in rows if "e2e_us" in r["hierarchy"]]
     if small:
         lines.append("")
         lines.append("end to end from Python, one exchange waited for, median µs:")
-        lines.append(f"{'size':>9} |" + "".join(f" {r:>10}" for r in ROADS))
+        lines.append(f"{'size':>9} |" + "".join(f" {r:>10}" for r in roads))
         for row in small:
             lines.append(f"{fmt_size(row['bytes']):>9} |" +
-                         "".join(f" {row[r]['e2e_us']:10.1f}" for r in ROADS))
+                         "".join(f" {row[r]['e2e_us']:10.1f}" for r in roads))
+    if "flat" not in roads:
+        lines.append("")
+        lines.append("flat NCCL not timed: ranks of a node share a GPU, which NCCL refuses")
     return "\n".join(lines)
 
 
@@ -95,7 +103,9 @@ def run_node(where, devices, sizes, json_path=None):
     if secret is None:
         raise SystemExit(f"pympgu.bench: {nodes.SECRET_ENV} must hold the run's secret on "
                          "every node (openssl rand -hex 32)")
-    results = launch(bench_rank, (sizes,), gpus=devices, nodes=where, secret=secret,
+    # NCCL refuses two ranks of one host on one GPU: the flat road needs a GPU a rank.
+    flat = len(set(devices)) == len(devices)
+    results = launch(bench_rank, (sizes, flat), gpus=devices, nodes=where, secret=secret,
                      progress_timeout=1200)
     if where.node_rank == 0:
         rows = results[0]
