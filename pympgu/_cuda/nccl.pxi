@@ -186,7 +186,7 @@ cdef class NcclComm:
             pmg_nccl_abort(comm)
 
     def close(self):
-        """Finalize (waiting at most the communicator's timeout), then destroy; a
+        """Finalize (waiting at most 10 s, or the timeout if shorter), then destroy; a
         communicator that cannot finalize is aborted."""
         if self.watcher is not None:
             self.watch_stop.set()
@@ -196,7 +196,7 @@ cdef class NcclComm:
             return
         try:
             self._check(pmg_nccl_finalize(self.comm), "closing")
-            self.wait("closing")
+            self.wait("closing", min(self.timeout, 10.0))
         except CudaError:
             return  # aborted already
         cdef void *comm = self.comm
