@@ -10,13 +10,13 @@ import json
 
 from ..exchange import METHODS as _EXCHANGE_METHODS
 from ..exchange import WIRE_DTYPES
+from ..models import OPTIMIZERS, STATISTICS_EXAMPLES
+from ..precision import DTYPES as COMPUTE_DTYPES
+from ..schedule import SCHEDULES
 
 # Training offers the exchange's methods but NCCL's, which waits for its first run on GPUs
 # (docs/DECISIONS.md, "NCCL between nodes").
 METHODS = tuple(m for m in _EXCHANGE_METHODS if m != "nccl")
-from ..models import OPTIMIZERS, STATISTICS_EXAMPLES
-from ..precision import DTYPES as COMPUTE_DTYPES
-from ..schedule import SCHEDULES
 
 BACKENDS = ("jax", "c")
 # Adam's (and AdamW's) learning rate when --lr is not given: SGD's would be far too large.
