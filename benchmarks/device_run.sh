@@ -25,7 +25,8 @@ for step in ${*:-tests train bench}; do
     # Every test that needs a GPU, spread over the cores; K narrows it (pytest -k).
     tests) timeout ${TESTS_S:-560} python3 -m pytest -q -p no:cacheprovider -n ${JOBS:-15} ${K:+-k "$K"} \
              tests/test_gpu_runtime.py tests/test_gpu_exchange.py tests/test_gpu_ddp.py \
-             tests/test_gpu_graphs.py tests/test_nnet.py tests/test_gpu_nodes.py 2>&1 | tail -15 ;;
+             tests/test_gpu_graphs.py tests/test_nnet.py tests/test_gpu_nodes.py > "$OUT/tests.log" 2>&1
+           tail -15 "$OUT/tests.log" ;;
     sanitize)
       for tool in memcheck racecheck; do
         PYMPGU_TEST_MAX_N=70000 timeout ${SANITIZE_S:-200} compute-sanitizer --tool $tool --target-processes all \
@@ -47,7 +48,8 @@ for step in ${*:-tests train bench}; do
     # against flat NCCL (loopback sockets between the nodes: overhead, not a network).
     nodes) python3 -m pympgu | grep NCCL
       timeout ${TESTS_S:-400} python3 -m pytest -q -p no:cacheprovider -n ${JOBS:-4} tests/test_gpu_nodes.py \
-        tests/test_gpu_ddp.py -k "${K:-nodes or across_hosts}" 2>&1 | tail -15
+        tests/test_gpu_ddp.py -k "${K:-nodes or across_hosts}" > "$OUT/nodes_tests.log" 2>&1
+      tail -15 "$OUT/nodes_tests.log"
       timeout 300 python3 -m pympgu.bench --nnodes 2 --gpus 0 ${BENCH:---sizes 4K 64K 1M 64M 256M} \
         --json "$OUT/bench_nodes.json" 2>&1 | tail -20 ;;
     *) echo "unknown step: $step"; exit 2 ;;

@@ -28,9 +28,14 @@ def needs_nccl():
         pytest.skip(str(e))
 
 
+def node_env(node, tmp_path):
+    """Node ``node``'s environment: a host of its own for NCCL, met over loopback."""
+    return dict(os.environ, PYMPGU_SECRET=SECRET, NCCL_HOSTID=f"pympgu-test-node-{node}",
+                NCCL_SOCKET_IFNAME="lo", NCCL_IB_DISABLE="1", PYMPGU_TEST_DIR=str(tmp_path))
+
+
 def start_node(nnodes, node, port, nlocal, target, args, tmp_path):
-    env = dict(os.environ, PYMPGU_SECRET=SECRET, NCCL_HOSTID=f"pympgu-test-node-{node}",
-               NCCL_SOCKET_IFNAME="lo", NCCL_IB_DISABLE="1", PYMPGU_TEST_DIR=str(tmp_path))
+    env = node_env(node, tmp_path)
     argv = [sys.executable, os.path.join(HERE, "node_targets.py"), str(nnodes), str(node),
             str(port), str(nlocal), target, json.dumps(args)]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -59,6 +64,83 @@ def test_replicas_across_nodes_are_one_nodes_exchange_bit_for_bit(tmp_path, nnod
     from pympgu import xla
     if xla.available()[0]:
         assert all(r["roads"] == ["python", "xla"] * 2 for r in results)
+    assert not set(glob.glob("/dev/shm/pympgu-*")) - before
+
+
+@pytest.mark.parametrize("flags", [[], ["--overlap"], ["--method", "nccl"]])
+def test_two_gpu_nodes_train_as_two_ranks_on_one(tmp_path, flags):
+    """python -m pympgu.train on 2 "nodes" of one GPU rank each: replicas compared across
+    the nodes every epoch (a difference fails the run), and the losses those of 2 ranks
+    on one node (sharing the GPU: the kernels alone), to float32 rounding."""
+    needs_nccl()
+    from pympgu.training.config import RunConfig
+    from pympgu.training.launcher import run as train
+    port = free_port(pair=True)
+    argv = [sys.executable, "-m", "pympgu.train", "--gpus", "0", "--hidden", "64", "--epochs",
+            "2", "--quiet", "--nnodes", "2", "--coordinator", f"127.0.0.1:{port}", *flags]
+    procs = [subprocess.Popen(argv + ["--node-rank", str(k)] + (
+        ["--out", str(tmp_path / "two")] if k == 0 else []), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env=node_env(k, tmp_path), start_new_session=True)
+        for k in range(2)]
+    (code0, out0, err0), (code1, _, err1) = communicate_all(procs, 400)
+    assert code0 == 0, err0[-4000:]
+    assert code1 == 0, err1[-4000:]
+    assert "2 nodes x" in out0, out0
+    two = [json.loads(line) for line in open(tmp_path / "two" / "metrics.jsonl")]
+    one = train(RunConfig(backend="jax", devices=(0, 0), hidden=(64,), epochs=2,
+                          overlap="--overlap" in flags, method="auto"))
+    assert [e["epoch"] for e in two] == [1, 2], two
+    for a, b in zip(two, one):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)
+        assert a["valid_error"] == pytest.approx(b["valid_error"], abs=1e-3), (a, b)
+
+
+@pytest.mark.parametrize("victim", ["a worker of node 1", "node 1's launcher"])
+def test_a_gpu_node_lost_during_training_stops_the_other_within_seconds(tmp_path, victim):
+    """Training across 2 GPU "nodes": a node's worker or launcher killed while NCCL and the
+    step's XLA call wait for it; the other node stops within 10 s, naming the node, and
+    leaves nothing running or in /dev/shm."""
+    needs_nccl()
+    port = free_port(pair=True)
+    out = tmp_path / "run"
+    before = set(glob.glob("/dev/shm/pympgu-*"))
+    argv = [sys.executable, "-m", "pympgu.train", "--gpus", "0", "--hidden", "64", "--epochs",
+            "100000", "--quiet", "--nnodes", "2", "--coordinator", f"127.0.0.1:{port}"]
+    procs = [subprocess.Popen(argv + ["--node-rank", str(k)] + (
+        ["--out", str(out)] if k == 0 else []), stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True, env=node_env(k, tmp_path), start_new_session=True)
+        for k in range(2)]
+    try:
+        assert wait_until((out / "checkpoint.npz").exists, 300, every=0.2), \
+            "the run did not reach its first epoch"
+        if victim == "a worker of node 1":
+            workers = subprocess.run(["pgrep", "-f", "-s", str(procs[1].pid), "spawn_main"],
+                                     capture_output=True, text=True).stdout.split()
+            assert workers, session_left(procs[1].pid)
+            os.kill(int(workers[-1]), signal.SIGKILL)
+            survivors = procs
+        else:
+            os.kill(procs[1].pid, signal.SIGKILL)
+            survivors = [procs[0]]
+        t0 = time.monotonic()
+        for p in survivors:
+            p.wait(timeout=60)
+        stopped = time.monotonic() - t0
+        errs = [p.stderr.read() for p in survivors]
+    finally:
+        for p in procs:
+            kill_session(p)
+    assert stopped < 10, f"the other node took {stopped:.1f} s to stop"
+    assert all(p.returncode == 1 for p in survivors), errs[0][-3000:]
+    assert all("training failed" in e for e in errs), errs[0][-3000:]
+    if victim == "a worker of node 1":
+        assert "was killed by signal 9" in errs[0] and "(node 1)" in errs[0], errs[0][-3000:]
+        assert f"continue with --resume {out}" in errs[0], errs[0][-3000:]
+    else:
+        assert "node 1 (" in errs[0] and "its launcher is gone" in errs[0], errs[0][-3000:]
+    wait_until(lambda: not any(session_left(p.pid) for p in procs), 10, every=0.2)
+    for p in procs:
+        assert not session_left(p.pid), f"outlived the run: {session_left(p.pid)}"
     assert not set(glob.glob("/dev/shm/pympgu-*")) - before
 
 
@@ -103,13 +185,23 @@ def test_a_communicator_whose_peer_never_comes_is_aborted_in_time():
     assert time.monotonic() - t0 < 10
 
 
-def test_bench_across_nodes_times_the_hierarchy_against_flat_nccl(tmp_path):
+@pytest.mark.parametrize("procs", [1, 2])
+def test_bench_across_nodes_times_the_hierarchy_against_flat_nccl(tmp_path, procs):
+    """One rank a node: both roads. Two ranks a node sharing the GPU: the hierarchy alone
+    (NCCL refuses two ranks of one host on one GPU), and the table says why."""
     needs_nccl()
     out = subprocess.run([sys.executable, "-m", "pympgu.bench", "--nnodes", "2", "--gpus", "0",
-                          "--sizes", "4K", "1M", "--json", str(tmp_path / "b.json")],
+                          "--procs", str(procs), "--sizes", "4K", "1M",
+                          "--json", str(tmp_path / "b.json")],
                          capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stderr[-4000:]
-    assert "hierarchy us" in out.stdout and "flat/hierarchy" in out.stdout, out.stdout
+    assert "hierarchy us" in out.stdout, out.stdout
     rows = json.load(open(tmp_path / "b.json"))["results"]
     assert [r["bytes"] for r in rows] == [4096, 1 << 20]
-    assert all(r["hierarchy"]["us"] > 0 and r["flat"]["us"] > 0 for r in rows)
+    assert all(r["hierarchy"]["us"] > 0 for r in rows)
+    if procs == 1:
+        assert "flat/hierarchy" in out.stdout, out.stdout
+        assert all(r["flat"]["us"] > 0 for r in rows)
+    else:
+        assert "flat NCCL not timed: ranks of a node share a GPU" in out.stdout, out.stdout
+        assert all("flat" not in r for r in rows)

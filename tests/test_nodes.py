@@ -240,13 +240,17 @@ def test_a_node_without_the_secret_is_refused_and_the_run_goes_on(tmp_path):
     assert "epoch   2" in out0
 
 
-def test_gpu_workers_and_half_precision_wires_stay_on_one_node_for_now():
+def test_half_precision_wires_stay_on_one_node_and_nccl_on_gpus():
     from pympgu.training.config import RunConfig, UsageError
-    with pytest.raises(UsageError, match="GPU workers exchange within one node") as info:
-        RunConfig(devices=(0, 1), nnodes=2)
-    assert info.value.flag == "--nnodes"
+    assert RunConfig(devices=(0, 1), nnodes=2).nworkers == 4
     with pytest.raises(UsageError, match="across nodes the exchange is float32") as info:
         RunConfig(nnodes=2, exchange_dtype="bfloat16")
+    assert info.value.flag == "--exchange-dtype"
+    with pytest.raises(UsageError, match="nccl: NCCL averages GPU workers") as info:
+        RunConfig(nnodes=2, method="nccl")
+    assert info.value.flag == "--method"
+    with pytest.raises(UsageError, match="--method nccl averages float32") as info:
+        RunConfig(devices=(0, 1), method="nccl", exchange_dtype="float16")
     assert info.value.flag == "--exchange-dtype"
     assert RunConfig(nnodes=3, devices=(None, None)).nworkers == 6
 

@@ -135,7 +135,8 @@ def run_here(nnodes, devices, sizes, json_path=None, port=None):
         for k in range(nnodes):
             argv = [sys.executable, "-m", "pympgu.bench", "--nnodes", str(nnodes),
                     "--node-rank", str(k), "--coordinator", f"127.0.0.1:{port}",
-                    "--gpus", *map(str, devices), "--sizes", *map(str, sizes)]
+                    "--gpus", *map(str, dict.fromkeys(devices)), "--procs", str(len(devices)),
+                    "--sizes", *map(str, sizes)]
             if json_path and k == 0:
                 argv += ["--json", json_path]
             procs.append(subprocess.Popen(argv, env=dict(env, NCCL_HOSTID=f"pympgu-node-{k}"),

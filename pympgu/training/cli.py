@@ -116,7 +116,8 @@ def build_parser():
     g.add_argument("--backend", choices=["auto", "c", "jax"], default="auto",
                    help="PyTensor's backend: jax (GPUs need it) or c (default: auto)")
     g.add_argument("--method", choices=list(METHODS), default="auto",
-                   help="the GPU averaging algorithm (default: auto, by size)")
+                   help="the GPU averaging algorithm (default: auto, by size); nccl: NCCL alone, "
+                        "every rank in one communicator (across nodes too)")
     g.add_argument("--exchange-blocks", type=int, metavar="B",
                    help="cap the GPU averaging kernel at B thread blocks (1-512)")
     g.add_argument("--port", type=int,

@@ -8,15 +8,11 @@ import dataclasses
 import importlib.util
 import json
 
-from ..exchange import METHODS as _EXCHANGE_METHODS
+from ..exchange import METHODS
 from ..exchange import WIRE_DTYPES
 from ..models import OPTIMIZERS, STATISTICS_EXAMPLES
 from ..precision import DTYPES as COMPUTE_DTYPES
 from ..schedule import SCHEDULES
-
-# Training offers the exchange's methods but NCCL's, which waits for its first run on GPUs
-# (docs/DECISIONS.md, "NCCL between nodes").
-METHODS = tuple(m for m in _EXCHANGE_METHODS if m != "nccl")
 
 BACKENDS = ("jax", "c")
 # Adam's (and AdamW's) learning rate when --lr is not given: SGD's would be far too large.
@@ -119,9 +115,6 @@ class RunConfig:
         from ..nodes import MAX_NODES
         need(1 <= self.nnodes <= MAX_NODES, "--nnodes",
              f"must be 1 to {MAX_NODES}, got {self.nnodes}")
-        need(self.nnodes == 1 or self.cpu, "--nnodes",
-             f"{self.nnodes}: GPU workers exchange within one node for now (the exchange "
-             "between nodes by NCCL is not built yet); CPU workers (--cpu N) run across nodes")
         need(self.nnodes == 1 or self.exchange_dtype == "float32", "--exchange-dtype",
              f"{self.exchange_dtype}: across nodes the exchange is float32 (a half-precision "
              "wire's error across nodes is not measured yet)")
@@ -129,6 +122,11 @@ class RunConfig:
         need(self.cpu or self.backend == "jax", "--backend",
              "c runs on CPUs only; GPU workers use --backend jax")
         need(self.method in METHODS, "--method", f"must be one of {METHODS}")
+        need(self.method != "nccl" or not self.cpu, "--method",
+             "nccl: NCCL averages GPU workers' replicas; CPU workers take 'auto'")
+        need(self.method != "nccl" or self.exchange_dtype == "float32", "--exchange-dtype",
+             f"{self.exchange_dtype}: --method nccl averages float32 (the half-precision "
+             "wires are pympgu's kernels')")
         need(self.optimizer in OPTIMIZERS, "--optimizer", f"must be one of {list(OPTIMIZERS)}")
         need(self.schedule in SCHEDULES, "--schedule", f"must be one of {list(SCHEDULES)}")
         need(self.compute_dtype in COMPUTE_DTYPES, "--compute-dtype",
