@@ -652,6 +652,19 @@ def averaging_across_hosts(rank, conn, nranks, ngpus, init_file, per_host):
         want = (sum(ints(r, 1000) for r in range(nranks)) / nranks).numpy().tobytes()
         where = (averager.node, averager.nnodes, averager.local)
         averager.close()
-        return {"got": got, "want": want, "where": where}
+        # The hook: the gradient of sum(w . x) is x, an integer vector a rank.
+        model = torch.nn.Linear(1000, 1, bias=False).to(device)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device])
+        state = pympgu.ddp.register(ddp)
+        try:
+            ddp(ints(100 + rank, 1000).cuda(device)[None]).sum().backward()
+            torch.cuda.synchronize(device)
+            grad = model.weight.grad.detach().cpu().numpy().tobytes()
+            places = len(state.places)
+        finally:
+            state.close()
+        grad_want = (sum(ints(100 + r, 1000) for r in range(nranks)) / nranks).numpy()
+        return {"got": got, "want": want, "where": where, "grad": grad,
+                "grad_want": grad_want.tobytes(), "places": places}
     finally:
         dist.destroy_process_group()

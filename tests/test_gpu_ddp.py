@@ -165,7 +165,8 @@ def test_model_averager_under_torch_compile(mode):
 @pytest.mark.parametrize("nranks,per_host", [(2, 1), (4, 2)])
 def test_model_averager_across_hosts_is_the_exact_mean(nranks, per_host):
     """Ranks on several hosts (NCCL_HOSTID apart on this machine): pympgu's kernels inside
-    each, NCCL between them; every rank ends with the exact mean of integer replicas."""
+    each, NCCL between them; every rank ends with the exact mean of integer replicas, and
+    DDP's hook gives it the exact mean of integer gradients."""
     from pympgu import cuda
     try:
         cuda.nccl_load()
@@ -179,3 +180,5 @@ def test_model_averager_across_hosts_is_the_exact_mean(nranks, per_host):
         (r // per_host, nranks // per_host, r % per_host) for r in range(nranks)]
     for r in results:
         assert r["got"] == r["want"]
+        assert r["places"], "the hook averaged nothing"
+        assert r["grad"] == r["grad_want"], "the hook's gradients are not the exact mean"

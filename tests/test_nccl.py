@@ -145,3 +145,35 @@ def test_inside_xla_the_nccl_road_is_named_by_a_kernel_algorithm_without_a_shado
     assert StepExchange(ex).algo == "twoshot"
     ex.backend.across = None
     assert StepExchange(ex).algo == "auto"
+
+
+@pytest.mark.parametrize("flags,flag", [(["--nnodes", "2", "--node-rank", "0", "--coordinator",
+                                          "127.0.0.1:29400"], "--nnodes"),
+                                        (["--method", "nccl"], "--method nccl")])
+def test_a_gpu_run_that_needs_nccl_is_refused_before_any_worker_where_none_loads(
+        tmp_path, flags, flag):
+    """Told as a flag error, with every place tried: GPUs are pretended (this machine may
+    have none), NCCL is a stand-in without ncclCommAbort."""
+    lib = stand_in(tmp_path, without_abort=True)
+    wheel = tmp_path / "site" / "nvidia" / "nccl" / "lib"
+    wheel.mkdir(parents=True)
+    shutil.copy(lib, wheel / "libnccl.so.2")
+    err = fresh(f"""
+        import json, os, sys
+        sys.path.insert(0, {str(tmp_path / "site")!r})
+        os.environ["PYMPGU_SECRET"] = "a secret long enough for the nodes of this test"
+        from pympgu import cuda
+        from pympgu.training import cli
+        cuda.availability = lambda: (True, 2)
+        cli._check_jax_for_gpus = lambda parser: None
+        sys.stderr = open({str(tmp_path / "err")!r}, "w")
+        try:
+            cli.main(["--gpus", "0", "1"] + {flags!r})
+        except SystemExit as e:
+            sys.stderr.close()
+            print(json.dumps([e.code, open({str(tmp_path / "err")!r}).read()]))
+    """)
+    assert err[0] == 2, err
+    assert f"{flag}: pmgErrorNcclMissing" in err[1], err
+    assert "NCCL 2.14 or later is needed between nodes" in err[1], err
+    assert "libnccl.so.2: it has no ncclCommAbort" in err[1], err

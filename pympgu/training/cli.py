@@ -180,7 +180,18 @@ def resolve(args, parser, where=None):
         parser.error(f"--warmup must be 0 to --epochs ({cfg.epochs}), got {cfg.warmup}")
     if not cpu:
         _check_jax_for_gpus(parser)
+        if cfg.nnodes > 1 or cfg.method == "nccl":
+            _check_nccl(parser, "--method nccl" if cfg.method == "nccl" else "--nnodes")
     return cfg, note
+
+
+def _check_nccl(parser, flag):
+    """Refuse a run that needs NCCL where none loads, before any worker starts."""
+    from .. import cuda
+    try:
+        cuda.nccl_load()
+    except cuda.CudaError as e:
+        parser.error(f"{flag}: {e}")
 
 
 _WITHOUT_JAX = ("JAX is not installed, so the CPU workers run PyTensor's C backend: its "
