@@ -51,6 +51,33 @@ def run_nodes(nnodes, nlocal, target, args, tmp_path, timeout=400):
     return json.loads(out[0][1].strip().splitlines()[-1])
 
 
+def lose_node_1(procs, victim, worker):
+    """Kill node 1's worker (pid ``worker()``) or its launcher; check that the other node
+    stops within 10 s, status 1, and that nothing of either is left running; the
+    survivors' stderr."""
+    if victim == "a worker of node 1":
+        os.kill(worker(), signal.SIGKILL)
+        survivors = procs
+    else:
+        os.kill(procs[1].pid, signal.SIGKILL)
+        survivors = [procs[0]]
+    t0 = time.monotonic()
+    try:
+        for p in survivors:
+            p.wait(timeout=60)
+        stopped = time.monotonic() - t0
+    finally:
+        for p in procs:
+            kill_session(p)
+    errs = [p.stderr.read() for p in survivors]
+    assert stopped < 10, f"the other node took {stopped:.1f} s to stop"
+    assert all(p.returncode == 1 for p in survivors), errs[0][-3000:]
+    wait_until(lambda: not any(session_left(p.pid) for p in procs), 10, every=0.2)
+    for p in procs:
+        assert not session_left(p.pid), f"outlived the run: {session_left(p.pid)}"
+    return errs
+
+
 @pytest.mark.parametrize("nnodes,nlocal,method", [(2, 1, "auto"), (2, 2, "auto"),
                                                   (2, 1, "nccl")])
 def test_replicas_across_nodes_are_one_nodes_exchange_bit_for_bit(tmp_path, nnodes, nlocal,
@@ -110,37 +137,24 @@ def test_a_gpu_node_lost_during_training_stops_the_other_within_seconds(tmp_path
         ["--out", str(out)] if k == 0 else []), stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, text=True, env=node_env(k, tmp_path), start_new_session=True)
         for k in range(2)]
+    def worker():
+        pids = subprocess.run(["pgrep", "-f", "-s", str(procs[1].pid), "spawn_main"],
+                              capture_output=True, text=True).stdout.split()
+        assert pids, session_left(procs[1].pid)
+        return int(pids[-1])
     try:
         assert wait_until((out / "checkpoint.npz").exists, 300, every=0.2), \
             "the run did not reach its first epoch"
-        if victim == "a worker of node 1":
-            workers = subprocess.run(["pgrep", "-f", "-s", str(procs[1].pid), "spawn_main"],
-                                     capture_output=True, text=True).stdout.split()
-            assert workers, session_left(procs[1].pid)
-            os.kill(int(workers[-1]), signal.SIGKILL)
-            survivors = procs
-        else:
-            os.kill(procs[1].pid, signal.SIGKILL)
-            survivors = [procs[0]]
-        t0 = time.monotonic()
-        for p in survivors:
-            p.wait(timeout=60)
-        stopped = time.monotonic() - t0
-        errs = [p.stderr.read() for p in survivors]
+        errs = lose_node_1(procs, victim, worker)
     finally:
         for p in procs:
             kill_session(p)
-    assert stopped < 10, f"the other node took {stopped:.1f} s to stop"
-    assert all(p.returncode == 1 for p in survivors), errs[0][-3000:]
     assert all("training failed" in e for e in errs), errs[0][-3000:]
     if victim == "a worker of node 1":
         assert "was killed by signal 9" in errs[0] and "(node 1)" in errs[0], errs[0][-3000:]
         assert f"continue with --resume {out}" in errs[0], errs[0][-3000:]
     else:
         assert "node 1 (" in errs[0] and "its launcher is gone" in errs[0], errs[0][-3000:]
-    wait_until(lambda: not any(session_left(p.pid) for p in procs), 10, every=0.2)
-    for p in procs:
-        assert not session_left(p.pid), f"outlived the run: {session_left(p.pid)}"
     assert not set(glob.glob("/dev/shm/pympgu-*")) - before
 
 
@@ -153,26 +167,11 @@ def test_a_node_lost_during_nccl_stops_every_node_within_seconds(tmp_path, victi
         assert wait_until(lambda: len(glob.glob(str(tmp_path / "*.pid"))) == 4, 240, every=0.2), \
             "the nodes did not start exchanging"
         time.sleep(1.0)
-        if victim == "a worker of node 1":
-            os.kill(int((tmp_path / "3.pid").read_text()), signal.SIGKILL)
-            survivors = procs
-        else:
-            os.kill(procs[1].pid, signal.SIGKILL)
-            survivors = [procs[0]]
-        t0 = time.monotonic()
-        for p in survivors:
-            p.wait(timeout=60)
-        stopped = time.monotonic() - t0
-        errs = [p.stderr.read() for p in survivors]
+        errs = lose_node_1(procs, victim, lambda: int((tmp_path / "3.pid").read_text()))
     finally:
         for p in procs:
             kill_session(p)
-    assert stopped < 10, f"the other node took {stopped:.1f} s to stop"
-    assert all(p.returncode == 1 for p in survivors), errs[0][-3000:]
     assert "(node 1)" in errs[0] or "node 1 (" in errs[0], errs[0][-3000:]
-    wait_until(lambda: not any(session_left(p.pid) for p in procs), 10, every=0.2)
-    for p in procs:
-        assert not session_left(p.pid), f"outlived the run: {session_left(p.pid)}"
 
 
 def test_a_communicator_whose_peer_never_comes_is_aborted_in_time():
