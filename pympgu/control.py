@@ -13,6 +13,12 @@ plane"). Each sender numbers its messages; a number not above the last one accep
 that sender is a replay and is dropped, as is a second HELLO for a rank. Every payload is
 checked against its kind's schema before anything acts on it.
 
+Between nodes the secret is the user's, and may serve many runs: there the key is the run's
+own (``fresh_key``). Each node's link KNOCKs with a nonce of its own; node 0 answers every
+knock with its NONCE, fresh each run, under a MAC of both nonces; every message after is
+sealed under HMAC(secret, NONCE). A message recorded in another run is refused as any
+forgery is.
+
 Rejected messages are counted and summed up in one line at most every few seconds.
 Messages above MAX_MESSAGE_BYTES are refused by ZMQ itself (ZMQ_MAXMSGSIZE), which drops
 the connection that sent them.
@@ -33,8 +39,9 @@ import time
 
 import zmq
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 SECRET_BYTES = 32
+NONCE_BYTES = 16
 # Far above any real message (a layout of thousands of tensors is a few hundred KiB), far
 # below what would hurt a launcher to hold (docs/DECISIONS.md, "Authenticated control plane").
 MAX_MESSAGE_BYTES = 16 << 20
@@ -72,6 +79,7 @@ _SCHEMA = {
     "START": ({}, 0, False),
 }
 _TO_COORDINATOR, _TO_WORKER = b"C", b"W"  # the direction, under the MAC
+_NONCE = b"N"  # node 0's answer to a knock, under the MAC of the nodes' secret
 
 
 class Stopped(Exception):
@@ -104,6 +112,11 @@ def printable(text, limit=20000):
         text = text[:limit] + f"... ({len(text) - limit} more characters)"
     return "".join(c if c.isprintable() or c in "\n\t" else f"\\x{ord(c):02x}"
                    if ord(c) < 256 else f"\\u{ord(c):04x}" for c in text)
+
+
+def run_key(secret, nonce):
+    """The key of one run of several nodes: their shared secret and node 0's nonce."""
+    return hmac.new(secret, b"pympgu run key " + nonce, hashlib.sha256).digest()
 
 
 def _mac(secret, direction, frames):
@@ -167,13 +180,18 @@ def _check(kind, data, blobs):
 class Coordinator:
     """The launcher's end: receives, authenticates, validates and answers the workers'
     messages. ``secret`` is the run's (new_secret); ``log`` takes the summary lines of
-    rejected messages."""
+    rejected messages. With ``fresh_key`` (node 0 of several) ``secret`` is the nodes'
+    and the messages are sealed under this run's key, which knocking links learn."""
 
     def __init__(self, nranks, host="127.0.0.1", port=None, secret=None, log=None,
-                 kinds=TO_COORDINATOR, hello="HELLO"):
+                 kinds=TO_COORDINATOR, hello="HELLO", fresh_key=False):
         self.nranks = nranks
         self.kinds, self.hello = kinds, hello
         self.secret = secret or new_secret()
+        self._shared = self.nonce = None
+        if fresh_key:
+            self._shared, self.nonce = self.secret, secrets.token_bytes(NONCE_BYTES)
+            self.secret = run_key(self._shared, self.nonce)
         self.log = log or (lambda msg: None)
         self.rejected = 0
         self._unreported, self._last_reason, self._reported_at = 0, "", 0.0
@@ -213,7 +231,10 @@ class Coordinator:
             return None
 
     def _accept(self, frames):
+        """(rank, kind, payload, blobs) of a valid message; None for a knock, answered."""
         identity, *frames = frames
+        if self._shared is not None and frames[:1] == [b"KNOCK"]:
+            return self._answer(identity, frames)
         kind, rank, seq, data, blobs = unseal(self.secret, _TO_COORDINATOR, frames,
                                               self.kinds, self.nranks)
         key = (rank, kind == "HEARTBEAT")
@@ -231,6 +252,20 @@ class Coordinator:
                            f"{self.hello} as it")
         self.last_seq[key] = seq
         return rank, kind, data, blobs
+
+    def _answer(self, identity, frames):
+        """Node 0's NONCE to a knock: anyone may have it, only a holder of the secret can
+        seal with the key it gives, and the knocker checks that it is fresh."""
+        if len(frames) != 2 or len(frames[1]) != NONCE_BYTES:
+            raise Rejected("a malformed KNOCK")
+        answer = [b"NONCE", self.nonce]
+        try:
+            self.socket.send_multipart(
+                [identity, *answer, _mac(self._shared, _NONCE, [frames[1], self.nonce])],
+                zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        return None
 
     def _summarize(self, force=False):
         now = time.monotonic()
@@ -266,12 +301,19 @@ class WorkerLink:
     """A worker's end: requests to the coordinator, replies, and a heartbeat thread.
 
     ``on_orphaned`` runs when the launcher is found gone (killed outright), just before
-    this process exits: what it created that would outlive it is removed there."""
+    this process exits: what it created that would outlive it is removed there.
+
+    With ``fresh_key`` (a node's link to node 0) ``secret`` is the nodes': the link knocks,
+    and holds what it sends until node 0's NONCE gives the run's key. ``secret_mismatch``
+    says that node 0 answered under another secret."""
 
     def __init__(self, address, secret, rank, nranks, heartbeat_s=1.0, on_orphaned=None,
-                 kinds=TO_WORKER, watch_parent=True):
+                 kinds=TO_WORKER, watch_parent=True, fresh_key=False):
         self.address, self.rank, self.nranks = address, rank, nranks
         self._secret = secret
+        self._shared = self._nonce = None
+        self._held = []  # what was sent before the run's key was known
+        self.secret_mismatch = False
         self.kinds = kinds
         self.on_orphaned = on_orphaned
         self.watch_parent = watch_parent
@@ -280,6 +322,10 @@ class WorkerLink:
         self.socket.setsockopt(zmq.LINGER, 2000)  # let a final ERROR/DONE leave
         self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.socket.connect(address)
+        if fresh_key:
+            self._shared, self._secret = secret, None
+            self._nonce = secrets.token_bytes(NONCE_BYTES)
+            self.socket.send_multipart([b"KNOCK", self._nonce])
         self.parent = os.getppid()
         self.seq = 0
         self.last_received = 0
@@ -304,16 +350,36 @@ class WorkerLink:
             while not self._stop.wait(period):
                 if self.watch_parent and os.getppid() != self.parent:
                     self._orphaned()
+                key = self._secret
+                if key is None:
+                    continue  # no run key yet: nothing this sends could be heard
                 seq += 1
-                sock.send_multipart(seal(self._secret, _TO_COORDINATOR, "HEARTBEAT", self.rank,
-                                         seq, {}))
+                sock.send_multipart(seal(key, _TO_COORDINATOR, "HEARTBEAT", self.rank, seq, {}))
         finally:
             sock.close(0)
 
     def send(self, kind, payload=None, blobs=()):
+        if self._secret is None:
+            self._held.append((kind, payload, blobs))
+            return
         self.seq += 1
         self.socket.send_multipart(seal(self._secret, _TO_COORDINATOR, kind, self.rank, self.seq,
                                         payload or {}, blobs))
+
+    def _keyed(self, frames):
+        """Node 0's NONCE: the run's key, then what was held. Whether ``frames`` was one."""
+        if self._shared is None or frames[:1] != [b"NONCE"]:
+            return False
+        if self._secret is None and len(frames) == 3 and len(frames[1]) == NONCE_BYTES:
+            fresh = _mac(self._shared, _NONCE, [self._nonce, bytes(frames[1])])
+            # Another secret's answer: keep its key anyway, so that node 0 hears this
+            # node, refuses it and logs it; the node's own error says why.
+            self.secret_mismatch = not hmac.compare_digest(bytes(frames[2]), fresh)
+            self._secret = run_key(self._shared, bytes(frames[1]))
+            held, self._held = self._held, []
+            for message in held:
+                self.send(*message)
+        return True
 
     def read(self):
         """The next message as (kind, payload, blobs), without waiting: None when none is
@@ -322,6 +388,8 @@ class WorkerLink:
         try:
             frames = self.socket.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
+            return None
+        if self._keyed(frames) or self._secret is None:
             return None
         try:
             kind, rank, seq, data, blobs = unseal(self._secret, _TO_WORKER, frames, self.kinds,
@@ -353,6 +421,14 @@ class WorkerLink:
                 raise TimeoutError(f"rank {self.rank}: no {expect} from the launcher in {timeout} s")
 
     def close(self):
+        # What was held for want of the run's key (a failure said as the run starts) gets
+        # a moment to leave.
+        deadline = time.monotonic() + 2.0
+        while self._held and time.monotonic() < deadline:
+            if self.socket.poll(100):
+                self.read()
+        if self._secret is None:
+            self.socket.setsockopt(zmq.LINGER, 0)  # a knock alone, to a node 0 not there
         self._stop.set()
         self._heartbeat.join(5)
         self.socket.close()

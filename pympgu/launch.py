@@ -161,11 +161,11 @@ def launch(target, args=(), *, gpus=None, cpu=None, host="127.0.0.1", port=None,
             if multi and nodes.node_rank == 0:
                 hub = control.Coordinator(nodes.nnodes, host=_bind_host(nodes), port=nodes.port,
                                           secret=secret, log=log, kinds=control.TO_HUB,
-                                          hello="JOIN")
+                                          hello="JOIN", fresh_key=True)
             elif multi:
                 up = control.WorkerLink(f"tcp://{nodes.address}", secret, nodes.node_rank,
                                         nodes.nnodes, kinds=control.TO_NODE,
-                                        watch_parent=False)
+                                        watch_parent=False, fresh_key=True)
             nnodes, node = (nodes.nnodes, nodes.node_rank) if multi else (1, 0)
             data_address = f"{nodes.host}:{nodes.port + 1}" if multi else None
             for r, device in enumerate(devices):
@@ -556,6 +556,10 @@ class _Supervisor:
                                f"{sorted(self.arrived)} waited at one", node=absent)
 
     def _check_node_0(self, now):
+        if self.up.secret_mismatch:  # its JOIN is gone all the same: node 0 logs it
+            raise WorkerFailed(None, f"node 0 at {self.up.address} answers under another "
+                               "secret: give every node the same PYMPGU_SECRET (or "
+                               "--secret-file)", node=0)
         if not self.started and now - self.t0 > self.join_timeout:
             raise WorkerFailed(None, f"node 0 did not answer at {self.up.address} within "
                                f"{self.join_timeout:.0f} s (started? the same secret? a "

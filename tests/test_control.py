@@ -92,6 +92,78 @@ def test_ranks_beyond_the_run_replays_and_second_hellos_are_refused():
         c.close()
 
 
+def hub_and_link(secret=SECRET, link_secret=None):
+    """Node 0's hub (a run of 2 nodes, its key fresh) and node 1's link to it."""
+    hub = control.Coordinator(2, secret=secret, kinds=control.TO_HUB, hello="JOIN",
+                              fresh_key=True)
+    link = control.WorkerLink(hub.address, link_secret or secret, 1, 2, kinds=control.TO_NODE,
+                              watch_parent=False, fresh_key=True)
+    return hub, link
+
+
+def join(link):
+    link.send("JOIN", {"version": control.PROTOCOL_VERSION, "pid": 7, "host": "n1",
+                       "nlocal": 1})
+
+
+def pump(hub, link, timeout=10):
+    """Carry the knock and its answer; node 0's raw frames of the next message that is not
+    a knock (the run's JOIN, as anyone on the network could record it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        link.read()
+        if hub.socket.poll(50):
+            frames = hub.socket.recv_multipart()
+            if frames[1] != b"KNOCK":
+                return frames
+            hub._accept(frames)
+    raise AssertionError("nothing came")
+
+
+def test_between_nodes_each_run_has_a_key_of_its_own():
+    """The nodes' secret serves many runs: a JOIN recorded in one is refused in the next,
+    as are messages under the secret itself; a node that knocks learns the run's key."""
+    hub, link = hub_and_link()
+    try:
+        join(link)  # held until the run's key is known
+        recorded = pump(hub, link)
+        assert hub._accept(recorded)[:2] == (1, "JOIN")
+        assert not link.secret_mismatch
+        hub.send(1, "START")
+        assert link.receive("START", timeout=10) == ({}, [])
+    finally:
+        link.close()
+        hub.close()
+    again = control.Coordinator(2, secret=SECRET, kinds=control.TO_HUB, hello="JOIN",
+                                fresh_key=True)
+    try:
+        assert again.nonce != hub.nonce
+        with pytest.raises(control.Rejected, match="not authenticated"):
+            again._accept(recorded)
+        under_the_secret = control.seal(SECRET, b"C", "JOIN", 1, 1, {
+            "version": control.PROTOCOL_VERSION, "pid": 7, "host": "n1", "nlocal": 1})
+        with pytest.raises(control.Rejected, match="not authenticated"):
+            again._accept([recorded[0], *under_the_secret])
+        assert 1 not in again.identities  # node 1's place is still free
+        with pytest.raises(control.Rejected, match="malformed KNOCK"):
+            again._accept([b"x", b"KNOCK", b"short"])
+    finally:
+        again.close()
+
+
+def test_a_node_under_another_secret_is_told_and_node_0_refuses_it():
+    hub, link = hub_and_link(link_secret=bytes(32))
+    try:
+        join(link)
+        frames = pump(hub, link)
+        assert link.secret_mismatch
+        with pytest.raises(control.Rejected, match="not authenticated"):
+            hub._accept(frames)
+    finally:
+        link.close()
+        hub.close()
+
+
 def test_rejections_are_summed_up_not_printed_one_by_one():
     import zmq
     logs = []

@@ -232,12 +232,13 @@ def test_a_node_without_the_secret_is_refused_and_the_run_goes_on(tmp_path):
     procs = [start(node_argv(k, port, "--epochs", "2")) for k in range(2)]
     try:
         (code0, out0, err0), (code1, _, err1) = finish(procs)
+        (code, _, err), = finish([impostor], timeout=30)
     finally:
-        os.killpg(impostor.pid, signal.SIGKILL)
-        impostor.wait()
+        kill_session(impostor)
     assert code0 == 0 and code1 == 0, err0[-2000:] + err1[-2000:]
     assert "rejected" in err0 and "not authenticated by the run's secret" in err0, err0
     assert "epoch   2" in out0
+    assert code == 1 and "answers under another secret" in err, err[-2000:]
 
 
 def test_half_precision_wires_stay_on_one_node_and_nccl_on_gpus():
