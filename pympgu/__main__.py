@@ -2,10 +2,10 @@
 
 It says whether CUDA works (and CUDA's reason when not), which GPUs can read each other's
 memory, whether the exchange can run inside a training step's XLA call, which NCCL the
-exchange between nodes would use, and whether torch is there for pympgu.ddp. Without the XLA operation (pympgu built without jaxlib's headers,
-as an isolated ``pip install .`` builds it) GPU training queues its exchanges from Python,
-at about half the wide MLP's speed, so this is the first thing to look at after
-installing.
+exchange between nodes would use, and whether torch is there for pympgu.ddp. Without the
+XLA operation (pympgu built without jaxlib's headers, as an isolated ``pip install .``
+builds it) GPU training queues its exchanges from Python, at about half the wide MLP's
+speed, so this is the first thing to look at after installing.
 """
 import sys
 

@@ -272,17 +272,17 @@ def main(argv=None):
     if across:
         from .. import nodes
         from . import nodes as bench_nodes
-        here = args.node_rank is None and args.coordinator is None
-        if here and nodes.from_environment() is None:
-            if not args.nnodes or args.nnodes < 2:
-                parser.error("--nnodes: 2 or more")
-            return bench_nodes.run_here(args.nnodes, devices, sizes, args.json)
-        try:
-            where = nodes.resolve(args.nnodes, args.node_rank, args.coordinator)
-        except nodes.NodesError as e:
-            parser.error(str(e))
-        if where.nnodes < 2:
+        where = None  # every node a process of this host
+        if (args.node_rank is not None or args.coordinator is not None
+                or nodes.from_environment() is not None):
+            try:
+                where = nodes.resolve(args.nnodes, args.node_rank, args.coordinator)
+            except nodes.NodesError as e:
+                parser.error(str(e))
+        if (where.nnodes if where else args.nnodes or 0) < 2:
             parser.error("--nnodes: 2 or more")
+        if where is None:
+            return bench_nodes.run_here(args.nnodes, devices, sizes, args.json)
         return bench_nodes.run_node(where, devices, sizes, args.json)
     use_nccl = not args.no_nccl and len(set(devices)) == nranks
     if use_nccl:

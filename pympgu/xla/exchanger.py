@@ -39,8 +39,7 @@ class StepExchange:
         """The operations' algorithm: the exchanger's method, except where NCCL takes part
         (across nodes, or the 'nccl' method), whose group takes NCCL's road whatever kernel
         algorithm is named (PeerGroup.join_nodes): 'twoshot' is one that needs no shadow."""
-        across = getattr(self.ex.backend, "across", None)  # CPU workers' backend has none
-        return "twoshot" if across is not None else self.ex.method
+        return "twoshot" if self.ex.backend.across is not None else self.ex.method
 
     def average(self, arrays):
         """The averages of ``arrays`` as JAX arrays, for use inside a jitted function
