@@ -128,22 +128,6 @@ cdef class NcclComm:
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
 
-    def allreduce(self, uintptr_t send, uintptr_t recv, size_t count, dtype, uintptr_t stream,
-                  bint average=False):
-        """Queue recv = the sum (``average``: the mean, ncclAvg) of every member's send
-        (``count`` elements of ``dtype``) on ``stream``; in place when send == recv. Returns
-        once NCCL has queued it."""
-        cdef int code = dtype_code(dtype)
-        cdef int status
-        cdef uint64_t limit = <uint64_t>(self.timeout * 1e9)
-        if self.comm == NULL:
-            raise CudaError(PMG_ERR_INVALID_ARGUMENT, "pmgErrorInvalidArgument",
-                            "the NCCL communicator is closed", f"NCCL rank {self.rank}")
-        with nogil:
-            status = pmg_nccl_allreduce(self.comm, <const void *>send, <void *>recv, count,
-                                        code, average, limit, <void *>stream)
-        self._check(status, "averaging" if average else "summing")
-
     def error(self):
         """None while the communicator is sound, else its error as a CudaError (not raised):
         for a watchdog that polls it."""
