@@ -15,6 +15,7 @@ except ImportError as exc:  # built without a toolkit, or cudart missing at run 
     _BUILD_ERROR = exc
 
 PMG_ERR_NO_CUDA = 10005
+CUDA_ERROR_INSUFFICIENT_DRIVER = 35
 
 
 def _no_cuda():
@@ -30,10 +31,23 @@ def availability():
     try:
         n = _cuda.get_device_count()
     except CudaError as e:
+        if e.status == CUDA_ERROR_INSUFFICIENT_DRIVER and not _has_driver():
+            return False, "no NVIDIA driver here (libcuda.so.1 is not installed)"
         return False, str(e)
     if n == 0:
         return False, "CUDA works but no GPU is visible"
     return True, n
+
+
+def _has_driver():
+    """Whether an NVIDIA driver's library loads here: CUDA calls a missing driver an
+    insufficient one."""
+    import ctypes
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
 
 
 def device_count():

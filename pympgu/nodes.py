@@ -164,7 +164,8 @@ def resolve(nnodes=None, node_rank=None, coordinator=None, env=None):
 
 
 def read_secret(secret_file=None, env=None):
-    """The run's secret, from the file --secret-file names (which must be this user's alone)
+    """The run's secret, from the file --secret-file names (which must be this user's own,
+    and readable by no one else)
     or from $PYMPGU_SECRET; None when neither is given. Never from a command line."""
     env = os.environ if env is None else env
     if secret_file:
@@ -175,6 +176,14 @@ def read_secret(secret_file=None, env=None):
                                               f"{e.strerror}") from None
         try:
             st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise NodesError("--secret-file", f"--secret-file {secret_file}: not a "
+                                 "regular file")
+            if st.st_uid != os.geteuid():
+                # Its owner chose the secret, and can read every message sealed with it.
+                raise NodesError("--secret-file", f"--secret-file {secret_file}: owned by "
+                                 f"uid {st.st_uid}, not by this user (uid {os.geteuid()}): "
+                                 "use a file of your own")
             if st.st_mode & 0o077:
                 raise NodesError("--secret-file", f"--secret-file {secret_file}: others may "
                                  f"read it (mode {stat.filemode(st.st_mode)}): chmod 600 it")

@@ -139,14 +139,24 @@ def unlink_created():
             pass
 
 
-def unlink_run(run_id):
-    """Remove every segment of the run ``run_id``; returns the paths removed."""
+def unlink_run(run_id, log=None):
+    """Remove what the run ``run_id`` left in /dev/shm; returns the paths removed. Only
+    regular files of this user under the run's names are taken: a directory, link, fifo or
+    another user's file squatting a name of the run stays where it is (no other user can
+    create a file of ours, and /dev/shm's sticky bit keeps ours from being swapped), and
+    nothing here ever fails the run: ``log`` hears of what could not be removed."""
     check_name(segment_name(run_id, 0))
-    removed = []
+    removed, me = [], os.geteuid()
     for path in glob.glob(os.path.join(SHM_DIR, f"pympgu-{run_id}-*")):
         try:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != me:
+                continue  # not this run's: someone else's, left alone
             os.unlink(path)
             removed.append(path)
         except FileNotFoundError:
             pass
+        except OSError as e:
+            if log is not None:
+                log(f"pympgu: could not remove {path} ({e.strerror}); remove it by hand")
     return removed

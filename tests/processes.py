@@ -70,3 +70,28 @@ def communicate_all(procs, timeout=240):
         for p in procs:
             kill_session(p)
     return out
+
+
+NOBODY = 65534
+
+
+def as_nobody(fn, *args):
+    """``fn(*args)`` in a forked child running as uid and gid 65534: another local user's
+    view of the machine (the caller must be root). Raises if it raised."""
+    import traceback
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            fn(*args)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise AssertionError(f"{getattr(fn, '__name__', fn)} failed as nobody")

@@ -576,3 +576,22 @@ def hold_segment(ctx, pid_dir, hold_s, unlink=False):
     time.sleep(hold_s)
     seg.close()
     return {"rank": ctx.rank, "name": seg.name, "mode": st.st_mode, "uid": st.st_uid}
+
+
+def squat(paths):
+    """Another user's entries at ``paths``: a directory, a file, a fifo, a link, in turn."""
+    for k, path in enumerate(paths):
+        [os.mkdir, lambda p: open(p, "w").close(), os.mkfifo,
+         lambda p: os.symlink("/etc/passwd", p)][k % 4](path)
+
+
+def average_then_squat(ctx, rounds):
+    """Every rank exchanges, then rank 0 has another user squat names of the run in
+    /dev/shm before the launcher cleans up; returns the squatted paths."""
+    from processes import as_nobody
+    average_rounds(ctx, rounds)
+    paths = [f"/dev/shm/pympgu-{ctx.run_id}-{r}-squat{k}" for r in range(ctx.nranks)
+             for k in range(4)]
+    if ctx.rank == 0:
+        as_nobody(squat, paths)
+    return paths

@@ -113,6 +113,20 @@ def test_the_secret_comes_from_a_private_file_or_the_environment(tmp_path):
         nodes.read_secret(env={nodes.SECRET_ENV: "short"})
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives a file to another user (needs root)")
+def test_a_secret_file_of_another_user_is_refused_whatever_its_mode(tmp_path):
+    # Its owner chose the secret and can read it: mode 600 keeps no one else out.
+    path = tmp_path / "secret"
+    path.write_text(SECRET)
+    os.chmod(path, 0o600)
+    os.chown(path, 65534, 65534)
+    with pytest.raises(nodes.NodesError, match="owned by uid 65534, not by this user") as info:
+        nodes.read_secret(str(path), env={})
+    assert info.value.flag == "--secret-file"
+    with pytest.raises(nodes.NodesError, match="not a regular file"):
+        nodes.read_secret(str(tmp_path), env={})
+
+
 def test_a_run_of_several_nodes_without_a_secret_is_refused():
     p = start(node_argv(0, free_port()), secret=None)
     (code, _, err), = finish([p], timeout=60)

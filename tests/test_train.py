@@ -775,7 +775,7 @@ def test_cli_gives_adam_its_own_learning_rate():
             (["--optimizer", "adamw", "--preset", "dual_mlp"], 1e-3, 0.0, 0.01),
             (["--optimizer", "adamw", "--weight-decay", "0.1", "--l2", "1e-5"], 1e-3, 1e-5,
              0.1)]:
-        cfg, _ = cli.resolve(parser.parse_args(["--cpu", "2", *argv]), parser)
+        cfg = cli.resolve(parser.parse_args(["--cpu", "2", *argv]), parser).cfg
         assert (cfg.lr, cfg.l2, cfg.weight_decay) == (lr, l2, decay), (argv, cfg)
 
 
@@ -786,7 +786,7 @@ def test_cli_backend_auto_is_jax_wherever_jax_is_installed(monkeypatch):
     parser = cli.build_parser()
 
     def backend(*argv):
-        return cli.resolve(parser.parse_args(["--cpu", "2", *argv]), parser)[0].backend
+        return cli.resolve(parser.parse_args(["--cpu", "2", *argv]), parser).cfg.backend
     assert backend("--backend", "c") == "c" and backend("--backend", "jax") == "jax"
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -806,9 +806,11 @@ def test_cli_refuses_a_batch_the_dataset_cannot_fill(capsys):
     err = capsys.readouterr().err
     assert "--batch-size 5000 with 2 workers" in err and "give at most 4000" in err, err
     assert "Traceback" not in err
-    with pytest.raises(SystemExit):  # the seed's batch of 5000 is the preset's
-        cli.main(["--cpu", "2", "--preset", "dual_mlp", "--epochs", "1"])
-    assert "the batch of --preset dual_mlp" in capsys.readouterr().err
+    # The seed's batch of 5000 is the preset's: fitted to the data, and said.
+    assert cli.main(["--cpu", "2", "--preset", "dual_mlp", "--epochs", "1", "--quiet"]) == 0
+    assert ("--preset dual_mlp: its batch of 5000 a worker needs 10,000 training examples a "
+            "step and embedded MNIST (t10k, shuffled 8:1:1) has 8,000: batch 4000 a worker "
+            "instead (--batch-size sets it)") in capsys.readouterr().err
 
 
 def test_cli_names_an_out_dir_it_cannot_write(tmp_path, capsys):
@@ -821,7 +823,7 @@ def test_cli_names_an_out_dir_it_cannot_write(tmp_path, capsys):
     with pytest.raises(SystemExit):  # a preset's batch, which fits one worker, is not blamed
         cli.main(["--cpu", "1", "--preset", "dual_mlp", "--out", str(blocker / "run")])
     err = capsys.readouterr().err
-    assert f"--out {blocker / 'run'}: " in err and "the batch of --preset" not in err, err
+    assert f"--out {blocker / 'run'}: " in err and "its batch of" not in err, err
 
 
 def test_cli_says_what_a_stopped_run_left_to_resume(tmp_path, monkeypatch, capsys):
@@ -1018,10 +1020,10 @@ def test_config_keeps_the_models_file_and_the_data_by_absolute_path(tmp_path, mo
     monkeypatch.chdir(tmp_path)
     relative = os.path.relpath(EXAMPLE)
     cfg = cli.resolve(parser.parse_args(["--cpu", "2", "--model", f"{relative}:ResidualMLP",
-                                           "--data-dir", "d.npz"]), parser)[0]
+                                           "--data-dir", "d.npz"]), parser).cfg
     assert cfg.model == f"{EXAMPLE}:ResidualMLP" and cfg.data == str(tmp_path / "d.npz")
     cfg = cli.resolve(parser.parse_args(["--cpu", "2", "--model", "pympgu.models:MLP",
-                                           "--data-dir", "digits"]), parser)[0]
+                                           "--data-dir", "digits"]), parser).cfg
     assert (cfg.model, cfg.data) == ("pympgu.models:MLP", "digits")
 
 
@@ -1033,7 +1035,7 @@ def test_hidden_defaults_to_the_models_own():
     strided = os.path.join(os.path.dirname(EXAMPLE), "strided.py:StridedConvNet")
 
     def hidden(*argv):
-        return list(cli.resolve(parser.parse_args(["--cpu", "2", *argv]), parser)[0].hidden)
+        return list(cli.resolve(parser.parse_args(["--cpu", "2", *argv]), parser).cfg.hidden)
     assert hidden() == [500] and hidden("--model", f"{EXAMPLE}:ResidualMLP") == [500]
     assert hidden("--model", strided) == [32, 64]
     assert hidden("--model", strided, "--hidden", "8") == [8]
@@ -1208,7 +1210,8 @@ def test_gpus_without_a_cuda_jax_is_a_flag_error_before_any_worker(monkeypatch, 
     parser = cli.build_parser()
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: object() if name in ("jax", "jax_cuda13_plugin") else None)
-    cfg, note = cli.resolve(parser.parse_args(["--gpus", "0", "1"]), parser)
+    resolved = cli.resolve(parser.parse_args(["--gpus", "0", "1"]), parser)
+    cfg, note = resolved.cfg, resolved.note
     assert cfg.devices == (0, 1) and cfg.backend == "jax" and note is None
 
 
@@ -1289,7 +1292,8 @@ def test_without_jax_the_run_says_which_backend_runs_and_why(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "jax" else find(name, *a))
     parser = cli.build_parser()
-    cfg, note = cli.resolve(parser.parse_args(["--cpu", "2"]), parser)
+    resolved = cli.resolve(parser.parse_args(["--cpu", "2"]), parser)
+    cfg, note = resolved.cfg, resolved.note
     assert cfg.backend == "c"
     assert "JAX is not installed, so the CPU workers run PyTensor's C backend" in note
     assert "pip install jax" in note

@@ -6,7 +6,6 @@ replaced atomically, so that a crash leaves the previous one whole.
 """
 import json
 import os
-import shutil
 
 CHECKPOINT = "checkpoint.npz"
 BEST = "best.npz"  # the checkpoint of the epoch of least validation error
@@ -15,27 +14,26 @@ CONFIG = "config.json"  # the run's flags, from which pympgu.evaluate builds its
 # rank 0 moves it into place beside its own first checkpoint.
 CONFIG_NEXT = "config.json.next"
 METRICS = "metrics.jsonl"
+CURVES = "curves.png"
+FILES = (CONFIG, CONFIG_NEXT, METRICS, CHECKPOINT, BEST, CURVES)  # what a run writes
 
 
-def save(path, model, values, epoch, history):
+def save(out, model, values, epoch, history, name=CHECKPOINT):
     """Write ``model``'s state (``values``, numpy or JAX arrays in its state's order) and its
-    batch norms' statistics as the checkpoint of ``epoch`` at ``path``, atomically."""
+    batch norms' statistics as the checkpoint of ``epoch`` into ``out`` (an OutDir),
+    atomically."""
     import numpy as np
     arrays = {s.name: np.asarray(v) for s, v in zip(model.state, values)}
     # The norms' population statistics that the epoch's errors were evaluated with.
     arrays.update({s.name: s.get_value() for s in model.statistics})
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        np.savez(f, __epoch__=epoch, __history__=json.dumps(history),
-                 __model__=model.describe(), __optimizer__=model.optimizer, **arrays)
-    os.replace(tmp, path)
+    out.write(name, lambda f: np.savez(f, __epoch__=epoch, __history__=json.dumps(history),
+                                       __model__=model.describe(),
+                                       __optimizer__=model.optimizer, **arrays))
 
 
 def keep_best(out):
     """Keep --out's checkpoint as best.npz too (a copy, replaced atomically)."""
-    path = os.path.join(out, CHECKPOINT)
-    shutil.copyfile(path, path + ".best.tmp")
-    os.replace(path + ".best.tmp", os.path.join(out, BEST))
+    out.copy(CHECKPOINT, BEST)
 
 
 def read(path, model, use="--resume {path}: cannot resume from it", variables=None, note=None):
@@ -121,26 +119,37 @@ def _read(path, model, variables, note):
     return epoch, history, values
 
 
-def trim_metrics(out, epoch):
-    """Keep the lines of --out's metrics.jsonl up to ``epoch`` (a run resumed there goes on
-    from it: a later epoch of the log is replaced, not repeated)."""
-    path = os.path.join(out, METRICS)
+def sync_metrics(out):
+    """Make --out's metrics.jsonl (``out``, an OutDir) the log of the epochs its checkpoint
+    holds: a later epoch's line goes (a run resumed there replaces it, not repeats it),
+    and a line the checkpoint has and the log lacks is restored from the checkpoint's
+    history (a run stopped between its checkpoint and its line)."""
+    import numpy as np
     try:
-        with open(path) as f:
+        with out.open_read(CHECKPOINT) as f, np.load(f) as z:
+            epoch = int(z["__epoch__"])
+            history = json.loads(str(z["__history__"]))
+    except Exception:  # no checkpoint, or none readable: the log is all there is
+        return
+    try:
+        with out.open_read(METRICS, "r") as f:
             lines = f.readlines()
     except FileNotFoundError:
-        return
-    kept = []
+        lines = []
+    logged, kept = set(), []
     for line in lines:
         try:
-            if json.loads(line)["epoch"] <= epoch:
-                kept.append(line if line.endswith("\n") else line + "\n")
+            e = json.loads(line)["epoch"]
         except (ValueError, KeyError, TypeError):
-            pass  # a line cut by a crash
-    if kept != lines:
-        with open(path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(path + ".tmp", path)
+            continue  # a line cut by a crash
+        if e <= epoch and e not in logged:
+            logged.add(e)
+            kept.append(line if line.endswith("\n") else line + "\n")
+    restored = [h for h in history if h.get("epoch") not in logged and h["epoch"] <= epoch]
+    if restored or kept != lines:
+        byepoch = {json.loads(x)["epoch"]: x for x in kept}
+        byepoch.update({h["epoch"]: json.dumps(h) + "\n" for h in restored})
+        out.write_text(METRICS, "".join(byepoch[e] for e in sorted(byepoch)))
 
 
 def epoch_of(path):

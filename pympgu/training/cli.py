@@ -22,15 +22,23 @@ from ..models import OPTIMIZERS, STATISTICS_EXAMPLES
 from ..precision import DTYPES as COMPUTE_DTYPES
 from ..schedule import SCHEDULES
 from . import checkpoint
+from . import resume as resuming
 from .config import (ADAM_LR, ADAMW_DECAY, MAX_WORKERS, METHODS, PRESETS, RunConfig,
                      UsageError, auto_backend, optimizer_defaults)
 
 DEFAULTS = RunConfig()
 
 
+class Parser(argparse.ArgumentParser):
+    """A parser whose errors take one line, the flag and the fix named, not the usage."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser():
-    p = argparse.ArgumentParser(prog="python -m pympgu.train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="python -m pympgu.train", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("where to run")
     g.add_argument("--gpus", type=int, nargs="+", metavar="I",
                    help="GPU indexes, one worker each (default: every visible GPU)")
@@ -49,12 +57,13 @@ def build_parser():
     g.add_argument("--data-dir", metavar="DIR",
                    help="MNIST-format IDX files, mnist.pkl.gz, 'fashion', 'digits', CIFAR's "
                         "python version, or a .npz (docs/MODELS.md; default: embedded MNIST)")
-    g.add_argument("--flip", action="store_true",
+    g.add_argument("--flip", action=argparse.BooleanOptionalAction,
                    help="mirror each training image left to right with probability 1/2")
     g.add_argument("--shift", type=int, metavar="PIXELS",
                    help="move each training image by up to PIXELS each way (default: 0)")
-    g.add_argument("--seed", type=int, default=0,
-                   help="seed of the minibatch order, dropout and augmentation (default: 0)")
+    g.add_argument("--seed", type=int,
+                   help="seed of the minibatch order, dropout and augmentation (default: 0); "
+                        "the starting weights are --init-seed's")
     g = p.add_argument_group("model")
     g.add_argument("--model", metavar="FILE.py:CLASS",
                    help="a pympgu.models.Model subclass to train (default: the MLP)")
@@ -67,23 +76,28 @@ def build_parser():
     g.add_argument("--bn-examples", type=int, metavar="N",
                    help="training examples that estimate batch norms' statistics (default: "
                         f"{STATISTICS_EXAMPLES})")
-    g.add_argument("--compute-dtype", choices=list(COMPUTE_DTYPES), default="float32",
-                   help="dtype of products and convolutions: bfloat16 is mixed precision")
+    g.add_argument("--init-seed", type=int, metavar="SEED",
+                   help=f"seed of the starting weights, the same on every worker (default: "
+                        f"{DEFAULTS.init_seed}, the 2014 demo's)")
+    g.add_argument("--compute-dtype", choices=list(COMPUTE_DTYPES),
+                   help="dtype of products and convolutions: bfloat16 is mixed precision "
+                        "(default: float32)")
     g = p.add_argument_group("optimizer")
     g.add_argument("--epochs", type=int, help=f"epochs (default: {DEFAULTS.epochs})")
     g.add_argument("--batch-size", type=int,
                    help=f"minibatch per worker (default: {DEFAULTS.batch_size})")
-    g.add_argument("--optimizer", choices=list(OPTIMIZERS), default=DEFAULTS.optimizer,
+    g.add_argument("--optimizer", choices=list(OPTIMIZERS),
                    help="sgd (with momentum), adam, or adamw (default: sgd)")
     g.add_argument("--lr", type=float, help=f"learning rate (default: {DEFAULTS.lr}; "
                    f"{ADAM_LR} for adam and adamw)")
-    g.add_argument("--schedule", choices=list(SCHEDULES), default=DEFAULTS.schedule,
+    g.add_argument("--schedule", choices=list(SCHEDULES),
                    help="the rate after --warmup: held, or decayed to zero (default: constant)")
     g.add_argument("--warmup", type=float, metavar="EPOCHS",
                    help="ramp the rate up over this many epochs (default: 0)")
     g.add_argument("--momentum", type=float,
                    help=f"SGD's momentum, or Adam's beta1 (default: {DEFAULTS.momentum})")
-    g.add_argument("--nesterov", action="store_true", help="SGD with Nesterov's momentum")
+    g.add_argument("--nesterov", action=argparse.BooleanOptionalAction,
+                   help="SGD with Nesterov's momentum")
     g.add_argument("--beta2", type=float,
                    help=f"Adam's second-moment decay (default: {DEFAULTS.beta2})")
     g.add_argument("--weight-decay", type=float, metavar="WD",
@@ -100,22 +114,24 @@ def build_parser():
     g.add_argument("--patience", type=int, metavar="EPOCHS",
                    help="stop after EPOCHS epochs without a better validation error")
     g = p.add_argument_group("exchange")
-    g.add_argument("--sync-every", type=int, default=1, metavar="K",
+    g.add_argument("--sync-every", type=int, metavar="K",
                    help="average the replicas every K steps (default: 1)")
-    g.add_argument("--overlap", action="store_true",
+    g.add_argument("--overlap", action=argparse.BooleanOptionalAction,
                    help="average while the next step computes, then correct it")
-    g.add_argument("--exchange-dtype", choices=list(WIRE_DTYPES), default="float32",
-                   help="dtype on the wire: bfloat16 or float16 send half the bytes")
+    g.add_argument("--exchange-dtype", choices=list(WIRE_DTYPES),
+                   help="dtype on the wire: bfloat16 or float16 send half the bytes "
+                        "(default: float32)")
     g = p.add_argument_group("output")
     g.add_argument("--out", metavar="DIR",
                    help="write config.json, metrics.jsonl, checkpoints and curves.png here")
     g.add_argument("--resume", metavar="PATH",
-                   help="continue from a checkpoint, or from an --out directory")
+                   help="continue from a checkpoint, or from an --out directory, with the "
+                        "settings of its config.json; flags given override them")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g = p.add_argument_group("advanced")
-    g.add_argument("--backend", choices=["auto", "c", "jax"], default="auto",
+    g.add_argument("--backend", choices=["auto", "c", "jax"],
                    help="PyTensor's backend: jax (GPUs need it) or c (default: auto)")
-    g.add_argument("--method", choices=list(METHODS), default="auto",
+    g.add_argument("--method", choices=list(METHODS),
                    help="the GPU averaging algorithm (default: auto, by size); nccl: NCCL alone, "
                         "every rank in one communicator (across nodes too)")
     g.add_argument("--exchange-blocks", type=int, metavar="B",
@@ -128,50 +144,78 @@ def build_parser():
 # Flags whose value goes into the RunConfig as it is, when given.
 _PLAIN = ("hidden", "epochs", "batch_size", "lr", "momentum", "l1", "l2", "beta2",
           "weight_decay", "clip_norm", "ema", "patience", "warmup", "dropout",
-          "label_smoothing", "shift", "bn_examples")
+          "label_smoothing", "shift", "bn_examples", "seed", "init_seed", "schedule",
+          "compute_dtype", "sync_every", "overlap", "exchange_dtype", "exchange_blocks",
+          "nesterov", "flip", "method")
+
+
+class Resolved:
+    """What the flags resolve to: the RunConfig, a note (why the run falls back to CPU
+    workers, or to PyTensor's backend; or None), and for a resumed run what differs from
+    the run it continues (``changed``, {setting: [before, after]}) and which settings the
+    flags gave (``given``)."""
+
+    def __init__(self, cfg, note, changed=None, given=()):
+        self.cfg, self.note, self.changed, self.given = cfg, note, changed, set(given)
 
 
 def resolve(args, parser, where=None):
-    """The run's RunConfig from the flags, or a parser error naming the flag at fault (and
-    a note, or None: why the run falls back to CPU workers, or to PyTensor's backend).
-    ``where``: the run's nodes (nodes()), found from the flags when not given."""
+    """The run's settings (Resolved) from the flags, or a parser error naming the flag at
+    fault. A resumed run starts from the settings of the run it continues, the flags given
+    in their place. ``where``: the run's nodes (nodes()), found from the flags when not
+    given."""
     try:
         settings.get()  # read again by every worker: a bad value fails here, before any
     except settings.SettingsError as e:
         parser.error(str(e))
-    values = {}
+    resume = _resume(args.resume, parser)
+    try:
+        before = resuming.saved(resume)[0] if resume else None
+    except UsageError as e:
+        parser.error(str(e))
+    values = resuming.carried(before) if before else {}
+    given = set()
     if args.preset:
         values.update(PRESETS[args.preset])
-    values.update(optimizer=args.optimizer, schedule=args.schedule)
-    values.update(optimizer_defaults(args.optimizer))  # a preset's rate is SGD's
-    if args.optimizer == "sgd" and args.beta2 is not None:
+        given |= set(PRESETS[args.preset])
+    optimizer = args.optimizer or values.get("optimizer", DEFAULTS.optimizer)
+    if before is None or optimizer != before.optimizer:
+        values["optimizer"] = optimizer
+        values.update(optimizer_defaults(optimizer))  # a preset's rate is SGD's
+    if optimizer == "sgd" and args.beta2 is not None:
         parser.error("--beta2 is Adam's; give --optimizer adam or adamw with it")
-    for key in _PLAIN:
+    for key in _PLAIN + ("optimizer",):
         if getattr(args, key) is not None:
             values[key] = getattr(args, key)
-    for key in ("nesterov", "flip"):
-        if getattr(args, key):
-            values[key] = True
+            given.add(key)
     if args.hidden is None and args.model and not args.preset:
         from .. import models
         try:  # the model's own widths (a convnet's channels are not the MLP's 500 units)
             values["hidden"] = list(models.load(args.model).default_hidden)
         except models.ModelError as e:
             parser.error(str(e))
-    devices, note = _devices(args, parser)
+    if before is None or args.gpus is not None or args.cpu is not None:
+        devices, note = _devices(args, parser)
+        given |= {"devices"} if before is not None else set()
+    else:
+        devices, note = _resumed_devices(before.devices, parser), None
     cpu = devices[0] is None
     values["nnodes"] = (where or nodes(args, parser)[0]).nnodes
-    backend = args.backend if args.backend != "auto" else auto_backend(cpu)
-    if args.backend == "auto" and backend == "c":
-        note = "; ".join(n for n in (note, _WITHOUT_JAX) if n)
-    resume = _resume(args.resume, parser)
+    if args.backend not in (None, "auto") or before is None or before.cpu != cpu:
+        backend = args.backend if args.backend not in (None, "auto") else auto_backend(cpu)
+        if args.backend in (None, "auto") and backend == "c":
+            note = "; ".join(n for n in (note, _WITHOUT_JAX) if n)
+    else:
+        backend = before.backend
+    given |= {"backend"} if args.backend is not None else set()
     # A resumed run goes on writing where it was, unless --out says otherwise.
     out = args.out if args.out or not resume else os.path.dirname(resume)
-    values.update(devices=devices, backend=backend, method=args.method,
-                  sync_every=args.sync_every, overlap=args.overlap,
-                  exchange_dtype=args.exchange_dtype, exchange_blocks=args.exchange_blocks,
-                  compute_dtype=args.compute_dtype, seed=args.seed, out=out,
-                  data=_data(args.data_dir, parser), model=_model(args.model), resume=resume)
+    values.update(devices=devices, backend=backend, out=out, resume=resume)
+    for key, flag, value in (("data", args.data_dir, _data(args.data_dir, parser)),
+                             ("model", args.model, _model(args.model))):
+        if flag is not None or before is None:
+            values[key] = value
+            given.add(key)
     try:
         cfg = RunConfig(**values)
     except UsageError as e:
@@ -182,7 +226,21 @@ def resolve(args, parser, where=None):
         _check_jax_for_gpus(parser)
         if cfg.nnodes > 1 or cfg.method == "nccl":
             _check_nccl(parser, "--method nccl" if cfg.method == "nccl" else "--nnodes")
-    return cfg, note
+    changed = resuming.changes(before, cfg) if before is not None else None
+    return Resolved(cfg, note, changed, given)
+
+
+def _resumed_devices(devices, parser):
+    """The devices of the run a resume continues, where this machine has them."""
+    if devices[0] is None:
+        return list(devices)
+    from .. import cuda
+    ok, info = cuda.availability()
+    if not ok or any(d >= info for d in devices):
+        here = f"{info} visible" if ok else f"none usable: {info}"
+        parser.error(f"--resume: the run trained on GPUs {list(devices)}, and this machine "
+                     f"has {here}; give --gpus or --cpu N")
+    return list(devices)
 
 
 def _check_nccl(parser, flag):
@@ -300,24 +358,27 @@ def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     where, secret = nodes(args, parser)
-    cfg, note = resolve(args, parser, where)
-    if note:
-        print(f"pympgu: {note}", file=sys.stderr)
+    resolved = resolve(args, parser, where)
+    cfg = resolved.cfg
+    if resolved.note:
+        print(f"pympgu: {resolved.note}", file=sys.stderr)
     from ..data import DataError
     from ..launch import Terminated, WorkerFailed
     from .launcher import Diverged, run
+    if resolved.changed is not None:
+        changed = resuming.describe(resolved.changed, resolved.given)
+        print(f"pympgu: --resume {args.resume}: the run goes on with the settings of its "
+              f"config.json{'; ' + changed if changed else ''}", file=sys.stderr)
     if cfg.resume and not args.out:
         print(f"pympgu: --resume: this run goes on writing into {cfg.out} (--out DIR writes "
               "elsewhere)", file=sys.stderr)
     before = checkpoint.stamp(cfg.out)
     try:
         run(cfg, port=args.port, quiet=args.quiet, nodes=where if where.nnodes > 1 else None,
-            secret=secret)
+            secret=secret, changed=resolved.changed,
+            fit_batch=args.preset if args.batch_size is None else None)
     except UsageError as e:
-        preset = (f" (the batch of --preset {args.preset}, which --batch-size overrides)"
-                  if e.flag == "--batch-size" and args.preset and args.batch_size is None
-                  else "")
-        parser.error(f"{e}{preset}")
+        parser.error(str(e))
     except DataError as e:
         print(f"pympgu: {e}", file=sys.stderr)
         return 2

@@ -19,7 +19,8 @@ BACKENDS = ("jax", "c")
 ADAM_LR = 1e-3
 # AdamW's --weight-decay when not given: torch.optim.AdamW's default.
 ADAMW_DECAY = 1e-2
-# What every rank builds its model with (pympgu.models.Model): replicas start identical.
+# What every rank builds its model with unless --init-seed says otherwise (the 2014 demo's
+# RandomState(1234)): replicas start identical.
 MODEL_SEED = 1234
 MAX_WORKERS = 8
 
@@ -75,8 +76,10 @@ class RunConfig:
     overlap: bool = False
     exchange_dtype: str = "float32"
     exchange_blocks: int = None
-    # Output.
+    # Seeds: of the data order, dropout and augmentation; of the starting weights.
     seed: int = 0
+    init_seed: int = MODEL_SEED
+    # Output.
     out: str = None
     resume: str = None
 

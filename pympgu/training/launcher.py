@@ -1,20 +1,27 @@
 """A training run from the launcher's side: everything checked before any worker starts,
 the workers launched and supervised, their reports shown, and the result summed up."""
+import json
 import os
 import sys
 import time
 
 from . import checkpoint
+from . import resume as resuming
+from .outdir import OutDir, OutDirError
 from .config import UsageError
 from .replica import build_model
 from .report import Reporter, plot
 from .worker import make_schedule, worker
 
 
-def run(cfg, port=None, quiet=False, nodes=None, secret=None):
+def run(cfg, port=None, quiet=False, nodes=None, secret=None, changed=None, fit_batch=None):
     """Train as ``cfg`` (a RunConfig) says: launch the workers, report as they go, and
     return rank 0's history. Raises UsageError for a setting the data or model cannot take,
     before any worker starts; pympgu.launch.WorkerFailed when a worker fails.
+
+    ``changed``: what a resumed run changes of the run it continues ({setting: [before,
+    after]}), kept in config.json. ``fit_batch``: the preset whose batch this is (not
+    given): one the data cannot fill becomes the largest it can, with a note.
 
     On several nodes (``nodes``, pympgu.nodes.Nodes, and their shared ``secret``) this
     launches this node's workers; node 0's run reports, writes --out and returns the
@@ -29,36 +36,21 @@ def run(cfg, port=None, quiet=False, nodes=None, secret=None):
     from ..launch import launch
     ds = data.load(cfg.data)  # fail here, with the file's name, before any worker starts
     model = _check_model(cfg, ds)
+    resumed = 0
     if cfg.resume:  # a checkpoint of another model, or damaged: said here, not by every worker
         try:
             resumed, _, _ = checkpoint.read(cfg.resume, model, note=lambda line: print(
                 f"pympgu: --resume {line}", file=sys.stderr, flush=True))
         except ValueError as e:
             raise UsageError("--resume", str(e)) from None
-    # Every worker takes whole, disjoint batches each epoch (data.shard_batches): refuse a
-    # batch no epoch can fill here, rather than in every worker after they start.
-    ntrain, workers = len(ds.train[1]), cfg.nworkers
-    if not data.batches_per_epoch(ntrain, cfg.batch_size, workers):
-        raise UsageError("--batch-size",
-                         f"--batch-size {cfg.batch_size} with {workers} workers needs "
-                         f"{cfg.batch_size * workers} training examples a step, and {ds.name} "
-                         f"has {ntrain}: give at most {ntrain // workers}")
-    replacing = checkpoint.replaces_a_run(cfg.out, cfg.resume)
-    config = _write_config(cfg, replacing)
-    if cfg.resume and cfg.out and not replacing:  # the log goes on from the epoch resumed
-        checkpoint.trim_metrics(cfg.out, resumed)
-    schedule = make_schedule(cfg, ntrain, workers)
-    print(f"pympgu: {describe(cfg, ds, model, schedule)}", flush=True)
-    reporter = Reporter(cfg.out, cfg.epochs, quiet=quiet,
-                        resume=bool(cfg.resume) and not replacing,
-                        rates=schedule.kind != "constant" or schedule.warmup > 0)
-    t0 = time.perf_counter()
-    if cfg.nnodes > 1:
-        print(f"pympgu: node 0 of {cfg.nnodes}, waiting for the others at {nodes.address}",
-              file=sys.stderr, flush=True)
+        if resumed >= cfg.epochs:
+            raise UsageError("--epochs", f"--resume {cfg.resume}: the run has trained its "
+                                         f"{cfg.epochs} epochs; give --epochs N (above "
+                                         f"{resumed}) to train on")
+    cfg = _fit_batch(cfg, len(ds.train[1]), ds, fit_batch)
+    out = _out_dir(cfg)
     try:
-        results = launch(worker, (cfg,), port=port, on_metric=reporter, nodes=nodes,
-                         secret=secret, **_workers(cfg))
+        return _launch_run(cfg, ds, model, out, resumed, changed, port, quiet, nodes, secret)
     except BindError as e:  # before any worker started
         if cfg.nnodes > 1:
             raise UsageError("--coordinator", f"--coordinator {nodes.address}: node 0 cannot "
@@ -68,9 +60,38 @@ def run(cfg, port=None, quiet=False, nodes=None, secret=None):
         raise UsageError("--port", f"--port {port}: {e.strerror} (another run's? without "
                                    "--port the coordinator takes a free one)") from None
     finally:
+        if out is not None:
+            out.close()
+
+
+def _launch_run(cfg, ds, model, out, resumed, changed, port, quiet, nodes, secret):
+    from ..launch import launch
+    replacing = checkpoint.replaces_a_run(cfg.out, cfg.resume)
+    config = _write_config(cfg, out, replacing, resuming.history(cfg.resume, resumed, changed))
+    if cfg.resume and out is not None and not replacing:  # the log goes on from its epoch
+        checkpoint.sync_metrics(out)
+    workers = cfg.nworkers
+    schedule = make_schedule(cfg, len(ds.train[1]), workers)
+    print(f"pympgu: {describe(cfg, ds, model, schedule)}", flush=True)
+    reporter = Reporter(out, cfg.epochs, quiet=quiet,
+                        resume=bool(cfg.resume) and not replacing,
+                        rates=schedule.kind != "constant" or schedule.warmup > 0)
+    t0 = time.perf_counter()
+    if cfg.nnodes > 1:
+        print(f"pympgu: node 0 of {cfg.nnodes}, waiting for the others at {nodes.address}",
+              file=sys.stderr, flush=True)
+    try:
+        results = launch(worker, (cfg,), port=port, on_metric=reporter, nodes=nodes,
+                         secret=secret, **_workers(cfg))
+    finally:
         reporter.close()
-        if replacing and config and os.path.exists(config):  # no epoch ended: it stays
-            os.remove(config)
+        if out is not None:
+            out.remove_temporaries()  # what a worker stopped mid-write left
+            if replacing and config and out.exists(config):  # no epoch ended: it stays
+                out.remove(config)
+            # A run stopped between an epoch's checkpoint and its line in the log: the
+            # line comes back from the checkpoint.
+            checkpoint.sync_metrics(out)
     if results[0]["diverged"]:
         raise Diverged(**results[0]["diverged"])
     if len({r["digest"] for r in results}) != 1:
@@ -78,8 +99,45 @@ def run(cfg, port=None, quiet=False, nodes=None, secret=None):
                            ", ".join(f"rank {r['rank']} {r['digest'][:12]}" for r in results))
     history = results[0]["history"]
     if history:
-        _summarize(cfg, history, time.perf_counter() - t0)
+        _summarize(cfg, out, history, time.perf_counter() - t0)
     return history
+
+
+def _fit_batch(cfg, ntrain, ds, preset):
+    """``cfg``, its batch checked against the data: every worker takes whole, disjoint
+    batches each epoch (data.shard_batches), so refuse a batch no epoch can fill here,
+    rather than in every worker after they start; a preset's batch is fitted instead."""
+    from .. import data
+    workers = cfg.nworkers
+    if data.batches_per_epoch(ntrain, cfg.batch_size, workers):
+        return cfg
+    fits = ntrain // workers
+    if preset and fits >= 1:
+        print(f"pympgu: --preset {preset}: its batch of {cfg.batch_size} a worker needs "
+              f"{cfg.batch_size * workers:,} training examples a step and {ds.name} has "
+              f"{ntrain:,}: batch {fits} a worker instead (--batch-size sets it)",
+              file=sys.stderr, flush=True)
+        return cfg.replace(batch_size=fits)
+    raise UsageError("--batch-size",
+                     f"--batch-size {cfg.batch_size} with {workers} workers needs "
+                     f"{cfg.batch_size * workers} training examples a step, and {ds.name} "
+                     f"has {ntrain}: give at most {fits}")
+
+
+def _out_dir(cfg):
+    """--out, checked and held open (OutDir), or None without one."""
+    if not cfg.out:
+        return None
+    try:
+        out = OutDir(cfg.out)
+    except OutDirError as e:
+        raise UsageError("--out", f"--out {e}") from None
+    links = out.links(checkpoint.FILES)
+    if links:
+        out.close()
+        raise UsageError("--out", f"--out {cfg.out} holds a link named {links[0]}: pympgu "
+                                  "writes no file through one; remove it")
+    return out
 
 
 class Diverged(RuntimeError):
@@ -130,29 +188,30 @@ def _check_model(cfg, ds):
     return model
 
 
-def _write_config(cfg, replacing):
-    """Write config.json under --out before any worker starts, so that an --out that cannot
-    be written loses no training; returns its path (None without --out). Over an earlier
-    run it waits beside it (config.json.next) until this run's first checkpoint, so that a
-    run stopped sooner leaves that run whole (its config.json builds its model for
-    pympgu.evaluate)."""
-    if not cfg.out:
+def _write_config(cfg, out, replacing, changes):
+    """Write config.json into ``out`` (an OutDir, or None) before any worker starts, so that
+    an --out that cannot be written loses no training; returns its name (None without
+    --out). ``changes``: the run's history of changes on resuming (resume.history). Over
+    an earlier run it waits beside it (config.json.next) until this run's first checkpoint,
+    so that a run stopped sooner leaves that run whole (its config.json builds its model
+    for pympgu.evaluate)."""
+    if out is None:
         return None
-    pending = os.path.join(cfg.out, checkpoint.CONFIG_NEXT)
-    config = pending if replacing else os.path.join(cfg.out, checkpoint.CONFIG)
+    name = checkpoint.CONFIG_NEXT if replacing else checkpoint.CONFIG
+    values = cfg.to_json()
+    if changes:
+        values["changes"] = changes
     try:
-        os.makedirs(cfg.out, exist_ok=True)
-        with open(config, "w") as f:
-            f.write(cfg.dumps())
-        if not replacing and os.path.exists(pending):
-            os.remove(pending)  # a stopped run's
+        out.write_text(name, json.dumps(values, indent=1))
+        if not replacing:
+            out.remove(checkpoint.CONFIG_NEXT)  # a stopped run's
     except OSError as e:
         raise UsageError("--out", f"--out {cfg.out}: {e.strerror or e}") from e
     if replacing:
         print(f"pympgu: --out {cfg.out} holds an earlier run; this run replaces its "
               f"config.json, checkpoints and metrics.jsonl after its first epoch "
               f"(--resume {cfg.out} would continue it)", file=sys.stderr, flush=True)
-    return config
+    return name
 
 
 def describe(cfg, ds, model, schedule):
@@ -177,7 +236,7 @@ def describe(cfg, ds, model, schedule):
             f"{' overlapped' if cfg.overlap else ''}{wire} | {products}backend {cfg.backend}")
 
 
-def _summarize(cfg, history, seconds):
+def _summarize(cfg, out, history, seconds):
     """The last lines of a run: its best epoch, where its checkpoint is, and the curves."""
     best = min(history, key=lambda h: h["valid_error"])
     mean_rate = sum(h["samples_per_s"] for h in history) / len(history)
@@ -193,7 +252,10 @@ def _summarize(cfg, history, seconds):
     print(f"done in {seconds:.1f} s: best validation error {100 * best['valid_error']:.2f}% "
           f"(epoch {best['epoch']}{kept}), its test error {100 * best['test_error']:.2f}%, "
           f"{mean_rate:.0f} samples/s")
-    if cfg.out:
-        plot(history, os.path.join(cfg.out, "curves.png"))
+    if out is not None:
+        try:
+            plot(history, out)
+        except OSError as e:  # the run is done and saved: its picture is not worth a failure
+            print(f"pympgu: {out.join(checkpoint.CURVES)} not written ({e})", file=sys.stderr)
         if kept:
             print(f"its errors class by class: python -m pympgu.evaluate {cfg.out}")

@@ -3,7 +3,6 @@ handed to and taken from the exchange."""
 import hashlib
 
 from . import checkpoint
-from .config import MODEL_SEED
 
 
 def jax_device(jax, ctx):
@@ -39,7 +38,7 @@ def build_model(cfg, ds):
     """The run's model (a RunConfig's) for the dataset ``ds`` (pympgu.models.build), with
     its optimizer."""
     from .. import models
-    return models.build(cfg.model, ds.n_in, cfg.hidden, ds.n_classes, seed=MODEL_SEED,
+    return models.build(cfg.model, ds.n_in, cfg.hidden, ds.n_classes, seed=cfg.init_seed,
                         optimizer=cfg.optimizer, beta2=cfg.beta2,
                         weight_decay=cfg.weight_decay, nesterov=cfg.nesterov,
                         clip_norm=cfg.clip_norm, ema=cfg.ema, dropout=cfg.dropout,
@@ -335,8 +334,9 @@ class Replica:
         return error_rates(self.eval_fn, len(self.dataset.valid[1]), len(self.dataset.test[1]),
                            self.eval_batch)
 
-    def save(self, path, epoch, history):
-        checkpoint.save(path, self.model, self.values(), epoch, history)
+    def save(self, out, epoch, history):
+        """This replica as the checkpoint of ``epoch`` in ``out`` (an OutDir)."""
+        checkpoint.save(out, self.model, self.values(), epoch, history)
 
     def load(self, path):
         epoch, history, values = checkpoint.read(path, self.model)

@@ -1,12 +1,11 @@
 """What a run shows its user: the progress bar, a line per epoch, metrics.jsonl and the
 curves."""
 import json
-import os
 import sys
 import time
 
 from ..control import printable
-from .checkpoint import METRICS
+from .checkpoint import CURVES, METRICS
 
 
 class Reporter:
@@ -15,9 +14,8 @@ class Reporter:
     def __init__(self, out, epochs, stream=None, quiet=False, resume=False, rates=False):
         # A resumed run adds its epochs to the log; a fresh one starts it over, at its first
         # epoch, when its worker replaces the checkpoint too: until then the directory
-        # still holds the earlier run whole.
-        self.path, self.mode = (os.path.join(out, METRICS) if out else None,
-                                "a" if resume else "w")
+        # still holds the earlier run whole. ``out``: the run's OutDir, or None.
+        self.out, self.resume = out, resume
         self.metrics = None
         self.epochs, self.stream, self.quiet = epochs, stream or sys.stderr, quiet
         self.tty = self.stream.isatty()
@@ -49,9 +47,9 @@ class Reporter:
             if data.get("road") and data["road"] != self.road:  # once, and if it changes
                 self.road = data["road"]
                 print(f"          exchange: {printable(self.road, 500)}", flush=True)
-            if self.path:
+            if self.out is not None:
                 if self.metrics is None:
-                    self.metrics = open(self.path, self.mode)
+                    self.metrics = self.out.open_append(METRICS, truncate=not self.resume)
                 self.metrics.write(json.dumps(data) + "\n")
                 self.metrics.flush()
 
@@ -60,8 +58,9 @@ class Reporter:
             self.metrics.close()
 
 
-def plot(history, path):
-    """Loss and error curves as a PNG (skipped, with a note, without matplotlib)."""
+def plot(history, out, name=CURVES):
+    """Loss and error curves as a PNG in ``out`` (an OutDir; skipped, with a note, without
+    matplotlib)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -80,5 +79,5 @@ def plot(history, path):
     b.set_ylabel("error (%)")
     b.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    out.write(name, lambda f: fig.savefig(f, dpi=100, format="png"))
     plt.close(fig)

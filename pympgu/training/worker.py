@@ -6,6 +6,7 @@ import time
 import warnings
 
 from . import checkpoint
+from .outdir import OutDir
 from .replica import Replica, state_layout
 from .sync import Sync, same_start
 
@@ -99,6 +100,7 @@ def worker(ctx, cfg):
                     rep.digest(each=True))
         stage(ctx, "connecting the workers' exchange")
     ex, inside = make_exchanger(ctx, rep, cfg)
+    out = OutDir(cfg.out, create=False) if cfg.out and ctx.rank == 0 else None
     try:
         schedule = make_schedule(cfg, len(rep.dataset.train[1]), ctx.nranks)
         stage(ctx, f"training from epoch {start_epoch + 1} (its first steps compile)")
@@ -115,8 +117,8 @@ def worker(ctx, cfg):
                     record["valid_error"], record["test_error"] = rep.errors()
                     history.append(record)
                     ctx.metric(kind="epoch", **record)
-                    if cfg.out:
-                        _save(cfg, rep, history, first=epoch == start_epoch)
+                    if out is not None:
+                        _save(out, rep, history, first=epoch == start_epoch)
                     stop = bool(cfg.patience
                                 and checkpoint.epochs_since_best(history) >= cfg.patience)
             # Rank 0 alone evaluates, so it decides, and every rank stops after the same
@@ -132,6 +134,8 @@ def worker(ctx, cfg):
     finally:
         if ex is not None:
             ex.close()
+        if out is not None:
+            out.close()
     return {"rank": ctx.rank, "history": history if ctx.rank == 0 else None,
             "digest": digest, "diverged": diverged}
 
@@ -189,13 +193,12 @@ def _epoch(ctx, cfg, rep, ex, inside, schedule, epoch):
                      else None if inside is None else inside.road)}
 
 
-def _save(cfg, rep, history, first):
-    """Rank 0's checkpoint of the epoch just ended, best.npz if it is the best so far, and,
-    after a run's first epoch, its config.json in place of an earlier run's."""
-    path = os.path.join(cfg.out, checkpoint.CHECKPOINT)
-    rep.save(path, history[-1]["epoch"], history)
-    pending = os.path.join(cfg.out, checkpoint.CONFIG_NEXT)
-    if first and os.path.exists(pending):  # the launcher wrote it
-        os.replace(pending, os.path.join(cfg.out, checkpoint.CONFIG))
+def _save(out, rep, history, first):
+    """Rank 0's checkpoint of the epoch just ended into ``out`` (an OutDir), best.npz if it
+    is the best so far, and, after a run's first epoch, its config.json in place of an
+    earlier run's."""
+    rep.save(out, history[-1]["epoch"], history)
+    if first and out.exists(checkpoint.CONFIG_NEXT):  # the launcher wrote it
+        out.rename(checkpoint.CONFIG_NEXT, checkpoint.CONFIG)
     if all(history[-1]["valid_error"] < h["valid_error"] for h in history[:-1]):
-        checkpoint.keep_best(cfg.out)
+        checkpoint.keep_best(out)
