@@ -174,7 +174,7 @@ def main():
                    help="time the step that averages the parameters alone, and nothing else "
                         "(for a profiler)")
     a = p.parse_args()
-    from pympgu.launch import launch
+    from pympgu.runtime import launch
     args = (a.hidden, a.batch_size, a.calls, not a.no_exchanger, a.only_params)
     for rank, r in enumerate(launch(worker, args, gpus=a.gpus)):
         if a.only_params:

@@ -65,7 +65,7 @@ def main():
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--gpu", type=int, default=0)
     a = p.parse_args()
-    from pympgu.launch import launch
+    from pympgu.runtime import launch
     r = launch(worker, (a.hidden, a.batch_size, a.steps), gpus=[a.gpu])[0]
     print(f"per step (profiler on): {r['ms_per_step']:.3f} ms wall; host: training call "
           f"{r['train_host_ms']:.3f} ms, exchange {r['exchange_host_ms']:.3f} ms")

@@ -352,7 +352,7 @@ def load(spec=None):
             from sklearn.datasets import load_digits
         except ImportError:
             raise DataError("the 'digits' dataset is scikit-learn's: pip install "
-                            "scikit-learn") from None
+                            '"pympgu[digits]" (or scikit-learn)') from None
         d = load_digits()
         x = (d.data / 16.0).astype(np.float32)
         y = d.target.astype(np.int32)

@@ -36,3 +36,8 @@ class CudaError(RuntimeError):
 
 class ExchangeError(RuntimeError):
     """A failure of the multi-worker exchange: layouts that differ, a peer that left."""
+
+
+class SaidWhole(RuntimeError):
+    """A failure whose message says it all, the cause and what to do: a worker that raises
+    it is named with that one line, without a traceback."""

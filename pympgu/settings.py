@@ -1,7 +1,7 @@
 """pympgu's environment variables, read once per process into typed, frozen settings.
 
 Every ``PYMPGU_*`` variable that changes what pympgu does at run time is read here and
-nowhere else, but for the two that say where a run's nodes meet, which pympgu.nodes reads
+nowhere else, but for the two that say where a run's nodes meet, which pympgu.runtime.nodes reads
 (PYMPGU_COORDINATOR, and PYMPGU_SECRET, which must never join settings that ranks compare
 and print). Each field of :class:`Settings` is read from ``PYMPGU_<FIELD>`` (upper case);
 an unset or empty variable keeps the default, and a value that does not parse raises

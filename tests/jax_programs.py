@@ -396,7 +396,11 @@ def jax_graph_agrees_with_c_backend(optimizer, lr):
                      models.error_rates(ev, 1000, 1000, 100))
     (c1, p1, e1), (c2, p2, e2) = out["FAST_RUN"], out["JAX"]
     assert np.allclose(c1, c2, rtol=1e-5), (c1, c2)
-    assert all(np.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(p1, p2))
+    # Adam moves a parameter by up to lr a step whatever its gradient's size, so the last
+    # bits of a gradient near zero (XLA's and the C backend's sums differ there) can move it
+    # by a small part of lr.
+    atol = 1e-6 if optimizer == "sgd" else 1e-3 * lr
+    assert all(np.allclose(a, b, rtol=1e-4, atol=atol) for a, b in zip(p1, p2))
     assert abs(e1[0] - e2[0]) < 0.005, (e1, e2)
 
 

@@ -88,8 +88,8 @@ def main(argv):
     import node_targets  # the workers find the target by this module's name
     nnodes, node, port, nlocal = (int(a) for a in argv[:4])
     target, args = getattr(node_targets, argv[4]), json.loads(argv[5])
-    from pympgu import nodes
-    from pympgu.launch import launch
+    from pympgu.runtime import nodes
+    from pympgu.runtime import launch
     where = nodes.resolve(nnodes, node, f"127.0.0.1:{port}")
     results = launch(target, args, gpus=[0] * nlocal, nodes=where,
                      secret=nodes.read_secret(), heartbeat_timeout=60, progress_timeout=60)

@@ -42,11 +42,16 @@ def session_left(pid):
                           capture_output=True, text=True).stdout.strip()
 
 
-def free_port(pair=False):
-    """A port free on loopback (and, with ``pair``, the next one too)."""
+def free_port(pair=False, fixed=False):
+    """A port free on loopback (and, with ``pair``, the next one too); with ``fixed``, one
+    below the range that the kernel hands connections, which a flood of them cannot take."""
+    import random
     while True:
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1", random.randrange(20000, 30000) if fixed else 0))
+            except OSError:
+                continue
             port = s.getsockname()[1]
         if not pair:
             return port

@@ -52,7 +52,7 @@ def average_rounds(ctx, rounds, pid_dir=None, fail=None, layout=None, flat=False
         layout = LAYOUT[:-1] + [("b2", [6] if ctx.rank == 1 else [5], "float32")]
     with Exchanger(ctx, layout) as ex:
         if ctx.nranks > 1:  # every rank has mapped this rank's segment: its name is gone
-            from pympgu import shm
+            from pympgu.runtime import shm
             assert not glob.glob(f"/dev/shm/{shm.segment_name(ctx.run_id, ctx.rank)}-*")
         digest = None
         for k in range(rounds):
@@ -84,15 +84,15 @@ def average_rounds(ctx, rounds, pid_dir=None, fail=None, layout=None, flat=False
 
 
 def attack_then_average(ctx, rounds):
-    """Rank 0 first throws junk at the coordinator's port: raw bytes, a forged HELLO, a
+    """Rank 0 first throws junk at the coordinator's socket: raw bytes, a forged HELLO, a
     truncated message and a payload that is not JSON; then everyone exchanges as usual."""
     import socket
     import time
 
     import zmq
     if ctx.rank == 0:
-        host, port = ctx.link.address.rsplit("/", 1)[-1].split(":")
-        with socket.create_connection((host, int(port)), timeout=5) as raw:
+        with socket.socket(socket.AF_UNIX) as raw:
+            raw.connect(ctx.link.address.removeprefix("ipc://"))
             raw.sendall(b"GET / HTTP/1.0\r\n\r\n" + os.urandom(256))
         zctx = zmq.Context()
         d = zctx.socket(zmq.DEALER)
@@ -565,7 +565,7 @@ def hold_segment(ctx, pid_dir, hold_s, unlink=False):
     """Make this rank's shared-memory segment as the host exchange does, unlink its name
     (with ``unlink``), write <rank>.pid and <rank>.ready in pid_dir, and hold the segment
     hold_s seconds; returns its name, mode and owner."""
-    from pympgu import shm
+    from pympgu.runtime import shm
     open(os.path.join(pid_dir, f"{ctx.rank}.pid"), "w").write(str(os.getpid()))
     open(os.path.join(pid_dir, "run_id"), "w").write(ctx.run_id)
     seg = shm.Segment(shm.new_name(shm.segment_name(ctx.run_id, ctx.rank)), 4096, create=True)

@@ -2,7 +2,7 @@
 import pytest
 
 from conftest import visible_gpus
-from pympgu.launch import WorkerFailed, launch
+from pympgu.runtime import WorkerFailed, launch
 from pympgu.training.config import RunConfig, optimizer_defaults
 from pympgu.training.launcher import run as train
 from runtime_targets import average_rounds_gpu, part_rounds, wire_rounds

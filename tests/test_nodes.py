@@ -12,7 +12,7 @@ import pytest
 
 import processes
 from processes import kill_session, session_left, wait_until
-from pympgu import nodes
+from pympgu.runtime import nodes
 
 pytestmark = pytest.mark.timeout(300)
 SECRET = "0f1e2d3c4b5a69788796a5b4c3d2e1f0"
@@ -166,6 +166,7 @@ def test_two_nodes_of_two_workers_train_as_four_workers_on_one(tmp_path, launche
     assert code0 == 0, err0[-3000:]
     assert code1 == 0, err1[-3000:]
     assert "2 nodes x 2 CPU workers" in out0 and "pympgu: node 1 done" in err1
+    assert "[Gloo]" not in out0 + err0, out0  # its notice of every connection, dropped
     if launcher != "shell":
         return
     two = epochs(out / "metrics.jsonl")
@@ -178,6 +179,35 @@ def test_two_nodes_of_two_workers_train_as_four_workers_on_one(tmp_path, launche
     for a, b in zip(two, four):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)
         assert a["valid_error"] == pytest.approx(b["valid_error"], abs=1e-3), (a, b)
+
+
+def test_a_stranger_at_jaxs_rendezvous_stops_the_run_in_one_line_each(tmp_path):
+    """JAX's rendezvous (node 0's port after --coordinator's) takes anyone on the network:
+    a process outside the run that joins it makes JAX's runtime abort every rank. Each node
+    says so in one line, naming the cause, without the runtime's fatal log or a stack."""
+    port = free_port()
+    out = tmp_path / "run"
+    procs = [start(node_argv(k, port, "--cpu", "1", "--epochs", "100000",
+                             *(["--out", str(out)] if k == 0 else []))) for k in range(2)]
+    try:
+        assert wait_until((out / "checkpoint.npz").exists, 120, every=0.2)
+        stranger = subprocess.Popen(
+            [sys.executable, "-c", "import jax; jax.distributed.initialize("
+             f"'127.0.0.1:{port + 1}', 2, 1, initialization_timeout=20)"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        results = [(p.wait(timeout=60), p.stderr.read()) for p in procs]
+    finally:
+        stranger.kill()
+        stranger.wait()
+        for p in procs:
+            kill_session(p)
+    for k, (code, err) in enumerate(results):
+        assert code == 1, err[-3000:]
+        failed = [line for line in err.splitlines() if "training failed" in line]
+        assert len(failed) == 1 and "was aborted by its C++ runtime" in failed[0], err
+        assert "a process outside the run joined JAX's rendezvous on node 0" in failed[0]
+        assert "Traceback" not in err and "Check failure" not in err, err
+        assert not any(line[:1] in "EF" and line[1:5].isdigit() for line in err.splitlines())
 
 
 @pytest.mark.parametrize("victim", ["node 1's launcher", "node 0's launcher",
@@ -225,10 +255,10 @@ def test_a_node_or_rank_lost_stops_every_node_within_seconds(tmp_path, victim):
     if victim == "node 1's launcher":
         assert "node 1 (" in err and "stopped answering: its launcher is gone" in err, err
     elif victim == "node 0's launcher":
-        assert f"node 0 at tcp://127.0.0.1:{port} stopped answering: its launcher is gone" \
+        assert f"node 0 at 127.0.0.1:{port} stopped answering: its launcher is gone" \
             in err, err
     elif victim.endswith("dies"):
-        assert f"node 0 at tcp://127.0.0.1:{port} stopped answering: its launcher is gone; " \
+        assert f"node 0 at 127.0.0.1:{port} stopped answering: its launcher is gone; " \
             f"then rank 2 was killed by signal {int(signal.SIGABRT)}" in err, err
     else:
         assert "was killed by signal 9" in err and "(node 1)" in err, err
@@ -250,7 +280,7 @@ def test_a_node_without_the_secret_is_refused_and_the_run_goes_on(tmp_path):
     finally:
         kill_session(impostor)
     assert code0 == 0 and code1 == 0, err0[-2000:] + err1[-2000:]
-    assert "rejected" in err0 and "not authenticated by the run's secret" in err0, err0
+    assert "dropped" in err0 and "had not shown the nodes' secret" in err0, err0
     assert "epoch   2" in out0
     assert code == 1 and "answers under another secret" in err, err[-2000:]
 
@@ -273,7 +303,7 @@ def test_half_precision_wires_stay_on_one_node_and_nccl_on_gpus():
 @pytest.mark.parametrize("node", [0, 1])
 def test_a_node_alone_says_which_is_missing(node):
     """Node 0 without node 1, or node 1 without node 0: named once the join time is up."""
-    from pympgu.launch import WorkerFailed, launch
+    from pympgu.runtime import WorkerFailed, launch
     from runtime_targets import average_rounds
     where = nodes.Nodes(2, node, "127.0.0.1", free_port())
     t0 = time.monotonic()
@@ -282,6 +312,6 @@ def test_a_node_alone_says_which_is_missing(node):
                join_timeout=2.0)
     assert time.monotonic() - t0 < 20
     if node == 0:
-        assert "node(s) [1] did not join within 2 s at tcp://127.0.0.1:" in str(info.value)
+        assert "node(s) [1] did not join within 2 s at 127.0.0.1:" in str(info.value)
     else:
-        assert f"node 0 did not answer at tcp://{where.address} within 2 s" in str(info.value)
+        assert f"node 0 did not answer at {where.address} within 2 s" in str(info.value)

@@ -8,8 +8,8 @@ import tempfile
 
 import pytest
 
-from pympgu import control, shm
-from pympgu.launch import launch
+from pympgu.runtime import control, protocol, shm
+from pympgu.runtime import launch
 from pympgu.training import checkpoint as ckpt
 from pympgu.training import cli
 from pympgu.training.outdir import OutDir, OutDirError
@@ -29,7 +29,7 @@ def _remove(paths):
 
 
 def test_names_of_the_run_squatted_by_another_user_are_left_alone():
-    run_id = control.new_run_id()
+    run_id = protocol.new_run_id()
     squatted = [f"/dev/shm/pympgu-{run_id}-0-{k}" for k in range(4)]
     own = f"/dev/shm/pympgu-{run_id}-1-own"
     open(own, "w").close()

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from pympgu.launch import WorkerFailed, launch
+from pympgu.runtime import WorkerFailed, launch
 from processes import alive, kill_session, start, wait_until
 from runtime_targets import (attack_then_average, average_rounds, part_rounds, shared_rounds,
                              shm_left, wire_rounds)
@@ -98,7 +98,7 @@ def test_a_segment_gets_its_pages_or_says_that_shared_memory_is_full():
     """A segment's pages are allocated when it is made: a tmpfs that runs out later would
     kill the worker by SIGBUS at its first write. One larger than the whole of /dev/shm
     is refused at once, naming what it asked and what there is, and leaves no file."""
-    from pympgu import shm
+    from pympgu.runtime import shm
     st = os.statvfs(shm.SHM_DIR)
     seg = shm.Segment(shm.segment_name("7e57", 0), 1 << 20, create=True)
     try:
@@ -118,7 +118,7 @@ def test_a_segment_gets_its_pages_or_says_that_shared_memory_is_full():
 def test_ctrl_c_stops_every_worker(tmp_path):
     script = (
         "import sys; sys.path.insert(0, 'tests');"
-        "from pympgu.launch import launch; from runtime_targets import average_rounds;"
+        "from pympgu.runtime import launch; from runtime_targets import average_rounds;"
         f"launch(average_rounds, (100000, {str(tmp_path)!r}), cpu=2)"
     )
     proc = start([sys.executable, "-c", script])

@@ -63,9 +63,10 @@ def test_a_fresh_run_into_an_earlier_runs_out_starts_its_log_over(tmp_path, caps
 def test_a_run_stopped_before_its_first_epoch_leaves_the_earlier_run_whole(tmp_path, capsys):
     """config.json builds the model that pympgu.evaluate loads the checkpoints into: a new
     run over an earlier one replaces it with the checkpoints, after its first epoch, not
-    when it starts. A run resumed from elsewhere does not append to the earlier run's log."""
+    when it starts. A run resumed from elsewhere does not append to the earlier run's log:
+    its log is its checkpoint's history, the run it resumed and its own epochs."""
     from pympgu import evaluate
-    from pympgu.launch import WorkerFailed
+    from pympgu.runtime import WorkerFailed
     out = str(tmp_path / "run")
     read = lambda name: open(os.path.join(out, name)).read()  # noqa: E731
     train(config(epochs=1, hidden=[16], out=out), quiet=True)
@@ -84,7 +85,9 @@ def test_a_run_stopped_before_its_first_epoch_leaves_the_earlier_run_whole(tmp_p
     capsys.readouterr()
     train(config(epochs=2, hidden=[8], out=out, resume=os.path.join(other, ckpt.CHECKPOINT)), quiet=True)
     assert f"--out {out} holds an earlier run" in capsys.readouterr().err
-    assert [json.loads(x)["epoch"] for x in open(os.path.join(out, "metrics.jsonl"))] == [2]
+    log = open(os.path.join(out, "metrics.jsonl")).readlines()
+    assert [json.loads(x)["epoch"] for x in log] == [1, 2]
+    assert log[0] == open(os.path.join(other, "metrics.jsonl")).readline()
     assert json.loads(read("config.json"))["hidden"] == [8]
     assert not os.path.exists(os.path.join(out, ckpt.CONFIG_NEXT))
     assert evaluate.load(out).epoch == 2
@@ -694,8 +697,12 @@ def test_digits_without_scikit_learn_says_what_to_install(monkeypatch):
     import sys
     monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # its import then fails
     with pytest.raises(data.DataError, match="'digits' dataset is scikit-learn's: pip install "
-                                             "scikit-learn"):
+                                             '"pympgu\\[digits\\]"'):
         data.load("digits")
+    import tomllib  # the extra it names is there
+    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    assert extras["digits"] == ["scikit-learn>=1.0"]
 
 
 def test_seed_pickle_format(tmp_path):
@@ -742,23 +749,18 @@ def test_cli_rejects_bad_flags(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_cli_names_a_port_in_use(tmp_path, capsys):
-    """A --port another process holds is a flag error, before any worker starts, and a
-    run over an earlier one in --out leaves it as it was."""
-    import socket
+def test_cli_refusal_leaves_an_earlier_run_in_out_as_it_was(tmp_path, capsys):
+    """A setting refused before any worker starts (a batch the data cannot fill) is a flag
+    error in one line, and a run over an earlier one in --out leaves it as it was."""
     out = tmp_path / "run"
     out.mkdir()
     (out / ckpt.CHECKPOINT).write_bytes(b"an earlier run's")
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        port = held.getsockname()[1]
-        with pytest.raises(SystemExit) as info:
-            cli.main(["--cpu", "2", "--port", str(port), "--out", str(out)])
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--cpu", "2", "--batch-size", "6000", "--out", str(out)])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert f"error: --port {port}: Address already in use (another run's?" in err, err
-    assert "Traceback" not in err
+    assert "error: --batch-size 6000 with 2 workers" in err, err
+    assert "Traceback" not in err and len(err.splitlines()) == 1
     assert sorted(os.listdir(out)) == [ckpt.CHECKPOINT]
 
 
@@ -827,7 +829,7 @@ def test_cli_names_an_out_dir_it_cannot_write(tmp_path, capsys):
 
 
 def test_cli_says_what_a_stopped_run_left_to_resume(tmp_path, monkeypatch, capsys):
-    from pympgu.launch import WorkerFailed
+    from pympgu.runtime import WorkerFailed
     out = tmp_path / "run"
 
     def stopped(error, epochs_done):
@@ -861,9 +863,10 @@ def test_cli_says_what_a_stopped_run_left_to_resume(tmp_path, monkeypatch, capsy
 
 
 def test_epoch_lines_name_the_exchange_road_once(tmp_path, capsys):
-    """The road of the step's exchange (Exchanger.xla_road) is printed after the first
+    """The road of the step's exchange (worker._road) is printed after the first
     epoch that reports it, again only when it changes, and kept in metrics.jsonl."""
-    rep = Reporter(str(tmp_path), epochs=3, stream=io.StringIO())
+    from pympgu.training.outdir import OutDir
+    rep = Reporter(OutDir(str(tmp_path)), epochs=3, stream=io.StringIO())
     epoch = dict(kind="epoch", loss=0.5, valid_error=0.1, test_error=0.1,
                  samples_per_s=1000.0, exchange_share=None)
     for k, road in enumerate(["the update of the mean gradients"] * 2 + ["averaged after"]):
@@ -1127,7 +1130,7 @@ def test_replicas_that_start_differently_are_refused(tmp_path):
     """A model drawing its values elsewhere than from its seed would start each worker from
     another point; the first exchange would average them into a model none of them is. The
     run fails before any step, naming the rank and the arrays that differ."""
-    from pympgu.launch import WorkerFailed
+    from pympgu.runtime import WorkerFailed
     path = tmp_path / "models.py"
     path.write_text(BAD_MODELS)
     with pytest.raises(WorkerFailed, match="rank 1 differs from rank 0 in its initial values") \

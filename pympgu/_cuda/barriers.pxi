@@ -71,7 +71,7 @@ def _split_handles(handles, int nranks, prefixes=None):
     flags pages, or None when no rank has one). Ranks that disagree on stream barriers would
     wait for flags that never come: refused, naming them. A name not of pympgu's form (or
     not beginning with ``prefixes[r]``) is refused too: it must never reach another file."""
-    from .. import shm
+    from ..runtime import shm
     ipc, names = [], []
     for r, h in enumerate(handles):
         h = bytes(h)
@@ -110,7 +110,7 @@ cdef class HostFlags:
     def __init__(self, str name, bint create):
         import mmap
 
-        from .. import shm
+        from ..runtime import shm
         self.segment = shm.Segment(name, mmap.PAGESIZE, create)
         self.name = name
         try:

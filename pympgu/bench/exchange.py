@@ -270,7 +270,7 @@ def main(argv=None):
     devices = [gpus[r % len(gpus)] for r in range(nranks)]
     sizes = args.sizes or DEFAULT_SIZES
     if across:
-        from .. import nodes
+        from ..runtime import nodes
         from . import nodes as bench_nodes
         where = None  # every node a process of this host
         if (args.node_rank is not None or args.coordinator is not None

@@ -97,8 +97,8 @@ def table(rows):
 
 def run_node(where, devices, sizes, json_path=None):
     """This node's part; node 0 prints the table."""
-    from .. import nodes
-    from ..launch import launch
+    from ..runtime import nodes
+    from ..runtime import launch
     secret = nodes.read_secret()
     if secret is None:
         raise SystemExit(f"pympgu.bench: {nodes.SECRET_ENV} must hold the run's secret on "

@@ -145,7 +145,7 @@ def environment(values):
 
 def run_pympgu(devices, cfg, steps, warmup, plain_jax=False, inside=True):
     """pympgu on devices (None entries: CPU workers); rank 0's timings, every rank's clock."""
-    from ..launch import launch
+    from ..runtime import launch
     cfg = cfg.replace(devices=tuple(devices))
     args = (cfg, steps, warmup, plain_jax, inside)
     if devices[0] is None:

@@ -29,7 +29,8 @@ class CudaBackend:
              "settings": "run with the same PYMPGU_* settings (pympgu.settings)"}
 
     def __init__(self, ex, timeout, stream_barriers=True):
-        from .. import cuda, shm
+        from .. import cuda
+        from ..runtime import shm
         self.cuda = cuda
         ctx = self.ctx = ex.ctx
         self.ex = ex

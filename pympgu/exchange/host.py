@@ -4,7 +4,8 @@ import os
 
 import numpy as np
 
-from .. import _host, shm
+from .. import _host
+from ..runtime import shm
 
 
 class HostBackend:

@@ -136,8 +136,6 @@ def build_parser():
                         "every rank in one communicator (across nodes too)")
     g.add_argument("--exchange-blocks", type=int, metavar="B",
                    help="cap the GPU averaging kernel at B thread blocks (1-512)")
-    g.add_argument("--port", type=int,
-                   help="the coordinator's port on 127.0.0.1 (default: a free one)")
     return p
 
 
@@ -261,7 +259,7 @@ _WITHOUT_JAX = ("JAX is not installed, so the CPU workers run PyTensor's C backe
 def nodes(args, parser):
     """(pympgu.nodes.Nodes, the shared secret or None) from the flags or a job launcher's
     environment, or a parser error naming the flag or variable at fault."""
-    from .. import nodes as _nodes
+    from ..runtime import nodes as _nodes
     try:
         where = _nodes.resolve(args.nnodes, args.node_rank, args.coordinator)
         secret = _nodes.read_secret(args.secret_file)
@@ -363,7 +361,7 @@ def main(argv=None):
     if resolved.note:
         print(f"pympgu: {resolved.note}", file=sys.stderr)
     from ..data import DataError
-    from ..launch import Terminated, WorkerFailed
+    from ..runtime import Terminated, WorkerFailed
     from .launcher import Diverged, run
     if resolved.changed is not None:
         changed = resuming.describe(resolved.changed, resolved.given)
@@ -374,7 +372,7 @@ def main(argv=None):
               "elsewhere)", file=sys.stderr)
     before = checkpoint.stamp(cfg.out)
     try:
-        run(cfg, port=args.port, quiet=args.quiet, nodes=where if where.nnodes > 1 else None,
+        run(cfg, quiet=args.quiet, nodes=where if where.nnodes > 1 else None,
             secret=secret, changed=resolved.changed,
             fit_batch=args.preset if args.batch_size is None else None)
     except UsageError as e:

@@ -115,7 +115,7 @@ class RunConfig:
         need(all(d is None for d in self.devices) or all(isinstance(d, int) and d >= 0
                                                          for d in self.devices),
              "--gpus", f"takes GPU indexes, or --cpu N alone; got {list(self.devices)}")
-        from ..nodes import MAX_NODES
+        from ..runtime.nodes import MAX_NODES
         need(1 <= self.nnodes <= MAX_NODES, "--nnodes",
              f"must be 1 to {MAX_NODES}, got {self.nnodes}")
         need(self.nnodes == 1 or self.exchange_dtype == "float32", "--exchange-dtype",

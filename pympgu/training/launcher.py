@@ -14,7 +14,7 @@ from .report import Reporter, plot
 from .worker import make_schedule, worker
 
 
-def run(cfg, port=None, quiet=False, nodes=None, secret=None, changed=None, fit_batch=None):
+def run(cfg, quiet=False, nodes=None, secret=None, changed=None, fit_batch=None):
     """Train as ``cfg`` (a RunConfig) says: launch the workers, report as they go, and
     return rank 0's history. Raises UsageError for a setting the data or model cannot take,
     before any worker starts; pympgu.launch.WorkerFailed when a worker fails.
@@ -32,8 +32,7 @@ def run(cfg, port=None, quiet=False, nodes=None, secret=None, changed=None, fit_
     if nodes is not None and nodes.node_rank > 0:
         return _run_node(cfg, nodes, secret)
     from .. import data
-    from ..control import BindError
-    from ..launch import launch
+    from ..runtime.control import BindError
     ds = data.load(cfg.data)  # fail here, with the file's name, before any worker starts
     model = _check_model(cfg, ds)
     resumed = 0
@@ -50,22 +49,23 @@ def run(cfg, port=None, quiet=False, nodes=None, secret=None, changed=None, fit_
     cfg = _fit_batch(cfg, len(ds.train[1]), ds, fit_batch)
     out = _out_dir(cfg)
     try:
-        return _launch_run(cfg, ds, model, out, resumed, changed, port, quiet, nodes, secret)
+        return _launch_run(cfg, ds, model, out, resumed, changed, quiet, nodes, secret)
     except BindError as e:  # before any worker started
-        if cfg.nnodes > 1:
-            raise UsageError("--coordinator", f"--coordinator {nodes.address}: node 0 cannot "
-                                              f"listen there ({e.strerror})") from None
-        if not port:  # no free port to be had: not a flag's fault
+        if cfg.nnodes == 1:
             raise
-        raise UsageError("--port", f"--port {port}: {e.strerror} (another run's? without "
-                                   "--port the coordinator takes a free one)") from None
+        if e.filename and e.filename.startswith("port "):  # the rendezvous, the next port
+            raise UsageError("--coordinator", f"--coordinator {nodes.address}: node 0 cannot "
+                                              f"listen on {e.filename}, the next one "
+                                              f"({e.strerror}): give another port") from None
+        raise UsageError("--coordinator", f"--coordinator {nodes.address}: node 0 cannot "
+                                          f"listen there ({e.strerror})") from None
     finally:
         if out is not None:
             out.close()
 
 
-def _launch_run(cfg, ds, model, out, resumed, changed, port, quiet, nodes, secret):
-    from ..launch import launch
+def _launch_run(cfg, ds, model, out, resumed, changed, quiet, nodes, secret):
+    from ..runtime import launch
     replacing = checkpoint.replaces_a_run(cfg.out, cfg.resume)
     config = _write_config(cfg, out, replacing, resuming.history(cfg.resume, resumed, changed))
     if cfg.resume and out is not None and not replacing:  # the log goes on from its epoch
@@ -81,7 +81,7 @@ def _launch_run(cfg, ds, model, out, resumed, changed, port, quiet, nodes, secre
         print(f"pympgu: node 0 of {cfg.nnodes}, waiting for the others at {nodes.address}",
               file=sys.stderr, flush=True)
     try:
-        results = launch(worker, (cfg,), port=port, on_metric=reporter, nodes=nodes,
+        results = launch(worker, (cfg,), on_metric=reporter, nodes=nodes,
                          secret=secret, **_workers(cfg))
     finally:
         reporter.close()
@@ -159,7 +159,7 @@ def _workers(cfg):
 def _run_node(cfg, nodes, secret):
     """Node 1, 2...: this node's workers, joined to node 0's, which reports and saves."""
     from .. import data
-    from ..launch import launch
+    from ..runtime import launch
     data.load(cfg.data)  # fail here, with the file's name, before any worker starts
     print(f"pympgu: node {nodes.node_rank} of {nodes.nnodes}, joining node 0 at "
           f"{nodes.address}", file=sys.stderr, flush=True)

@@ -4,7 +4,7 @@ import json
 import sys
 import time
 
-from ..control import printable
+from ..runtime.protocol import printable
 from .checkpoint import CURVES, METRICS
 
 

@@ -180,7 +180,6 @@ def _epoch(ctx, cfg, rep, ex, inside, schedule, epoch):
     sync.drain()
     rep.wait()
     epoch_s = time.perf_counter() - t_epoch
-    outside = sync.outside
     return {"epoch": epoch + 1, "loss": float(np.mean([float(c) for c in costs])), "lr": rate,
             "time_s": epoch_s,
             "samples_per_s": ctx.nranks * len(batches) * cfg.batch_size / epoch_s,
@@ -189,8 +188,23 @@ def _epoch(ctx, cfg, rep, ex, inside, schedule, epoch):
             # traced average_gradients), so that a run says whether the gradients or the
             # parameters crossed, and why; or why it runs outside XLA (a build without
             # jaxlib's headers, say).
-            "road": (f"queued from Python after the step: {outside}" if outside
-                     else None if inside is None else inside.road)}
+            "road": _road(ctx, sync, inside)}
+
+
+def _road(ctx, sync, inside):
+    """Which road the step's exchange took, in words: inside XLA (None when no step traced
+    average_gradients), queued from Python after the step and why, or on CPU workers
+    through shared memory (and between nodes by JAX's gloo)."""
+    if sync.ex is None:
+        return None
+    if ctx.is_cpu:
+        every = "the step" if sync.every == 1 else f"every {sync.every} steps"
+        across = ", and between the nodes by JAX's gloo" if ctx.nnodes > 1 else ""
+        return f"averaged after {every}, through shared memory{across} (CPU workers)"
+    outside = sync.outside
+    if outside:
+        return f"queued from Python after the step: {outside}"
+    return None if inside is None else inside.road
 
 
 def _save(out, rep, history, first):

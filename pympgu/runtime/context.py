@@ -1,0 +1,50 @@
+"""What a worker knows of its run, and how it meets its peers through the launcher."""
+
+
+class WorkerContext:
+    """What a worker knows of the run: its rank among all (``rank`` of ``nranks``) and on
+    its node (``local_rank`` of ``local_nranks``), its node (``node`` of ``nnodes``), its
+    device, the run's public id (which names its shared memory) and the way to the
+    coordinator."""
+
+    def __init__(self, place, device, run_id, link, data_address=None):
+        (self.rank, self.nranks, self.local_rank, self.local_nranks, self.node,
+         self.nnodes) = place
+        self.device, self.run_id, self.link = device, run_id, link
+        self.data_address = data_address  # node 0's address for the data plane's rendezvous
+        self._barrier_seq = 0
+
+    @property
+    def is_cpu(self):
+        return self.device is None
+
+    def barrier(self, what=None, value=None, shared=None, local=False):
+        """A host barrier of every rank (of this node's alone with ``local``), through the
+        coordinator. With ``what``, every rank must also hold the same ``value`` (a JSON
+        value): otherwise the run fails, naming the first rank whose ``what`` differs from
+        rank 0's. Returns rank 0's ``shared`` (any JSON value; the other ranks' are
+        ignored): what rank 0 alone decided, such as whether to stop."""
+        return self._meet(what, value, shared, local, False)["shared"]
+
+    def gather(self, value, local=False):
+        """Every rank's ``value`` (a JSON value), in rank order: a barrier that hands out
+        what each rank brought (only this node's ranks' with ``local``)."""
+        return self._meet(None, value, None, local, True)["values"]
+
+    def _meet(self, what, value, shared, local, gather):
+        self._barrier_seq += 1
+        self.link.send("BARRIER", {"seq": self._barrier_seq, "what": what, "value": value,
+                                   "shared": shared, "local": bool(local), "gather": gather})
+        data, _ = self.link.receive("RELEASE")
+        return data
+
+    def register(self, layout, facts, blob):
+        """Announce this rank's buffer to its node's ranks; returns every local rank's
+        (facts, blob) and max_blocks."""
+        self.link.send("REGISTER", {"layout": layout, "facts": facts}, [blob])
+        data, blobs = self.link.receive("PEERS")
+        return data["facts"], blobs, data.get("max_blocks")
+
+    def metric(self, **values):
+        """Send metrics to the launcher (node 0's), which prints or records them."""
+        self.link.send("METRIC", values)

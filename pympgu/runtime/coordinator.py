@@ -1,0 +1,295 @@
+"""One node's launcher at work: its workers' messages, processes and output, supervised.
+
+What concerns every node goes to the level above this node's coordinator: ``Alone`` (a run
+of one node), ``Hub`` (node 0 of several: pympgu.runtime.hub) or ``Uplink`` (another node:
+pympgu.runtime.uplink), each with the same few calls: whether the workers may start, a
+barrier this node's ranks have all reached, a metric, a node's loss, the results.
+"""
+import signal
+import time
+
+from .failures import WorkerFailed
+from .output import explain
+from .protocol import printable
+
+
+class Alone:
+    """The level above a run of one node: nothing but this node."""
+
+    sockets = ()
+
+    def attach(self, coordinator):
+        self.coordinator = coordinator
+
+    def handle(self, ready):
+        pass
+
+    def may_run(self):
+        return True
+
+    def arrive(self, arrival):
+        self.coordinator.release(arrival)
+
+    def report(self, rank, data):
+        self.coordinator.metric(rank, data)
+
+    def lost(self, now, silent):
+        return None
+
+    def beat(self, now):
+        pass
+
+    def check(self, now):
+        pass
+
+    def done(self):
+        return True
+
+    def finish(self, mine):
+        return mine
+
+    def stop(self, error):
+        pass
+
+    def close(self):
+        pass
+
+
+class NodeCoordinator:
+    """This node's workers (``procs``, their ``outputs``), met through ``listener``; the
+    level ``above`` this node. A rank silent for ``heartbeat_timeout`` seconds, or absent
+    from a barrier (or register) for ``progress_timeout`` seconds while another rank waits
+    there, fails the run."""
+
+    # Across nodes: how long a rank's error is held, and how long a node's silence then
+    # says it is lost (the heartbeats come every second).
+    HOLD_S, SILENT_S = 3.0, 2.5
+
+    def __init__(self, listener, procs, outputs, node, nnodes, above, on_metric, log,
+                 heartbeat_timeout, progress_timeout):
+        self.listener, self.procs, self.outputs = listener, procs, outputs
+        self.node, self.nnodes, self.above = node, nnodes, above
+        self.on_metric, self.log = on_metric, log
+        self.heartbeat_timeout, self.progress_timeout = heartbeat_timeout, progress_timeout
+        self.n = len(procs)
+        self.offset = node * self.n
+        now = time.monotonic()
+        self.hello, self.registered, self.results, self.waiting = set(), {}, {}, {}
+        self.last_beat = {r: now for r in range(self.n)}
+        self.since = None  # when the first local rank reached the barrier others have not
+        self.metric_failed = False
+        self.running = False
+        self.pending = None  # (a rank's error, when): held a moment across nodes
+        above.attach(self)
+
+    def run(self):
+        """Supervise until every rank is done; returns the results (Alone.finish's)."""
+        import zmq
+        poller = zmq.Poller()
+        for s in (self.listener.socket, *self.above.sockets):
+            poller.register(s, zmq.POLLIN)
+        reading = {out.fileno(): out for outs in self.outputs for out in outs}
+        for fd in reading:
+            poller.register(fd, zmq.POLLIN)
+        while not (len(self.results) == self.n and self.above.done()):
+            ready = dict(poller.poll(100))
+            if self.listener.socket in ready:
+                self.drain()
+            self.above.handle(ready)
+            for fd in [fd for fd in reading if fd in ready]:
+                reading[fd].read()
+                if not reading[fd].open:
+                    poller.unregister(fd)
+                    del reading[fd]
+            self._check(time.monotonic())
+        return self.above.finish([self.results[r] for r in range(self.n)])
+
+    def drain(self):
+        while (msg := self.listener.receive(0)) is not None:
+            self._from_worker(*msg)
+
+    def node_of(self, rank):
+        return rank // self.n if self.nnodes > 1 else None
+
+    # ---------------------------------------------------------------- the workers
+
+    def _from_worker(self, local, kind, data, blobs):
+        rank = self.offset + local
+        self.last_beat[local] = time.monotonic()
+        if kind in ("REGISTER", "BARRIER") and self.since is None:
+            self.since = time.monotonic()
+        if kind == "HELLO":
+            self.hello.add(local)
+            self.maybe_run()
+        elif kind == "REGISTER":
+            self.registered[local] = (data, blobs[0] if blobs else b"")
+            if len(self.registered) == self.n:
+                _send_peers(self.listener, self.registered, self.offset)
+                self.registered.clear()
+                self.since = None
+        elif kind == "BARRIER":
+            self.waiting[local] = data
+            if len(self.waiting) == self.n:
+                self._local_barrier()
+        elif kind == "METRIC":
+            self.above.report(rank, data)
+        elif kind == "ERROR":
+            if data["message"] is not None:  # a failure said whole: no traceback to show
+                error = WorkerFailed(rank, printable(data["message"], 2000),
+                                     node=self.node_of(rank))
+            else:
+                error = WorkerFailed(rank, "raised an exception",
+                                     printable(data["traceback"]), node=self.node_of(rank))
+            if self.nnodes == 1:
+                raise error
+            # Across nodes a rank's exception is often the echo of another node's loss (a
+            # collective whose peer vanished): hold it while that shows (_check).
+            if self.pending is None:
+                self.pending = (error, time.monotonic())
+        elif kind == "DONE":
+            self.results[local] = data["result"]
+
+    def metric(self, rank, data):
+        """A worker's metric, for on_metric: a report that cannot be shown stops no run."""
+        if self.on_metric is None:
+            return
+        try:
+            self.on_metric(rank, data)
+        except Exception as e:
+            if not self.metric_failed:
+                self.log(f"pympgu: a metric of rank {rank} could not be shown "
+                         f"({type(e).__name__}: {printable(e, 200)}); the run goes on")
+            self.metric_failed = True
+
+    def maybe_run(self):
+        """RUN, once every worker said HELLO and the level above allows it."""
+        if self.running or len(self.hello) < self.n or not self.above.may_run():
+            return
+        self.running = True
+        self.listener.broadcast("RUN")
+
+    def _local_barrier(self):
+        first = self.waiting[0]
+        shape = {r: (d["seq"], d["local"], d["gather"]) for r, d in self.waiting.items()}
+        if len(set(shape.values())) != 1:
+            r = min(self.waiting)
+            raise WorkerFailed(self.offset + r, "is out of step",
+                               "barrier (sequence number, node-local, gather) by rank: " +
+                               ", ".join(f"rank {self.offset + q}: {v}"
+                                         for q, v in sorted(shape.items())),
+                               node=self.node_of(self.offset + r))
+        if not first["gather"]:
+            for r in range(1, self.n):
+                same(self.offset + r, first, self.waiting[r], self.offset, self.node_of)
+        values = [self.waiting[r]["value"] for r in range(self.n)] if first["gather"] else None
+        self.waiting.clear()
+        self.since = None
+        arrival = {"seq": first["seq"], "what": first["what"], "value": first["value"],
+                   "shared": first["shared"], "values": values}
+        if first["local"]:
+            self.release(arrival)
+        else:
+            self.above.arrive(arrival)
+
+    def release(self, arrival):
+        """Let this node's ranks through the barrier ``arrival`` (rank 0's shared value, and
+        every rank's with a gather)."""
+        self.listener.broadcast("RELEASE", {"seq": arrival["seq"], "shared": arrival["shared"],
+                                            "values": arrival["values"]})
+
+    # ---------------------------------------------------------------- every poll
+
+    def _check(self, now):
+        for outs in self.outputs:
+            for out in outs:
+                out.tick(now)
+        self.above.beat(now)  # even while an error is held
+        if self.pending is not None:
+            error, since = self.pending
+            lost = self.above.lost(now, self.SILENT_S)
+            if lost is not None:
+                raise WorkerFailed(None, f"{lost}; then rank {error.rank} {error.reason}",
+                                   error.details, node=error.node)
+            if now - since > self.HOLD_S:
+                raise error
+            return  # its process's exit is this error's echo
+        for local, p in enumerate(self.procs):
+            if local in self.results:
+                continue
+            if p.exitcode is not None:
+                error = self._exited(local, p)
+                if error is None:
+                    continue
+                if self.nnodes == 1 or p.exitcode == -signal.SIGKILL:
+                    raise error
+                # Across nodes a worker's death may be the echo of another node's loss too
+                # (JAX's runtime aborts a process whose peer vanished): held as an
+                # exception. A SIGKILL is never such an echo.
+                self.pending = (error, now)
+                return
+            if now - self.last_beat[local] > self.heartbeat_timeout:
+                rank = self.offset + local
+                raise WorkerFailed(rank, f"sent nothing for {self.heartbeat_timeout:.0f} s "
+                                   "(hung?)", node=self.node_of(rank))
+        if self.since is not None and now - self.since > self.progress_timeout:
+            # Heartbeats say a process lives, not that it gets anywhere.
+            waiting = set(self.waiting) | set(self.registered)
+            absent = min(r for r in range(self.n) if r not in waiting)
+            what = ("returned" if absent in self.results else
+                    f"reached no barrier in {self.progress_timeout:.0f} s")
+            rank = self.offset + absent
+            raise WorkerFailed(rank, f"{what} while rank(s) "
+                               f"{sorted(self.offset + r for r in waiting)} waited at one "
+                               "(hung, or out of step?)", node=self.node_of(rank))
+        self.above.check(now)
+
+    def _exited(self, local, p):
+        """The failure a worker's exit is, or None where it had finished: it may have
+        exited before its last words (DONE, its traceback, its output) were read, so
+        everything still queued is taken first."""
+        deadline = time.monotonic() + 0.2
+        while time.monotonic() < deadline:
+            if self.listener.socket.poll(50):
+                self.drain()
+        for out in self.outputs[local]:
+            out.read()
+            out.close()
+        if local in self.results:
+            return None
+        rank = self.offset + local
+        if p.exitcode == -signal.SIGABRT:
+            for out in self.outputs[local]:
+                if (why := out.abort_reason()) is not None:
+                    return WorkerFailed(rank, f"was aborted by its C++ runtime (pid {p.pid}): "
+                                        f"{printable(why, 1000)}{explain(why)}",
+                                        node=self.node_of(rank))
+        how = (f"was killed by signal {-p.exitcode}" if p.exitcode < 0
+               else f"exited with status {p.exitcode}")
+        return WorkerFailed(rank, f"{how} (pid {p.pid})", node=self.node_of(rank))
+
+
+def same(rank, first, d, first_rank, node_of):
+    """Fail the run where ``rank``'s barrier ``d`` holds another value than ``first``."""
+    if (d["what"], d["value"]) != (first["what"], first["value"]):
+        raise WorkerFailed(rank, f"differs from rank {first_rank} in its {first['what']}",
+                           f"rank {first_rank}: {printable(first['value'], 2000)}\n"
+                           f"rank {rank}: {printable(d['value'], 2000)}",
+                           node=node_of(rank))
+
+
+def _send_peers(listener, registered, offset=0):
+    ranks = sorted(registered)
+    layouts = {r: registered[r][0]["layout"] for r in ranks}
+    for r in ranks[1:]:
+        if layouts[r] != layouts[0]:
+            raise WorkerFailed(offset + r, "registered a different parameter layout",
+                               f"rank {offset}: {_describe(layouts[0])}\n"
+                               f"rank {offset + r}: {_describe(layouts[r])}")
+    facts = [registered[r][0]["facts"] for r in ranks]
+    sms = [f.get("sm_count") for f in facts if f.get("sm_count")]
+    payload = {"facts": facts, "max_blocks": min(2 * min(sms), 512) if sms else None}
+    listener.broadcast("PEERS", payload, [registered[r][1] for r in ranks])
+
+
+def _describe(layout):
+    return ", ".join(f"{name} {tuple(shape)} {dtype}" for name, shape, dtype in layout)
