@@ -104,7 +104,7 @@ def gencode_flags():
 
 
 def _newer(src, obj):
-    deps = [src] + glob.glob(os.path.join(CSRC, "*.h"))
+    deps = [src] + glob.glob(os.path.join(CSRC, "*.h")) + glob.glob(os.path.join(CSRC, "*.cuh"))
     return max(os.path.getmtime(d) for d in deps) > os.path.getmtime(obj)
 
 
@@ -157,19 +157,30 @@ def build_ext_class():
             # cythonize() copies the Extension objects, so the CUDA one is recognised by name.
             cuda_home = find_cuda() if ext.name == "pympgu._cuda._core" else None
             if cuda_home:
-                nvcc = os.path.join(cuda_home, "bin", "nvcc")
-                objects = []
-                os.makedirs(self.build_temp, exist_ok=True)
-                for src in sorted(glob.glob(os.path.join(CSRC, "*.cu"))):
-                    obj = os.path.join(self.build_temp, os.path.basename(src) + ".o")
-                    if self.force or not os.path.exists(obj) or _newer(src, obj):
-                        cmd = [nvcc, "-O3", "-std=c++17", "-DPMG_WITH_CUDA", "-Xcompiler",
-                               "-fPIC", "-I", CSRC, *gencode_flags(), "-c", src, "-o", obj]
-                        print(" ".join(cmd), flush=True)
-                        subprocess.check_call(cmd)
-                    objects.append(obj)
-                ext.extra_objects = objects
+                ext.extra_objects = self.compile_cuda(os.path.join(cuda_home, "bin", "nvcc"))
             super().build_extension(ext)
+
+        def compile_cuda(self, nvcc):
+            """The object of each csrc/*.cu, compiled where it is out of date: one nvcc a
+            core at once (a kernel file's two architectures take tens of seconds)."""
+            from concurrent.futures import ThreadPoolExecutor
+            os.makedirs(self.build_temp, exist_ok=True)
+            objects, commands = [], []
+            for src in sorted(glob.glob(os.path.join(CSRC, "*.cu"))):
+                obj = os.path.join(self.build_temp, os.path.basename(src) + ".o")
+                if self.force or not os.path.exists(obj) or _newer(src, obj):
+                    commands.append([nvcc, "-O3", "-std=c++17", "-DPMG_WITH_CUDA", "-Xcompiler",
+                                     "-fPIC", "-I", CSRC, *gencode_flags(), "-c", src, "-o", obj])
+                objects.append(obj)
+            for cmd in commands:
+                print(" ".join(cmd), flush=True)
+            with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+                for done in pool.map(lambda cmd: subprocess.run(cmd, capture_output=True,
+                                                                text=True), commands):
+                    print(done.stdout + done.stderr, end="", flush=True)
+                    if done.returncode:
+                        raise subprocess.CalledProcessError(done.returncode, done.args)
+            return objects
 
     return BuildExt
 

@@ -1,15 +1,17 @@
 // What the link between two GPUs gives each traffic pattern, and the two-shot kernels timed
-// on the same buffers: the evidence behind the large-size algorithm (issue #2).
+// on the same buffers: the evidence behind the large-size algorithm (docs/DECISIONS.md,
+// "Copy engines for large buffers").
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90 -DPMG_WITH_CUDA -Icsrc benchmarks/link_probe.cu csrc/host_average.cpp -o /tmp/link_probe
+//   nvcc -O3 -std=c++17 -arch=sm_90 -DPMG_WITH_CUDA -Icsrc benchmarks/link_probe.cu \
+//     $(ls csrc/*.cu | grep -v runtime) csrc/runtime.cu csrc/host_average.cpp csrc/nccl.cc -ldl -o /tmp/link_probe
 //   /tmp/link_probe [MiB ...]            (default 256 1024)
 //
 // One process drives GPUs 0 and 1 with peer access enabled, so that one host clock times
 // both GPUs. For the kernels a P2P mapping moves the same bytes as an IPC one (twoshot and
 // push time the same here as in python -m pympgu.bench, and so does 'ce' since a PeerGroup's
 // data starts on a page: benchmarks/probe_dma.py times the copies across processes). It
-// includes average.cu so that the production kernels are timed as they are built.
-#include "../csrc/average.cu"
+// links csrc's kernels so that the production kernels are timed as they are built.
+#include "../csrc/pympgu.h"
 
 #include <algorithm>
 #include <chrono>
@@ -163,7 +165,7 @@ int main(int argc, char **argv) {
         }), bytes);
     // Copy engines and SM stores at once, each on its part of the bytes: whether the link
     // carries more than either alone, which a two-shot pushing by both would need to pass
-    // DMA's 394 GB/s (issue #2's 1.2x NCCL at 1 GiB).
+    // DMA's 394 GB/s (1.2x NCCL at 1 GiB, as the copy engines alone give).
     for (int pct : {25, 50, 75}) {
       for (int blocks : {sms / 2, 2 * sms}) {
         const size_t dma = bytes / 100 * pct / 16 * 16;
@@ -190,7 +192,8 @@ int main(int argc, char **argv) {
               for (int d = 0; d < 2; ++d) {
                 CK(cudaSetDevice(d));
                 CK(cudaError_t(pmg_allreduce_average(&peers, max_bytes, d, 2, n, PMG_FLOAT32, algo,
-                                                     std::min(blocks, PMG_MAX_BLOCKS), timeout, st[d])));
+                                                     std::min(blocks, PMG_MAX_BLOCKS), timeout, st[d],
+                                                     0, nullptr, nullptr)));
               }
             }), bytes);
       }
@@ -201,9 +204,9 @@ int main(int argc, char **argv) {
       row(name, time_ms([&] {
             for (int d = 0; d < 2; ++d) {
               CK(cudaSetDevice(d));
-              CK(cudaError_t(pmg_ce_allreduce_average(&peers, max_bytes, d, 2, n, PMG_FLOAT32,
-                                                      chunk_mib << 20, 2 * sms, timeout, st[d],
-                                                      copy[d], ev[d])));
+              CK(cudaError_t(pmg_allreduce_average(&peers, max_bytes, d, 2, n, PMG_FLOAT32,
+                                                   PMG_ALGO_CE, 2 * sms, timeout, st[d],
+                                                   chunk_mib << 20, copy[d], ev[d])));
             }
           }), bytes);
     }

@@ -21,7 +21,7 @@
 // GPU memory or in host memory, and by pympgu's barrier kernel.
 #include <cuda.h>
 
-#include "../csrc/average.cu"  // pmg_device_barrier as it is built
+#include "../csrc/barriers.cu"  // pmg_device_barrier and the memory operations, as built
 
 #include <atomic>
 #include <chrono>

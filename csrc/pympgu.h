@@ -26,12 +26,11 @@ extern "C" {
 
 enum pmg_dtype { PMG_FLOAT32 = 0, PMG_FLOAT16 = 1, PMG_BFLOAT16 = 2 };
 
-/* The all-reduce algorithms. pmg_allreduce_average runs ONESHOT, TWOSHOT, PUSH and LL;
- * PMG_ALGO_CE names pmg_ce_allreduce_average where one code must say which (the XLA
- * operation's attribute).
- * PMG_ALGO_GATHER exists only in the XLA start/done pair (csrc/xla_ffi.cc): every rank's
- * arrays reach every other rank's shadow by DMA beside XLA's work, and pmg_mean_list
- * averages. */
+/* The all-reduce methods inside a node, each a file of csrc/ and an entry of the table in
+ * csrc/methods.cu, which pmg_allreduce_average runs (pympgu/methods.py holds what each can
+ * do). PMG_ALGO_GATHER is no method of that table: it exists only in the XLA start/done pair
+ * (csrc/xla_ffi.cc), where every rank's arrays reach every other rank's shadow by DMA beside
+ * XLA's work, and pmg_mean_list averages. */
 enum pmg_algo {
   PMG_ALGO_ONESHOT = 0,
   PMG_ALGO_TWOSHOT = 1,
@@ -182,7 +181,8 @@ int pmg_event_elapsed_ms(cudaEvent_t start, cudaEvent_t end, float *ms);
  * blocking the host: the DLPack stream handshake. */
 int pmg_stream_wait(cudaStream_t consumer, cudaStream_t producer);
 
-/* ---- kernels (csrc/average.cu) ---- */
+/* ---- kernels (csrc: local.cu, methods.cu and a file a method, node.cu, barriers.cu,
+ * copy.cu) ---- */
 /* out = mean of inputs[0..nranks-1], one launch, no barrier: for replicas that one process
  * can address (one GPU, or P2P between GPUs of one process). out may alias an input. */
 int pmg_average(const void *const *inputs, int nranks, void *out, size_t n, int dtype,
@@ -202,15 +202,19 @@ int pmg_multi_delta(const pmg_tensor *table, int ntensors, uint64_t max_n, int w
 int pmg_copy_list(const pmg_copy *list, int count, cudaStream_t stream);
 /* pmg_host_accumulate on the device: ref[i] += avg[i] (avg in wire_dtype), i < n. */
 int pmg_accumulate(float *ref, const void *avg, size_t n, int wire_dtype, cudaStream_t stream);
-/* All-reduce-average, in place in peers->data[*], with GPU-side barriers through the
- * signal blocks (or LL's mailboxes): every rank calls it with the same n, dtype, algo and
- * max_blocks.
- * timeout_ns bounds each barrier wait; past it the kernel traps (a peer never arrived).
- * PMG_ALGO_PUSH needs every rank's staging area at stage_offset bytes after its data (see
- * pmg_stage_bytes); the other algorithms ignore stage_offset. */
+/* All-reduce-average, in place in peers->data[*], by the method algo (csrc/methods.cu holds
+ * their table): every rank calls it with the same n, dtype, algo, max_blocks and
+ * chunk_bytes. The kernels' GPU-side barriers go through the signal blocks (or LL's
+ * mailboxes); timeout_ns bounds each barrier wait, past which the kernel traps (a peer never
+ * arrived). The staged methods (PUSH, CE) need every rank's staging area at stage_offset
+ * bytes after its data (see pmg_stage_bytes); CE also copy_stream and event (a scratch event
+ * on the streams' device) and chunk_bytes (pmg_ce_chunks); the others ignore them. */
 int pmg_allreduce_average(const pmg_peers *peers, size_t stage_offset, int rank, int nranks,
                           size_t n, int dtype, int algo, int max_blocks, uint64_t timeout_ns,
-                          cudaStream_t stream);
+                          cudaStream_t stream, size_t chunk_bytes, cudaStream_t copy_stream,
+                          cudaEvent_t event);
+/* The name of method algo as pympgu/methods.py knows it, or NULL for no method. */
+const char *pmg_method_name(int algo);
 /* The average across nodes, float32 (docs/DECISIONS.md, "NCCL between nodes"): this node's
  * nranks replicas are summed into rank k's slice of its own replica (rank order), nccl_comm
  * (one communicator of every node's local rank k) sums that slice across the nodes, and
@@ -233,22 +237,15 @@ size_t pmg_stage_bytes(int nranks, size_t nbytes);
  * PMG_CE_MAX_CHUNKS + 1 entries. Host code only. */
 int pmg_ce_chunks(int nranks, size_t n, int dtype, size_t chunk_bytes, size_t *bounds,
                   int *count);
-/* Two-shot with the copy engines, for large buffers: on NVLink, DMA carries more bytes than
- * SM loads or stores (docs/DECISIONS.md, "Copy engines for large buffers"). Each rank's slice is cut into the chunks of
- * pmg_ce_chunks; per chunk, every rank copies the other ranks' slices of its replica into
- * their staging slots by DMA (on copy_stream); after a GPU barrier a kernel on stream
- * averages its own slice from its replica and its staging area (rank order, as every kernel
- * here) into its replica, and the copy engines then copy that mean into every peer's
- * replica. Chunk c + 1's push crosses the link while chunk c is averaged, so no byte crosses
- * by SM. Each rank's staging area starts stage_offset bytes after its data (the same offset
- * on every rank) and holds pmg_stage_bytes(nranks, n * element size) bytes. event is a
- * scratch event on the streams' device; max_blocks caps the averaging kernel's grid. Every
- * rank calls it with the same n, dtype and chunk_bytes; the result is bit-identical to the
+/* PMG_ALGO_CE, two-shot with the copy engines, for large buffers: on NVLink, DMA carries
+ * more bytes than SM loads or stores (docs/DECISIONS.md, "Copy engines for large buffers").
+ * Each rank's slice is cut into the chunks of pmg_ce_chunks; per chunk, every rank copies
+ * the other ranks' slices of its replica into their staging slots by DMA (on copy_stream);
+ * after a GPU barrier a kernel on stream averages its own slice from its replica and its
+ * staging area (rank order, as every kernel here) into its replica, and the copy engines
+ * then copy that mean into every peer's replica. Chunk c + 1's push crosses the link while
+ * chunk c is averaged, so no byte crosses by SM. The result is bit-identical to the
  * kernels'. */
-int pmg_ce_allreduce_average(const pmg_peers *peers, size_t stage_offset, int rank, int nranks,
-                             size_t n, int dtype, size_t chunk_bytes, int max_blocks,
-                             uint64_t timeout_ns, cudaStream_t stream, cudaStream_t copy_stream,
-                             cudaEvent_t event);
 /* The mean of every rank's float32 values for each entry: this rank's at the entry's own,
  * peer r's at shadow + slot(r) * slot_elems + at, where slot(r) counts the ranks other than
  * this one before r (pmg_gather_peers's layout). Summed in rank order, then divided by
@@ -425,6 +422,12 @@ typedef struct pmg_group {
   int world;
   int nccl_flat;
 } pmg_group;
+/* The average of a group's buffers from byte `from` on (n elements of dtype), on whatever
+ * road the group takes: NCCL alone (nccl_flat), the node's kernels around NCCL (nccl_comm,
+ * float32), or method algo inside the node (pmg_allreduce_average). The one dispatch that
+ * PeerGroup and the XLA operations share. */
+int pmg_group_average(const pmg_group *g, size_t from, size_t n, int dtype, int algo,
+                      int max_blocks, size_t chunk_bytes, cudaStream_t stream);
 /* *id == 0: register group under a new id, returned in *id. Otherwise replace the entry of
  * the registered id *id (the group gained a shadow). */
 int pmg_xla_register(const pmg_group *group, int64_t *id);

@@ -1,7 +1,7 @@
 // pympgu's average as XLA operations, so that a jitted JAX function can average a list of
 // arrays with the other ranks in the middle of its own work: the pack, the all-reduce and
 // the unpack are queued on XLA's stream by XLA's executor, with no DLPack export or import,
-// no host wait and no Python on the way (pympgu/xla.py).
+// no host wait and no Python on the way (pympgu/xla/ops.py).
 //
 // "pympgu_average" takes N arrays of one dtype and returns N arrays of the same shapes (the
 // Python side aliases each output to its input), all on XLA's stream.
@@ -246,22 +246,7 @@ ffi::Error lookup_group(const char *op, int64_t id, pmg_group *g) {
 // the kernels see each buffer from there, and the staging area where it is.
 int allreduce(const pmg_group &g, int algo, int max_blocks, int64_t chunk_bytes, size_t n,
               int dtype, cudaStream_t stream, size_t from = 0) {
-  pmg_peers peers = g.peers;
-  for (int r = 0; r < g.nranks; ++r) peers.data[r] = static_cast<char *>(peers.data[r]) + from;
-  const size_t stage_offset = g.stage_offset - from;  // the staging area lies after the data
-  if (g.nccl_comm && g.nccl_flat)
-    return pmg_nccl_allreduce(g.nccl_comm, peers.data[g.rank], peers.data[g.rank], n, dtype, 1,
-                              g.timeout_ns, stream);
-  if (g.nccl_comm)
-    return dtype != PMG_FLOAT32 ? int(PMG_ERR_UNSUPPORTED_DTYPE)
-                                : pmg_node_average(&peers, g.rank, g.nranks, n, g.nccl_comm,
-                                                   g.world, max_blocks, g.timeout_ns, stream);
-  if (algo == PMG_ALGO_CE)
-    return pmg_ce_allreduce_average(&peers, stage_offset, g.rank, g.nranks, n, dtype,
-                                    size_t(chunk_bytes), max_blocks, g.timeout_ns, stream,
-                                    g.copy_stream, g.event);
-  return pmg_allreduce_average(&peers, stage_offset, g.rank, g.nranks, n, dtype, algo,
-                               max_blocks, g.timeout_ns, stream);
+  return pmg_group_average(&g, from, n, dtype, algo, max_blocks, size_t(chunk_bytes), stream);
 }
 
 // An all-reduce of the overlapped pair may still be running on the side stream: whatever

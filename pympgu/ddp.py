@@ -30,7 +30,7 @@ the setup only (the buffers' handles, NCCL's ids, and DDP's own broadcast of the
 parameters); pympgu's kernels and NCCL move every value.
 """
 # Where each bucket's place starts, as the Exchanger's arrays; the dtypes pympgu averages.
-from . import settings
+from . import methods, settings
 from .exchange import ALIGN_BYTES, ITEMSIZE
 
 
@@ -85,9 +85,7 @@ class _Peers:
         # that raised alone would leave its peers waiting in the gathers below.
         facts, error = {}, None
         try:
-            if self.method not in ("auto", *cuda.ALGORITHMS):
-                raise ValueError(f"method must be 'auto' or one of {cuda.ALGORITHMS}, "
-                                 f"got {self.method!r}")
+            methods.get(self.method, ("auto", *methods.KERNELS))
             self.device, nbytes, shared = prepare()
         except Exception as e:
             error = e
@@ -106,7 +104,7 @@ class _Peers:
                 self._place_on_hosts([h for h, _ in everyone])
                 try:
                     # The staging area of 'push' and 'ce', and of 'auto' where it would push.
-                    staging = {"push": True, "ce": True, "auto": None}.get(self.method, False)
+                    staging = methods.staging(self.method)
                     self.group = cuda.PeerGroup(self.local, len(self.host_ranks), nbytes,
                                                 device=self.device.index,
                                                 timeout=self.timeout, staging=staging)

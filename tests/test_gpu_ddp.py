@@ -79,7 +79,7 @@ def test_a_rank_set_up_wrong_is_named_by_every_rank():
     with tempfile.TemporaryDirectory() as tmp:
         errors = run_children(ddp_refusal, 2, (2, visible_gpus(), os.path.join(tmp, "init")),
                               timeout=120)
-    assert errors[1].startswith("ValueError: method must be 'auto'"), errors
+    assert errors[1].startswith("ValueError: method must be one of ('auto', 'll'"), errors
     assert errors[0].startswith("RuntimeError: pympgu.ddp: not every rank could set up"), errors
     assert "rank 1: ValueError: method must be" in errors[0], errors
 

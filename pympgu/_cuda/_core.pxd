@@ -112,7 +112,9 @@ cdef extern from "pympgu.h" nogil:
     int pmg_accumulate(float *ref, const void *avg, size_t n, int wire_dtype, cudaStream_t stream)
     int pmg_allreduce_average(const pmg_peers *peers, size_t stage_offset, int rank,
                               int nranks, size_t n, int dtype, int algo, int max_blocks,
-                              uint64_t timeout_ns, cudaStream_t stream)
+                              uint64_t timeout_ns, cudaStream_t stream, size_t chunk_bytes,
+                              cudaStream_t copy_stream, cudaEvent_t event)
+    const char *pmg_method_name(int algo)
     int pmg_node_average(const pmg_peers *peers, int rank, int nranks, size_t n,
                          void *nccl_comm, int world, int max_blocks, uint64_t timeout_ns,
                          cudaStream_t stream)
@@ -121,10 +123,6 @@ cdef extern from "pympgu.h" nogil:
     enum: PMG_CE_MAX_CHUNKS
     int pmg_ce_chunks(int nranks, size_t n, int dtype, size_t chunk_bytes, size_t *bounds,
                       int *count)
-    int pmg_ce_allreduce_average(const pmg_peers *peers, size_t stage_offset, int rank,
-                                 int nranks, size_t n, int dtype, size_t chunk_bytes,
-                                 int max_blocks, uint64_t timeout_ns, cudaStream_t stream,
-                                 cudaStream_t copy_stream, cudaEvent_t event)
     int pmg_doorbell_alloc(pmg_doorbell **bell)
     int pmg_doorbell_free(pmg_doorbell *bell)
     int pmg_resident_start(const pmg_peers *peers, int rank, int nranks, int blocks,
@@ -142,6 +140,8 @@ cdef extern from "pympgu.h" nogil:
                            size_t n, int dtype, cudaStream_t stream)
     int pmg_copy_average(const pmg_peers *peers, int rank, int nranks, void *shadow, size_t n,
                          int dtype, uint64_t timeout_ns, cudaStream_t stream)
+    int pmg_group_average(const pmg_group *g, size_t start, size_t n, int dtype, int algo,
+                          int max_blocks, size_t chunk_bytes, cudaStream_t stream)
     int pmg_xla_register(const pmg_group *group, int64_t *id)
     int pmg_xla_unregister(int64_t id)
     void *pmg_xla_handler(const char *name)

@@ -29,7 +29,7 @@ import os
 
 import numpy as np
 
-from .. import settings
+from .. import methods, settings
 from ..errors import CudaError
 
 MAX_RANKS = PMG_MAX_RANKS
@@ -50,4 +50,5 @@ include "algorithms.pxi"
 include "barriers.pxi"
 include "nccl.pxi"
 include "peergroup.pxi"
+include "xla_group.pxi"
 include "resident.pxi"

@@ -49,9 +49,22 @@ def ce_chunks(int nranks, size_t n, dtype, chunk_bytes=None):
     return [bounds[i] for i in range(count + 1)]
 
 
-ALGORITHMS = ("ll", "oneshot", "twoshot", "push", "ce")
-# The C API's code of each algorithm (pmg_algo).
-# (The overlapped XLA pair also has "gather": pympgu.xla.)
-ALGORITHM_CODES = {"ll": PMG_ALGO_LL, "oneshot": PMG_ALGO_ONESHOT,
-                   "twoshot": PMG_ALGO_TWOSHOT, "push": PMG_ALGO_PUSH, "ce": PMG_ALGO_CE,
-                   "gather": PMG_ALGO_GATHER}
+def _method_codes():
+    """Each method's pmg_algo code, as the C table of methods names it (csrc/methods.cu),
+    held against pympgu.methods: a build whose table is not the registry's fails here."""
+    codes = {}
+    cdef const char *name
+    for code in range(64):
+        name = pmg_method_name(code)
+        if name != NULL:
+            codes[name.decode()] = code
+    if set(codes) != set(methods.KERNELS):
+        raise ImportError(f"pympgu's compiled methods {sorted(codes)} are not pympgu.methods' "
+                          f"{sorted(methods.KERNELS)}: rebuild pympgu (./build.sh)")
+    codes.update({m.name: PMG_ALGO_GATHER for m in methods.REGISTRY.values() if m.gathers})
+    return codes
+
+
+ALGORITHMS = methods.KERNELS
+# The C API's code of each method (pmg_algo), the XLA pair's gather among them.
+ALGORITHM_CODES = _method_codes()

@@ -1,5 +1,6 @@
 # The group of processes that average a buffer together: its registered block, the peers'
-# mappings, the kernels' launches, and its registration for the XLA operations.
+# mappings and the exchange's launches (its registration for the XLA operations and the
+# stream barriers' watchdog: xla_group.pxi).
 
 cdef class Resident  # below: a PeerGroup knows its running one
 
@@ -232,28 +233,15 @@ cdef class PeerGroup:
         return Resident(self, b)
 
     def algorithm(self, size_t nbytes, algo="auto"):
-        """The algorithm ('ll', 'oneshot', 'twoshot', 'push' or 'ce') that allreduce would
-        use for nbytes."""
+        """The kernel method (pympgu.methods.KERNELS) that allreduce would use for nbytes."""
         return self._choose(nbytes, algo)
 
     cdef str _choose(self, size_t nbytes, algo):
-        if algo == "auto":
-            if nbytes <= self.ll_max:
-                return "ll"
-            if nbytes <= self.oneshot_max:
-                return "oneshot"
-            if self.stage_bytes and nbytes >= self.ce_min:
-                return "ce"
-            if self.stage_bytes and nbytes >= self.push_min:
-                return "push"
-            return "twoshot"
-        if algo not in ALGORITHMS:
-            raise ValueError(f"algo must be 'auto' or one of {ALGORITHMS}, got {algo!r}")
-        if algo in ("push", "ce") and not self.stage_bytes and self.nranks > 1:
-            raise ValueError(f"algo {algo!r} needs a PeerGroup made with staging=True")
-        if algo == "ll" and nbytes > LL_MAX_BYTES:
-            raise ValueError(f"algo 'll' averages at most {LL_MAX_BYTES} bytes, got {nbytes}")
-        return algo
+        if methods.chooses(algo):
+            return methods.choose(nbytes, self.stage_bytes > 0, self.ll_max, self.oneshot_max,
+                                  self.push_min, self.ce_min)
+        return methods.check_kernel(algo, nbytes, self.stage_bytes > 0, self.nranks,
+                                    LL_MAX_BYTES)
 
     def allreduce(self, size_t n, dtype="float32", algo="auto", bint synchronize=True,
                   max_blocks=None, size_t offset=0):
@@ -262,14 +250,11 @@ cdef class PeerGroup:
         loads), so that arrays averaged one after another keep their own places, as
         pympgu.ddp's gradient buckets do.
 
-        algo: 'll' (every rank stores its values, flagged, into every peer's mailbox: small
-        buffers), 'oneshot' (every rank reads every replica), 'twoshot' (each rank reads a slice
-        of every replica and stores its mean into all), 'push' (two-shot by stores only) and
-        'ce' (two-shot, every byte by DMA) are described in csrc/pympgu.h; 'push' and 'ce' need
-        staging (see the class). 'auto' picks by size. Every rank must call it with the same
-        n, dtype, algo and max_blocks. max_blocks (default: the group's) caps the kernel's
-        grid: fewer blocks leave SMs to work that runs beside the exchange. Returns the
-        algorithm used.
+        algo: 'auto' (by size), or a kernel method of pympgu.methods (csrc/pympgu.h
+        describes each); 'push' and 'ce' need staging (see the class). Every rank must call
+        it with the same n, dtype, algo and max_blocks. max_blocks (default: the group's)
+        caps the kernel's grid: fewer blocks leave SMs to work that runs beside the
+        exchange. Returns the method used: after join_nodes, 'nodes' or 'nccl'.
         """
         cdef int code = dtype_code(dtype)
         self._require_idle()
@@ -281,30 +266,43 @@ cdef class PeerGroup:
         cdef int blocks = self.max_blocks if max_blocks is None else max_blocks
         if not 1 <= blocks <= PMG_MAX_BLOCKS:
             raise ValueError(f"max_blocks must be 1 to {PMG_MAX_BLOCKS}, got {blocks}")
-        if self.across is not None:
-            return self._across(n, code, blocks, offset, synchronize)
-        chosen = self._choose(n * pmg_dtype_size(code), algo)
-        cdef int a = ALGORITHM_CODES[chosen]
-        # The kernels average from every rank's data[r]; staging and the LL mailboxes stay
-        # where they are (the staging's distance shrinks by the offset, the mailboxes hang
-        # off the signal block).
-        cdef pmg_peers shifted = self.peers
-        cdef size_t stage = self.stage_offset - offset
-        cdef int r
-        for r in range(self.nranks):
-            shifted.data[r] = <void *>(<char *>self.peers.data[r] + offset)
-        check(pmg_set_device(self.device))  # with the GIL held: it takes far less than a release
-        if chosen == "ce":
-            status = pmg_ce_allreduce_average(
-                &shifted, stage, self.rank, self.nranks, n, code, ce_chunk_bytes(),
-                blocks, self.timeout_ns, self.stream.handle,
-                self.copy_stream.handle if self.copy_stream is not None else NULL,
-                self.order.handle if self.order is not None else NULL)
+        if self.across is None:
+            chosen = self._choose(n * pmg_dtype_size(code), algo)
+        elif self.across.comm == NULL:
+            raise ValueError("the NCCL communicator is closed (aborted after an error?)")
+        elif not self.flat and code != DTYPES["float32"]:
+            raise ValueError("the average across nodes is float32")
         else:
-            status = pmg_allreduce_average(&shifted, stage, self.rank, self.nranks, n, code, a,
-                                           blocks, self.timeout_ns, self.stream.handle)
+            chosen = "nccl" if self.flat else "nodes"
+        cdef pmg_group g
+        self._fill(&g)
+        cdef int a = ALGORITHM_CODES.get(chosen, 0)
+        check(pmg_set_device(self.device))  # with the GIL held: it takes far less than a release
+        # The one dispatch the XLA operations share (csrc/methods.cu): the kernels average
+        # from byte `offset` of every rank's data; staging and the LL mailboxes stay where
+        # they are.
+        status = pmg_group_average(&g, offset, n, code, a, blocks, ce_chunk_bytes(),
+                                   self.stream.handle)
+        if self.across is not None and PMG_ERR_NCCL <= status < PMG_ERR_NCCL + 100:
+            self.across._check(status, "averaging across nodes")
         self._launched(status, synchronize)
+        if self.across is not None and self.across.failure is not None:
+            raise self.across.failure
         return chosen
+
+    cdef _fill(self, pmg_group *g):
+        """What pmg_group_average and the XLA operations need of this group."""
+        memset(g, 0, sizeof(pmg_group))
+        g.peers = self.peers
+        g.stage_offset = self.stage_offset
+        g.nbytes = self.nbytes
+        g.rank, g.nranks, g.device = self.rank, self.nranks, self.device
+        g.timeout_ns = self.timeout_ns
+        if self.copy_stream is not None:
+            g.copy_stream = self.copy_stream.handle
+            g.event = self.order.handle
+        if self.across is not None:
+            g.nccl_comm, g.world, g.nccl_flat = self.across.comm, self.world, self.flat
 
     def join_nodes(self, NcclComm across, int world, bint flat=False):
         """Make every later average of this group one of every node's ranks: this node's
@@ -332,37 +330,12 @@ cdef class PeerGroup:
                              f"{across.nranks}), got {world}")
         self.across, self.world, self.flat = across, world, flat
         if self._xla_id:
-            self._register(False)
+            _xla_register(self, False)
 
     cdef _one_node(self, what):
         if self.across is not None:
             raise ValueError(f"{what} works inside one node; this group averages across "
                              "nodes (join_nodes): use allreduce()")
-
-    cdef _across(self, size_t n, int code, int blocks, size_t offset, bint synchronize):
-        if self.across.comm == NULL:
-            raise ValueError("the NCCL communicator is closed (aborted after an error?)")
-        cdef pmg_peers shifted = self.peers
-        cdef int r
-        for r in range(self.nranks):
-            shifted.data[r] = <void *>(<char *>self.peers.data[r] + offset)
-        check(pmg_set_device(self.device))
-        if self.flat:
-            status = pmg_nccl_allreduce(self.across.comm, shifted.data[self.rank],
-                                        shifted.data[self.rank], n, code, 1, self.timeout_ns,
-                                        self.stream.handle)
-        elif code != DTYPES["float32"]:
-            raise ValueError("the average across nodes is float32")
-        else:
-            status = pmg_node_average(&shifted, self.rank, self.nranks, n, self.across.comm,
-                                      self.world, blocks, self.timeout_ns, self.stream.handle)
-        if PMG_ERR_NCCL <= status < PMG_ERR_NCCL + 100:
-            self.across._check(status, "averaging across nodes")
-        self._launched(status, synchronize)
-        err = self.across.failure
-        if err is not None:
-            raise err
-        return "nccl" if self.flat else "nodes"
 
     def xla_id(self, bint shadow=False):
         """This group's id for pympgu's XLA operations (pympgu.xla), registering it on first
@@ -374,96 +347,7 @@ cdef class PeerGroup:
         if self._xla_id and (not shadow or self.shadow_offset or self.shadow is not None
                              or self.nranks == 1):
             return self._xla_id
-        return self._register(shadow)
-
-    cdef int64_t _register(self, bint shadow) except -1:
-        """Register the group for the XLA operations, or update its registration."""
-        cdef pmg_group g
-        memset(&g, 0, sizeof(pmg_group))
-        g.peers = self.peers
-        g.stage_offset = self.stage_offset
-        g.nbytes = self.nbytes
-        g.rank, g.nranks, g.device = self.rank, self.nranks, self.device
-        g.timeout_ns = self.timeout_ns
-        if self.copy_stream is not None:
-            g.copy_stream = self.copy_stream.handle
-            g.event = self.order.handle
-        set_device(self.device)
-        if self.side is None:
-            self.side = Stream(high_priority=True)
-            self.side_in = Event(timing=False)
-            self.side_out = Event(timing=False)
-            self.side_first = Event(timing=False)
-        g.side = self.side.handle
-        g.side_in, g.side_out = self.side_in.handle, self.side_out.handle
-        g.side_first = self.side_first.handle
-        if self.rank_flags:
-            g.stream_sync = &self.sync
-            for r in range(self.nranks):
-                g.stream_flags[r] = <uint32_t *>(<HostFlags>self.rank_flags[r]).device
-            self._start_watchdog()
-        if self.marks is not None:
-            for i, ev in enumerate(self.marks):
-                g.marks[i] = (<Event>ev).handle
-        if self.across is not None:
-            g.nccl_comm, g.world, g.nccl_flat = self.across.comm, self.world, self.flat
-        if shadow or self.shadow_offset or self.shadow is not None:
-            g.shadow = self._shadow()
-            g.shadow_offset = self.shadow_offset
-        check(pmg_xla_register(&g, &self._xla_id))  # a new id, or the same id updated
-        return self._xla_id
-
-    def _start_watchdog(self):
-        import threading
-        if self.watchdog is not None:
-            return
-        self.watch_stop = threading.Event()
-        self.watchdog = threading.Thread(target=self._watch, daemon=True,
-                                         name=f"pympgu-barrier-watchdog-{self.rank}")
-        self.watchdog.start()
-
-    def _watch(self):
-        """The stream barriers' timeout (a barrier kernel has its own): every so often, read
-        how far this rank's stream got (its flag of its own) and what each peer announced.
-        When the stream has waited more than the group's timeout for a peer that made no
-        progress, mark the group, so that every later start fails with an error naming that
-        peer (xla_ffi.cc, peers_in_step), say so on stderr, and from then on let the stream
-        past every barrier it waits at (write the number it waits for in the late peers'
-        place): XLA's stream, and the host behind it, are not held for good. The exchanges
-        let go that way end without the late peer's values. When the group closes, every
-        barrier still queued is let go, so that nothing on the device waits for good.
-
-        Plain loads and stores in host memory, and no CUDA call: the first launch of a kernel
-        that CUDA loads lazily waits for a pending stream wait and holds the driver
-        meanwhile, so a copy here could wait behind the very barrier it should release
-        (docs/DECISIONS.md, "Stream barriers")."""
-        import sys
-        import time
-        n, rank = self.nranks, self.rank
-        flags = self.flags.view
-        watch = BarrierWatch(rank, self.timeout_ns / 1e9)
-        while not self.watch_stop.wait(min(0.25, watch.timeout / 8)):
-            found = watch.late
-            late = watch.look([int(flags[p]) for p in range(n)], time.monotonic())
-            if found is None and watch.late is not None:
-                # Marked before the stream goes on: the start that follows must see it.
-                self.sync.late_rank_plus_one = watch.late + 1
-                print(f"pympgu: rank {rank} of {n} waited more than {watch.timeout:g} s at "
-                      f"an exchange's barrier for rank {watch.late}, which died or stopped "
-                      "exchanging; its next exchange fails", file=sys.stderr, flush=True)
-            for p in late:
-                flags[p] = flags[rank]
-        # Closing: no barrier is queued after this, so every one a peer has not announced
-        # yet is let go.
-        queued = self.sync.queued
-        for p in watch.behind([int(flags[p]) for p in range(n)], queued):
-            flags[p] = queued
-
-    def _stop_watchdog(self):
-        if self.watchdog is not None:
-            self.watch_stop.set()
-            self.watchdog.join()
-            self.watchdog = None
+        return _xla_register(self, shadow)
 
     def record_timeline(self):
         """Record timing events at each point of the exchanges through the XLA start/done
@@ -472,7 +356,7 @@ cdef class PeerGroup:
         if self.marks is None:
             self.marks = [Event(timing=True) for _ in range(PMG_MARKS)]
             if self._xla_id:
-                self._register(False)
+                _xla_register(self, False)
 
     def xla_timeline(self):
         """Where the last exchange through the XLA start/done pair spent its time: a dict
@@ -581,7 +465,7 @@ cdef class PeerGroup:
         if self._xla_id:
             pmg_xla_unregister(self._xla_id)
             self._xla_id = 0
-        self._stop_watchdog()  # which lets every barrier still queued go
+        _stop_watchdog(self)  # which lets every barrier still queued go
         if self.side is not None and self.rank_flags:
             # Its last barriers may still write into the peers' flags pages, unmapped next.
             try:

@@ -21,9 +21,12 @@ import sys
 import time
 import traceback
 
+from .. import methods as registry
 from .timing import fmt_size, iters_for, parse_size, time_device, time_host
 
-METHODS = ("auto", "ll", "resident", "oneshot", "twoshot", "push", "ce", "copy")
+RESIDENT = "resident"  # the resident kernel: LL without a launch a call, a column of its own
+METHODS = tuple(n for n, m in registry.REGISTRY.items() if m.selectable and not m.nccl) + (
+    RESIDENT,)
 DEFAULT_SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20,
                  256 << 20, 1 << 30]
 
@@ -48,7 +51,11 @@ def _time_resident(group, n, blocks, iters=200):
 def columns(methods, blocks):
     """(column name, method, block cap) for every timed combination."""
     return [(m if b is None else f"{m}@{b}", m, b) for b in blocks for m in methods
-            if b is None or m != "copy"]
+            if b is None or not _copies(m)]
+
+
+def _copies(name):
+    return name in registry.REGISTRY and registry.REGISTRY[name].peer_copies
 
 
 def rank_main(rank, nranks, device, sizes, methods, conn, init_file, use_nccl, blocks=(None,)):
@@ -58,7 +65,8 @@ def rank_main(rank, nranks, device, sizes, methods, conn, init_file, use_nccl, b
     from pympgu import cuda
     results = []
     group = cuda.PeerGroup(rank, nranks, max(sizes), device=device, timeout=120,
-                           staging=True if {"push", "ce"} & set(methods) else None)
+                           staging=True if any(registry.staging(m) for m in methods
+                                               if m in registry.REGISTRY) else None)
     try:
         conn.send(("handle", (group.handle, group.sm_count)))
         handles, sms = conn.recv()
@@ -70,13 +78,14 @@ def rank_main(rank, nranks, device, sizes, methods, conn, init_file, use_nccl, b
             group.data("float32", n).copy_from_host(x)  # random data: never time zeros
             row = {"bytes": nbytes}
             for name, method, cap in columns(methods, blocks):
-                if method in ("ll", "resident") and nbytes > cuda.LL_MAX_BYTES:
+                limited = method == RESIDENT or registry.REGISTRY[method].limited
+                if limited and nbytes > cuda.LL_MAX_BYTES:
                     continue  # beyond its mailboxes: the table shows nan
-                if method == "resident":
+                if method == RESIDENT:
                     if cap is None or cap <= group.sm_count:
                         row[name] = _time_resident(group, n, cap)
                     continue
-                if method == "copy":
+                if _copies(method):
                     def run(n=n):
                         group.copy_average(n, "float32", synchronize=False)
                 else:
@@ -89,7 +98,7 @@ def rank_main(rank, nranks, device, sizes, methods, conn, init_file, use_nccl, b
                 row[name] = {"us": time_device(run, group.stream, iters)}
                 if nbytes <= (1 << 20):
                     row[name].update(time_host(run, group.synchronize, 200))
-                if name == "auto":
+                if registry.chooses(name):
                     row[name]["algo"] = group.algorithm(nbytes)
             results.append(row)
     finally:

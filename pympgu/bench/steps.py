@@ -33,7 +33,7 @@ def pympgu_worker(ctx, cfg, steps, warmup, plain_jax, inside=True):
         # The rate set before every step as the training loop sets it (Replica.apply_rate).
         schedule = Schedule(cfg.lr, warmup + steps, cfg.schedule)
         if inside and ex is not None and not ctx.is_cpu and not sync.fused \
-                and cfg.method != "copy":
+                and not ex.way.peer_copies:
             # A variant meant to run inside XLA (VARIANTS: float32) that cannot: say so,
             # rather than time the Python-queued exchange under its name.
             raise RuntimeError("the exchange cannot run inside XLA: "
@@ -91,7 +91,7 @@ def _bare_kernel_ms(ex, n=None):
     g = ex.backend.group
     dtype = ex.wire_dtype or ex.dtype
     n = ex.total if n is None else n
-    if ex.method == "copy":
+    if ex.way.peer_copies:
         def run():
             g.copy_average(n, dtype, synchronize=False)
     else:

@@ -2,19 +2,20 @@
 import math
 import time
 
+from .. import methods
 from .layout import ITEMSIZE, plan_layout
 
-METHODS = ("auto", "ll", "oneshot", "twoshot", "push", "ce", "copy", "nccl")
-WIRE_DTYPES = ("float32", "bfloat16", "float16")
+METHODS = methods.NAMES
+WIRE_DTYPES = methods.WIRES
 
 
 class Exchanger:
     """Averages a fixed list of parameter arrays across every worker of a run.
 
-    ``layout`` is a list of (name, shape, dtype); ``method`` is 'auto', one of the PeerGroup
-    algorithms ('ll', 'oneshot', 'twoshot', 'push', 'ce'), 'copy' (the seed's peer-copy method)
-    or 'nccl' (NCCL alone, every rank of every node in one communicator: the baseline) and
-    only matters on GPUs. Across nodes every method but 'nccl' takes pympgu's hierarchy:
+    ``layout`` is a list of (name, shape, dtype); ``method`` is a name of pympgu.methods
+    ('auto', a kernel method, 'copy' (the seed's peer-copy method) or 'nccl' (NCCL alone,
+    every rank of every node in one communicator: the baseline)) and only matters on GPUs.
+    Across nodes every method but 'nccl' takes pympgu's hierarchy:
     the kernels inside each node, NCCL between nodes (pympgu.exchange.gpu). ``wire_dtype``
     is None (the layout's dtype), or 'bfloat16' / 'float16' for float32 layouts (see the
     module docstring). ``max_blocks`` caps the GPU averaging kernel's grid (every rank must
@@ -29,8 +30,7 @@ class Exchanger:
 
     def __init__(self, ctx, layout, method="auto", wire_dtype=None, timeout=60.0,
                  max_blocks=None, shadow=False, stream_barriers=True):
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        self.way = methods.get(method)  # what it can do
         self.ctx = ctx
         self.layout = [(str(n), [int(s) for s in shape], str(d)) for n, shape, d in layout]
         self.offsets, self.total, self.dtype = plan_layout(self.layout)
@@ -64,11 +64,6 @@ class Exchanger:
     def nbytes(self):
         """Bytes of the staging buffer (enough for an exact exchange)."""
         return self.total * ITEMSIZE[self.dtype]
-
-    @property
-    def wire_nbytes(self):
-        """Bytes each rank's buffer holds on the wire in a regular exchange."""
-        return self.total * ITEMSIZE[self.wire_dtype or self.dtype]
 
     def start(self, arrays, flat=False, entries=None):
         """Pack this rank's arrays and start averaging them; every rank must call it.

@@ -3,7 +3,7 @@
 import os
 import warnings
 
-from .. import settings
+from .. import methods, settings
 from .layout import ITEMSIZE
 
 
@@ -34,10 +34,11 @@ class CudaBackend:
         self.cuda = cuda
         ctx = self.ctx = ex.ctx
         self.ex = ex
-        if ex.method == "nccl" and ex.shadow:
-            raise ValueError("the nccl method takes no shadow")
-        if ctx.nnodes > 1 and ex.method != "nccl" and (
-                ex.dtype != "float32" or ex.wire_dtype or ex.shadow or ex.method == "copy"):
+        way = ex.way
+        if way.nccl and ex.shadow:
+            raise ValueError(f"the {way.name} method takes no shadow")
+        if ctx.nnodes > 1 and not way.crosses_nodes and (
+                ex.dtype != "float32" or ex.wire_dtype or ex.shadow or way.peer_copies):
             raise ValueError("pympgu's exchange across nodes averages float32 parameters, "
                              "with no low-precision wire, no shadow and not by the copy "
                              "method (or take method='nccl')")
@@ -46,7 +47,7 @@ class CudaBackend:
         self.across = None
         # The staging area of 'push' and 'ce', and of 'auto' when the buffer is large enough
         # that it would pick 'push'.
-        staging = {"push": True, "ce": True, "auto": None}.get(ex.method, False)
+        staging = methods.staging(way.name)
         # The flags page is named after the run, so that the launcher removes what a failed
         # run left in /dev/shm (shm.unlink_run), and peers refuse any other name.
         self.group = cuda.PeerGroup(rank, nranks, ex.nbytes, device=ctx.device,
@@ -54,7 +55,7 @@ class CudaBackend:
                                     flags_prefix=shm.segment_name(ctx.run_id, rank) + "-flags",
                                     stream_barriers=stream_barriers)
         try:
-            if ex.method in cuda.ALGORITHMS:
+            if way.kernel:
                 # Refuse, before any exchange, a layout the method cannot take ('ll' beyond
                 # its mailboxes): the largest exchange is the exact one, in ex.dtype.
                 self.group.algorithm(ex.nbytes, ex.method)
@@ -72,7 +73,7 @@ class CudaBackend:
             devices = [f["device"] for f in all_facts]
             self.peer_ok = all(d == ctx.device or cuda.can_access_peer(ctx.device, d)
                                for d in devices)
-            fallback = ex.method != "nccl" and ctx.nnodes == 1  # else NCCL, or a refusal
+            fallback = not way.nccl and ctx.nnodes == 1  # else NCCL, or a refusal
             if not self.peer_ok and fallback:
                 warnings.warn(f"rank {ctx.rank}: GPU {ctx.device} has no peer access to every "
                               f"GPU of {devices}; falling back to the copy method with host "
@@ -88,7 +89,7 @@ class CudaBackend:
                 shm.segment_name(ctx.run_id, r) + "-flags" for r in range(nranks)])
             ctx.barrier(local=True)  # every rank has mapped every flags page: no name need stay
             self.group.release_names()
-            if ex.method == "nccl":
+            if way.nccl:
                 self._join_nccl(timeout, flat=True)
             elif ctx.nnodes > 1:
                 if not self.peer_ok:
@@ -164,7 +165,7 @@ class CudaBackend:
             g.gather(n, dtype)
             self.ctx.barrier(local=True)
             g.shadow_average(n, dtype, synchronize=False)
-        elif self.ex.method == "copy":
+        elif self.ex.way.peer_copies:
             g.copy_average(n, dtype, synchronize=False)
         else:
             g.allreduce(n, dtype, algo=self.ex.method, synchronize=False,

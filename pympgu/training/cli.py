@@ -17,13 +17,13 @@ import signal
 import sys
 
 from .. import settings
-from ..exchange import WIRE_DTYPES
+from .. import methods
 from ..models import OPTIMIZERS, STATISTICS_EXAMPLES
 from ..precision import DTYPES as COMPUTE_DTYPES
 from ..schedule import SCHEDULES
 from . import checkpoint
 from . import resume as resuming
-from .config import (ADAM_LR, ADAMW_DECAY, MAX_WORKERS, METHODS, PRESETS, RunConfig,
+from .config import (ADAM_LR, ADAMW_DECAY, MAX_WORKERS, PRESETS, RunConfig,
                      UsageError, auto_backend, optimizer_defaults)
 
 DEFAULTS = RunConfig()
@@ -118,7 +118,7 @@ def build_parser():
                    help="average the replicas every K steps (default: 1)")
     g.add_argument("--overlap", action=argparse.BooleanOptionalAction,
                    help="average while the next step computes, then correct it")
-    g.add_argument("--exchange-dtype", choices=list(WIRE_DTYPES),
+    g.add_argument("--exchange-dtype", choices=list(methods.WIRES),
                    help="dtype on the wire: bfloat16 or float16 send half the bytes "
                         "(default: float32)")
     g = p.add_argument_group("output")
@@ -131,7 +131,7 @@ def build_parser():
     g = p.add_argument_group("advanced")
     g.add_argument("--backend", choices=["auto", "c", "jax"],
                    help="PyTensor's backend: jax (GPUs need it) or c (default: auto)")
-    g.add_argument("--method", choices=list(METHODS),
+    g.add_argument("--method", choices=list(methods.NAMES),
                    help="the GPU averaging algorithm (default: auto, by size); nccl: NCCL alone, "
                         "every rank in one communicator (across nodes too)")
     g.add_argument("--exchange-blocks", type=int, metavar="B",
@@ -222,8 +222,9 @@ def resolve(args, parser, where=None):
         parser.error(f"--warmup must be 0 to --epochs ({cfg.epochs}), got {cfg.warmup}")
     if not cpu:
         _check_jax_for_gpus(parser)
-        if cfg.nnodes > 1 or cfg.method == "nccl":
-            _check_nccl(parser, "--method nccl" if cfg.method == "nccl" else "--nnodes")
+        nccl = methods.get(cfg.method).nccl
+        if cfg.nnodes > 1 or nccl:
+            _check_nccl(parser, f"--method {cfg.method}" if nccl else "--nnodes")
     changed = resuming.changes(before, cfg) if before is not None else None
     return Resolved(cfg, note, changed, given)
 

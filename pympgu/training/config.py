@@ -8,8 +8,7 @@ import dataclasses
 import importlib.util
 import json
 
-from ..exchange import METHODS
-from ..exchange import WIRE_DTYPES
+from .. import methods
 from ..models import OPTIMIZERS, STATISTICS_EXAMPLES
 from ..precision import DTYPES as COMPUTE_DTYPES
 from ..schedule import SCHEDULES
@@ -124,12 +123,15 @@ class RunConfig:
         need(self.backend in BACKENDS, "--backend", f"must be one of {BACKENDS}")
         need(self.cpu or self.backend == "jax", "--backend",
              "c runs on CPUs only; GPU workers use --backend jax")
-        need(self.method in METHODS, "--method", f"must be one of {METHODS}")
-        need(self.method != "nccl" or not self.cpu, "--method",
-             "nccl: NCCL averages GPU workers' replicas; CPU workers take 'auto'")
-        need(self.method != "nccl" or self.exchange_dtype == "float32", "--exchange-dtype",
-             f"{self.exchange_dtype}: --method nccl averages float32 (the half-precision "
-             "wires are pympgu's kernels')")
+        need(self.exchange_dtype in methods.WIRES, "--exchange-dtype",
+             f"must be one of {methods.WIRES}")
+        need(self.method in methods.NAMES, "--method", f"must be one of {methods.NAMES}")
+        way = methods.REGISTRY.get(self.method)
+        need(not way.nccl or not self.cpu, "--method",
+             f"{self.method}: NCCL averages GPU workers' replicas; CPU workers take 'auto'")
+        need(self.exchange_dtype in way.wires, "--exchange-dtype",
+             f"{self.exchange_dtype}: --method {self.method} averages {' or '.join(way.wires)} "
+             "(the half-precision wires are pympgu's kernels')")
         need(self.optimizer in OPTIMIZERS, "--optimizer", f"must be one of {list(OPTIMIZERS)}")
         need(self.schedule in SCHEDULES, "--schedule", f"must be one of {list(SCHEDULES)}")
         need(self.compute_dtype in COMPUTE_DTYPES, "--compute-dtype",
@@ -137,8 +139,6 @@ class RunConfig:
         need(self.compute_dtype == "float32" or self.backend == "jax", "--compute-dtype",
              f"{self.compute_dtype} needs --backend jax (PyTensor's own backend multiplies in "
              "its variables' dtype)")
-        need(self.exchange_dtype in WIRE_DTYPES, "--exchange-dtype",
-             f"must be one of {WIRE_DTYPES}")
         need(all(h >= 1 for h in self.hidden) and self.hidden, "--hidden",
              f"widths must be positive, got {list(self.hidden)}")
         need(self.lr > 0, "--lr", f"must be positive, got {self.lr}")

@@ -53,7 +53,7 @@ def make_exchanger(ctx, rep, cfg, inside=True):
     """The worker's Exchanger, after one exact exchange (which also proves it works), and
     its StepExchange (None without ``inside``: the exchanges are then queued from Python
     after each step); (None, None) for a lone worker."""
-    from .. import settings
+    from .. import methods, settings
     from ..exchange import Exchanger
     from ..xla import StepExchange, copies_to_every_peer
     if ctx.nranks == 1:
@@ -66,13 +66,13 @@ def make_exchanger(ctx, rep, cfg, inside=True):
     # A shared shadow lets the exchanges inside the step's XLA call start as soon as the
     # last layers are computed, and spares the overlapped one its pack ('gather'). It costs
     # nranks - 1 copies of the state on each GPU: only where one of the two will use it.
-    shadow = (rep.jax is not None and not ctx.is_cpu and inside and cfg.method == "auto"
-              and ctx.nnodes == 1 and copies_to_every_peer(ctx.nranks)
+    shadow = (rep.jax is not None and not ctx.is_cpu and inside
+              and methods.get(cfg.method).shadow and ctx.nnodes == 1 and copies_to_every_peer(ctx.nranks)
               and (cfg.exchange_dtype == "float32" or same_start(cfg.sync_every, cfg.overlap)))
     ex = Exchanger(ctx, state_layout(rep), method=cfg.method, wire_dtype=cfg.exchange_dtype,
                    max_blocks=blocks, shadow=shadow)
     try:
-        rep.exchange(ex)  # replicas start identical (seed 1234); a resumed run too
+        rep.exchange(ex)  # replicas start identical (--init-seed); a resumed run too
     except BaseException:
         ex.close()
         raise

@@ -1,5 +1,6 @@
 """An Exchanger's exchanges inside a jitted training step: its group, method, grid cap and
 wire applied to the operations of pympgu.xla."""
+from .. import methods
 from . import ops
 from .gradients import average_gradients, gradient_plan, gradients_by_copies
 from .overlap import average_during, correct_during, shadow_array
@@ -30,7 +31,7 @@ class StepExchange:
         if ex.wire_dtype and not gradients:
             return (f"the {ex.wire_dtype} wire keeps state outside XLA (inside it, only "
                     "--sync-every 1's gradients cross in it)")
-        if ex.backend.across is None and (ex.method == "copy" or not ex.backend.peer_ok):
+        if ex.backend.across is None and (ex.way.peer_copies or not ex.backend.peer_ok):
             return "the copy method with host barriers runs outside XLA"
         return ops.available()[1]
 
@@ -38,8 +39,8 @@ class StepExchange:
     def algo(self):
         """The operations' algorithm: the exchanger's method, except where NCCL takes part
         (across nodes, or the 'nccl' method), whose group takes NCCL's road whatever kernel
-        algorithm is named (PeerGroup.join_nodes): 'twoshot' is one that needs no shadow."""
-        return "twoshot" if self.ex.backend.across is not None else self.ex.method
+        algorithm is named (PeerGroup.join_nodes): one that needs no shadow."""
+        return methods.ACROSS_NODES if self.ex.backend.across is not None else self.ex.method
 
     def average(self, arrays):
         """The averages of ``arrays`` as JAX arrays, for use inside a jitted function
@@ -103,7 +104,7 @@ class StepExchange:
         than 'auto', or other arrays than float32. For the gradients it is of the wire's
         dtype."""
         ex = self.ex
-        if (ex.method != "auto" or self.unavailable(gradients=not correction)
+        if (not ex.way.shadow or self.unavailable(gradients=not correction)
                 or any(d != "float32" for _, _, d in ex.layout)):
             return None
         wire = "float32" if correction else ex.wire_dtype or "float32"

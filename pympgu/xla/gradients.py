@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 
-from .. import settings
+from .. import methods, settings
 from . import ops
 from .overlap import rank_mean
 from .results import average_results, send_in_parts
@@ -156,7 +156,7 @@ def gradients_by_copies(group, shadow, algo):
     shared shadow for XLA's update to sum, rather than averaging them with the group's
     kernel: on up to PYMPGU_SPLIT_MAX_RANKS ranks, a power of two (_reads_shadow), given the
     shadow and 'auto'."""
-    return bool(ops.reads_shadow(group.nranks) and shadow is not None and algo == "auto"
+    return bool(ops.reads_shadow(group.nranks) and shadow is not None and methods.chooses(algo)
                 and getattr(group, "shadow_offset", 0))
 
 
@@ -183,7 +183,7 @@ def gradient_plan(fn, updated, group, args, local=(), shadow=None, algo="auto", 
     ``args`` (pympgu.xla.split.Tail, the update it feeds), else ``(None, why not)``;
     ``exact``, ``wire`` and ``alike`` as average_gradients takes them. A half-precision
     wire takes them at any size: it is the only road on which it crosses inside XLA."""
-    if algo == "gather":
+    if methods.gathers(algo):
         return None, "the gather algorithm averages parameters only"
     # Exact, the tail need only be affine in what crosses, and any work on gradients alone
     # may go before it; else what crosses must be the gradients themselves, and a norm of

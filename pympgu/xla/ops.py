@@ -8,7 +8,7 @@ import functools
 
 import numpy as np
 
-from .. import settings
+from .. import methods, settings
 from ..exchange.layout import ITEMSIZE, plan_layout
 
 TARGET = "pympgu_average"
@@ -81,19 +81,19 @@ def attributes(arrays, group, algo, max_blocks, overlapped=False, pushed=False):
         raise ValueError(f"the arrays need {nbytes} bytes in the group's buffer, which holds "
                          f"{group.nbytes}")
     moves = dtype == "float32" or pushed  # what the gather algorithm may take
-    if algo == "gather" and not (overlapped and moves):
+    if methods.gathers(algo) and not (overlapped and moves):
         raise ValueError("algo 'gather' is for float32 arrays averaged during other work "
                          "(average_during, correct_during)")
-    if overlapped and algo == "auto" and moves and copies_to_every_peer(group.nranks):
+    if overlapped and methods.chooses(algo) and moves and copies_to_every_peer(group.nranks):
         # Beside XLA's work the copy engines move the bytes and no SM is taken from it. On
         # more ranks they move R - 1 copies, and a kernel capped at the group's grid
         # ('push', two-shot) takes less of the step than they do.
-        chosen = "gather"
+        chosen = methods.GATHER
     else:
-        chosen = "gather" if algo == "gather" else group.algorithm(nbytes, algo)
+        chosen = methods.GATHER if methods.gathers(algo) else group.algorithm(nbytes, algo)
     blocks = group.max_blocks if max_blocks is None else int(max_blocks)
     register()
-    attrs = dict(group=np.int64(group.xla_id(shadow=chosen == "gather")),
+    attrs = dict(group=np.int64(group.xla_id(shadow=methods.gathers(chosen))),
                  algo=np.int32(ALGORITHM_CODES[chosen]), max_blocks=np.int32(blocks),
                  chunk_bytes=np.int64(ce_chunk_bytes()), offsets=np.asarray(offsets, np.int64),
                  total=np.int64(total))
@@ -196,7 +196,7 @@ def wait(token, after, attrs, k, part=DONE_WHOLE):
 
 def gather_code():
     from .._cuda import ALGORITHM_CODES
-    return ALGORITHM_CODES["gather"]
+    return ALGORITHM_CODES[methods.GATHER]
 
 
 def part_offsets(offsets, part):

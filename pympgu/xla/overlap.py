@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 
+from .. import methods
 from . import ops
 from .split import Tail, trace
 
@@ -72,7 +73,7 @@ def _overlapped(arrays, group, fn, args, algo, max_blocks, correct, shadow=None,
         result = fn(*args)
         return ([], result[1]) if correct else ([], result)
     attrs, chosen = ops.attributes(arrays, group, algo, max_blocks, overlapped=True)
-    if shadow is not None and not (chosen == "gather" and getattr(group, "shadow_offset", 0)
+    if shadow is not None and not (methods.gathers(chosen) and getattr(group, "shadow_offset", 0)
                                    and ops.fusable(group.nranks)):
         raise ValueError("correct_during: shadow= needs the gather algorithm (float32, algo "
                          "'auto' or 'gather'), a group made with shadow=True, and a power "
@@ -91,7 +92,7 @@ def _overlapped(arrays, group, fn, args, algo, max_blocks, correct, shadow=None,
         return ops.done(token, arrays, attrs), result
     new, extra = result
     fresh = _fresh(new, arrays)
-    if chosen == "gather":  # the correction fused into the average's pass
+    if methods.gathers(chosen):  # the correction fused into the average's pass
         return ops.done(token, arrays, attrs, fresh), extra
     means = ops.done(token, arrays, attrs)
     return [f + (m - a) for f, m, a in zip(fresh, means, arrays)], extra

@@ -4,7 +4,7 @@ import math
 
 import numpy as np
 
-from .. import settings
+from .. import methods, settings
 from . import ops
 from .split import Split, trace
 
@@ -52,7 +52,7 @@ def average_results(fn, which, group, *args, algo="auto", max_blocks=None):
     which = list(which)
     split = None
     if (which and getattr(group, "shadow_offset", 0) and group.nranks > 1
-            and ops.copies_to_every_peer(group.nranks) and algo == "auto"):
+            and ops.copies_to_every_peer(group.nranks) and methods.chooses(algo)):
         closed = trace(fn, flat)
         shapes = [closed.jaxpr.outvars[i].aval for i in which]
         nbytes = sum(math.prod(s.shape) * 4 for s in shapes)
