@@ -41,3 +41,14 @@ class ExchangeError(RuntimeError):
 class SaidWhole(RuntimeError):
     """A failure whose message says it all, the cause and what to do: a worker that raises
     it is named with that one line, without a traceback."""
+
+
+class FlagError(ValueError):
+    """A setting that cannot be honoured (a flag out of range, a batch the data cannot
+    fill, a dropout rate for a model without dropout, nodes that cannot meet): ``flag``
+    names the flag or variable at fault, and the command line reports it as its parser
+    reports a bad flag."""
+
+    def __init__(self, flag, message):
+        super().__init__(message)
+        self.flag = flag

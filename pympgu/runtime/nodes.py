@@ -13,6 +13,8 @@ import os
 import re
 import stat
 
+from ..errors import FlagError
+
 SECRET_ENV = "PYMPGU_SECRET"
 COORDINATOR_ENV = "PYMPGU_COORDINATOR"
 DEFAULT_PORT = 29400
@@ -20,12 +22,8 @@ MAX_NODES = 64
 MIN_SECRET_BYTES = 16
 
 
-class NodesError(ValueError):
-    """The nodes cannot meet as asked: ``flag`` names the flag or variable at fault."""
-
-    def __init__(self, flag, message):
-        super().__init__(message)
-        self.flag = flag
+# The nodes cannot meet as asked: ``flag`` names the flag or variable at fault.
+NodesError = FlagError
 
 
 @dataclasses.dataclass(frozen=True)

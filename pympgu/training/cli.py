@@ -180,7 +180,7 @@ def resolve(args, parser, where=None):
     if before is None or optimizer != before.optimizer:
         values["optimizer"] = optimizer
         values.update(optimizer_defaults(optimizer))  # a preset's rate is SGD's
-    if optimizer == "sgd" and args.beta2 is not None:
+    if not OPTIMIZERS[optimizer].beta2 and args.beta2 is not None:
         parser.error("--beta2 is Adam's; give --optimizer adam or adamw with it")
     for key in _PLAIN + ("optimizer",):
         if getattr(args, key) is not None:

@@ -9,29 +9,24 @@ import importlib.util
 import json
 
 from .. import methods
+from ..errors import FlagError
 from ..models import OPTIMIZERS, STATISTICS_EXAMPLES
 from ..precision import DTYPES as COMPUTE_DTYPES
 from ..schedule import SCHEDULES
 
 BACKENDS = ("jax", "c")
-# Adam's (and AdamW's) learning rate when --lr is not given: SGD's would be far too large.
-ADAM_LR = 1e-3
-# AdamW's --weight-decay when not given: torch.optim.AdamW's default.
-ADAMW_DECAY = 1e-2
+# Adam's (and AdamW's) learning rate when --lr is not given (SGD's would be far too large),
+# and AdamW's --weight-decay: torch.optim.AdamW's defaults, as their optimizers hold them.
+ADAM_LR = OPTIMIZERS["adam"].default_lr
+ADAMW_DECAY = OPTIMIZERS["adamw"].default_decay
 # What every rank builds its model with unless --init-seed says otherwise (the 2014 demo's
 # RandomState(1234)): replicas start identical.
 MODEL_SEED = 1234
 MAX_WORKERS = 8
 
 
-class UsageError(ValueError):
-    """A setting that cannot be honoured (a flag out of range, a batch the data cannot
-    fill, an --out that cannot be written): ``flag`` names it, and the command line
-    reports it as its parser reports a bad flag."""
-
-    def __init__(self, flag, message):
-        super().__init__(message)
-        self.flag = flag
+# A setting a run cannot take: the one error type that names its flag (pympgu.errors).
+UsageError = FlagError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,13 +139,13 @@ class RunConfig:
         need(self.lr > 0, "--lr", f"must be positive, got {self.lr}")
         need(0 <= self.momentum < 1, "--momentum", f"must be in [0, 1), got {self.momentum}")
         need(0 <= self.beta2 < 1, "--beta2", f"must be in [0, 1), got {self.beta2}")
-        need(not self.nesterov or self.optimizer == "sgd", "--nesterov",
+        need(not self.nesterov or OPTIMIZERS[self.optimizer].nesterov, "--nesterov",
              "is SGD's momentum; Adam's beta1 is --momentum")
         need(not self.nesterov or self.momentum > 0, "--nesterov",
              f"needs a --momentum above 0, got {self.momentum}")
         need(0 <= self.weight_decay < 1, "--weight-decay",
              f"must be in [0, 1), got {self.weight_decay}")
-        need(self.weight_decay == 0 or self.optimizer == "adamw", "--weight-decay",
+        need(self.weight_decay == 0 or OPTIMIZERS[self.optimizer].decays, "--weight-decay",
              "is AdamW's decoupled decay; give --optimizer adamw with it (--l2 penalises the "
              "weights for sgd and adam)")
         need(self.clip_norm >= 0, "--clip-norm", f"must be 0 (off) or above, got {self.clip_norm}")
@@ -198,10 +193,15 @@ def optimizer_defaults(name):
     not given: Adam's and AdamW's learning rate, AdamW's decay, and no L2 penalty for
     either, as torch.optim.Adam's and AdamW's defaults (docs/DECISIONS.md, "Adam without
     an L2 penalty")."""
-    if name == "sgd":
-        return {}
-    decay = {"weight_decay": ADAMW_DECAY} if name == "adamw" else {}
-    return dict(lr=ADAM_LR, l2=0.0, **decay)
+    chosen, default = OPTIMIZERS[name], OPTIMIZERS[RunConfig.optimizer]
+    changes = {}
+    if chosen.default_lr != default.default_lr:
+        changes["lr"] = chosen.default_lr
+    if chosen.default_l2 != default.default_l2:
+        changes["l2"] = chosen.default_l2
+    if chosen.decays:
+        changes["weight_decay"] = chosen.default_decay
+    return changes
 
 
 # The 2014 seed's run: MLP 784-500-10, plain SGD, lr 0.13, batch 5000, L2 1e-4, 10 epochs.

@@ -216,6 +216,7 @@ def _write_config(cfg, out, replacing, changes):
 
 def describe(cfg, ds, model, schedule):
     """The run in one line: data, model, optimizer, workers, batch and exchange."""
+    from ..models import OPTIMIZERS
     where = f"{len(cfg.devices)} CPU workers" if cfg.cpu else f"GPUs {list(cfg.devices)}"
     if cfg.nnodes > 1:
         where = f"{cfg.nnodes} nodes x {where}"
@@ -223,7 +224,7 @@ def describe(cfg, ds, model, schedule):
                      f", label smoothing {cfg.label_smoothing:g}" if cfg.label_smoothing else "",
                      ", flipped" if cfg.flip else "",
                      f", shifted by {cfg.shift}" if cfg.shift else ""])
-    decay = (f" decay {model.weight_decay:g}" if model.optimizer == "adamw" else
+    decay = (f" decay {model.weight_decay:g}" if OPTIMIZERS[model.optimizer].decays else
              " nesterov" if model.nesterov else "")
     if model.clip_norm:
         decay += f", clipped to norm {model.clip_norm:g}"

@@ -39,10 +39,7 @@ def build_model(cfg, ds):
     its optimizer."""
     from .. import models
     return models.build(cfg.model, ds.n_in, cfg.hidden, ds.n_classes, seed=cfg.init_seed,
-                        optimizer=cfg.optimizer, beta2=cfg.beta2,
-                        weight_decay=cfg.weight_decay, nesterov=cfg.nesterov,
-                        clip_norm=cfg.clip_norm, ema=cfg.ema, dropout=cfg.dropout,
-                        flip=cfg.flip, label_smoothing=cfg.label_smoothing, shift=cfg.shift)
+                        recipe=models.Recipe.of(cfg))
 
 
 # How many steps' learning rates Replica.apply_rate puts on the device at once.
@@ -62,8 +59,8 @@ class Replica:
         self.model = build_model(cfg, ds)
         mode = precision.mode(cfg.compute_dtype, cfg.backend)
         self.eval_batch = min(500, len(ds.valid[1]) + len(ds.test[1]))
-        self.train_fn, self.eval_fn = self.model.compile(
-            ds, cfg.batch_size, self.eval_batch, cfg.lr, cfg.momentum, cfg.l1, cfg.l2, mode)
+        self.train_fn, self.eval_fn = self.model.compile(ds, cfg.batch_size, self.eval_batch,
+                                                         mode=mode)
         # What model.rate_vars hold (apply_rate): the step size, and AdamW's decay.
         self.applied = tuple(np.float32(v.get_value()) for v in self.model.rate_vars)
         self._rates = {}  # step: (schedule, its rate, the rates applied, those on the device)
