@@ -53,38 +53,6 @@ else:
     from . import cuda
     from .errors import CudaError, ExchangeError
 
-    # Modules that moved, and where they are now: importing the old name warns and gives
-    # the new module.
-    _MOVED = {"pympgu.jaxsplit": "pympgu.xla.split", "pympgu.jaxstep": "pympgu.xla.step",
-              "pympgu.bench_train": "pympgu.bench.train", "pympgu.clocks": "pympgu.bench.clocks"}
-
-    class _MovedFinder:
-        """Imports a moved module's old name as a module holding the new one's names."""
-
-        @staticmethod
-        def find_spec(name, path=None, target=None):
-            if name not in _MOVED:
-                return None
-            import importlib.util
-            return importlib.util.spec_from_loader(name, _MovedFinder)
-
-        @staticmethod
-        def create_module(spec):
-            return None
-
-        @staticmethod
-        def exec_module(module):
-            import importlib
-            import warnings
-            new = _MOVED[module.__name__]
-            warnings.warn(f"{module.__name__} is deprecated: it is {new}", DeprecationWarning,
-                          stacklevel=3)
-            module.__dict__.update((k, v) for k, v in vars(importlib.import_module(new)).items()
-                                   if not k.startswith("__"))
-
-    if not any(isinstance(f, type) and f.__name__ == "_MovedFinder" for f in _sys.meta_path):
-        _sys.meta_path.append(_MovedFinder)
-
     def cuda_available():
         """True when pympgu was built with CUDA and at least one GPU is usable here."""
         return cuda.availability()[0]

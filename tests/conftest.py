@@ -28,6 +28,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=f"needs {mark.args[0]} GPUs, {n} visible"))
 
 
+@pytest.fixture(autouse=True)
+def _messages():
+    """pympgu's messages on stderr, as its commands show them (pympgu.log.setup), at the
+    level of a command without -q or -v whatever the test before chose."""
+    from pympgu.log import setup
+    setup()
+
+
 @pytest.fixture
 def pympgu_env(monkeypatch):
     """Set PYMPGU_* variables for this test, as ``pympgu_env(split_max_ranks=4)``: pympgu's

@@ -393,7 +393,7 @@ def gradient_rounds(ctx, rounds, big=1 << 23, update="affine", wire=None, clip=4
     state is W, b, a big vector, a matrix and their momentum, the same on every rank; each
     rank's gradients are sums of its own data, the matrix's a product of two of its
     arrays (exact in any order, and in TF32). The big vector's gradient waits for a larger
-    product, so that the others cross first and the step is cut (jaxsplit.Split). Where
+    product, so that the others cross first and the step is cut (pympgu.xla.split.Split). Where
     the plan does not apply (too few bytes under PYMPGU_SPLIT_MIN_BYTES, say), the average of the parameters after
     the update is checked instead, each rank keeping its own momentum. Odd rounds average
     the parameters after no step, through the same group. ``update``: 'squared' reads

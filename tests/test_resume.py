@@ -35,7 +35,7 @@ def test_a_resumed_run_takes_its_runs_settings_and_says_what_flags_change(tmp_pa
     assert cli.main(SEED_RUN + ["--epochs", "2", "--out", out]) == 0
     capsys.readouterr()
     # No flag but --epochs: lr 0.13, batch 4000 and 32 units go on, as the losses show.
-    assert cli.main(["--resume", out, "--epochs", "3", "--quiet"]) == 0
+    assert cli.main(["--resume", out, "--epochs", "3"]) == 0
     err = capsys.readouterr().err
     assert (f"--resume {out}: the run goes on with the settings of its config.json; epochs "
             "2 -> 3 (given)") in err, err
@@ -44,7 +44,7 @@ def test_a_resumed_run_takes_its_runs_settings_and_says_what_flags_change(tmp_pa
     assert config["changes"] == [{"epoch": 2, "changed": {"epochs": [2, 3]}}]
     assert _learning(out) == _learning(whole)[:3]
     # A flag given changes its setting, and says so; config.json keeps every change.
-    assert cli.main(["--resume", out, "--epochs", "4", "--lr", "0.05", "--quiet"]) == 0
+    assert cli.main(["--resume", out, "--epochs", "4", "--lr", "0.05"]) == 0
     assert "epochs 3 -> 4 (given), lr 0.13 -> 0.05 (given)" in capsys.readouterr().err
     config = _config(out)
     assert config["lr"] == 0.05

@@ -183,7 +183,7 @@ def test_sync_says_why_a_gpu_workers_exchange_runs_outside_xla():
     assert Sync(rep, ex, inside=inside).outside == "PyTensor's C backend has no XLA call"
     rep.jax = object()
     assert Sync(rep, ex, inside=inside).fused and Sync(rep, ex, inside=inside).outside is None
-    assert Sync(rep, ex).outside == "asked to (the benchmark's '-py' rows)"
+    assert Sync(rep, ex).outside == "its caller asked for it (no StepExchange: make_exchanger(inside=False))"
     inside.wire = True
     assert Sync(rep, ex, inside=inside).fused and Sync(rep, ex, inside=inside).gradients
     for every, overlap in ((2, False), (1, True)):

@@ -893,7 +893,7 @@ def test_help_explains_every_flag():
 
 
 def test_direct_jax_step_matches_pytensor_call(jax_process):
-    """pympgu.jaxstep calls PyTensor's JAX program itself: the same costs and state, bit for
+    """pympgu.xla.step calls PyTensor's JAX program itself: the same costs and state, bit for
     bit, and an exchange given to it sees the new state in the model's state order, and
     which arguments are the rank's own (the minibatch). An
     overlapped exchange ('during') sees the state the step starts from and the step's own

@@ -181,7 +181,7 @@ def accumulate(ref, avg, stream=None, synchronize=True):
     """ref += avg on the GPU: ref float32, avg float16 or bfloat16 of the same size.
 
     The second half of the low-precision wire (TensorTable op "delta" is the first); the
-    same arithmetic as pympgu.host_accumulate. Returns ref.
+    same arithmetic as pympgu._host.host_accumulate. Returns ref.
     """
     on = <uintptr_t>_stream_of(stream)
     r = array_info(ref, "ref", on)

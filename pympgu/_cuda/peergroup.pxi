@@ -384,7 +384,7 @@ cdef class PeerGroup:
 
         For GPUs without peer access to each other's memory: hold a host barrier before
         this and after it returns, then call shadow_average. ``synchronize=False`` leaves
-        the copies queued on the group's stream (benchmarks/probe_timeline.py runs them
+        the copies queued on the group's stream (a probe may run them
         beside a training step).
         """
         cdef int code = dtype_code(dtype)

@@ -1,7 +1,6 @@
 """The GPU's SM clock while a benchmark runs, and whether the driver held it down.
 
-The benchmarks print it beside their timings (``describe``): pympgu.bench_train per row,
-and benchmarks/probe_timeline.py per sequence of steps.
+The benchmarks print it beside their timings (``describe``): pympgu.bench.train per row.
 """
 
 

@@ -16,20 +16,15 @@ def pympgu_worker(ctx, cfg, steps, warmup, plain_jax, inside=True):
     import numpy as np
 
     from ..schedule import Schedule
-    from ..training.replica import Replica
-    from ..training.sync import Sync
-    from ..training.worker import make_exchanger, setup_backend
+    from ..training import Steps
     from .clocks import Clocks
-    setup_backend(ctx, "jax")
-    rep = Replica(ctx, cfg)
-    rep.seed_noise(0)  # each rank its own masks, as in training (--dropout)
-    ex, step_exchange = make_exchanger(ctx, rep, cfg, inside)
+    steps_ = Steps(ctx, cfg, inside)
+    rep, ex, step_exchange, sync = steps_.rep, steps_.ex, steps_.step_exchange, steps_.sync
     try:
         ntrain = len(rep.dataset.train[1])
         rng = np.random.default_rng(ctx.rank)
         batches = rep.device_batches([rng.integers(0, ntrain, cfg.batch_size).astype(np.int32)
                                       for _ in range(warmup + steps)])
-        sync = Sync(rep, ex, cfg.sync_every, cfg.overlap, step_exchange)
         # The rate set before every step as the training loop sets it (Replica.apply_rate).
         schedule = Schedule(cfg.lr, warmup + steps, cfg.schedule)
         if inside and ex is not None and not ctx.is_cpu and not sync.fused \
@@ -39,10 +34,8 @@ def pympgu_worker(ctx, cfg, steps, warmup, plain_jax, inside=True):
             raise RuntimeError("the exchange cannot run inside XLA: "
                                f"{step_exchange.unavailable()}")
         for i, idx in enumerate(batches[:warmup]):
-            rep.apply_rate(schedule, i)
-            sync.step(idx, i, last=i == warmup - 1)
-        sync.drain()
-        rep.wait()
+            steps_.step(idx, schedule, i, i, last=i == warmup - 1)
+        steps_.finish()
         if ctx.nranks > 1:
             ctx.barrier()
         sync.seconds = loop_s = 0.0
@@ -50,11 +43,9 @@ def pympgu_worker(ctx, cfg, steps, warmup, plain_jax, inside=True):
             t0 = time.perf_counter()
             for i, idx in enumerate(batches[warmup:]):
                 t1 = time.perf_counter()
-                rep.apply_rate(schedule, warmup + i)
-                sync.step(idx, i, last=i == steps - 1)
+                steps_.step(idx, schedule, warmup + i, i, last=i == steps - 1)
                 loop_s += time.perf_counter() - t1
-            sync.drain()
-            rep.wait()
+            steps_.finish()
             wall = time.perf_counter() - t0
         # Host time per step: in the training call (with a fused exchange, that too), and in
         # exchanges queued on their own.
@@ -80,8 +71,7 @@ def pympgu_worker(ctx, cfg, steps, warmup, plain_jax, inside=True):
                 out["r1"] = _exchange_overhead(ctx, rep, cfg)
         return out
     finally:
-        if ex is not None:
-            ex.close()
+        steps_.close()
 
 
 def _bare_kernel_ms(ex, n=None):
@@ -111,8 +101,7 @@ def _exchange_overhead(ctx, rep, cfg, calls=20):
     adds around the kernel. The parts are host times: queueing the pack (with the arrays'
     DLPack exports), the average, and the unpack; the JAX import and split queue after."""
     from ..exchange import Exchanger
-    from ..training.replica import state_layout
-    with Exchanger(ctx, state_layout(rep), method=cfg.method) as ex:
+    with Exchanger(ctx, rep.layout, method=cfg.method) as ex:
         rep.exchange(ex)
         rep.wait()
         before = dict(ex.stats)

@@ -36,7 +36,7 @@ exchange adds per step (ms/step over the 1-GPU row's: the
 host queues exchanges without waiting, so only the step time shows their cost), beside the
 bare kernel's device time for the same bytes. Minibatches are random indices into the dataset
 (the embedded MNIST test set unless --data-dir): speed does not depend on the labels. Each
-pympgu row also shows the SM clock it ran at (pympgu.clocks; the slowest rank's mean, and
+pympgu row also shows the SM clock it ran at (pympgu.bench.clocks; the slowest rank's mean, and
 the largest share of samples the driver held down for power or heat): a step is slower on
 a GPU held below its top clock. With ``--repeats N`` every row runs N times, in rounds, and
 shows its median run, with the spread and each round's scaling: one run in new processes

@@ -146,13 +146,6 @@ class Exchanger:
         self.start(arrays)
         return self.finish()
 
-    def __getattr__(self, name):
-        if name.startswith("xla_"):  # moved up: this package does not import pympgu.xla
-            raise AttributeError(f"Exchanger.{name} moved: pympgu.xla's operations take an "
-                                 f"Exchanger (pympgu.xla.average(arrays, exchanger)), and "
-                                 f"pympgu.xla.StepExchange(exchanger) holds the rest")
-        raise AttributeError(f"'Exchanger' object has no attribute {name!r}")
-
     def close(self):
         """Release the staging buffer and every peer mapping; calling it again does nothing."""
         if self.backend is not None:

@@ -188,7 +188,7 @@ class Model(Noise):
     def affine_update(self):
         """Whether the update is affine in the gradients (SGD's is, Adam's is not, nor a
         clipped one's): then averaging the replicas' updates is updating by their mean
-        gradient (pympgu.train.Sync says where that matters)."""
+        gradient (pympgu.training.sync.Sync says where that matters)."""
         return OPTIMIZERS[self.optimizer].affine and not self.clip_norm
 
     def step_size(self, lr, t):

@@ -236,10 +236,10 @@ class Listener:
         if not force and now - self._reported_at < REJECT_SUMMARY_S:
             return
         if self._unreported:
-            self.log(f"pympgu: rejected {self._unreported} message(s) on {self.address} "
+            self.log(f"rejected {self._unreported} message(s) on {self.address} "
                      f"({self.rejected} in all; the last: {printable(self._last_reason, 200)})")
         if self._unreported_drops:
-            self.log(f"pympgu: dropped {self._unreported_drops} connection(s) to "
+            self.log(f"dropped {self._unreported_drops} connection(s) to "
                      f"{self.address} that had not shown the nodes' secret ({self.dropped} "
                      "in all)")
         if self._unreported or self._unreported_drops:

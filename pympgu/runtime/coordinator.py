@@ -157,7 +157,7 @@ class NodeCoordinator:
             self.on_metric(rank, data)
         except Exception as e:
             if not self.metric_failed:
-                self.log(f"pympgu: a metric of rank {rank} could not be shown "
+                self.log(f"a metric of rank {rank} could not be shown "
                          f"({type(e).__name__}: {printable(e, 200)}); the run goes on")
             self.metric_failed = True
 

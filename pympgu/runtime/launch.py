@@ -100,7 +100,7 @@ def launch(target, args=(), *, gpus=None, cpu=None, on_metric=None, heartbeat_ti
     nlocal = len(devices)
     if not 1 <= nlocal <= 8:
         raise ValueError(f"pympgu runs 1 to 8 workers a node, got {nlocal}")
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    log = log or _logger().warning
     multi = nodes is not None and nodes.nnodes > 1
     if multi and not secret:
         raise ValueError("a run of several nodes needs their shared secret (secret=; "
@@ -149,6 +149,11 @@ def launch(target, args=(), *, gpus=None, cpu=None, on_metric=None, heartbeat_ti
                 if end is not None:
                     end.close()
             private.remove()
+
+
+def _logger():
+    from ..log import log
+    return log
 
 
 def _outputs(rank, streams):

@@ -158,5 +158,5 @@ def unlink_run(run_id, log=None):
             pass
         except OSError as e:
             if log is not None:
-                log(f"pympgu: could not remove {path} ({e.strerror}); remove it by hand")
+                log(f"could not remove {path} ({e.strerror}); remove it by hand")
     return removed

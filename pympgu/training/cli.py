@@ -18,6 +18,8 @@ import sys
 
 from .. import settings
 from .. import methods
+from ..log import log
+from ..log import setup as setup_log
 from ..models import OPTIMIZERS, STATISTICS_EXAMPLES
 from ..precision import DTYPES as COMPUTE_DTYPES
 from ..schedule import SCHEDULES
@@ -127,7 +129,10 @@ def build_parser():
     g.add_argument("--resume", metavar="PATH",
                    help="continue from a checkpoint, or from an --out directory, with the "
                         "settings of its config.json; flags given override them")
-    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress bar, and of pympgu's messages warnings alone")
+    g.add_argument("-v", "--verbose", action="store_true",
+                   help="every message, a failing worker's runtime log among them")
     g = p.add_argument_group("advanced")
     g.add_argument("--backend", choices=["auto", "c", "jax"],
                    help="PyTensor's backend: jax (GPUs need it) or c (default: auto)")
@@ -258,7 +263,7 @@ _WITHOUT_JAX = ("JAX is not installed, so the CPU workers run PyTensor's C backe
 
 
 def nodes(args, parser):
-    """(pympgu.nodes.Nodes, the shared secret or None) from the flags or a job launcher's
+    """(pympgu.runtime.nodes.Nodes, the shared secret or None) from the flags or a job launcher's
     environment, or a parser error naming the flag or variable at fault."""
     from ..runtime import nodes as _nodes
     try:
@@ -356,21 +361,22 @@ def _resume(resume, parser):
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    setup_log(-1 if args.quiet else 1 if args.verbose else 0)
     where, secret = nodes(args, parser)
     resolved = resolve(args, parser, where)
     cfg = resolved.cfg
     if resolved.note:
-        print(f"pympgu: {resolved.note}", file=sys.stderr)
+        log.warning(resolved.note)
     from ..data import DataError
     from ..runtime import Terminated, WorkerFailed
     from .launcher import Diverged, run
     if resolved.changed is not None:
         changed = resuming.describe(resolved.changed, resolved.given)
-        print(f"pympgu: --resume {args.resume}: the run goes on with the settings of its "
-              f"config.json{'; ' + changed if changed else ''}", file=sys.stderr)
+        log.info(f"--resume {args.resume}: the run goes on with the settings of its "
+                 f"config.json{'; ' + changed if changed else ''}")
     if cfg.resume and not args.out:
-        print(f"pympgu: --resume: this run goes on writing into {cfg.out} (--out DIR writes "
-              "elsewhere)", file=sys.stderr)
+        log.info(f"--resume: this run goes on writing into {cfg.out} (--out DIR writes "
+                 "elsewhere)")
     before = checkpoint.stamp(cfg.out)
     try:
         run(cfg, quiet=args.quiet, nodes=where if where.nnodes > 1 else None,
@@ -379,26 +385,27 @@ def main(argv=None):
     except UsageError as e:
         parser.error(str(e))
     except DataError as e:
-        print(f"pympgu: {e}", file=sys.stderr)
+        log.error(str(e))
         return 2
     except WorkerFailed as e:
-        print(f"pympgu: training failed: {e}\npympgu: {checkpoint.left(cfg.out, before)}",
-              file=sys.stderr)
+        log.error("training failed: %s", e)
+        log.error(checkpoint.left(cfg.out, before))
         return 1
     except Diverged as e:
         path = cfg.out and os.path.join(cfg.out, checkpoint.CHECKPOINT)
         epoch = checkpoint.epoch_of(path) if path else None
         kept = (f"{path} keeps epoch {epoch}, the last good one" if epoch is not None else
                 checkpoint.left(cfg.out, before))
-        print(f"pympgu: {e}\npympgu: {kept}", file=sys.stderr)
+        log.error(str(e))
+        log.error(kept)
         return 1
     except Terminated:  # a scheduler's stop (Slurm's, say): the status a SIGTERM gives
-        print("pympgu: stopped by SIGTERM; every worker was stopped\n"
-              f"pympgu: {checkpoint.left(cfg.out, before)}", file=sys.stderr)
+        log.error("stopped by SIGTERM; every worker was stopped")
+        log.error(checkpoint.left(cfg.out, before))
         return 128 + signal.SIGTERM
     except KeyboardInterrupt:
-        print("pympgu: interrupted; every worker was stopped\n"
-              f"pympgu: {checkpoint.left(cfg.out, before)}", file=sys.stderr)
+        log.error("interrupted; every worker was stopped")
+        log.error(checkpoint.left(cfg.out, before))
         return 130
     return 0
 

@@ -2,11 +2,11 @@
 the workers launched and supervised, their reports shown, and the result summed up."""
 import json
 import os
-import sys
 import time
 
 from . import checkpoint
 from . import resume as resuming
+from ..log import log
 from .outdir import OutDir, OutDirError
 from .config import UsageError
 from .replica import build_model
@@ -17,13 +17,13 @@ from .worker import make_schedule, worker
 def run(cfg, quiet=False, nodes=None, secret=None, changed=None, fit_batch=None):
     """Train as ``cfg`` (a RunConfig) says: launch the workers, report as they go, and
     return rank 0's history. Raises UsageError for a setting the data or model cannot take,
-    before any worker starts; pympgu.launch.WorkerFailed when a worker fails.
+    before any worker starts; pympgu.runtime.WorkerFailed when a worker fails.
 
     ``changed``: what a resumed run changes of the run it continues ({setting: [before,
     after]}), kept in config.json. ``fit_batch``: the preset whose batch this is (not
     given): one the data cannot fill becomes the largest it can, with a note.
 
-    On several nodes (``nodes``, pympgu.nodes.Nodes, and their shared ``secret``) this
+    On several nodes (``nodes``, pympgu.runtime.nodes.Nodes, and their shared ``secret``) this
     launches this node's workers; node 0's run reports, writes --out and returns the
     history, another node's returns None."""
     if cfg.nnodes > 1 and (nodes is None or nodes.nnodes != cfg.nnodes):
@@ -38,8 +38,8 @@ def run(cfg, quiet=False, nodes=None, secret=None, changed=None, fit_batch=None)
     resumed = 0
     if cfg.resume:  # a checkpoint of another model, or damaged: said here, not by every worker
         try:
-            resumed, _, _ = checkpoint.read(cfg.resume, model, note=lambda line: print(
-                f"pympgu: --resume {line}", file=sys.stderr, flush=True))
+            resumed, _, _ = checkpoint.read(cfg.resume, model,
+                                            note=lambda line: log.info("--resume %s", line))
         except ValueError as e:
             raise UsageError("--resume", str(e)) from None
         if resumed >= cfg.epochs:
@@ -78,8 +78,7 @@ def _launch_run(cfg, ds, model, out, resumed, changed, quiet, nodes, secret):
                         rates=schedule.kind != "constant" or schedule.warmup > 0)
     t0 = time.perf_counter()
     if cfg.nnodes > 1:
-        print(f"pympgu: node 0 of {cfg.nnodes}, waiting for the others at {nodes.address}",
-              file=sys.stderr, flush=True)
+        log.info("node 0 of %d, waiting for the others at %s", cfg.nnodes, nodes.address)
     try:
         results = launch(worker, (cfg,), on_metric=reporter, nodes=nodes,
                          secret=secret, **_workers(cfg))
@@ -113,10 +112,9 @@ def _fit_batch(cfg, ntrain, ds, preset):
         return cfg
     fits = ntrain // workers
     if preset and fits >= 1:
-        print(f"pympgu: --preset {preset}: its batch of {cfg.batch_size} a worker needs "
-              f"{cfg.batch_size * workers:,} training examples a step and {ds.name} has "
-              f"{ntrain:,}: batch {fits} a worker instead (--batch-size sets it)",
-              file=sys.stderr, flush=True)
+        log.info(f"--preset {preset}: its batch of {cfg.batch_size} a worker needs "
+                 f"{cfg.batch_size * workers:,} training examples a step and {ds.name} has "
+                 f"{ntrain:,}: batch {fits} a worker instead (--batch-size sets it)")
         return cfg.replace(batch_size=fits)
     raise UsageError("--batch-size",
                      f"--batch-size {cfg.batch_size} with {workers} workers needs "
@@ -161,10 +159,10 @@ def _run_node(cfg, nodes, secret):
     from .. import data
     from ..runtime import launch
     data.load(cfg.data)  # fail here, with the file's name, before any worker starts
-    print(f"pympgu: node {nodes.node_rank} of {nodes.nnodes}, joining node 0 at "
-          f"{nodes.address}", file=sys.stderr, flush=True)
+    log.info("node %d of %d, joining node 0 at %s", nodes.node_rank, nodes.nnodes,
+             nodes.address)
     launch(worker, (cfg,), nodes=nodes, secret=secret, **_workers(cfg))
-    print(f"pympgu: node {nodes.node_rank} done", file=sys.stderr, flush=True)
+    log.info("node %d done", nodes.node_rank)
     return None
 
 
@@ -208,9 +206,9 @@ def _write_config(cfg, out, replacing, changes):
     except OSError as e:
         raise UsageError("--out", f"--out {cfg.out}: {e.strerror or e}") from e
     if replacing:
-        print(f"pympgu: --out {cfg.out} holds an earlier run; this run replaces its "
-              f"config.json, checkpoints and metrics.jsonl after its first epoch "
-              f"(--resume {cfg.out} would continue it)", file=sys.stderr, flush=True)
+        log.warning(f"--out {cfg.out} holds an earlier run; this run replaces its "
+                    "config.json, checkpoints and metrics.jsonl after its first epoch "
+                    f"(--resume {cfg.out} would continue it)")
     return name
 
 
@@ -257,6 +255,6 @@ def _summarize(cfg, out, history, seconds):
         try:
             plot(history, out)
         except OSError as e:  # the run is done and saved: its picture is not worth a failure
-            print(f"pympgu: {out.join(checkpoint.CURVES)} not written ({e})", file=sys.stderr)
+            log.warning("%s not written (%s)", out.join(checkpoint.CURVES), e)
         if kept:
             print(f"its errors class by class: python -m pympgu.evaluate {cfg.out}")

@@ -331,6 +331,12 @@ class Replica:
         return error_rates(self.eval_fn, len(self.dataset.valid[1]), len(self.dataset.test[1]),
                            self.eval_batch)
 
+    @property
+    def layout(self):
+        """The Exchanger layout of the replica's state: parameters, then the optimizer's."""
+        return [(s.name, list(s.get_value(borrow=True).shape), "float32")
+                for s in self.model.state]
+
     def save(self, out, epoch, history):
         """This replica as the checkpoint of ``epoch`` in ``out`` (an OutDir)."""
         checkpoint.save(out, self.model, self.values(), epoch, history)
@@ -341,10 +347,4 @@ class Replica:
             values = [self.jnp.asarray(v) for v in values]
         self.set_values(values)
         return epoch, history
-
-
-def state_layout(rep):
-    """The Exchanger layout of a replica's state: parameters, then momentum."""
-    return [(s.name, list(s.get_value(borrow=True).shape), "float32") for s in rep.model.state]
-
 

@@ -4,6 +4,7 @@ import json
 import sys
 import time
 
+from ..log import log
 from ..runtime.protocol import printable
 from .checkpoint import CURVES, METRICS
 
@@ -27,8 +28,7 @@ class Reporter:
         kind = data.pop("kind", None)
         data.pop("rank", None)
         if kind == "stage" and not self.quiet:
-            print(f"pympgu: {time.monotonic() - self.t0:5.1f} s: {printable(data['text'], 200)}",
-                  file=self.stream, flush=True)
+            log.info("%5.1f s: %s", time.monotonic() - self.t0, printable(data["text"], 200))
         elif kind == "progress" and self.tty and not self.quiet:
             width = 30
             done = int(width * data["step"] / data["steps"])
@@ -66,7 +66,7 @@ def plot(history, out, name=CURVES):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("pympgu: matplotlib is not installed; no plot written", file=sys.stderr)
+        log.warning("matplotlib is not installed; no plot written (pip install matplotlib)")
         return
     epochs = [h["epoch"] for h in history]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))

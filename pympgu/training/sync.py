@@ -79,7 +79,7 @@ class Sync:
         if self.rep.jax is None:
             return "PyTensor's C backend has no XLA call"
         if self.inside is None:
-            return "asked to (the benchmark's '-py' rows)"
+            return "its caller asked for it (no StepExchange: make_exchanger(inside=False))"
         return self.inside.unavailable()
 
     @property

@@ -7,7 +7,7 @@ import warnings
 
 from . import checkpoint
 from .outdir import OutDir
-from .replica import Replica, state_layout
+from .replica import Replica
 from .sync import Sync, same_start
 
 
@@ -69,7 +69,7 @@ def make_exchanger(ctx, rep, cfg, inside=True):
     shadow = (rep.jax is not None and not ctx.is_cpu and inside
               and methods.get(cfg.method).shadow and ctx.nnodes == 1 and copies_to_every_peer(ctx.nranks)
               and (cfg.exchange_dtype == "float32" or same_start(cfg.sync_every, cfg.overlap)))
-    ex = Exchanger(ctx, state_layout(rep), method=cfg.method, wire_dtype=cfg.exchange_dtype,
+    ex = Exchanger(ctx, rep.layout, method=cfg.method, wire_dtype=cfg.exchange_dtype,
                    max_blocks=blocks, shadow=shadow)
     try:
         rep.exchange(ex)  # replicas start identical (--init-seed); a resumed run too

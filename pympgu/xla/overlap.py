@@ -160,7 +160,7 @@ def _corrected_in_update(arrays, group, fn, args, attrs, token, shadow):
 def rank_mean(own, landed, at, slot, group):
     """The mean of ``own`` over every rank, in XLA's arithmetic: the peers' values are read
     from the shadow where they landed (``landed``, slots of ``slot`` elements, the array at
-    element ``at`` of each). Summed as pmg_mean_list sums (csrc/average.cu), in rank order,
+    element ``at`` of each). Summed as pmg_mean_list sums (csrc/local.cu), in rank order,
     then one division, by a power of two, which XLA rounds as the kernel does
     (shadow_array). Values of a half-precision wire are summed in float32, as the kernels
     sum them."""

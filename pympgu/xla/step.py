@@ -5,11 +5,11 @@ explicit inputs and every shared variable, and returns the outputs and the updat
 values; ``Function.__call__`` wraps it in Python bookkeeping. ``JaxStep`` calls the same
 program through a jit of its own and stores the updates back into the shared variables
 exactly as PyTensor does, so everything else (evaluation, checkpoints) sees the same state.
-The point is what else goes into that jit: given ``exchange`` (``Exchanger.
-xla_average_results``), the new state is averaged with the other ranks inside the same call,
+The point is what else goes into that jit: given ``exchange`` (``StepExchange.
+average_results``), the new state is averaged with the other ranks inside the same call,
 so a step and its exchange are one dispatch, and the averages of the last layers cross the
 link while the step computes the first layers' gradients. Given ``during`` instead
-(``Exchanger.xla_correct_during``), the state the step starts from is averaged while the
+(``StepExchange.correct_during``), the state the step starts from is averaged while the
 step computes, and the step's result is corrected by what the average changed (the
 one-step-delayed correction of ``--overlap``).
 """
@@ -24,14 +24,14 @@ class JaxStep:
     program's outputs (a list), ``which`` the positions of ``state``'s new values among
     them, in ``state``'s order, ``local`` the positions in ``args`` of ``fn``'s explicit
     inputs (a rank's minibatch), and ``exchange`` returns the outputs with some of those
-    replaced by what they become (the average; ``Exchanger.xla_average_results``, or
-    ``xla_average_gradients``, which reads ``inputs`` as ``during`` does). ``during``,
+    replaced by what they become (the average; ``StepExchange.average_results``, or
+    ``average_gradients``, which reads ``inputs`` as ``during`` does). ``during``,
     if given, is called as ``during(old, compute, *args)`` with the values ``state`` starts
     the step with; ``compute(*args)`` returns ``(new, outs)``, the new values of ``state``
     and all of the program's outputs, and ``during`` returns ``(values, outs)``, where
-    ``values`` replace a leading part of ``new`` (``Exchanger.xla_correct_during``: each
+    ``values`` replace a leading part of ``new`` (``StepExchange.correct_during``: each
     becomes new + (average of old - old)). ``inputs`` are arrays that ``during`` reads
-    (``Exchanger.xla_shadow``'s): the jitted program takes them after ``fn``'s arguments
+    (``StepExchange.shadow``'s): the jitted program takes them after ``fn``'s arguments
     at every call, since closed over they would be copied into it as constants, and hands
     them to ``during`` or ``exchange`` as the keyword ``inputs`` (when there are any).
     Calling returns ``fn``'s outputs: the value itself when there is one, else a list.
