@@ -121,7 +121,7 @@ def test_ll_on_one_rank_and_its_limit(seed):
         group.data("float32", x.size).copy_from_host(x)
         assert group.allreduce(x.size, "float32", algo="ll") == "ll"
         assert np.array_equal(group.data("float32", x.size).copy_to_host(), x)
-        auto = pympgu.cuda.ll_max_bytes(1) // 4
+        auto = pympgu.cuda.ll_max_bytes() // 4
         assert group.allreduce(auto, "float32") == "ll"
         assert group.allreduce(auto + 1, "float32") != "ll"
         with pytest.raises(ValueError, match="at most"):
@@ -318,7 +318,7 @@ def test_staged_algorithms_need_staging(monkeypatch, pympgu_env):
         for algo in ("push", "ce"):
             with pytest.raises(ValueError, match="staging=True"):
                 small.algorithm(1 << 20, algo)
-    big = cuda.push_min_bytes(2)
+    big = cuda.push_min_bytes()
     pympgu_env(ce_min_bytes=2 * big)  # read when the group is made
     with cuda.PeerGroup(0, 2, big) as group:
         assert group.stage_bytes == big // 2  # one slot: the peer's half

@@ -16,7 +16,7 @@ from pympgu.runtime import nodes
 
 pytestmark = pytest.mark.timeout(300)
 SECRET = "0f1e2d3c4b5a69788796a5b4c3d2e1f0"
-TRAIN = [sys.executable, "-m", "pympgu.train", "--cpu", "2", "--hidden", "16", "--quiet"]
+TRAIN = [sys.executable, "-m", "pympgu.train", "--cpu", "2", "--hidden", "16"]
 
 
 def free_port():
@@ -315,3 +315,13 @@ def test_a_node_alone_says_which_is_missing(node):
         assert "node(s) [1] did not join within 2 s at 127.0.0.1:" in str(info.value)
     else:
         assert f"node 0 did not answer at {where.address} within 2 s" in str(info.value)
+
+
+def test_slurms_first_host_comes_from_scontrol_where_it_is_installed(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol: the list read here
+    assert nodes.first_host("gpu[03-05,9],cpu1") == "gpu03"
+    assert nodes.first_host("node7") == "node7"
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text("#!/bin/sh\n[ \"$1 $2\" = 'show hostnames' ] && printf 'a-b\\nc\\n'\n")
+    scontrol.chmod(0o755)
+    assert nodes.first_host("a-[b,c]") == "a-b"  # Slurm's expansion, whatever the list says

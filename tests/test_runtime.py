@@ -190,14 +190,14 @@ def test_algorithm_thresholds_and_their_overrides(monkeypatch, pympgu_env):
                               ("ce_min_bytes", cuda.ce_min_bytes, 512 << 20)):
         monkeypatch.delenv(f"PYMPGU_{name.upper()}", raising=False)
         pympgu_env()
-        assert fn(2) == default, name  # the documented defaults (docs/DECISIONS.md)
+        assert fn() == default, name  # the documented defaults (docs/DECISIONS.md)
         pympgu_env(**{name: 12345})
-        assert fn(2) == 12345, name
+        assert fn() == 12345, name
     pympgu_env(ll_max_bytes=0)  # turns 'll' off
-    assert cuda.ll_max_bytes(2) == 0
+    assert cuda.ll_max_bytes() == 0
     # 'll' cannot take more than its mailboxes hold, whatever the environment says.
     pympgu_env(ll_max_bytes=cuda.LL_MAX_BYTES + 1)
-    assert cuda.ll_max_bytes(2) == cuda.LL_MAX_BYTES
+    assert cuda.ll_max_bytes() == cuda.LL_MAX_BYTES
     monkeypatch.delenv("PYMPGU_CE_CHUNK_BYTES", raising=False)
     pympgu_env()
     assert cuda.ce_chunk_bytes() == 16 << 20

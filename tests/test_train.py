@@ -1225,7 +1225,7 @@ def test_resume_dir_writes_into_it_and_its_log_goes_on_from_the_epoch_resumed(tm
     """--resume DIR without --out writes into DIR: its checkpoint and metrics.jsonl go on
     (from best.npz, the log's later epochs are replaced, not repeated)."""
     out = str(tmp_path / "run")
-    argv = ["--cpu", "2", "--hidden", "16", "--quiet", "--backend", "c"]
+    argv = ["--cpu", "2", "--hidden", "16", "--backend", "c"]
     assert cli.main(argv + ["--epochs", "2", "--out", out]) == 0
     epochs = lambda: [json.loads(x)["epoch"] for x in open(os.path.join(out, ckpt.METRICS))]  # noqa: E731
     assert cli.main(argv + ["--epochs", "4", "--resume", out]) == 0

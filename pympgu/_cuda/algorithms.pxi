@@ -4,26 +4,26 @@
 LL_MAX_BYTES = PMG_LL_MAX_BYTES
 
 
-def ll_max_bytes(int nranks):
+def ll_max_bytes():
     """Largest buffer 'auto' averages with 'll' (one crossing of the link, no barrier;
     csrc/pympgu.h); above it, one-shot or two-shot. PYMPGU_LL_MAX_BYTES, at most
     LL_MAX_BYTES (0 turns 'll' off)."""
     return min(settings.get().ll_max_bytes, LL_MAX_BYTES)
 
 
-def oneshot_max_bytes(int nranks):
+def oneshot_max_bytes():
     """Largest buffer 'auto' sends one-shot; above it, two-shot (PYMPGU_ONESHOT_MAX_BYTES)."""
     return settings.get().oneshot_max_bytes
 
 
-def push_min_bytes(int nranks):
+def push_min_bytes():
     """Smallest buffer 'auto' averages with 'push' (two-shot by stores) rather than
     'twoshot'; PeerGroups at least this large get a staging area by default
     (PYMPGU_PUSH_MIN_BYTES)."""
     return settings.get().push_min_bytes
 
 
-def ce_min_bytes(int nranks):
+def ce_min_bytes():
     """Smallest buffer 'auto' averages with 'ce' (two-shot, every byte by DMA) rather than
     'push', in a PeerGroup with a staging area (PYMPGU_CE_MIN_BYTES)."""
     return settings.get().ce_min_bytes

@@ -13,7 +13,7 @@ cdef class PeerGroup:
     (2 * nranks * 512 KiB), then ``nbytes`` of data, then (``staging``) the area the
     peers store into for the algorithms 'push' and 'ce', (nranks - 1) / nranks of ``nbytes``.
     staging=None allocates it when 'auto' would use it, for buffers of at least
-    ``push_min_bytes(nranks)``. ``shadow`` adds nranks - 1 copies of ``nbytes`` that the
+    ``push_min_bytes()``. ``shadow`` adds nranks - 1 copies of ``nbytes`` that the
     peers copy their arrays into by DMA: the XLA operations' 'gather' algorithm then needs no
     pack (pympgu.xla.average_results, correct_during); without it, the shadow they need is
     private and allocated on first use. Every rank must pass the same nbytes, staging,
@@ -77,10 +77,10 @@ cdef class PeerGroup:
         self.timeout_ns = <uint64_t>(timeout * 1e9)
         # The signal block, then the LL mailboxes (csrc/pympgu.h), then the data.
         self.data_offset = _align(sizeof(pmg_signal) + pmg_ll_bytes(nranks), _PAGE)
-        self.ll_max = ll_max_bytes(nranks)
-        self.oneshot_max = oneshot_max_bytes(nranks)
-        self.push_min = push_min_bytes(nranks)
-        self.ce_min = ce_min_bytes(nranks)
+        self.ll_max = ll_max_bytes()
+        self.oneshot_max = oneshot_max_bytes()
+        self.push_min = push_min_bytes()
+        self.ce_min = ce_min_bytes()
         if staging is None:
             staging = nranks > 1 and nbytes >= self.push_min
         self.stage_bytes = pmg_stage_bytes(nranks, nbytes) if staging else 0

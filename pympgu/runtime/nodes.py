@@ -63,7 +63,22 @@ def _address(text, flag):
 
 
 def first_host(nodelist):
-    """The first host of a Slurm node list: 'gpu[03-05,9],cpu1' -> 'gpu03'."""
+    """The first host of a Slurm node list: 'gpu[03-05,9],cpu1' -> 'gpu03'. Slurm's own
+    ``scontrol show hostnames`` says it where it is installed; elsewhere (a test, a
+    container without Slurm's tools) the list's first range is read here."""
+    import subprocess
+    try:
+        done = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                              text=True, timeout=10)
+        if done.returncode == 0 and done.stdout.split():
+            return done.stdout.split()[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return _first_in_list(nodelist)
+
+
+def _first_in_list(nodelist):
+    """first_host without Slurm's tools."""
     m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
     if not m:
         raise NodesError("SLURM_JOB_NODELIST", f"SLURM_JOB_NODELIST={nodelist!r}: no host")

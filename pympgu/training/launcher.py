@@ -112,7 +112,7 @@ def _fit_batch(cfg, ntrain, ds, preset):
         return cfg
     fits = ntrain // workers
     if preset and fits >= 1:
-        log.info(f"--preset {preset}: its batch of {cfg.batch_size} a worker needs "
+        log.warning(f"--preset {preset}: its batch of {cfg.batch_size} a worker needs "
                  f"{cfg.batch_size * workers:,} training examples a step and {ds.name} has "
                  f"{ntrain:,}: batch {fits} a worker instead (--batch-size sets it)")
         return cfg.replace(batch_size=fits)

@@ -43,6 +43,8 @@ XLA's work), split (a traced program cut where results are ready, or before its 
 alike (steps compiled to the same kernels on every rank), step (PyTensor's JAX program
 called directly, the exchange fused in) and exchanger (an Exchanger's exchanges).
 """
+import functools
+
 from ..exchange import Exchanger
 from . import ops
 from .alike import DETERMINISTIC_FLAG, alike_options, deterministic_reductions
@@ -53,18 +55,21 @@ from .overlap import shadow_array
 from . import gradients as _gradients, overlap as _overlap, results as _results
 
 
+@functools.wraps(ops.average, assigned=("__doc__",))
 def average(arrays, group, algo="auto", max_blocks=None):
     if isinstance(group, Exchanger):
         return StepExchange(group).average(arrays)
     return ops.average(arrays, group, algo=algo, max_blocks=max_blocks)
 
 
+@functools.wraps(_overlap.average_during, assigned=("__doc__",))
 def average_during(arrays, group, fn, *args, algo="auto", max_blocks=None):
     if isinstance(group, Exchanger):
         return StepExchange(group).average_during(arrays, fn, *args)
     return _overlap.average_during(arrays, group, fn, *args, algo=algo, max_blocks=max_blocks)
 
 
+@functools.wraps(_overlap.correct_during, assigned=("__doc__",))
 def correct_during(arrays, group, fn, *args, algo="auto", max_blocks=None, shadow=None,
                    ready=()):
     if isinstance(group, Exchanger):
@@ -73,12 +78,14 @@ def correct_during(arrays, group, fn, *args, algo="auto", max_blocks=None, shado
                                    shadow=shadow, ready=ready)
 
 
+@functools.wraps(_results.average_results, assigned=("__doc__",))
 def average_results(fn, which, group, *args, algo="auto", max_blocks=None):
     if isinstance(group, Exchanger):
         return StepExchange(group).average_results(fn, which, *args)
     return _results.average_results(fn, which, group, *args, algo=algo, max_blocks=max_blocks)
 
 
+@functools.wraps(_gradients.average_gradients, assigned=("__doc__",))
 def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), algo="auto",
                       max_blocks=None, plan=None, exact=True, wire=None, alike=False):
     if isinstance(group, Exchanger):
@@ -88,13 +95,6 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
                                         local=local, algo=algo, max_blocks=max_blocks,
                                         plan=plan, exact=exact, wire=wire, alike=alike)
 
-
-for _name, _implementation in (("average", ops.average),
-                               ("average_during", _overlap.average_during),
-                               ("correct_during", _overlap.correct_during),
-                               ("average_results", _results.average_results),
-                               ("average_gradients", _gradients.average_gradients)):
-    globals()[_name].__doc__ = _implementation.__doc__
 
 __all__ = ["DETERMINISTIC_FLAG", "StepExchange", "alike_options", "available", "average",
            "average_during", "average_gradients", "average_results", "copies_to_every_peer",
