@@ -24,11 +24,111 @@ import time
 import types
 
 
+class _Replica:
+    """One rank's MLP, its SGD and pympgu's averager; with ``graph``, its step and average
+    captured as CUDA graphs after the first average."""
+
+    def __init__(self, args, ds, device):
+        import torch
+
+        import pympgu.ddp
+        self.args, self.device, self.torch = args, device, torch
+        torch.manual_seed(args.seed)  # every replica starts alike
+        sizes = [ds.n_in, *args.hidden, ds.n_classes]
+        layers = []
+        for a, b in zip(sizes, sizes[1:]):
+            layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+        self.model = torch.nn.Sequential(*layers[:-1]).to(device)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9)
+        self.averager = pympgu.ddp.ModelAverager(self.model, self.opt)
+        self.x, self.y = (torch.from_numpy(a).to(device) for a in ds.train)
+        self.graphs = None
+        # Captured work runs on a side stream, and so does all the training around it
+        # (PyTorch's recipe: autograd waits across streams for a gradient accumulated on
+        # another stream than its first backward's).
+        self.side = torch.cuda.Stream() if args.graph else None
+        if self.side is not None:
+            self.side.wait_stream(torch.cuda.current_stream())
+
+    def _train_step(self, idx):  # opt.zero_grad() before: a capture leaves it out
+        loss = self.torch.nn.functional.cross_entropy(self.model(self.x[idx]),
+                                                      self.y[idx].long())
+        loss.backward()
+        self.opt.step()
+        return loss.detach()
+
+    def _capture(self):
+        """The step (on a static minibatch's indices) and the average, each a graph."""
+        torch = self.torch
+        g = types.SimpleNamespace(idx=torch.zeros(self.args.batch_size, dtype=torch.long,
+                                                  device=self.device),
+                                  step=torch.cuda.CUDAGraph(), average=torch.cuda.CUDAGraph())
+        self.opt.zero_grad(set_to_none=True)  # backward makes them afresh at every replay
+        with torch.cuda.graph(g.step, stream=self.side):
+            g.loss = self._train_step(g.idx)
+        with torch.cuda.graph(g.average, stream=self.side):
+            self.averager.average()
+        return g
+
+    def step(self, idx):
+        """One step on the minibatch ``idx``; its loss."""
+        if self.graphs is None:
+            self.opt.zero_grad()
+            return self._train_step(idx)
+        self.graphs.idx.copy_(idx)
+        self.graphs.step.replay()
+        return self.graphs.loss.clone()
+
+    def average(self):
+        if self.graphs is not None:
+            self.graphs.average.replay()
+        else:
+            self.averager.average()
+            self.graphs = self._capture() if self.args.graph else None
+
+    def error(self, split):
+        x, y = (self.torch.from_numpy(a).to(self.device) for a in split)
+        with self.torch.no_grad():
+            return (self.model(x).argmax(1) != y).float().mean().item() * 100
+
+    def digest(self):
+        digest = hashlib.sha256()
+        for t in self.model.state_dict().values():
+            digest.update(t.cpu().numpy().tobytes())
+        return digest.hexdigest()
+
+
+def _epoch(replica, ds, rank, epoch, step):
+    """One epoch of ``replica``, averaged every --every steps and at its end; its line
+    (every rank's digest compared) and the step count after it."""
+    import torch
+    import torch.distributed as dist
+
+    from pympgu import data
+    args = replica.args
+    start, losses = time.perf_counter(), []
+    with torch.cuda.stream(replica.side):  # no-op for None
+        for idx in data.shard_batches(len(replica.y), args.batch_size, len(args.gpus), rank,
+                                      args.seed, epoch):
+            losses.append(replica.step(torch.from_numpy(idx).to(replica.device)))
+            step += 1
+            if step % args.every == 0:
+                replica.average()
+        replica.averager.average()  # the epoch's model: the replicas' mean
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    digests = [None] * len(args.gpus)
+    dist.all_gather_object(digests, replica.digest())
+    return {"epoch": epoch + 1, "loss": torch.stack(losses).mean().item(),
+            "valid": replica.error(ds.valid), "test": replica.error(ds.test),
+            "samples_per_s": len(losses) * args.batch_size * len(args.gpus) / seconds,
+            "identical": len(set(digests)) == 1}, step
+
+
 def _rank(rank, args, init_file, out):
     import torch
     import torch.distributed as dist
 
-    import pympgu.ddp
     from pympgu import data
 
     device = args.gpus[rank]
@@ -37,82 +137,11 @@ def _rank(rank, args, init_file, out):
                             world_size=len(args.gpus))
     try:
         ds = data.load(args.data_dir)
-        x_train, y_train = (torch.from_numpy(a).to(device) for a in ds.train)
-        torch.manual_seed(args.seed)  # every replica starts alike
-        sizes = [ds.n_in, *args.hidden, ds.n_classes]
-        layers = []
-        for a, b in zip(sizes, sizes[1:]):
-            layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
-        model = torch.nn.Sequential(*layers[:-1]).to(device)
-        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-        averager = pympgu.ddp.ModelAverager(model, opt)
-
-        def train_step(idx):  # opt.zero_grad() before: a capture leaves it out
-            loss = torch.nn.functional.cross_entropy(model(x_train[idx]), y_train[idx].long())
-            loss.backward()
-            opt.step()
-            return loss.detach()
-
-        def capture():
-            """The step (on a static minibatch's indices) and the average, each a graph."""
-            g = types.SimpleNamespace(idx=torch.zeros(args.batch_size, dtype=torch.long,
-                                                      device=device),
-                                      step=torch.cuda.CUDAGraph(),
-                                      average=torch.cuda.CUDAGraph())
-            opt.zero_grad(set_to_none=True)  # backward makes them afresh at every replay
-            with torch.cuda.graph(g.step, stream=side):
-                g.loss = train_step(g.idx)
-            with torch.cuda.graph(g.average, stream=side):
-                averager.average()
-            return g
-
-        def error(split):
-            x, y = (torch.from_numpy(a).to(device) for a in split)
-            with torch.no_grad():
-                return (model(x).argmax(1) != y).float().mean().item() * 100
-
-        history = []
-        # Captured work runs on a side stream, and so does all the training around it
-        # (PyTorch's recipe: autograd waits across streams for a gradient accumulated on
-        # another stream than its first backward's).
-        side = torch.cuda.Stream() if args.graph else None
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream())
-        graphs = None
+        replica = _Replica(args, ds, device)
+        history, step = [], 0
         try:
-            step = 0
             for epoch in range(args.epochs):
-                start, losses = time.perf_counter(), []
-                with torch.cuda.stream(side):  # no-op for None
-                    for idx in data.shard_batches(len(y_train), args.batch_size,
-                                                  len(args.gpus), rank, args.seed, epoch):
-                        idx = torch.from_numpy(idx).to(device)
-                        if graphs is None:
-                            opt.zero_grad()
-                            losses.append(train_step(idx))
-                        else:
-                            graphs.idx.copy_(idx)
-                            graphs.step.replay()
-                            losses.append(graphs.loss.clone())
-                        step += 1
-                        if step % args.every == 0:
-                            if graphs is not None:
-                                graphs.average.replay()
-                            else:
-                                averager.average()
-                                graphs = capture() if args.graph else None
-                    averager.average()  # the epoch's model: the replicas' mean
-                torch.cuda.synchronize()
-                seconds = time.perf_counter() - start
-                digest = hashlib.sha256()
-                for t in model.state_dict().values():
-                    digest.update(t.cpu().numpy().tobytes())
-                digests = [None] * len(args.gpus)
-                dist.all_gather_object(digests, digest.hexdigest())
-                line = {"epoch": epoch + 1, "loss": torch.stack(losses).mean().item(),
-                        "valid": error(ds.valid), "test": error(ds.test),
-                        "samples_per_s": len(losses) * args.batch_size * len(args.gpus) / seconds,
-                        "identical": len(set(digests)) == 1}
+                line, step = _epoch(replica, ds, rank, epoch, step)
                 history.append(line)
                 if rank == 0:
                     print(f"epoch {line['epoch']}: loss {line['loss']:.4f}, validation error "
@@ -120,7 +149,7 @@ def _rank(rank, args, init_file, out):
                           f"{line['samples_per_s']:.0f} samples/s, replicas "
                           f"{'identical' if line['identical'] else 'DIFFER'}", flush=True)
         finally:
-            averager.close()
+            replica.averager.close()
         if rank == 0:
             out.put(history)
     finally:

@@ -7,10 +7,11 @@ jitted JAX function, :mod:`pympgu.ddp` inside PyTorch's DDP.
 
 Packages, one concern each, calls running down the list: training (``python -m
 pympgu.train``), bench (``python -m pympgu.bench``), xla (the exchange as XLA operations),
-exchange (the Exchanger: a worker's arrays averaged with its peers'), _cuda (the compiled
-CUDA layer; ``pympgu.cuda`` is its front). Beside them: models, nnet, data, precision,
-schedule (what is trained), launch and control (the workers and their coordinator), shm,
-settings (the PYMPGU_* environment variables), evaluate, ddp.
+exchange (the Exchanger: a worker's arrays averaged with its peers'), runtime (the run's
+processes: launcher, workers, control plane, shared memory), _cuda (the compiled CUDA
+layer; ``pympgu.cuda`` is its front). Beside them: models, nnet, data, precision, schedule
+(what is trained), methods (the exchange methods' registry), settings (the PYMPGU_*
+environment variables), log, evaluate, ddp.
 """
 import sys as _sys
 
@@ -53,16 +54,16 @@ else:
     from . import cuda
     from .errors import CudaError, ExchangeError
 
-    def cuda_available():
+    def cuda_available() -> bool:
         """True when pympgu was built with CUDA and at least one GPU is usable here."""
         return cuda.availability()[0]
 
-    def cuda_unavailable_reason():
+    def cuda_unavailable_reason() -> str | None:
         """Why CUDA is not usable here (None when it is)."""
         ok, value = cuda.availability()
         return None if ok else value
 
-    def average(inputs, out=None, stream=None, synchronize=True):
+    def average(inputs, out=None, stream=None, synchronize=True) -> object:
         """Mean of device arrays in rank order, written to out (default inputs[0]); one launch.
 
         Any framework's arrays work (``__cuda_array_interface__`` or DLPack): CuPy, PyTorch,
@@ -70,7 +71,7 @@ else:
         """
         return cuda.average(inputs, out, stream=stream, synchronize=synchronize)
 
-    def average_many(replicas, outs=None, stream=None, synchronize=True):
+    def average_many(replicas, outs=None, stream=None, synchronize=True) -> list:
         """Average many tensors per replica in a single launch (``pympgu.cuda.average_many``)."""
         return cuda.average_many(replicas, outs, stream=stream, synchronize=synchronize)
 

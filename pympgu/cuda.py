@@ -24,7 +24,7 @@ def _no_cuda():
                      "(nvcc on PATH or CUDA_HOME) and rebuild with ./build.sh or pip install .")
 
 
-def availability():
+def availability() -> tuple[bool, int | str]:
     """(True, device count) when CUDA works here, else (False, the reason as text)."""
     if _cuda is None:
         return False, str(_no_cuda())
@@ -50,7 +50,7 @@ def _has_driver():
         return False
 
 
-def device_count():
+def device_count() -> int:
     """Visible GPUs, or 0 when CUDA is unusable here (never raises)."""
     ok, value = availability()
     return value if ok else 0

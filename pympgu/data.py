@@ -332,7 +332,7 @@ def _cifar_names(kind, read, n_classes):
     return names if len(names) == n_classes else None
 
 
-def load(spec=None):
+def load(spec=None) -> "Dataset":
     """Load a dataset by name or path.
 
     None or 'embedded': the MNIST test set shipped with pympgu; 'fashion': Debian's
@@ -368,13 +368,13 @@ def load(spec=None):
     return load_idx_dir(spec)
 
 
-def batches_per_epoch(n_train, batch_size, nranks):
+def batches_per_epoch(n_train, batch_size, nranks) -> int:
     """How many whole batches an epoch of n_train examples gives, a multiple of nranks so
     that every rank gets as many (0: the batch is too large for the workers)."""
     return n_train // batch_size // nranks * nranks
 
 
-def shard_batches(n_train, batch_size, nranks, rank, seed, epoch):
+def shard_batches(n_train, batch_size, nranks, rank, seed, epoch) -> list:
     """This rank's minibatch index arrays for one epoch.
 
     Every rank draws the same permutation (from seed and epoch), cuts it into full batches,

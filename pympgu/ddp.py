@@ -38,7 +38,7 @@ def _aligned(nbytes):
     return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
 
 
-def bucket_bytes(parameters):
+def bucket_bytes(parameters) -> int:
     """Bytes that the gradients of ``parameters`` take in the buffer, each bucket aligned:
     enough for any bucketing DDP makes of them (each parameter's own place aligned is at
     least its share of any bucket's)."""
@@ -185,7 +185,7 @@ class _Peers:
         self.group.connect([f["handle"] for f in facts],
                            max_blocks=min(f["max_blocks"] for f in facts))
 
-    def close(self):
+    def close(self) -> None:
         """Free the buffer, once this device's queued work is done."""
         if self.group is not None:
             try:
@@ -273,14 +273,14 @@ class PeerState(_Peers):
         self.places = {}
 
 
-def average_hook(state, bucket):
+def average_hook(state, bucket) -> "torch.futures.Future":
     """DDP communication hook: ``ddp.register_comm_hook(PeerState(...), average_hook)``."""
     if state.group is None and state.nranks > 1:
         raise RuntimeError(f"pympgu.ddp: rank {state.rank}: the PeerState is closed")
     return state.average(bucket)
 
 
-def register(model, process_group=None, **options):
+def register(model, process_group=None, **options) -> "PeerState":
     """Make a :class:`PeerState` for the DDP module ``model`` and register
     :func:`average_hook` with it; returns the state. ``options`` go to PeerState."""
     if not hasattr(model, "register_comm_hook"):

@@ -68,7 +68,7 @@ class Trained:
                 mode=precision.mode(self.compute_dtype, self.backend))
         return self._fn
 
-    def predict(self, x):
+    def predict(self, x) -> "np.ndarray":
         """Class probabilities (n, classes) of ``x``: n examples, each of the data's
         ``n_in`` values (any shape that flattens to it), scaled as the data the model was
         trained on (pympgu's loaders give pixels in [0, 1])."""
@@ -87,7 +87,7 @@ class Trained:
         return np.concatenate(out) if out else np.zeros((0, self.dataset.n_classes),
                                                         np.float32)
 
-    def evaluate(self, split="test"):
+    def evaluate(self, split="test") -> dict:
         """The model's errors on a split of its data ('test', 'valid' or 'train'): a dict
         of the split, its size, the error rate (and, above 5 classes, the top-5 error: the
         true class not among the five likeliest), each class's name (the data's, else its
@@ -145,7 +145,7 @@ def _resolve(run, checkpoint):
     return os.path.dirname(os.path.abspath(run)), run
 
 
-def load(run, checkpoint="best", data=None, backend="auto", batch_size=500):
+def load(run, checkpoint="best", data=None, backend="auto", batch_size=500) -> "Trained":
     """The model of ``run`` (a ``pympgu.train --out`` directory, or a checkpoint in one)
     with the values of ``checkpoint`` ('best', 'last', or a file), on the run's data or
     ``data`` (a --data-dir), ready to predict: a :class:`Trained`. Raises EvaluateError (or
@@ -198,7 +198,7 @@ def _products(run):
     return ""
 
 
-def format_report(run, report):
+def format_report(run, report) -> str:
     """The lines ``python -m pympgu.evaluate`` prints for ``report`` (Trained.evaluate)."""
     ds = run.dataset
     average = " (its moving average)" if run.model.ema else ""
@@ -259,7 +259,7 @@ def build_parser():
     return p
 
 
-def main(argv=None):
+def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -114,6 +114,67 @@ def closed(held):
     return n
 
 
+def look_at_shm(done, run_ids):
+    """What /dev/shm shows of the run: names, and (it must not) their contents."""
+    for name in os.listdir("/dev/shm"):
+        if name.startswith("pympgu-") and name not in done["names_seen"]:
+            done["names_seen"].append(name)
+            run_id = name.split("-")[1]
+            if run_id not in run_ids:
+                run_ids.insert(0, run_id)
+            try:
+                with open(os.path.join("/dev/shm", name), "rb") as f:
+                    f.read(16)
+                done["names_read"] += 1
+            except OSError:
+                pass
+
+
+def next_phase(zctx, sock, address, rng, nranks, done):
+    """One turn of the phase under way at ``address``: fuzz 10,000 messages, then open and
+    close 1,000 connections that say HELLO, then send one message of 128 MiB."""
+    if done["fuzzed"] < 10000:
+        for _ in range(500):
+            frames = fuzz(rng, nranks)
+            if frames:
+                try:
+                    sock.send_multipart(frames, zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+                done["fuzzed"] += 1
+    elif done["connections"] < 1000:
+        for _ in range(100):
+            s = zctx.socket(zmq.DEALER)
+            s.connect(address)
+            s.send_multipart(forge("HELLO", 1, 1, {
+                "version": protocol.PROTOCOL_VERSION, "pid": 1, "device": None}), zmq.NOBLOCK)
+            s.close(0)
+            done["connections"] += 1
+    elif not done["big"]:
+        big = zctx.socket(zmq.DEALER)
+        big.connect(address)
+        big.send_multipart([b"REGISTER 0 1", b"{}", *[b"x" * (1 << 20)] * 128, b"y" * 32],
+                           zmq.NOBLOCK)
+        time.sleep(0.5)
+        big.close(0)
+        done["big"] = 1
+        done["phases_done_at"] = time.time()
+
+
+def at_the_port(address, rng, nflood, held, done):
+    """A TCP target's raw bytes, and its idle connections up to ``nflood``."""
+    host, port = address[6:].rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=1) as raw:
+            raw.sendall(b"GET / HTTP/1.0\r\n\r\n" + rng.randbytes(64))
+        done["raw"] += 1
+    except OSError:
+        pass
+    if len(held) < nflood:
+        flood(host, int(port), min(500, nflood - len(held)), held)
+        done["flood"] = len(held)
+
+
 def main():
     target, victim, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
     nranks = int(sys.argv[4]) if len(sys.argv) > 4 else 2
@@ -130,69 +191,21 @@ def main():
     run_ids, socks, held = [], {}, []
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        # What /dev/shm shows of the run: names, and (it must not) their contents.
-        for name in os.listdir("/dev/shm"):
-            if name.startswith("pympgu-") and name not in done["names_seen"]:
-                done["names_seen"].append(name)
-                run_id = name.split("-")[1]
-                if run_id not in run_ids:
-                    run_ids.insert(0, run_id)
-                try:
-                    with open(os.path.join("/dev/shm", name), "rb") as f:
-                        f.read(16)
-                    done["names_read"] += 1
-                except OSError:
-                    pass
+        look_at_shm(done, run_ids)
         for address in targets(target, done):
             if address not in socks:
                 socks[address] = zctx.socket(zmq.DEALER)
                 socks[address].setsockopt(zmq.SNDHWM, 100000)
                 socks[address].connect(address)
-            main_sock = socks[address]
             for frames in forged(nranks, run_ids, victim):
                 try:
-                    main_sock.send_multipart(frames, zmq.NOBLOCK)
+                    socks[address].send_multipart(frames, zmq.NOBLOCK)
                     done["forged"] += 1
                 except zmq.Again:
                     pass
-            if done["fuzzed"] < 10000:
-                for _ in range(500):
-                    frames = fuzz(rng, nranks)
-                    if frames:
-                        try:
-                            main_sock.send_multipart(frames, zmq.NOBLOCK)
-                        except zmq.Again:
-                            pass
-                        done["fuzzed"] += 1
-            elif done["connections"] < 1000:
-                for _ in range(100):
-                    s = zctx.socket(zmq.DEALER)
-                    s.connect(address)
-                    s.send_multipart(forge("HELLO", 1, 1, {
-                        "version": protocol.PROTOCOL_VERSION, "pid": 1, "device": None}),
-                        zmq.NOBLOCK)
-                    s.close(0)
-                    done["connections"] += 1
-            elif not done["big"]:
-                big = zctx.socket(zmq.DEALER)
-                big.connect(address)
-                big.send_multipart([b"REGISTER 0 1", b"{}", *[b"x" * (1 << 20)] * 128,
-                                    b"y" * 32], zmq.NOBLOCK)
-                time.sleep(0.5)
-                big.close(0)
-                done["big"] = 1
-                done["phases_done_at"] = time.time()
+            next_phase(zctx, socks[address], address, rng, nranks, done)
             if address.startswith("tcp://"):
-                host, port = address[6:].rsplit(":", 1)
-                try:
-                    with socket.create_connection((host, int(port)), timeout=1) as raw:
-                        raw.sendall(b"GET / HTTP/1.0\r\n\r\n" + rng.randbytes(64))
-                    done["raw"] += 1
-                except OSError:
-                    pass
-                if len(held) < nflood:
-                    flood(host, int(port), min(500, nflood - len(held)), held)
-                    done["flood"] = len(held)
+                at_the_port(address, rng, nflood, held, done)
         time.sleep(0.01)
     done["flood_closed"] = closed(held)
     for s in held:

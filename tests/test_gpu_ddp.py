@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from conftest import visible_gpus
-from gpu_workers import (compiled_averaging, ddp_grads, ddp_refusal, model_averaging,
-                         run_children)
+from gpu_workers import run_children
+from torch_workers import compiled_averaging, ddp_grads, ddp_refusal, model_averaging
 from reference import model_average, same_bits
 
 torch = pytest.importorskip("torch")
@@ -172,7 +172,7 @@ def test_model_averager_across_hosts_is_the_exact_mean(nranks, per_host):
         cuda.nccl_load()
     except cuda.CudaError as e:
         pytest.skip(str(e))
-    from gpu_workers import averaging_across_hosts
+    from torch_workers import averaging_across_hosts
     with tempfile.TemporaryDirectory() as tmp:
         results = run_children(averaging_across_hosts, nranks,
                                (nranks, visible_gpus(), os.path.join(tmp, "init"), per_host))

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from conftest import visible_gpus
-from gpu_workers import (averager_graph, case_inputs, ddp_graph_grads, graph_allreduce,
-                         run_children)
+from gpu_workers import case_inputs, run_children
+from torch_workers import averager_graph, ddp_graph_grads, graph_allreduce
 from reference import model_average, same_bits
 
 torch = pytest.importorskip("torch")

@@ -96,7 +96,7 @@ def test_gpu_exchange_inside_xla(nranks, method, shadow, max_ranks, pympgu_env):
     ranks, yet no shadow)."""
     needs_xla()
     pympgu_env(split_max_ranks=max_ranks)  # the spawned workers read it
-    from runtime_targets import xla_rounds
+    from xla_targets import xla_rounds
     results = launch(xla_rounds, (10, method, 1 << 23, shadow), gpus=devices(nranks))
     assert len({r["digest"] for r in results}) == 1
     assert all(r["closed_raises"] for r in results)
@@ -127,7 +127,7 @@ def test_gpu_update_of_the_mean_gradient_inside_xla(gradients, nranks, max_ranks
     from what crossed. ``wire``: the gradients cross rounded to bfloat16 or float16 (into
     the shadow on 2 ranks, by the kernel on 3)."""
     needs_xla()
-    from runtime_targets import gradient_rounds
+    from xla_targets import gradient_rounds
     pympgu_env(split_max_ranks=max_ranks,  # the spawned workers read both
                split_min_bytes=16 << 20 if gradients else 1 << 40)
     results = launch(gradient_rounds, (7, 1 << 23, update, wire), gpus=devices(nranks))
@@ -147,7 +147,7 @@ def test_gpu_xla_timeline_and_barrier_stream(stream_barriers):
     the timeline of its last cut round (PeerGroup.record_timeline): every mark in the order
     its stream imposes."""
     needs_xla()
-    from runtime_targets import xla_rounds
+    from xla_targets import xla_rounds
     results = launch(xla_rounds, (10, "auto", 1 << 23, True, stream_barriers, True),
                      gpus=devices(2))
     assert len({r["digest"] for r in results}) == 1

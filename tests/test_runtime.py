@@ -61,8 +61,6 @@ def test_failing_worker_stops_the_run(tmp_path, how):
     assert not shm_left((tmp_path / "run_id").read_text())
 
 
-
-
 def test_layout_mismatch_is_a_clear_error():
     with pytest.raises(WorkerFailed) as info:
         launch(average_rounds, (1, None, None, "mismatch"), cpu=2)

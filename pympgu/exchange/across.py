@@ -1,4 +1,5 @@
-"""CPU workers' exchange between nodes: JAX's multi-process runtime, its collectives by gloo.
+"""CPU workers' exchange between nodes: JAX's multi-process runtime (runtime.jaxdist), its
+collectives by gloo.
 
 Inside a node the host backend sums each local rank's slice of the buffer through shared
 memory; this sums that slice across the nodes, between the ranks of one local index. JAX
@@ -6,41 +7,16 @@ over torch.distributed: JAX is already pympgu's dependency, and its runtime need
 more (docs/DECISIONS.md, "CPU workers across nodes"). Every rank of every run-wide mesh
 calls each sum at once, as every rank exchanges at once.
 """
-import os
-
 import numpy as np
 
-_state = {}
-
-
-def join(ctx):
-    """Join JAX's multi-process runtime (before the worker's first JAX computation): global
-    rank 0 serves the rendezvous at ``ctx.data_address``."""
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    try:
-        import jax
-    except ImportError:
-        raise RuntimeError("CPU workers on several nodes meet through JAX's multi-process "
-                           "runtime: pip install jax") from None
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(ctx.data_address, num_processes=ctx.nranks,
-                               process_id=ctx.rank)
-    _state["ready"] = True
-
-
-def leave():
-    """Leave JAX's multi-process runtime, with every other rank (a barrier)."""
-    if _state.pop("ready", False):
-        import jax
-        jax.distributed.shutdown()
-
+from ..runtime import jaxdist
 
 class NodeSum:
     """Sums of equal-length float32 arrays over the ranks of one local index, one per node."""
 
     def __init__(self, ctx):
-        if not _state.get("ready"):
-            raise RuntimeError("pympgu.exchange.across.join() was not called in this worker")
+        if not jaxdist.joined():
+            raise RuntimeError("pympgu.runtime.jaxdist.join() was not called in this worker")
         import jax
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
         devices = sorted(jax.devices(), key=lambda d: d.process_index)

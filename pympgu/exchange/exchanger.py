@@ -61,11 +61,11 @@ class Exchanger:
             self.backend = CudaBackend(self, timeout, stream_barriers)
 
     @property
-    def nbytes(self):
+    def nbytes(self) -> int:
         """Bytes of the staging buffer (enough for an exact exchange)."""
         return self.total * ITEMSIZE[self.dtype]
 
-    def start(self, arrays, flat=False, entries=None):
+    def start(self, arrays, flat=False, entries=None) -> None:
         """Pack this rank's arrays and start averaging them; every rank must call it.
 
         flat=True takes one 1-D array of ``total`` elements instead, laid out as finish's
@@ -101,7 +101,7 @@ class Exchanger:
         self.pending = kind
         self._started = (lo, hi, count)
 
-    def part(self, lo, hi):
+    def part(self, lo, hi) -> int:
         """The elements that averaging the layout's entries lo to hi - 1 on their own
         (start's ``entries``) takes in the buffer: they go where the first hi - lo entries
         go, so they must have their shapes."""
@@ -114,7 +114,7 @@ class Exchanger:
                              f"layout's first {hi - lo}, in whose place they are averaged")
         return self.offsets[hi - lo] if hi - lo < n else self.total
 
-    def finish(self, flat=False, wait=True):
+    def finish(self, flat=False, wait=True) -> list:
         """Complete the started exchange; the averaged arrays (numpy, or DeviceArray views).
 
         flat=True returns one 1-D array instead, each entry at its offset in ``offsets``
@@ -141,12 +141,12 @@ class Exchanger:
         self.stats["exchanges"] += 1
         return out
 
-    def average_arrays(self, arrays):
+    def average_arrays(self, arrays) -> list:
         """start and finish in one call."""
         self.start(arrays)
         return self.finish()
 
-    def close(self):
+    def close(self) -> None:
         """Release the staging buffer and every peer mapping; calling it again does nothing."""
         if self.backend is not None:
             self.backend.close()

@@ -35,13 +35,7 @@ class CudaBackend:
         ctx = self.ctx = ex.ctx
         self.ex = ex
         way = ex.way
-        if way.nccl and ex.shadow:
-            raise ValueError(f"the {way.name} method takes no shadow")
-        if ctx.nnodes > 1 and not way.crosses_nodes and (
-                ex.dtype != "float32" or ex.wire_dtype or ex.shadow or way.peer_copies):
-            raise ValueError("pympgu's exchange across nodes averages float32 parameters, "
-                             "with no low-precision wire, no shadow and not by the copy "
-                             "method (or take method='nccl')")
+        _check_road(ex, ctx.nnodes)
         rank, nranks = ctx.local_rank, ctx.local_nranks
         self.keep = None
         self.across = None
@@ -65,26 +59,9 @@ class CudaBackend:
                      "shadow": ex.shadow, "stream_barriers": bool(stream_barriers),
                      "settings": current.fingerprint()}
             all_facts, blobs, max_blocks = ctx.register(ex.layout, facts, self.group.handle)
-            for key, what in self.ALIKE.items():
-                values = [f.get(key) for f in all_facts]
-                if len(set(values)) != 1:
-                    raise ValueError(f"every rank must {what}; {key} by rank: " +
-                                     ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)))
+            _check_alike(self.ALIKE, all_facts)
             devices = [f["device"] for f in all_facts]
-            self.peer_ok = all(d == ctx.device or cuda.can_access_peer(ctx.device, d)
-                               for d in devices)
-            fallback = not way.nccl and ctx.nnodes == 1  # else NCCL, or a refusal
-            if not self.peer_ok and fallback:
-                warnings.warn(f"rank {ctx.rank}: GPU {ctx.device} has no peer access to every "
-                              f"GPU of {devices}; falling back to the copy method with host "
-                              "barriers", RuntimeWarning)
-            elif current.no_p2p:
-                # The fallback forced on GPUs that report peer access: for a broken P2P
-                # path, and to test the fallback where peer access works.
-                self.peer_ok = False
-                if fallback:
-                    warnings.warn(f"rank {ctx.rank}: PYMPGU_NO_P2P=1: using the copy method "
-                                  "with host barriers", RuntimeWarning)
+            self.peer_ok = self._peer_access(devices, current.no_p2p)
             self.group.connect(blobs, max_blocks=max_blocks, flags_prefixes=[
                 shm.segment_name(ctx.run_id, r) + "-flags" for r in range(nranks)])
             ctx.barrier(local=True)  # every rank has mapped every flags page: no name need stay
@@ -110,6 +87,25 @@ class CudaBackend:
             if self.across is not None:
                 self.across.abort()
             raise
+
+    def _peer_access(self, devices, no_p2p):
+        """Whether this rank's GPU reaches every GPU of ``devices`` by peer access (False
+        under PYMPGU_NO_P2P); inside one node, a warning where the copy method stands in."""
+        ctx, way = self.ctx, self.ex.way
+        ok = all(d == ctx.device or self.cuda.can_access_peer(ctx.device, d) for d in devices)
+        fallback = not way.nccl and ctx.nnodes == 1  # else NCCL, or a refusal
+        if not ok and fallback:
+            warnings.warn(f"rank {ctx.rank}: GPU {ctx.device} has no peer access to every "
+                          f"GPU of {devices}; falling back to the copy method with host "
+                          "barriers", RuntimeWarning)
+        elif no_p2p:
+            # The fallback forced on GPUs that report peer access: for a broken P2P path,
+            # and to test the fallback where peer access works.
+            ok = False
+            if fallback:
+                warnings.warn(f"rank {ctx.rank}: PYMPGU_NO_P2P=1: using the copy method "
+                              "with host barriers", RuntimeWarning)
+        return ok
 
     def _join_nccl(self, timeout, flat):
         """One NCCL communicator of every node's rank of this local index (node 0's rank
@@ -220,3 +216,25 @@ class CudaBackend:
             self.group.close()
             if self.across is not None:
                 self.across.close()
+
+
+def _check_road(ex, nnodes):
+    """Refuse an Exchanger its method cannot serve, before any GPU memory is taken."""
+    way = ex.way
+    if way.nccl and ex.shadow:
+        raise ValueError(f"the {way.name} method takes no shadow")
+    if nnodes > 1 and not way.crosses_nodes and (
+            ex.dtype != "float32" or ex.wire_dtype or ex.shadow or way.peer_copies):
+        raise ValueError("pympgu's exchange across nodes averages float32 parameters, "
+                         "with no low-precision wire, no shadow and not by the copy "
+                         "method (or take method='nccl')")
+
+
+def _check_alike(alike, facts):
+    """Refuse ranks that differ in what every rank's group must share (CudaBackend.ALIKE),
+    naming each rank's value."""
+    for key, what in alike.items():
+        values = [f.get(key) for f in facts]
+        if len(set(values)) != 1:
+            raise ValueError(f"every rank must {what}; {key} by rank: " +
+                             ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)))

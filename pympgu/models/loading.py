@@ -13,7 +13,7 @@ class ModelError(ValueError):
     """A --model that cannot be loaded or built; the message names it."""
 
 
-def load(spec):
+def load(spec) -> type:
     """The Model subclass that ``spec`` names: ``FILE.py:NAME`` (a path) or
     ``MODULE:NAME`` (importable, as ``pympgu.models:MLP``); None gives MLP."""
     import importlib
@@ -58,7 +58,7 @@ def load(spec):
     return cls
 
 
-def build(spec, n_in, hidden, n_out, seed=1234, recipe=None, **settings):
+def build(spec, n_in, hidden, n_out, seed=1234, recipe=None, **settings) -> "Model":
     """The model that ``spec`` names (load), built for this data as ``cls(n_in, hidden,
     n_out, seed=seed)`` and trained as ``recipe`` says (a Recipe; or its fields given by
     name), with its parameters and state checked."""

@@ -15,10 +15,10 @@ class WorkerContext:
         self._barrier_seq = 0
 
     @property
-    def is_cpu(self):
+    def is_cpu(self) -> bool:
         return self.device is None
 
-    def barrier(self, what=None, value=None, shared=None, local=False):
+    def barrier(self, what=None, value=None, shared=None, local=False) -> object:
         """A host barrier of every rank (of this node's alone with ``local``), through the
         coordinator. With ``what``, every rank must also hold the same ``value`` (a JSON
         value): otherwise the run fails, naming the first rank whose ``what`` differs from
@@ -26,7 +26,7 @@ class WorkerContext:
         ignored): what rank 0 alone decided, such as whether to stop."""
         return self._meet(what, value, shared, local, False)["shared"]
 
-    def gather(self, value, local=False):
+    def gather(self, value, local=False) -> list:
         """Every rank's ``value`` (a JSON value), in rank order: a barrier that hands out
         what each rank brought (only this node's ranks' with ``local``)."""
         return self._meet(None, value, None, local, True)["values"]
@@ -38,13 +38,13 @@ class WorkerContext:
         data, _ = self.link.receive("RELEASE")
         return data
 
-    def register(self, layout, facts, blob):
+    def register(self, layout, facts, blob) -> tuple:
         """Announce this rank's buffer to its node's ranks; returns every local rank's
         (facts, blob) and max_blocks."""
         self.link.send("REGISTER", {"layout": layout, "facts": facts}, [blob])
         data, blobs = self.link.receive("PEERS")
         return data["facts"], blobs, data.get("max_blocks")
 
-    def metric(self, **values):
+    def metric(self, **values) -> None:
         """Send metrics to the launcher (node 0's), which prints or records them."""
         self.link.send("METRIC", values)

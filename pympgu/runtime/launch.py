@@ -29,7 +29,7 @@ from ..errors import SaidWhole
 from . import control, protocol, rundir, shm
 from .context import WorkerContext
 from .coordinator import Alone, NodeCoordinator
-from .failures import Terminated, WorkerFailed
+from .failures import Terminated
 
 # The most of a traceback a worker sends: the end, where the error is.
 TRACEBACK_CHARS = 200_000
@@ -62,12 +62,12 @@ def _worker_main(place, device, address, secret, run_id, data_address, private, 
         link.receive("RUN")
         ctx = WorkerContext(place, device, run_id, link, data_address)
         if ctx.nnodes > 1 and device is None:
-            from ..exchange import across
-            across.join(ctx)  # before the target's first JAX computation
+            from . import jaxdist
+            jaxdist.join(ctx)  # before the target's first JAX computation
         result = target(ctx, *args)
         link.send("DONE", {"result": result})
         if ctx.nnodes > 1 and device is None:
-            across.leave()  # with every rank, so that no rank's runtime outlives the rest
+            jaxdist.leave()  # with every rank, so that no rank's runtime outlives the rest
     except control.Stopped:
         code = 0
     except BaseException as e:
@@ -85,7 +85,7 @@ def _worker_main(place, device, address, secret, run_id, data_address, private, 
 
 def launch(target, args=(), *, gpus=None, cpu=None, on_metric=None, heartbeat_timeout=120.0,
            progress_timeout=600.0, grace=3.0, log=None, nodes=None, secret=None,
-           node_timeout=5.0, join_timeout=120.0):
+           node_timeout=5.0, join_timeout=120.0) -> list:
     """Run target(ctx, *args) on one process per GPU in gpus, or on cpu CPU workers (of
     this node, with ``nodes``).
 

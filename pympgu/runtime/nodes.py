@@ -137,12 +137,17 @@ def _torchrun(env):
             env.get("LOCAL_WORLD_SIZE", "1"), "torchrun --nproc-per-node=1", address)
 
 
+# The job launchers whose variables say where the nodes are, asked in this order: a new one
+# is a reader here and its test case (docs/DECISIONS.md, "Extension points").
+ENVIRONMENTS = (_slurm, _open_mpi, _torchrun)
+
+
 def from_environment(env=None):
     """The Nodes a job launcher's variables describe, or None outside one. One launcher per
     node: a job that starts several processes on a node is refused, saying how to start
     one."""
     env = os.environ if env is None else env
-    for read in (_slurm, _open_mpi, _torchrun):
+    for read in ENVIRONMENTS:
         found = read(env)
         if found is None:
             continue

@@ -39,13 +39,31 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser():
+    """The parser of pympgu.train's flags, in the groups --help shows."""
     p = Parser(prog="python -m pympgu.train", description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)
+    _flags_where(p)
+    _flags_nodes(p)
+    _flags_data(p)
+    _flags_model(p)
+    _flags_optimizer(p)
+    _flags_exchange(p)
+    _flags_output(p)
+    _flags_advanced(p)
+    return p
+
+
+def _flags_where(p):
+    """--help's group 'where to run'."""
     g = p.add_argument_group("where to run")
     g.add_argument("--gpus", type=int, nargs="+", metavar="I",
                    help="GPU indexes, one worker each (default: every visible GPU)")
     g.add_argument("--cpu", type=int, metavar="N",
                    help="N CPU workers instead of GPUs (default without a usable GPU: 2)")
+
+
+def _flags_nodes(p):
+    """--help's group 'several nodes'."""
     g = p.add_argument_group("several nodes (one launch per node; README: Several machines)")
     g.add_argument("--nnodes", type=int, metavar="N",
                    help="nodes in the run (default: 1, or what Slurm, mpirun or torchrun say)")
@@ -55,6 +73,10 @@ def build_parser():
     g.add_argument("--secret-file", metavar="FILE",
                    help="the run's shared secret (mode 600), else $PYMPGU_SECRET; a run of "
                         "several nodes needs one")
+
+
+def _flags_data(p):
+    """--help's group 'data'."""
     g = p.add_argument_group("data")
     g.add_argument("--data-dir", metavar="DIR",
                    help="MNIST-format IDX files, mnist.pkl.gz, 'fashion', 'digits', CIFAR's "
@@ -66,6 +88,10 @@ def build_parser():
     g.add_argument("--seed", type=int,
                    help="seed of the minibatch order, dropout and augmentation (default: 0); "
                         "the starting weights are --init-seed's")
+
+
+def _flags_model(p):
+    """--help's group 'model'."""
     g = p.add_argument_group("model")
     g.add_argument("--model", metavar="FILE.py:CLASS",
                    help="a pympgu.models.Model subclass to train (default: the MLP)")
@@ -84,6 +110,10 @@ def build_parser():
     g.add_argument("--compute-dtype", choices=list(COMPUTE_DTYPES),
                    help="dtype of products and convolutions: bfloat16 is mixed precision "
                         "(default: float32)")
+
+
+def _flags_optimizer(p):
+    """--help's group 'optimizer'."""
     g = p.add_argument_group("optimizer")
     g.add_argument("--epochs", type=int, help=f"epochs (default: {DEFAULTS.epochs})")
     g.add_argument("--batch-size", type=int,
@@ -115,6 +145,10 @@ def build_parser():
                    help="evaluate a moving average of the parameters (default: 0, off)")
     g.add_argument("--patience", type=int, metavar="EPOCHS",
                    help="stop after EPOCHS epochs without a better validation error")
+
+
+def _flags_exchange(p):
+    """--help's group 'exchange'."""
     g = p.add_argument_group("exchange")
     g.add_argument("--sync-every", type=int, metavar="K",
                    help="average the replicas every K steps (default: 1)")
@@ -123,6 +157,10 @@ def build_parser():
     g.add_argument("--exchange-dtype", choices=list(methods.WIRES),
                    help="dtype on the wire: bfloat16 or float16 send half the bytes "
                         "(default: float32)")
+
+
+def _flags_output(p):
+    """--help's group 'output'."""
     g = p.add_argument_group("output")
     g.add_argument("--out", metavar="DIR",
                    help="write config.json, metrics.jsonl, checkpoints and curves.png here")
@@ -133,6 +171,10 @@ def build_parser():
                    help="no progress bar, and of pympgu's messages warnings alone")
     g.add_argument("-v", "--verbose", action="store_true",
                    help="every message, a failing worker's runtime log among them")
+
+
+def _flags_advanced(p):
+    """--help's group 'advanced'."""
     g = p.add_argument_group("advanced")
     g.add_argument("--backend", choices=["auto", "c", "jax"],
                    help="PyTensor's backend: jax (GPUs need it) or c (default: auto)")
@@ -141,7 +183,6 @@ def build_parser():
                         "every rank in one communicator (across nodes too)")
     g.add_argument("--exchange-blocks", type=int, metavar="B",
                    help="cap the GPU averaging kernel at B thread blocks (1-512)")
-    return p
 
 
 # Flags whose value goes into the RunConfig as it is, when given.

@@ -56,14 +56,14 @@ from . import gradients as _gradients, overlap as _overlap, results as _results
 
 
 @functools.wraps(ops.average, assigned=("__doc__",))
-def average(arrays, group, algo="auto", max_blocks=None):
+def average(arrays, group, algo="auto", max_blocks=None) -> list:
     if isinstance(group, Exchanger):
         return StepExchange(group).average(arrays)
     return ops.average(arrays, group, algo=algo, max_blocks=max_blocks)
 
 
 @functools.wraps(_overlap.average_during, assigned=("__doc__",))
-def average_during(arrays, group, fn, *args, algo="auto", max_blocks=None):
+def average_during(arrays, group, fn, *args, algo="auto", max_blocks=None) -> tuple:
     if isinstance(group, Exchanger):
         return StepExchange(group).average_during(arrays, fn, *args)
     return _overlap.average_during(arrays, group, fn, *args, algo=algo, max_blocks=max_blocks)
@@ -71,7 +71,7 @@ def average_during(arrays, group, fn, *args, algo="auto", max_blocks=None):
 
 @functools.wraps(_overlap.correct_during, assigned=("__doc__",))
 def correct_during(arrays, group, fn, *args, algo="auto", max_blocks=None, shadow=None,
-                   ready=()):
+                   ready=()) -> tuple:
     if isinstance(group, Exchanger):
         return StepExchange(group).correct_during(arrays, fn, *args, shadow=shadow, ready=ready)
     return _overlap.correct_during(arrays, group, fn, *args, algo=algo, max_blocks=max_blocks,
@@ -79,7 +79,7 @@ def correct_during(arrays, group, fn, *args, algo="auto", max_blocks=None, shado
 
 
 @functools.wraps(_results.average_results, assigned=("__doc__",))
-def average_results(fn, which, group, *args, algo="auto", max_blocks=None):
+def average_results(fn, which, group, *args, algo="auto", max_blocks=None) -> list:
     if isinstance(group, Exchanger):
         return StepExchange(group).average_results(fn, which, *args)
     return _results.average_results(fn, which, group, *args, algo=algo, max_blocks=max_blocks)
@@ -87,7 +87,7 @@ def average_results(fn, which, group, *args, algo="auto", max_blocks=None):
 
 @functools.wraps(_gradients.average_gradients, assigned=("__doc__",))
 def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), algo="auto",
-                      max_blocks=None, plan=None, exact=True, wire=None, alike=False):
+                      max_blocks=None, plan=None, exact=True, wire=None, alike=False) -> list:
     if isinstance(group, Exchanger):
         return StepExchange(group).average_gradients(fn, updated, which, *args, shadow=shadow,
                                                      local=local, exact=exact, alike=alike)

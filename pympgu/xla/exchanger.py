@@ -21,7 +21,7 @@ class StepExchange:
         self.ex = exchanger
         self.road = None
 
-    def unavailable(self, gradients=False):
+    def unavailable(self, gradients=False) -> str | None:
         """None when the exchanger's exchanges can run inside XLA here, else why not;
         ``gradients``: for average_gradients, the one XLA road a low-precision wire takes
         (its gradients cross rounded, and need no reference)."""
@@ -36,19 +36,19 @@ class StepExchange:
         return ops.available()[1]
 
     @property
-    def algo(self):
+    def algo(self) -> str:
         """The operations' algorithm: the exchanger's method, except where NCCL takes part
         (across nodes, or the 'nccl' method), whose group takes NCCL's road whatever kernel
         algorithm is named (PeerGroup.join_nodes): one that needs no shadow."""
         return methods.ACROSS_NODES if self.ex.backend.across is not None else self.ex.method
 
-    def average(self, arrays):
+    def average(self, arrays) -> list:
         """The averages of ``arrays`` as JAX arrays, for use inside a jitted function
         (pympgu.xla.average)."""
         return ops.average(arrays, self._group(arrays), algo=self.algo,
                            max_blocks=self.ex.max_blocks)
 
-    def average_results(self, fn, which, *args):
+    def average_results(self, fn, which, *args) -> list:
         """``fn(*args)`` (a flat list of arrays) with its results at positions ``which``
         averaged, each sent as soon as it is computed (pympgu.xla.average_results)."""
         import jax
@@ -58,7 +58,7 @@ class StepExchange:
                                max_blocks=self.ex.max_blocks)
 
     def average_gradients(self, fn, updated, which, *args, shadow=None, local=(), exact=True,
-                          alike=False):
+                          alike=False) -> list:
         """pympgu.xla.average_gradients over the exchanger's group: ``fn``'s results at
         ``updated`` computed from every rank's mean gradient, or, where that does not apply,
         its results at ``which`` averaged. ``shadow`` is ``shadow(correction=False)``'s
@@ -84,19 +84,19 @@ class StepExchange:
                                  algo=self.algo, max_blocks=ex.max_blocks, plan=plan,
                                  exact=exact, wire=ex.wire_dtype, alike=alike)
 
-    def average_during(self, arrays, fn, *args):
+    def average_during(self, arrays, fn, *args) -> tuple:
         """``average(arrays)`` taken while ``fn(*args)`` computes; returns both
         (pympgu.xla.average_during)."""
         return average_during(arrays, self._group(arrays), fn, *args, algo=self.algo,
                               max_blocks=self.ex.max_blocks)
 
-    def correct_during(self, arrays, fn, *args, shadow=None, ready=()):
+    def correct_during(self, arrays, fn, *args, shadow=None, ready=()) -> tuple:
         """pympgu.xla.correct_during over the exchanger's group; ``shadow`` is
         ``shadow()``'s array, or None."""
         return correct_during(arrays, self._group(arrays), fn, *args, algo=self.algo,
                               max_blocks=self.ex.max_blocks, shadow=shadow, ready=ready)
 
-    def shadow(self, correction=True):
+    def shadow(self, correction=True) -> object:
         """The shared shadow as a JAX array, for correct_during's ``shadow`` (or with
         ``correction=False``, average_gradients'), or None where it cannot serve: no
         shared shadow (the Exchanger's ``shadow``), a number of ranks that is not a power of

@@ -27,10 +27,8 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
     of the same mean, the same bits, and that update is the mean of the ranks' own updates,
     up to rounding: what ``average_results(fn, updated)`` would give.
 
-    The gradients computed first cross while ``fn`` computes the rest (the cut of
-    average_results, split.Split), and the update of the first part's arrays runs as
-    soon as their mean is there, while the rest cross. Two ways (gradients_by_copies says
-    which):
+    The gradients computed first cross while ``fn`` computes the rest (split.Split), and the
+    first part's update runs while the rest cross. Two ways (gradients_by_copies says which):
 
     - on up to PYMPGU_SPLIT_MAX_RANKS ranks (a power of two) with ``shadow`` (shadow_array(group),
       passed into the jitted function as an argument) and ``algo="auto"``, every rank's
@@ -40,11 +38,9 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
       capped at PYMPGU_BESIDE_BLOCKS blocks, beside XLA's work, unless ``max_blocks`` is given),
       sending 2 (R - 1) / R of the bytes, and the update reads the means it unpacks.
 
-    Where neither applies (fewer bytes than PYMPGU_SPLIT_MIN_BYTES, without a ``wire``; an
-    update that is not affine in its gradients or reads a ``local`` argument;
-    ), it returns ``average_results(fn, which, group, *args)``: the
-    results at ``which`` averaged after they are computed. ``plan``, gradient_plan's result
-    for these arguments, saves tracing ``fn`` again.
+    Where neither applies (gradient_plan says why), it returns ``average_results(fn, which,
+    group, *args)``: the results at ``which`` averaged after they are computed. ``plan``,
+    gradient_plan's result for these arguments, saves tracing ``fn`` again.
 
     ``exact=False`` takes any elementwise update, at any size: an update not affine in its
     gradients (Adam's) then is not the mean of the ranks' updates but the update of their
@@ -62,7 +58,6 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
     rounded: ``average_results`` averages the results in float32.
     """
     import jax
-    from jax import lax
     flat = list(args)
     if plan is None:
         plan = gradient_plan(fn, updated, group, flat, local, shadow, algo, exact, wire, alike)
@@ -81,64 +76,85 @@ def average_gradients(fn, updated, which, group, *args, shadow=None, local=(), a
     # blocks' concatenation, which XLA splits from the weights' pass and puts after the
     # last wait (docs/DECISIONS.md, "The gradients' road").
     split = Split(trace(before, flat), range(n))
-    part_attrs = None
     if gradients_by_copies(group, shadow, algo):
-        if shadow.dtype != crossing[0].dtype:
-            raise ValueError(f"average_gradients: the shadow is {shadow.dtype}, the wire "
-                             f"{crossing[0].dtype}: pass shadow_array(group, wire)")
-        attrs, _ = ops.attributes(crossing, group, algo, max_blocks, overlapped=True, pushed=True)
-        offsets = attrs["offsets"]
-        slot = ops.slot_elems(group, int(attrs["total"]), crossing[0].dtype.itemsize)
-
-        def means(token, values, part, kind):  # the shadow's reads after the wait
-            values, landed = lax.optimization_barrier((values, shadow))
-            return [rank_mean(v, landed, offsets[i], slot, group) for v, i in zip(values, part)]
+        attrs, offsets, part_attrs, means = _by_copies(crossing, group, shadow, algo,
+                                                       max_blocks)
     else:
-        # Each part's arrays lie together in the buffer, the first part's first: its kernel
-        # averages their stretch alone.
-        order = [*split.early, *split.late] if split.early else list(range(n))
-        attrs, _ = ops.attributes([crossing[i] for i in order], group, algo, max_blocks)
-        offsets = np.empty(n, np.int64)
-        offsets[order] = attrs["offsets"]
-        part_attrs = functools.partial(_kernel_part, attrs, offsets, crossing, group, algo,
-                                       max_blocks, split)
-
-        def means(token, values, part, kind):
-            # Unpacked, rather than read in place from the buffer (docs/DECISIONS.md, "The
-            # gradients' road").
-            means = ops.done(token, values, part_attrs(part), part=kind,
-                          offsets=ops.part_offsets(offsets, part))
-            return [m.astype(np.float32) for m in means] if low else means
-    if split.early:
-        token, outs, parts = send_in_parts(split, flat, attrs, offsets, part_attrs)
-    else:  # nothing worth cutting: every gradient crosses once the work before is done
-        outs = before(*flat)
-        token = ops.start(outs[:n], attrs, ops.WHOLE, attrs["offsets"])
-        parts = [(list(range(n)), ops.DONE_WHOLE)]
-
+        attrs, offsets, part_attrs, means = _by_kernel(crossing, group, algo, max_blocks,
+                                                       split, low)
+    token, outs, parts = _send(split, before, flat, n, attrs, offsets, part_attrs)
     # fn's other results (a step's cost), computed before the first wait: XLA would
     # otherwise put them last, where the stream has nothing else to do, when it could run
     # them while it waits for the first part to land (the wide MLP's L2 term reads every
     # weight: 0.02 ms).
     others = [o for o in outs[n:] if hasattr(o, "shape")]
-
-    def waiting(part, kind):
-        def take(values, earlier):
-            # XLA's stream waits for the part to land once its gradients exist (and fn's
-            # other results, for the first), and, for the last part, once the first part's
-            # update is queued, so that it runs while the last part crosses. The smallest
-            # array passes through the wait, so that XLA keeps it.
-            values = list(values)
-            k = min(range(len(values)), key=lambda i: math.prod(values[i].shape))
-            after = values + ([min(earlier, key=lambda e: math.prod(e.shape))] if earlier
-                              else others)
-            values[k] = ops.wait(token, after, attrs, k, part=kind)
-            return means(token, values, part, kind)
-        return part, take
-
+    waiting = functools.partial(_waiting, token, attrs, others, means)
     made = tail.evaluate_tail(flat, outs[:n], [waiting(part, kind) for part, kind in parts])
     rest = dict(zip(tail.rest(), outs[n:]))
     return [rest[k] if k in rest else made[k] for k in range(len(made))]
+
+
+def _send(split, before, flat, n, attrs, offsets, part_attrs):
+    """``(token, outs, parts)``: the gradients sent in the split's parts, or, with nothing
+    worth cutting, whole once the work before the update is done."""
+    if split.early:
+        return send_in_parts(split, flat, attrs, offsets, part_attrs)
+    outs = before(*flat)
+    token = ops.start(outs[:n], attrs, ops.WHOLE, attrs["offsets"])
+    return token, outs, [(list(range(n)), ops.DONE_WHOLE)]
+
+
+def _by_copies(crossing, group, shadow, algo, max_blocks):
+    """``(attrs, offsets, None, means)`` for average_gradients when every rank's gradients
+    cross whole by DMA into the peers' shadow: ``means`` reads them there after the wait."""
+    from jax import lax
+    if shadow.dtype != crossing[0].dtype:
+        raise ValueError(f"average_gradients: the shadow is {shadow.dtype}, the wire "
+                         f"{crossing[0].dtype}: pass shadow_array(group, wire)")
+    attrs, _ = ops.attributes(crossing, group, algo, max_blocks, overlapped=True, pushed=True)
+    offsets = attrs["offsets"]
+    slot = ops.slot_elems(group, int(attrs["total"]), crossing[0].dtype.itemsize)
+
+    def means(token, values, part, kind):  # the shadow's reads after the wait
+        values, landed = lax.optimization_barrier((values, shadow))
+        return [rank_mean(v, landed, offsets[i], slot, group) for v, i in zip(values, part)]
+    return attrs, offsets, None, means
+
+
+def _by_kernel(crossing, group, algo, max_blocks, split, low):
+    """``(attrs, offsets, part_attrs, means)`` for average_gradients when the group's kernel
+    averages each part: each part's arrays lie together in the buffer, the first part's
+    first, so that its kernel averages their stretch alone."""
+    n = len(crossing)
+    order = [*split.early, *split.late] if split.early else list(range(n))
+    attrs, _ = ops.attributes([crossing[i] for i in order], group, algo, max_blocks)
+    offsets = np.empty(n, np.int64)
+    offsets[order] = attrs["offsets"]
+    part_attrs = functools.partial(_kernel_part, attrs, offsets, crossing, group, algo,
+                                   max_blocks, split)
+
+    def means(token, values, part, kind):
+        # Unpacked, rather than read in place from the buffer (docs/DECISIONS.md, "The
+        # gradients' road").
+        got = ops.done(token, values, part_attrs(part), part=kind,
+                       offsets=ops.part_offsets(offsets, part))
+        return [m.astype(np.float32) for m in got] if low else got
+    return attrs, offsets, part_attrs, means
+
+
+def _waiting(token, attrs, others, means, part, kind):
+    """``(part, take)`` for split.Tail.evaluate_tail: ``take`` has XLA's stream wait for the
+    part to land once its gradients exist (and fn's other results, for the first), and,
+    for the last part, once the first part's update is queued, so that it runs while the
+    last part crosses. The smallest array passes through the wait, so that XLA keeps it."""
+    def take(values, earlier):
+        values = list(values)
+        k = min(range(len(values)), key=lambda i: math.prod(values[i].shape))
+        after = values + ([min(earlier, key=lambda e: math.prod(e.shape))] if earlier
+                          else others)
+        values[k] = ops.wait(token, after, attrs, k, part=kind)
+        return means(token, values, part, kind)
+    return part, take
 
 
 def _wire(wire):
