@@ -113,7 +113,8 @@ def extensions():
     from setuptools import Extension
     cxx = ["-O3", "-std=c++17"]
     exts = [
-        Extension("pympgu._host", ["pympgu/_host.pyx", f"{CSRC}/host_average.cpp"],
+        Extension("pympgu._host", ["pympgu/_host.pyx", f"{CSRC}/host_average.cpp",
+                                   f"{CSRC}/host_barrier.cpp"],
                   include_dirs=[CSRC], language="c++", extra_compile_args=cxx),
     ]
     home = find_cuda()

@@ -131,6 +131,18 @@ int pmg_host_average(const void *const *inputs, int nranks, void *out, size_t n,
 int pmg_host_delta(const float *x, const float *ref, void *wire, size_t n, int wire_dtype);
 int pmg_host_accumulate(float *ref, const void *avg, size_t n, int wire_dtype);
 
+/* ---- one node's CPU workers meeting in shared memory (csrc/host_barrier.cpp) ---- */
+/* Bytes of a barrier's words, 64-byte aligned, zeroed before the first use. */
+#define PMG_HOST_BARRIER_BYTES 1024
+/* Arrive at the barrier as rank of nranks: 1 if this rank was the last (every rank is
+ * released), else 0 and *generation is what pmg_host_barrier_wait waits to see change. */
+int pmg_host_barrier_arrive(void *words, int nranks, int rank, uint32_t *generation);
+/* Wait up to timeout_ns (after spins polls) for the barrier of generation to release:
+ * 1 released, 0 not yet (arrive is not repeated: wait again with the same generation). */
+int pmg_host_barrier_wait(void *words, uint32_t generation, int64_t timeout_ns, int spins);
+/* How many barriers rank has arrived at. */
+uint32_t pmg_host_barrier_arrivals(const void *words, int rank);
+
 #ifdef PMG_WITH_CUDA
 #include <cuda_runtime_api.h>
 /* ---- runtime (csrc/runtime.cu) ---- */

@@ -5,12 +5,13 @@ Replicas are summed in rank order in fp32 and divided once by R, so the result i
 what the device kernels produce. Arrays are numpy arrays (or anything exporting a writable
 C-contiguous buffer); bfloat16 data travels as uint16 storage with ``dtype="bfloat16"``.
 """
-from libc.stdint cimport uintptr_t
+from libc.stdint cimport int64_t, uint32_t, uintptr_t
 
 import numpy as np
 
 DTYPES = {"float32": PMG_FLOAT32, "float16": PMG_FLOAT16, "bfloat16": PMG_BFLOAT16}
 MAX_RANKS = PMG_MAX_RANKS
+BARRIER_BYTES = PMG_HOST_BARRIER_BYTES
 
 
 def dtype_code(dtype):
@@ -104,3 +105,53 @@ def host_average(inputs, out, dtype=None):
         status = pmg_host_average(ptrs, nranks, dst, n, code)
     _check(status)
     return out
+
+
+cdef class Barrier:
+    """One node's ranks meeting in shared memory (csrc/host_barrier.cpp): ``words`` is a
+    writable buffer of BARRIER_BYTES, 64-byte aligned and zeroed before any rank arrives,
+    mapped by every rank; it must outlive this object."""
+    cdef void *words
+    cdef object keep
+    cdef readonly int nranks, rank
+    cdef uint32_t generation
+
+    def __init__(self, words, int nranks, int rank):
+        view = memoryview(words)
+        if view.readonly or view.nbytes < PMG_HOST_BARRIER_BYTES or not view.c_contiguous:
+            raise ValueError(f"a barrier needs a writable buffer of {PMG_HOST_BARRIER_BYTES} "
+                             "bytes")
+        a = np.frombuffer(view, np.uint8)
+        if a.ctypes.data % 64:
+            raise ValueError("a barrier's buffer must be 64-byte aligned")
+        if not 1 <= nranks <= PMG_MAX_RANKS or not 0 <= rank < nranks:
+            raise ValueError(f"rank {rank} of {nranks}: at most {PMG_MAX_RANKS} ranks")
+        self.keep = a
+        self.words = <void *><uintptr_t>a.ctypes.data
+        self.nranks, self.rank = nranks, rank
+
+    def arrive(self):
+        """Arrive; True if every rank has (this one was the last), else wait() until then."""
+        cdef uint32_t generation = 0
+        cdef int status
+        with nogil:
+            status = pmg_host_barrier_arrive(self.words, self.nranks, self.rank, &generation)
+        if status < 0 or status > 1:
+            _check(status)
+        self.generation = generation
+        return status == 1
+
+    def wait(self, double timeout, int spins=0):
+        """Wait up to ``timeout`` seconds (after ``spins`` polls) for the barrier arrived
+        at last to release every rank: True once it has, False if not yet."""
+        cdef int64_t ns = <int64_t>(max(timeout, 0.0) * 1e9)
+        cdef int status
+        with nogil:
+            status = pmg_host_barrier_wait(self.words, self.generation, ns, spins)
+        if status < 0 or status > 1:
+            _check(status)
+        return status == 1
+
+    def arrivals(self, int rank):
+        """How many barriers ``rank`` has arrived at."""
+        return pmg_host_barrier_arrivals(self.words, rank)

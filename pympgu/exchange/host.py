@@ -20,7 +20,7 @@ class HostBackend:
         ctx = self.ctx = ex.ctx
         self.ex = ex
         self.rank, self.nranks = ctx.local_rank, ctx.local_nranks
-        self.across = None
+        self.across = self.barrier = None
         if ctx.nnodes > 1:
             if ex.wire_dtype or ex.dtype != "float32":
                 raise ValueError("across nodes the exchange is float32 (a half-precision "
@@ -30,7 +30,10 @@ class HostBackend:
             self.across = NodeSum(ctx)
             # This rank's slice, padded to one length on every rank of its local index.
             self.part = np.zeros(-(-ex.total // self.nranks), np.float32)
-        nbytes = ex.nbytes
+        # Local rank 0's segment holds the node's barrier after its buffer (docs/DECISIONS.md,
+        # "CPU workers meet in shared memory"); a new segment is zeroed, as the barrier needs.
+        self.barrier_at = -(-ex.nbytes // 64) * 64
+        nbytes = self.barrier_at + _host.BARRIER_BYTES
         self.segments = []
         self.own = shm.Segment(shm.new_name(shm.segment_name(ctx.run_id, ctx.local_rank)),
                                nbytes, create=True)
@@ -43,6 +46,8 @@ class HostBackend:
                 self.segments.append(seg)
             ctx.barrier(local=True)  # every rank has mapped every segment: no name need stay
             self.own.unlink()
+            self.barrier = _host.Barrier(self.segments[0].buffer[self.barrier_at:],
+                                         self.nranks, self.rank)
         except BaseException:
             self.close()
             raise
@@ -76,7 +81,7 @@ class HostBackend:
         lo = min(count, rank * chunk)
         hi = min(count, lo + chunk)
         arrays = self.views[dtype]
-        self.ctx.barrier(local=True)  # every rank of the node has packed
+        self.ctx.meet(self.barrier)  # every rank of the node has packed
         mine = arrays[rank][lo:hi]
         if self.across is None:
             _host.host_average([a[lo:hi] for a in arrays], mine, dtype=dtype)
@@ -91,7 +96,7 @@ class HostBackend:
         for r, a in enumerate(arrays):
             if r != rank:
                 a[lo:hi] = mine
-        self.ctx.barrier(local=True)  # every slice has reached every rank of the node
+        self.ctx.meet(self.barrier)  # every slice has reached every rank of the node
 
     def wait(self):
         pass  # the host average is complete when average() returns
@@ -116,6 +121,7 @@ class HostBackend:
 
     def close(self):
         self.views = {}  # drop the numpy views first, or the mappings cannot close
+        self.barrier = None
         for seg in self.segments:
             if seg is not self.own:
                 seg.close()

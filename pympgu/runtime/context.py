@@ -1,4 +1,12 @@
-"""What a worker knows of its run, and how it meets its peers through the launcher."""
+"""What a worker knows of its run, and how it meets its peers: through the launcher, or in
+the node's shared memory."""
+import time
+
+# A rank waiting in shared memory looks for the launcher's STOP this often, and tells the
+# launcher it waits (for the hang check) once it has waited this long (docs/DECISIONS.md,
+# "CPU workers meet in shared memory").
+MEET_SLICE_S, MEET_REPORT_S = 0.02, 0.5
+MEET_SPINS = 20000  # polls before the first sleep: about 20 us
 
 
 class WorkerContext:
@@ -37,6 +45,25 @@ class WorkerContext:
                                    "shared": shared, "local": bool(local), "gather": gather})
         data, _ = self.link.receive("RELEASE")
         return data
+
+    def meet(self, barrier) -> None:
+        """Pass ``barrier`` (pympgu._host.Barrier of this node's ranks, in shared memory)
+        with every rank of the node: no message unless the wait lasts. A STOP from the
+        launcher (a peer died, the run is stopped) raises control.Stopped within
+        MEET_SLICE_S; a wait past MEET_REPORT_S is told to the launcher, whose hang check
+        then names the rank that does not arrive."""
+        if barrier.arrive() or barrier.wait(0.0, MEET_SPINS):
+            return
+        start, told = time.monotonic(), False
+        try:
+            while not barrier.wait(MEET_SLICE_S):
+                self.link.check()
+                if not told and time.monotonic() - start > MEET_REPORT_S:
+                    self.link.send("WAITING", {"waiting": True})
+                    told = True
+        finally:
+            if told:
+                self.link.send("WAITING", {"waiting": False})
 
     def register(self, layout, facts, blob) -> tuple:
         """Announce this rank's buffer to its node's ranks; returns every local rank's

@@ -431,6 +431,15 @@ class Link:
         self.last_received = seq
         return kind, data, blobs
 
+    def check(self):
+        """Without waiting: raise Stopped if the launcher has said STOP, and leave as an
+        orphan if it is gone. Other messages are not expected here, and are dropped."""
+        while (message := self.read()) is not None:
+            if message[0] == "STOP":
+                raise Stopped(message[1]["reason"])
+        if self.watch_parent and os.getppid() != self.parent:
+            self._orphaned()
+
     def receive(self, expect, timeout=None):
         """Wait for a message of type expect; STOP raises Stopped wherever it arrives."""
         deadline = None if timeout is None else time.monotonic() + timeout

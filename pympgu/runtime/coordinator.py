@@ -75,6 +75,7 @@ class NodeCoordinator:
         self.offset = node * self.n
         now = time.monotonic()
         self.hello, self.registered, self.results, self.waiting = set(), {}, {}, {}
+        self.stalled = set()  # ranks long at a barrier in shared memory (WAITING)
         self.last_beat = {r: now for r in range(self.n)}
         self.since = None  # when the first local rank reached the barrier others have not
         self.metric_failed = False
@@ -131,6 +132,14 @@ class NodeCoordinator:
             self.waiting[local] = data
             if len(self.waiting) == self.n:
                 self._local_barrier()
+        elif kind == "WAITING":
+            if data["waiting"]:
+                self.stalled.add(local)
+                self.since = self.since or time.monotonic()
+            else:
+                self.stalled.discard(local)
+                if not (self.stalled or self.waiting or self.registered):
+                    self.since = None
         elif kind == "METRIC":
             self.above.report(rank, data)
         elif kind == "ERROR":
@@ -233,8 +242,12 @@ class NodeCoordinator:
                                    "(hung?)", node=self.node_of(rank))
         if self.since is not None and now - self.since > self.progress_timeout:
             # Heartbeats say a process lives, not that it gets anywhere.
-            waiting = set(self.waiting) | set(self.registered)
-            absent = min(r for r in range(self.n) if r not in waiting)
+            waiting = set(self.waiting) | set(self.registered) | self.stalled
+            absent = min((r for r in range(self.n) if r not in waiting), default=None)
+            if absent is None:  # each at a barrier of its own: not in step
+                raise WorkerFailed(self.offset, f"every rank of the node waited at a barrier "
+                                   f"for {self.progress_timeout:.0f} s (out of step?)",
+                                   node=self.node_of(self.offset))
             what = ("returned" if absent in self.results else
                     f"reached no barrier in {self.progress_timeout:.0f} s")
             rank = self.offset + absent

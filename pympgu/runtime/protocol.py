@@ -11,8 +11,8 @@ is refused before its MAC is computed, so that no one, holder of the key or not,
 launcher hash or hold more than its kind needs.
 
 Worker to coordinator: HELLO (device, pid, protocol version), REGISTER (buffer layout,
-device facts; the IPC handle or shared-memory name as a blob), BARRIER (seq), METRIC (any
-JSON object), HEARTBEAT (sent by a thread on its own socket), ERROR (traceback, or a
+device facts; the IPC handle or shared-memory name as a blob), BARRIER (seq), WAITING (at a
+barrier in shared memory, for long, or no longer), METRIC (any JSON object), HEARTBEAT (sent by a thread on its own socket), ERROR (traceback, or a
 message that says it all), DONE (result). Coordinator to worker: RUN, PEERS (every rank's
 registration), RELEASE (seq), STOP. Between node launchers and node 0's: JOIN, ARRIVE,
 REPORT, FAIL, FINISH and HEARTBEAT up; START, RELEASE, STOP and HEARTBEAT down.
@@ -22,7 +22,7 @@ import hmac
 import json
 import secrets
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 SECRET_BYTES = 32
 NONCE_BYTES = 16
 # A frame's most bytes (ZMQ_MAXMSGSIZE): far above any real message (a layout of thousands
@@ -31,7 +31,8 @@ MAX_FRAME_BYTES = 16 << 20
 MAX_BLOB_BYTES = 4096  # an IPC handle is 64 bytes, a segment's name under 100
 MAX_HEADER_BYTES = 64
 
-TO_COORDINATOR = {"HELLO", "REGISTER", "BARRIER", "METRIC", "HEARTBEAT", "ERROR", "DONE"}
+TO_COORDINATOR = {"HELLO", "REGISTER", "BARRIER", "WAITING", "METRIC", "HEARTBEAT", "ERROR",
+                  "DONE"}
 TO_WORKER = {"RUN", "PEERS", "RELEASE", "STOP"}
 TO_HUB = {"JOIN", "ARRIVE", "REPORT", "FAIL", "FINISH", "HEARTBEAT"}
 TO_NODE = {"START", "RELEASE", "STOP", "HEARTBEAT"}
@@ -46,6 +47,7 @@ SCHEMA = {
     "REGISTER": ({"layout": list, "facts": dict}, 1, False, _BIG),
     "BARRIER": ({"seq": int, "what": (str, _NONE), "value": ANY, "shared": ANY,
                  "local": bool, "gather": bool}, 0, False, _BIG),
+    "WAITING": ({"waiting": bool}, 0, False, _SMALL),
     "METRIC": ({}, 0, True, _TEXT),
     "HEARTBEAT": ({}, 0, False, _SMALL),
     "ERROR": ({"traceback": str, "message": (str, _NONE)}, 0, False, 2 * _TEXT),
