@@ -299,6 +299,16 @@ def test_train_bench_picks_ddp_systems_from_its_flags():
     assert [s for s in every if DDP_SYSTEMS[s][0]] == ["DDP-graph", "DDP-pympgu-graph"]
 
 
+def test_ddp_runs_on_cpu_ranks_through_gloo():
+    """The CPU workers' baseline: DDP's twin of the MLP on 2 CPU ranks, gloo carrying its
+    gradients; no GPU time is asked of it."""
+    pytest.importorskip("torch.distributed")
+    from pympgu.bench.torch_ddp import run_ddp
+    cfg = model_config("seed").replace(batch_size=32)
+    r = run_ddp([None, None], cfg, 784, 10, steps=3, warmup=1)
+    assert r["samples_per_s"] > 0 and r["ms_per_step"] > 0 and "gpu_ms" not in r
+
+
 def test_train_bench_ranks_time_the_multi_gpu_rows_at_each_size(monkeypatch):
     """--ranks 2 4 on GPUs 0 to 3 (runs faked: no GPU here): each GPU alone, then every
     variant and DDP on the first 2 and on all 4, each row scaled against GPU 0 alone and

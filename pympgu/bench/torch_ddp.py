@@ -88,12 +88,15 @@ def ddp_rank(rank, world, devices, cfg, layout, hook, n_in, n_out, steps, warmup
     import torch
     import torch.distributed as dist
     device = devices[rank]
-    torch.cuda.set_device(device)
+    on = "cpu" if device is None else "cuda"  # CPU workers' DDP: gloo carries the gradients
+    cuda = _Cuda(torch if device is not None else None)
+    if device is not None:
+        torch.cuda.set_device(device)
     # JAX multiplies float32 matrices in TF32 on these GPUs by default; torch does not.
     # Give DDP the same precision, or the comparison measures the precision, not the system.
     torch.set_float32_matmul_precision("high")
     # Ranks sharing a GPU (DDP-pympgu alone, measure) set up through gloo: NCCL refuses them.
-    backend = "nccl" if len(set(devices)) == len(devices) else "gloo"
+    backend = "nccl" if device is not None and len(set(devices)) == len(devices) else "gloo"
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     hook_state = None
@@ -104,9 +107,10 @@ def ddp_rank(rank, world, devices, cfg, layout, hook, n_in, n_out, steps, warmup
         if side is not None:
             side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # no-op for None
-            model = torch_twin(cfg, n_in, n_out).cuda()
+            model = torch_twin(cfg, n_in, n_out).to(on)
             layout = lay_out(model, layout)
-            ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device])
+            ddp = torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=None if device is None else [device])
             hook = hook
             if hook == "bf16_compress":  # DDP-bf16
                 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -133,10 +137,10 @@ def ddp_rank(rank, world, devices, cfg, layout, hook, n_in, n_out, steps, warmup
             else:
                 opt = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
             # The default generator: a captured graph draws new indices at each replay.
-            torch.cuda.manual_seed(rank)
+            torch.manual_seed(rank)
             ntrain = 8000
-            x_all = torch.randn(ntrain, n_in, device="cuda")
-            y_all = torch.randint(0, n_out, (ntrain,), device="cuda")
+            x_all = torch.randn(ntrain, n_in, device=on)
+            y_all = torch.randint(0, n_out, (ntrain,), device=on)
 
             low = cfg.compute_dtype != "float32"
             # --ema: the parameters' moving average, moved after each step by one fused
@@ -146,10 +150,10 @@ def ddp_rank(rank, world, devices, cfg, layout, hook, n_in, n_out, steps, warmup
             average = [p.detach().clone() for p in model.parameters()] if ema else []
 
             def body():
-                idx = torch.randint(0, ntrain, (cfg.batch_size,), device="cuda")
+                idx = torch.randint(0, ntrain, (cfg.batch_size,), device=on)
                 # pympgu's --compute-dtype bfloat16 in PyTorch's idiom: autocast, which
                 # multiplies in bfloat16 (and keeps the products' results so).
-                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=low):
+                with torch.autocast(on, dtype=torch.bfloat16, enabled=low):
                     loss = torch.nn.functional.cross_entropy(ddp(x_all[idx]), y_all[idx])
                 loss.backward()
                 if cfg.clip_norm:
@@ -178,7 +182,7 @@ def ddp_rank(rank, world, devices, cfg, layout, hook, n_in, n_out, steps, warmup
             step = captured.replay
             for _ in range(warmup):
                 step()
-        torch.cuda.synchronize()
+        cuda.synchronize()
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -186,13 +190,13 @@ def ddp_rank(rank, world, devices, cfg, layout, hook, n_in, n_out, steps, warmup
         # PyTorch returns before the GPU is done, as JAX does: a loop as long as the whole
         # means the host sets DDP's pace, not the GPU (or that the launch queue filled).
         issued = time.perf_counter() - t0
-        torch.cuda.synchronize()
+        cuda.synchronize()
         wall = time.perf_counter() - t0
         out = {"samples_per_s": world * cfg.batch_size * steps / wall,
                "ms_per_step": 1e3 * wall / steps, "host_ms": 1e3 * issued / steps,
                "tf32": bool(torch.backends.cuda.matmul.allow_tf32),
                "layout": layout}
-        if not graph:
+        if not graph and device is not None:
             # What the GPUs alone take a step: a sleeping kernel holds each GPU while the
             # host queues a few steps behind it, and events time them back to back. That is
             # DDP's step if its host kept up.
@@ -214,6 +218,17 @@ def ddp_rank(rank, world, devices, cfg, layout, hook, n_in, n_out, steps, warmup
         # ncclCommDestroy (pytorch/pytorch#115388): _ddp_entry ends such a rank without it.
         if not graph:
             dist.destroy_process_group()
+
+
+class _Cuda:
+    """torch.cuda's synchronize, or nothing for CPU ranks (their work is done on return)."""
+
+    def __init__(self, torch):
+        self.torch = torch
+
+    def synchronize(self):
+        if self.torch is not None:
+            self.torch.cuda.synchronize()
 
 
 # How long a DDP run may go without a word from every rank (a run takes about 15 s).

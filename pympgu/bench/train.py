@@ -212,13 +212,16 @@ def measure(gpus, models, variants, steps, warmup, data, ddp=("DDP",), log=print
                 for env in settings:
                     label = " ".join([v, *(f"{n}={x}" for n, x in env.items())])
                     runs.append(("pympgu", group, label, cfg, False, env, in_xla))
-        if gpus[0] is not None and has_torch_twin(base):
-            for system in ddp:
+        if has_torch_twin(base):
+            # CPU workers: DDP on gloo, eager alone (no CUDA graph, no pympgu hook).
+            cpu_ddp = [s for s in ddp if DDP_SYSTEMS[s] == (False, None)]
+            for system in ddp if gpus[0] is not None else cpu_ddp:
                 runs.append((system, gpus[:1], "-", base, False, {}, None))
                 # NCCL refuses two ranks on one GPU; pympgu's hook shares one (gloo then
                 # carries DDP's setup, ddp_rank), which checks its logic, not its speed.
                 runs += [(system, group, "-", base, False, {}, None) for group in groups
-                         if len(set(group)) == len(group) or DDP_SYSTEMS[system][1] == "pympgu"]
+                         if group[0] is None or len(set(group)) == len(group)
+                         or DDP_SYSTEMS[system][1] == "pympgu"]
         done = [[] for _ in runs]  # each run's results, one per round
         for k in range(repeats):
             for (system, devs, variant, cfg, plain, env, inside), results in zip(runs, done):
@@ -517,7 +520,13 @@ def main(argv=None):
         models.append(args.model)
     elif args.hidden is not None:
         parser.error("--hidden sizes --model's model; the MLPs of --models have their own")
-    use_ddp = not args.no_ddp and args.cpu is None
+    # On CPU workers, a run that DDP's twin cannot match is pympgu's rows alone, said so.
+    alone = ("--schedule" if args.schedule != "constant" else
+             "--dropout" if args.dropout else None) if args.cpu is not None else None
+    use_ddp = not args.no_ddp and alone is None
+    if alone and not args.no_ddp:
+        print(f"pympgu.bench train: {alone} times pympgu's rows alone; no DDP rows",
+              file=sys.stderr)
     if use_ddp:
         try:
             import torch.distributed  # noqa: F401
