@@ -45,7 +45,7 @@ def _where(rep, ctx):
 
 
 def worker(ctx, hidden, batch, calls, exchanger=True, only_params=False):
-    from pympgu.training.replica import Replica, state_layout
+    from pympgu.training.replica import Replica
     from pympgu.training.worker import make_exchanger, setup_backend
     setup_backend(ctx, "jax")  # before PyTensor is imported
     import jax
@@ -62,7 +62,7 @@ def worker(ctx, hidden, batch, calls, exchanger=True, only_params=False):
     if exchanger:
         ex, inside = make_exchanger(ctx, rep, cfg)
         if ex is None:
-            ex = Exchanger(ctx, state_layout(rep))
+            ex = Exchanger(ctx, rep.layout)
             inside = StepExchange(ex)
     try:
         idx = jax.device_put(np.arange(batch, dtype=np.int32))

@@ -23,7 +23,7 @@ def worker(ctx, hidden, batch, steps):
 
     from pympgu.exchange import Exchanger
     from pympgu.training import RunConfig
-    from pympgu.training.replica import Replica, state_layout
+    from pympgu.training.replica import Replica
     from pympgu.training.worker import setup_backend
     setup_backend(ctx, "jax")
     cfg = RunConfig(hidden=hidden, batch_size=batch, backend="jax", devices=[ctx.device])
@@ -31,7 +31,7 @@ def worker(ctx, hidden, batch, steps):
     rng = np.random.default_rng(0)
     ntrain = len(rep.dataset.train[1])
     batches = [rng.integers(0, ntrain, batch).astype(np.int32) for _ in range(steps)]
-    with Exchanger(ctx, state_layout(rep)) as ex:
+    with Exchanger(ctx, rep.layout) as ex:
         batches = rep.device_batches(batches)
         for idx in batches[:20]:  # compile and warm up
             rep.step(idx)

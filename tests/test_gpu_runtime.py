@@ -354,7 +354,8 @@ def mean_gradients_against_own_steps(cfg):
     ddp = train(cfg)[-1]
     averaged = train(cfg.replace(devices=(None, None)))[-1]
     assert ddp["road"] == "the update of the mean gradients", ddp
-    assert averaged["road"] is None and averaged["exchange_share"] is not None, averaged
+    assert averaged["road"].endswith("(CPU workers)"), averaged
+    assert averaged["exchange_share"] is not None, averaged
     assert ddp["test_error"] < 0.25 and averaged["test_error"] < 0.25, (ddp, averaged)
     assert abs(ddp["test_error"] - averaged["test_error"]) <= 0.03, (ddp, averaged)
 
