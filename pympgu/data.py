@@ -374,16 +374,22 @@ def batches_per_epoch(n_train, batch_size, nranks) -> int:
     return n_train // batch_size // nranks * nranks
 
 
-def shard_batches(n_train, batch_size, nranks, rank, seed, epoch) -> list:
+def shard_batches(n_train, batch_size, nranks, rank, seed, epoch, start=0, total=None) -> list:
     """This rank's minibatch index arrays for one epoch.
 
     Every rank draws the same permutation (from seed and epoch), cuts it into full batches,
     and takes every nranks-th batch starting at its rank: the seed's odd/even split for two
     workers, generalised. Ranks get disjoint batches and the same number of them.
-    """
+
+    ``start`` and ``total``: the epoch's batches from ``start`` on, of ``total`` in all (by
+    default, those of nranks workers), split among ``nranks`` workers: what is left of an
+    epoch that fewer workers finish than began it (pympgu.training.recovery). The fewer
+    than nranks batches that cannot go to every worker are left out."""
     perm = np.random.default_rng([seed, epoch]).permutation(n_train).astype(np.int32)
-    nbatches = batches_per_epoch(n_train, batch_size, nranks)
+    nbatches = batches_per_epoch(n_train, batch_size, nranks) if total is None else total
     if nbatches == 0:
         raise ValueError(f"batch size {batch_size} x {nranks} workers exceeds the "
                          f"{n_train} training examples")
-    return [perm[b * batch_size:(b + 1) * batch_size] for b in range(rank, nbatches, nranks)]
+    end = start + (nbatches - start) // nranks * nranks
+    return [perm[b * batch_size:(b + 1) * batch_size]
+            for b in range(start + rank, end, nranks)]

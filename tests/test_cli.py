@@ -40,6 +40,10 @@ pytestmark = pytest.mark.timeout(600)
     (["--cpu", "2", "--epochs", "2", "--warmup", "3"], "--warmup must be 0 to --epochs (2)"),
     (["--cpu", "2", "--epochs", "-1"], "--epochs must be at least 1, got -1"),
     (["--cpu", "2", "--schedule", "step"], "invalid choice: 'step'"),
+    (["--cpu", "3", "--min-workers", "4"], "--min-workers must be 1 to the 3 workers, got 4"),
+    (["--cpu", "3", "--min-workers", "0"], "--min-workers must be 1 to the 3 workers, got 0"),
+    (["--cpu", "3", "--min-workers", "2", "--overlap"],
+     "--min-workers needs replicas identical after each exchange"),
 ])
 def test_cli_rejects_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
@@ -162,7 +166,7 @@ def test_cli_says_what_a_stopped_run_left_to_resume(tmp_path, monkeypatch, capsy
 
 
 def test_epoch_lines_name_the_exchange_road_once(tmp_path, capsys):
-    """The road of the step's exchange (worker._road) is printed after the first
+    """The road of the step's exchange (pympgu.training.loop.road) is printed after the first
     epoch that reports it, again only when it changes, and kept in metrics.jsonl."""
     from pympgu.training.outdir import OutDir
     rep = Reporter(OutDir(str(tmp_path)), epochs=3, stream=io.StringIO())

@@ -91,3 +91,17 @@ def test_init_seed_draws_other_starting_weights_and_seed_another_order(tmp_path)
     other, seed = first_epoch("--init-seed", "7")
     assert seed == 7 and other != default
     assert first_epoch("--seed", "7")[0] not in (default, other)
+
+
+def test_a_lost_workers_record_stays_in_the_log_before_its_epochs_line(tmp_path):
+    """metrics.jsonl's events (a worker lost, the others going on) are what happened: the
+    log's mending keeps them, before the line of the epoch they came in."""
+    out = str(tmp_path / "run")
+    assert cli.main(SEED_RUN + ["--epochs", "2", "--out", out]) == 0
+    path = os.path.join(out, ckpt.METRICS)
+    lines = open(path).readlines()
+    event = json.dumps({"event": "membership", "epoch": 2, "lost": [1]}) + "\n"
+    open(path, "w").writelines([lines[0], event, lines[1], '{"epoch": 3, "loss": 0.1}\n'])
+    with OutDir(out, create=False) as d:
+        ckpt.sync_metrics(d)
+    assert open(path).readlines() == [lines[0], event, lines[1]]

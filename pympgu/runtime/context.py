@@ -65,6 +65,21 @@ class WorkerContext:
             if told:
                 self.link.send("WAITING", {"waiting": False})
 
+    def recover(self, kept, at) -> list:
+        """After control.Shrunk: tell the launcher the positions whose state this rank holds
+        (``kept``, lists whose first two entries order them) and where it was (``at``), and
+        wait for the survivors' REFORM: this rank is renumbered among them, and the position
+        all of them go back to is returned. Another loss meanwhile raises Shrunk again."""
+        self.link.send("RECOVER", {"kept": kept, "at": at})
+        data, _ = self.link.receive("REFORM")
+        if self.nnodes != 1:
+            raise RuntimeError("only a run of one node goes on without a lost worker")
+        members = data["members"]
+        self.rank = self.local_rank = members.index(self.link.rank)
+        self.nranks = self.local_nranks = len(members)
+        self._barrier_seq = 0
+        return data["back_to"]
+
     def register(self, layout, facts, blob) -> tuple:
         """Announce this rank's buffer to its node's ranks; returns every local rank's
         (facts, blob) and max_blocks."""

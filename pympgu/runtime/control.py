@@ -45,6 +45,25 @@ class Stopped(Exception):
     """The coordinator told this worker to stop (another rank failed, or Ctrl-C)."""
 
 
+class Shrunk(Exception):
+    """A rank was lost and the run goes on without it (--min-workers): this worker leaves
+    what it was doing and recovers (pympgu.training.recovery). ``lost``: the rank, as the
+    run numbered it until now; ``reason``: what became of it."""
+
+    def __init__(self, lost, reason):
+        self.lost, self.reason = lost, reason
+        super().__init__(f"rank {lost} {reason}")
+
+
+def _interrupting(kind, data):
+    """The exception that message ``kind`` raises wherever a worker reads it, or None."""
+    if kind == "STOP":
+        return Stopped(data["reason"])
+    if kind == "SHRINK":
+        return Shrunk(data["lost"], data["reason"])
+    return None
+
+
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
                      zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _HANDSHAKE_FAILED_ANY = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -259,8 +278,9 @@ class Listener:
         except zmq.ZMQError:
             return False
 
-    def broadcast(self, kind, payload=None, blobs=()):
-        for rank in range(self.nranks):
+    def broadcast(self, kind, payload=None, blobs=(), ranks=None):
+        """Send to every rank, or to those of ``ranks``."""
+        for rank in range(self.nranks) if ranks is None else ranks:
             self.send(rank, kind, payload, blobs)
 
     def close(self):
@@ -432,16 +452,18 @@ class Link:
         return kind, data, blobs
 
     def check(self):
-        """Without waiting: raise Stopped if the launcher has said STOP, and leave as an
-        orphan if it is gone. Other messages are not expected here, and are dropped."""
+        """Without waiting: raise Stopped if the launcher has said STOP (Shrunk for
+        SHRINK), and leave as an orphan if it is gone. Other messages are not expected
+        here, and are dropped."""
         while (message := self.read()) is not None:
-            if message[0] == "STOP":
-                raise Stopped(message[1]["reason"])
+            if (error := _interrupting(*message[:2])) is not None:
+                raise error
         if self.watch_parent and os.getppid() != self.parent:
             self._orphaned()
 
     def receive(self, expect, timeout=None):
-        """Wait for a message of type expect; STOP raises Stopped wherever it arrives."""
+        """Wait for a message of type expect; STOP raises Stopped wherever it arrives, and
+        SHRINK Shrunk."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait = 1000 if deadline is None else max(0, min(1000, (deadline - time.monotonic())
@@ -451,10 +473,10 @@ class Link:
                 if message is None:
                     continue
                 kind, data, blobs = message
-                if kind == "STOP":
-                    raise Stopped(data["reason"])
                 if kind == expect:
                     return data, blobs
+                if (error := _interrupting(kind, data)) is not None:
+                    raise error
             elif self.watch_parent and os.getppid() != self.parent:
                 self._orphaned()
             if deadline is not None and time.monotonic() >= deadline:

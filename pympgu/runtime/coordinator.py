@@ -9,6 +9,7 @@ import signal
 import time
 
 from .failures import WorkerFailed
+from .membership import Membership
 from .output import explain
 from .protocol import printable
 
@@ -59,20 +60,25 @@ class NodeCoordinator:
     """This node's workers (``procs``, their ``outputs``), met through ``listener``; the
     level ``above`` this node. A rank silent for ``heartbeat_timeout`` seconds, or absent
     from a barrier (or register) for ``progress_timeout`` seconds while another rank waits
-    there, fails the run."""
+    there, fails the run; or, while more than ``min_workers`` remain (a run of one node),
+    is dropped, killed if it still runs, and the others go on without it (Membership)."""
 
     # Across nodes: how long a rank's error is held, and how long a node's silence then
     # says it is lost (the heartbeats come every second).
     HOLD_S, SILENT_S = 3.0, 2.5
 
     def __init__(self, listener, procs, outputs, node, nnodes, above, on_metric, log,
-                 heartbeat_timeout, progress_timeout):
+                 heartbeat_timeout, progress_timeout, min_workers=None):
         self.listener, self.procs, self.outputs = listener, procs, outputs
         self.node, self.nnodes, self.above = node, nnodes, above
         self.on_metric, self.log = on_metric, log
         self.heartbeat_timeout, self.progress_timeout = heartbeat_timeout, progress_timeout
         self.n = len(procs)
         self.offset = node * self.n
+        if min_workers is not None and nnodes > 1 and min_workers < self.n * nnodes:
+            raise ValueError("a run of several nodes goes on without a lost worker only in "
+                             "a later version: give every worker as min_workers")
+        self.membership = Membership(self.n, min_workers)
         now = time.monotonic()
         self.hello, self.registered, self.results, self.waiting = set(), {}, {}, {}
         self.stalled = set()  # ranks long at a barrier in shared memory (WAITING)
@@ -92,7 +98,7 @@ class NodeCoordinator:
         reading = {out.fileno(): out for outs in self.outputs for out in outs}
         for fd in reading:
             poller.register(fd, zmq.POLLIN)
-        while not (len(self.results) == self.n and self.above.done()):
+        while not (len(self.results) == len(self.membership.members) and self.above.done()):
             ready = dict(poller.poll(100))
             if self.listener.socket in ready:
                 self.drain()
@@ -103,7 +109,7 @@ class NodeCoordinator:
                     poller.unregister(fd)
                     del reading[fd]
             self._check(time.monotonic())
-        return self.above.finish([self.results[r] for r in range(self.n)])
+        return self.above.finish([self.results[r] for r in self.membership.members])
 
     def drain(self):
         while (msg := self.listener.receive(0)) is not None:
@@ -112,10 +118,16 @@ class NodeCoordinator:
     def node_of(self, rank):
         return rank // self.n if self.nnodes > 1 else None
 
+    def rank_of(self, local):
+        """The run's number now for this node's worker in slot ``local``."""
+        return self.offset + self.membership.rank(local)
+
     # ---------------------------------------------------------------- the workers
 
     def _from_worker(self, local, kind, data, blobs):
-        rank = self.offset + local
+        if not self.membership.heard(local, kind):
+            return  # the dead's last words, or what a survivor said before it recovered
+        rank = self.rank_of(local)
         self.last_beat[local] = time.monotonic()
         if kind in ("REGISTER", "BARRIER") and self.since is None:
             self.since = time.monotonic()
@@ -124,13 +136,13 @@ class NodeCoordinator:
             self.maybe_run()
         elif kind == "REGISTER":
             self.registered[local] = (data, blobs[0] if blobs else b"")
-            if len(self.registered) == self.n:
+            if len(self.registered) == len(self.membership.members):
                 _send_peers(self.listener, self.registered, self.offset)
                 self.registered.clear()
                 self.since = None
         elif kind == "BARRIER":
             self.waiting[local] = data
-            if len(self.waiting) == self.n:
+            if len(self.waiting) == len(self.membership.members):
                 self._local_barrier()
         elif kind == "WAITING":
             if data["waiting"]:
@@ -141,7 +153,16 @@ class NodeCoordinator:
                 if not (self.stalled or self.waiting or self.registered):
                     self.since = None
         elif kind == "METRIC":
+            if data.get("kind") == "recovered":  # the survivors' first exchange since
+                data = self.membership.record()
+                if data is None:
+                    return
             self.above.report(rank, data)
+        elif kind == "RECOVER":
+            reform = self.membership.recovered(local, data["kept"], data["at"])
+            if reform is not None:
+                self.since = None
+                self.listener.broadcast("REFORM", reform, ranks=self.membership.members)
         elif kind == "ERROR":
             if data["message"] is not None:  # a failure said whole: no traceback to show
                 error = WorkerFailed(rank, printable(data["message"], 2000),
@@ -178,19 +199,20 @@ class NodeCoordinator:
         self.listener.broadcast("RUN")
 
     def _local_barrier(self):
-        first = self.waiting[0]
+        members = self.membership.members
+        first = self.waiting[members[0]]
         shape = {r: (d["seq"], d["local"], d["gather"]) for r, d in self.waiting.items()}
         if len(set(shape.values())) != 1:
             r = min(self.waiting)
-            raise WorkerFailed(self.offset + r, "is out of step",
+            raise WorkerFailed(self.rank_of(r), "is out of step",
                                "barrier (sequence number, node-local, gather) by rank: " +
-                               ", ".join(f"rank {self.offset + q}: {v}"
+                               ", ".join(f"rank {self.rank_of(q)}: {v}"
                                          for q, v in sorted(shape.items())),
-                               node=self.node_of(self.offset + r))
+                               node=self.node_of(self.rank_of(r)))
         if not first["gather"]:
-            for r in range(1, self.n):
-                same(self.offset + r, first, self.waiting[r], self.offset, self.node_of)
-        values = [self.waiting[r]["value"] for r in range(self.n)] if first["gather"] else None
+            for r in members[1:]:
+                same(self.rank_of(r), first, self.waiting[r], self.offset, self.node_of)
+        values = [self.waiting[r]["value"] for r in members] if first["gather"] else None
         self.waiting.clear()
         self.since = None
         arrival = {"seq": first["seq"], "what": first["what"], "value": first["value"],
@@ -204,7 +226,26 @@ class NodeCoordinator:
         """Let this node's ranks through the barrier ``arrival`` (rank 0's shared value, and
         every rank's with a gather)."""
         self.listener.broadcast("RELEASE", {"seq": arrival["seq"], "shared": arrival["shared"],
-                                            "values": arrival["values"]})
+                                            "values": arrival["values"]},
+                                ranks=self.membership.members)
+
+    def _lose(self, local, error, now):
+        """The worker in slot ``local`` failed with ``error``: raise it, or, where
+        --min-workers allows, drop the worker (killed if it still runs) and tell the others
+        to go on without it."""
+        if not self.running:  # the survivors wait for RUN: there is nothing to go back to
+            raise error
+        shrink = self.membership.lose(local, error, now)
+        p = self.procs[local]
+        if p.exitcode is None:  # hung: it must not wake and write into the exchange
+            p.kill()
+            p.join(5)
+        self.last_beat.pop(local, None)
+        self.registered.clear()
+        self.waiting.clear()
+        self.stalled.clear()
+        self.since = now  # the hang check covers the recovery too
+        self.listener.broadcast("SHRINK", shrink, ranks=self.membership.members)
 
     # ---------------------------------------------------------------- every poll
 
@@ -222,14 +263,18 @@ class NodeCoordinator:
             if now - since > self.HOLD_S:
                 raise error
             return  # its process's exit is this error's echo
-        for local, p in enumerate(self.procs):
+        for local in list(self.membership.members):
+            p = self.procs[local]
             if local in self.results:
                 continue
             if p.exitcode is not None:
                 error = self._exited(local, p)
                 if error is None:
                     continue
-                if self.nnodes == 1 or p.exitcode == -signal.SIGKILL:
+                if self.nnodes == 1:
+                    self._lose(local, error, now)
+                    continue
+                if p.exitcode == -signal.SIGKILL:
                     raise error
                 # Across nodes a worker's death may be the echo of another node's loss too
                 # (JAX's runtime aborts a process whose peer vanished): held as an
@@ -237,23 +282,29 @@ class NodeCoordinator:
                 self.pending = (error, now)
                 return
             if now - self.last_beat[local] > self.heartbeat_timeout:
-                rank = self.offset + local
-                raise WorkerFailed(rank, f"sent nothing for {self.heartbeat_timeout:.0f} s "
-                                   "(hung?)", node=self.node_of(rank))
+                rank = self.rank_of(local)
+                self._lose(local, WorkerFailed(rank, f"sent nothing for "
+                                               f"{self.heartbeat_timeout:.0f} s (hung?)",
+                                               node=self.node_of(rank)), now)
         if self.since is not None and now - self.since > self.progress_timeout:
             # Heartbeats say a process lives, not that it gets anywhere.
-            waiting = set(self.waiting) | set(self.registered) | self.stalled
-            absent = min((r for r in range(self.n) if r not in waiting), default=None)
+            waiting = (set(self.waiting) | set(self.registered) | self.stalled
+                       | self.membership.recovered_slots)
+            members = self.membership.members
+            absent = min((r for r in members if r not in waiting), default=None)
             if absent is None:  # each at a barrier of its own: not in step
                 raise WorkerFailed(self.offset, f"every rank of the node waited at a barrier "
                                    f"for {self.progress_timeout:.0f} s (out of step?)",
                                    node=self.node_of(self.offset))
             what = ("returned" if absent in self.results else
                     f"reached no barrier in {self.progress_timeout:.0f} s")
-            rank = self.offset + absent
-            raise WorkerFailed(rank, f"{what} while rank(s) "
-                               f"{sorted(self.offset + r for r in waiting)} waited at one "
-                               "(hung, or out of step?)", node=self.node_of(rank))
+            rank = self.rank_of(absent)
+            error = WorkerFailed(rank, f"{what} while rank(s) "
+                                 f"{sorted(self.rank_of(r) for r in waiting)} waited at one "
+                                 "(hung, or out of step?)", node=self.node_of(rank))
+            if absent in self.results:
+                raise error
+            self._lose(absent, error, now)
         self.above.check(now)
 
     def _exited(self, local, p):
@@ -269,7 +320,7 @@ class NodeCoordinator:
             out.close()
         if local in self.results:
             return None
-        rank = self.offset + local
+        rank = self.rank_of(local)
         if p.exitcode == -signal.SIGABRT:
             for out in self.outputs[local]:
                 if (why := out.abort_reason()) is not None:
@@ -291,17 +342,19 @@ def same(rank, first, d, first_rank, node_of):
 
 
 def _send_peers(listener, registered, offset=0):
-    ranks = sorted(registered)
-    layouts = {r: registered[r][0]["layout"] for r in ranks}
-    for r in ranks[1:]:
+    """Every rank's registration to every rank (``registered``: by slot; ranks in slot
+    order)."""
+    slots = sorted(registered)
+    layouts = [registered[r][0]["layout"] for r in slots]
+    for r in range(1, len(slots)):
         if layouts[r] != layouts[0]:
             raise WorkerFailed(offset + r, "registered a different parameter layout",
                                f"rank {offset}: {_describe(layouts[0])}\n"
                                f"rank {offset + r}: {_describe(layouts[r])}")
-    facts = [registered[r][0]["facts"] for r in ranks]
+    facts = [registered[r][0]["facts"] for r in slots]
     sms = [f.get("sm_count") for f in facts if f.get("sm_count")]
     payload = {"facts": facts, "max_blocks": min(2 * min(sms), 512) if sms else None}
-    listener.broadcast("PEERS", payload, [registered[r][1] for r in ranks])
+    listener.broadcast("PEERS", payload, [registered[r][1] for r in slots], ranks=slots)
 
 
 def _describe(layout):

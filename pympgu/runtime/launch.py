@@ -70,6 +70,15 @@ def _worker_main(place, device, address, secret, run_id, data_address, private, 
             jaxdist.leave()  # with every rank, so that no rank's runtime outlives the rest
     except control.Stopped:
         code = 0
+    except control.Shrunk:
+        # A peer was lost before the target could go back anywhere (before its training
+        # loop): this rank says it holds nothing, and the launcher stops the run, saying so.
+        try:
+            link.send("RECOVER", {"kept": [], "at": None})
+            link.receive("REFORM")
+        except (control.Stopped, control.Shrunk):
+            pass
+        code = 0
     except BaseException as e:
         said = isinstance(e, SaidWhole)
         link.send("ERROR", {"message": str(e) if said else None,
@@ -85,7 +94,7 @@ def _worker_main(place, device, address, secret, run_id, data_address, private, 
 
 def launch(target, args=(), *, gpus=None, cpu=None, on_metric=None, heartbeat_timeout=120.0,
            progress_timeout=600.0, grace=3.0, log=None, nodes=None, secret=None,
-           node_timeout=5.0, join_timeout=120.0) -> list:
+           node_timeout=5.0, join_timeout=120.0, min_workers=None) -> list:
     """Run target(ctx, *args) on one process per GPU in gpus, or on cpu CPU workers (of
     this node, with ``nodes``).
 
@@ -131,7 +140,8 @@ def launch(target, args=(), *, gpus=None, cpu=None, on_metric=None, heartbeat_ti
                 procs.append(p)
                 outputs.append(_outputs(place[0], streams))
             return NodeCoordinator(listener, procs, outputs, node, nnodes, above, on_metric,
-                                   log, heartbeat_timeout, progress_timeout).run()
+                                   log, heartbeat_timeout, progress_timeout,
+                                   min_workers).run()
         except BaseException as e:
             if listener is not None:
                 listener.broadcast("STOP", {"reason": "the run is stopping"})

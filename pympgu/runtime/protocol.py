@@ -12,9 +12,12 @@ launcher hash or hold more than its kind needs.
 
 Worker to coordinator: HELLO (device, pid, protocol version), REGISTER (buffer layout,
 device facts; the IPC handle or shared-memory name as a blob), BARRIER (seq), WAITING (at a
-barrier in shared memory, for long, or no longer), METRIC (any JSON object), HEARTBEAT (sent by a thread on its own socket), ERROR (traceback, or a
-message that says it all), DONE (result). Coordinator to worker: RUN, PEERS (every rank's
-registration), RELEASE (seq), STOP. Between node launchers and node 0's: JOIN, ARRIVE,
+barrier in shared memory, for long, or no longer), METRIC (any JSON object), HEARTBEAT (sent
+by a thread on its own socket), ERROR (traceback, or a message that says it all), RECOVER
+(after a SHRINK: the exchanges this rank completed last), DONE (result). Coordinator to
+worker: RUN, PEERS (every rank's registration), RELEASE (seq), STOP, SHRINK (a rank was
+lost and the others go on: stop where you are), REFORM (the survivors, and the exchange
+they all go back to). Between node launchers and node 0's: JOIN, ARRIVE,
 REPORT, FAIL, FINISH and HEARTBEAT up; START, RELEASE, STOP and HEARTBEAT down.
 """
 import hashlib
@@ -22,7 +25,7 @@ import hmac
 import json
 import secrets
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 SECRET_BYTES = 32
 NONCE_BYTES = 16
 # A frame's most bytes (ZMQ_MAXMSGSIZE): far above any real message (a layout of thousands
@@ -32,8 +35,8 @@ MAX_BLOB_BYTES = 4096  # an IPC handle is 64 bytes, a segment's name under 100
 MAX_HEADER_BYTES = 64
 
 TO_COORDINATOR = {"HELLO", "REGISTER", "BARRIER", "WAITING", "METRIC", "HEARTBEAT", "ERROR",
-                  "DONE"}
-TO_WORKER = {"RUN", "PEERS", "RELEASE", "STOP"}
+                  "RECOVER", "DONE"}
+TO_WORKER = {"RUN", "PEERS", "RELEASE", "STOP", "SHRINK", "REFORM"}
 TO_HUB = {"JOIN", "ARRIVE", "REPORT", "FAIL", "FINISH", "HEARTBEAT"}
 TO_NODE = {"START", "RELEASE", "STOP", "HEARTBEAT"}
 
@@ -51,11 +54,14 @@ SCHEMA = {
     "METRIC": ({}, 0, True, _TEXT),
     "HEARTBEAT": ({}, 0, False, _SMALL),
     "ERROR": ({"traceback": str, "message": (str, _NONE)}, 0, False, 2 * _TEXT),
+    "RECOVER": ({"kept": list, "at": (list, _NONE)}, 0, False, _SMALL),
     "DONE": ({"result": ANY}, 0, False, _BIG),
     "RUN": ({}, 0, False, _SMALL),
     "PEERS": ({"facts": list, "max_blocks": (int, _NONE)}, 8, False, _BIG),
     "RELEASE": ({"seq": int, "shared": ANY, "values": (list, _NONE)}, 0, False, _BIG),
     "STOP": ({"reason": str}, 0, False, _TEXT),
+    "SHRINK": ({"lost": int, "reason": str}, 0, False, _TEXT),
+    "REFORM": ({"members": list, "back_to": list}, 0, False, _SMALL),
     "JOIN": ({"version": int, "pid": int, "host": str, "nlocal": int}, 0, False, _SMALL),
     "ARRIVE": ({"seq": int, "what": (str, _NONE), "value": ANY, "shared": ANY,
                 "values": (list, _NONE)}, 0, False, _BIG),

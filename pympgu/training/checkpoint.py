@@ -136,20 +136,28 @@ def sync_metrics(out):
             lines = f.readlines()
     except FileNotFoundError:
         lines = []
-    logged, kept = set(), []
+    logged, kept, events = set(), [], []
     for line in lines:
         try:
-            e = json.loads(line)["epoch"]
+            record = json.loads(line)
+            e = record["epoch"]
         except (ValueError, KeyError, TypeError):
             continue  # a line cut by a crash
-        if e <= epoch and e not in logged:
+        line = line if line.endswith("\n") else line + "\n"
+        if "event" in record:  # what happened during the epoch (a lost worker): kept
+            events.append((e, line))
+        elif e <= epoch and e not in logged:
             logged.add(e)
-            kept.append(line if line.endswith("\n") else line + "\n")
+            kept.append((e, line))
     restored = [h for h in history if h.get("epoch") not in logged and h["epoch"] <= epoch]
-    if restored or kept != lines:
-        byepoch = {json.loads(x)["epoch"]: x for x in kept}
-        byepoch.update({h["epoch"]: json.dumps(h) + "\n" for h in restored})
-        out.write_text(METRICS, "".join(byepoch[e] for e in sorted(byepoch)))
+    byepoch = dict(kept)
+    byepoch.update({h["epoch"]: json.dumps(h) + "\n" for h in restored})
+    # An event before the line of its epoch (sorted is stable: in their order).
+    rows = sorted([(e, 0, x) for e, x in events] + [(e, 1, x) for e, x in byepoch.items()],
+                  key=lambda r: r[:2])
+    text = "".join(x for _, _, x in rows)
+    if text != "".join(lines):
+        out.write_text(METRICS, text)
 
 
 def epoch_of(path):

@@ -60,6 +60,9 @@ def _flags_where(p):
                    help="GPU indexes, one worker each (default: every visible GPU)")
     g.add_argument("--cpu", type=int, metavar="N",
                    help="N CPU workers instead of GPUs (default without a usable GPU: 2)")
+    g.add_argument("--min-workers", type=int, metavar="N",
+                   help="go on without a lost worker while N remain (default: every worker: "
+                        "any loss stops the run; CPU workers of one node for now)")
 
 
 def _flags_nodes(p):
@@ -190,7 +193,7 @@ _PLAIN = ("hidden", "epochs", "batch_size", "lr", "momentum", "l1", "l2", "beta2
           "weight_decay", "clip_norm", "ema", "patience", "warmup", "dropout",
           "label_smoothing", "shift", "bn_examples", "seed", "init_seed", "schedule",
           "compute_dtype", "sync_every", "overlap", "exchange_dtype", "exchange_blocks",
-          "nesterov", "flip", "method")
+          "nesterov", "flip", "method", "min_workers")
 
 
 class Resolved:

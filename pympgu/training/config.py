@@ -70,6 +70,8 @@ class RunConfig:
     overlap: bool = False
     exchange_dtype: str = "float32"
     exchange_blocks: int = None
+    # How many workers must remain for the run to go on without a lost one (None: all).
+    min_workers: int = None
     # Seeds: of the data order, dropout and augmentation; of the starting weights.
     seed: int = 0
     init_seed: int = MODEL_SEED
@@ -163,8 +165,24 @@ class RunConfig:
         # Longer than the run is allowed: it may be resumed for more epochs (the command
         # line refuses it, pympgu.training.cli).
         need(self.warmup >= 0, "--warmup", f"must be 0 or more epochs, got {self.warmup}")
+        self._check_min_workers(need)
         need(self.exchange_blocks is None or 1 <= self.exchange_blocks <= 512,
              "--exchange-blocks", f"must be 1 to 512, got {self.exchange_blocks}")
+
+    def _check_min_workers(self, need):
+        n = self.nworkers
+        if self.min_workers is None or self.min_workers == n:
+            return
+        need(1 <= self.min_workers <= n, "--min-workers",
+             f"must be 1 to the {n} workers, got {self.min_workers}")
+        # What goes on without a lost worker so far (docs/DECISIONS.md, "Going on without
+        # a lost worker"): said here rather than found out at the first loss.
+        need(self.cpu, "--min-workers", "goes on without a lost worker on CPU workers only, "
+             "for now: GPU workers stop the run at a loss (give every worker, or --cpu N)")
+        need(self.nnodes == 1, "--min-workers", "goes on without a lost worker inside one "
+             "node only, for now: give every worker of every node with --nnodes")
+        need(not self.overlap, "--min-workers", "needs replicas identical after each "
+             "exchange; --overlap leaves them alike only at the epoch's end: drop one of them")
 
     def to_json(self):
         """The configuration as config.json holds it."""

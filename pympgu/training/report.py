@@ -35,6 +35,8 @@ class Reporter:
             self.stream.write(f"\repoch {data['epoch']}/{self.epochs} "
                               f"[{'#' * done}{'.' * (width - done)}] {data['step']}/{data['steps']}")
             self.stream.flush()
+        elif kind == "membership":
+            self._membership(data)
         elif kind == "epoch":
             if self.tty and not self.quiet:
                 self.stream.write("\r" + " " * 70 + "\r")
@@ -47,11 +49,24 @@ class Reporter:
             if data.get("road") and data["road"] != self.road:  # once, and if it changes
                 self.road = data["road"]
                 print(f"          exchange: {printable(self.road, 500)}", flush=True)
-            if self.out is not None:
-                if self.metrics is None:
-                    self.metrics = self.out.open_append(METRICS, truncate=not self.resume)
-                self.metrics.write(json.dumps(data) + "\n")
-                self.metrics.flush()
+            self._record(data)
+
+    def _membership(self, data):
+        """A lost worker, and the others going on: one line, and a record in the log."""
+        if self.tty and not self.quiet:
+            self.stream.write("\r" + " " * 70 + "\r")
+        lost = ", ".join(str(r) for r in data["lost"])
+        log.warning("rank %s lost (%s) at step %s; %d workers go on from step %s after "
+                    "%.1f s", lost, printable(data["reason"], 300), f"{data['at_step']:,}",
+                    data["workers"], f"{data['from_step']:,}", data["seconds"])
+        self._record(data)
+
+    def _record(self, data):
+        if self.out is not None:
+            if self.metrics is None:
+                self.metrics = self.out.open_append(METRICS, truncate=not self.resume)
+            self.metrics.write(json.dumps(data) + "\n")
+            self.metrics.flush()
 
     def close(self):
         if self.metrics:

@@ -1,14 +1,10 @@
 """A worker's life: its backend set up, its replica built and made like its peers', and
-the training loop, epoch by epoch, with the exchange and rank 0's evaluation and checkpoints."""
-import math
+its exchange connected for the training loop (pympgu.training.loop)."""
 import os
-import time
 import warnings
 
-from . import checkpoint
-from .outdir import OutDir
 from .replica import Replica
-from .sync import Sync, same_start
+from .sync import same_start
 
 
 def setup_backend(ctx, backend):
@@ -83,10 +79,11 @@ def worker(ctx, cfg):
     """The training loop of one worker (``cfg``: a RunConfig); returns its summary: rank
     0's history, a digest of the replica, and the epoch and loss where the loss stopped
     being finite, if it did (``diverged``)."""
+    from .loop import Training
     setup_backend(ctx, cfg.backend)
     stage(ctx, "building the model and compiling its step")
     rep = Replica(ctx, cfg)
-    start_epoch, history, diverged = 0, [], None
+    start_epoch, history = 0, []
     if cfg.resume:
         start_epoch, history = rep.load(cfg.resume)
     if ctx.nnodes > 1:  # each node reads its own files: they must be the same
@@ -99,45 +96,7 @@ def worker(ctx, cfg):
         ctx.barrier("initial values (a model must draw them from its seed argument)",
                     rep.digest(each=True))
         stage(ctx, "connecting the workers' exchange")
-    ex, inside = make_exchanger(ctx, rep, cfg)
-    out = OutDir(cfg.out, create=False) if cfg.out and ctx.rank == 0 else None
-    try:
-        schedule = make_schedule(cfg, len(rep.dataset.train[1]), ctx.nranks)
-        stage(ctx, f"training from epoch {start_epoch + 1} (its first steps compile)")
-        for epoch in range(start_epoch, cfg.epochs):
-            record = _epoch(ctx, cfg, rep, ex, inside, schedule, epoch)
-            stop = False
-            if ctx.rank == 0:
-                if not math.isfinite(record["loss"]):
-                    # Nothing of this epoch is kept: the last checkpoint stays the last
-                    # good one.
-                    diverged = {"epoch": record["epoch"], "loss": record["loss"]}
-                    stop = True
-                else:
-                    record["valid_error"], record["test_error"] = rep.errors()
-                    history.append(record)
-                    ctx.metric(kind="epoch", **record)
-                    if out is not None:
-                        _save(out, rep, history, first=epoch == start_epoch)
-                    stop = bool(cfg.patience
-                                and checkpoint.epochs_since_best(history) >= cfg.patience)
-            # Rank 0 alone evaluates, so it decides, and every rank stops after the same
-            # epoch, the replicas identical. Across nodes the replicas are compared every
-            # epoch (one digest a rank): a difference is named at once.
-            if ctx.nranks > 1:
-                stop = ctx.barrier("replica (every node's must stay identical)",
-                                   rep.digest() if ctx.nnodes > 1 else None, shared=stop)
-            if stop:
-                break
-        # Replicas must end identical: a digest per rank lets the launcher's caller check.
-        digest = rep.digest()
-    finally:
-        if ex is not None:
-            ex.close()
-        if out is not None:
-            out.close()
-    return {"rank": ctx.rank, "history": history if ctx.rank == 0 else None,
-            "digest": digest, "diverged": diverged}
+    return Training(ctx, cfg, rep, history, make_exchanger).run(start_epoch)
 
 
 def _fingerprint(ds):
@@ -156,63 +115,3 @@ def stage(ctx, text):
     """Rank 0 says what the run does before its first epoch, so that a log shows it."""
     if ctx.rank == 0:
         ctx.metric(kind="stage", text=text)
-
-
-def _epoch(ctx, cfg, rep, ex, inside, schedule, epoch):
-    """Train one epoch; returns its record (loss, rate, speed, the exchange's road)."""
-    import numpy as np
-
-    from .. import data
-    ntrain = len(rep.dataset.train[1])
-    batches = data.shard_batches(ntrain, cfg.batch_size, ctx.nranks, ctx.rank, cfg.seed, epoch)
-    rep.seed_noise(epoch)
-    sync = Sync(rep, ex, cfg.sync_every, cfg.overlap, inside)
-    costs = []
-    report_every = max(1, len(batches) // 20)
-    t_epoch = time.perf_counter()
-    for step, idx in enumerate(rep.device_batches(batches)):
-        last = step == len(batches) - 1
-        # The run's step, from which a resumed run goes on.
-        rate = rep.apply_rate(schedule, epoch * len(batches) + step)
-        costs.append(sync.step(idx, step, last))
-        if ctx.rank == 0 and (step % report_every == 0 or last):
-            ctx.metric(kind="progress", epoch=epoch + 1, step=step + 1, steps=len(batches))
-    sync.drain()
-    rep.wait()
-    epoch_s = time.perf_counter() - t_epoch
-    return {"epoch": epoch + 1, "loss": float(np.mean([float(c) for c in costs])), "lr": rate,
-            "time_s": epoch_s,
-            "samples_per_s": ctx.nranks * len(batches) * cfg.batch_size / epoch_s,
-            "exchange_share": None if sync.fused else sync.seconds / epoch_s,
-            # Which road the step's exchange took inside XLA, in words (None when no step
-            # traced average_gradients), so that a run says whether the gradients or the
-            # parameters crossed, and why; or why it runs outside XLA (a build without
-            # jaxlib's headers, say).
-            "road": _road(ctx, sync, inside)}
-
-
-def _road(ctx, sync, inside):
-    """Which road the step's exchange took, in words: inside XLA (None when no step traced
-    average_gradients), queued from Python after the step and why, or on CPU workers
-    through shared memory (and between nodes by JAX's gloo)."""
-    if sync.ex is None:
-        return None
-    if ctx.is_cpu:
-        every = "the step" if sync.every == 1 else f"every {sync.every} steps"
-        across = ", and between the nodes by JAX's gloo" if ctx.nnodes > 1 else ""
-        return f"averaged after {every}, through shared memory{across} (CPU workers)"
-    outside = sync.outside
-    if outside:
-        return f"queued from Python after the step: {outside}"
-    return None if inside is None else inside.road
-
-
-def _save(out, rep, history, first):
-    """Rank 0's checkpoint of the epoch just ended into ``out`` (an OutDir), best.npz if it
-    is the best so far, and, after a run's first epoch, its config.json in place of an
-    earlier run's."""
-    rep.save(out, history[-1]["epoch"], history)
-    if first and out.exists(checkpoint.CONFIG_NEXT):  # the launcher wrote it
-        out.rename(checkpoint.CONFIG_NEXT, checkpoint.CONFIG)
-    if all(history[-1]["valid_error"] < h["valid_error"] for h in history[:-1]):
-        checkpoint.keep_best(out)

@@ -1,0 +1,141 @@
+"""``python -m pympgu.bench kills``: training that goes on without lost workers, measured.
+
+Runs ``python -m pympgu.train --cpu N --min-workers M`` once undisturbed, then ``--runs``
+times with ``--kills`` workers killed (SIGKILL, at random moments of training, a random
+worker each time), and prints a table: every run's status, the time from each kill to the
+survivors' next completed exchange (metrics.jsonl's membership record), the final test
+error against the undisturbed run's, and what was left behind (processes, /dev/shm)."""
+import argparse
+import glob
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def _workers(pid):
+    """The launcher ``pid``'s worker processes (spawned children; not its resource tracker)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+    found = []
+    for c in children:
+        try:
+            with open(f"/proc/{c}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    found.append(c)
+        except OSError:
+            pass
+    return found
+
+
+def _session_left(pid, wait=2.0):
+    """How many processes of the run's session outlive it (after ``wait`` seconds: a
+    multiprocessing resource tracker leaves a moment after its launcher)."""
+    deadline = time.monotonic() + wait
+    while True:
+        out = subprocess.run(["ps", "-o", "pid=,args=", "-s", str(pid)], capture_output=True,
+                             text=True).stdout.strip()
+        if not out or time.monotonic() > deadline:
+            return len(out.splitlines()), out
+        time.sleep(0.1)
+
+
+def _shm():
+    return set(glob.glob("/dev/shm/pympgu-*"))
+
+
+def _train(args, out, kills, rng):
+    """One run with ``kills`` kills; returns its row."""
+    argv = [sys.executable, "-m", "pympgu.train", "--cpu", str(args.cpu), "--epochs",
+            str(args.epochs), "--out", out, "--quiet", "--min-workers", str(args.min_workers)]
+    if args.data_dir:
+        argv += ["--data-dir", args.data_dir]
+    before = _shm()
+    t0 = time.time()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    killed = []
+    try:
+        # The first epoch's line says training is under way (compiled); then the kills.
+        metrics = os.path.join(out, "metrics.jsonl")
+        while proc.poll() is None and not os.path.exists(metrics):
+            time.sleep(0.05)
+        for _ in range(kills):
+            time.sleep(rng.uniform(0.3, args.spacing))
+            workers = _workers(proc.pid)
+            if proc.poll() is not None or len(workers) <= args.min_workers:
+                break
+            victim = rng.choice(workers)
+            killed.append(time.time())
+            os.kill(victim, signal.SIGKILL)
+            time.sleep(0.2)
+        stdout, stderr = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    records = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []
+    changes = [r for r in records if r.get("event") == "membership"]
+    epochs = [r for r in records if "event" not in r]
+    # Each kill's recovery: the first membership record after it.
+    recovery = [next((c["time"] - k for c in changes if c["time"] > k), None) for k in killed]
+    return {"status": proc.returncode, "kills": len(killed), "recovered": len(changes),
+            "recovery_s": recovery, "test_error": epochs[-1]["test_error"] if epochs else None,
+            "seconds": time.time() - t0, "orphans": _session_left(proc.pid)[0],
+            "shm_left": len(_shm() - before), "stderr": stderr[-2000:]}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m pympgu.bench kills", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cpu", type=int, default=4, help="CPU workers (default: 4)")
+    p.add_argument("--min-workers", type=int, default=1, help="(default: 1)")
+    p.add_argument("--runs", type=int, default=3, help="runs with kills (default: 3)")
+    p.add_argument("--kills", type=int, default=3, help="kills a run (default: 3)")
+    p.add_argument("--epochs", type=int, default=4, help="(default: 4)")
+    p.add_argument("--spacing", type=float, default=3.0,
+                   help="at most this many seconds between kills (default: 3)")
+    p.add_argument("--data-dir", help="as pympgu.train's (default: the embedded MNIST)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the rows here too")
+    args = p.parse_args(argv)
+    rng = random.Random(args.seed)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="pympgu-kills-") as tmp:
+        base = _train(args, os.path.join(tmp, "base"), 0, rng)
+        print(f"undisturbed: status {base['status']}, test error "
+              f"{100 * base['test_error']:.2f}%, {base['seconds']:.1f} s", flush=True)
+        for r in range(args.runs):
+            row = _train(args, os.path.join(tmp, f"run{r}"), args.kills, rng)
+            rows.append(row)
+            times = ", ".join("-" if s is None else f"{s:.2f}" for s in row["recovery_s"])
+            err = "-" if row["test_error"] is None else f"{100 * row['test_error']:.2f}%"
+            print(f"run {r + 1}: status {row['status']}, {row['kills']} kills, recovered in "
+                  f"[{times}] s, test error {err}, {row['orphans']} orphans, "
+                  f"{row['shm_left']} /dev/shm left", flush=True)
+            if row["status"] != 0:
+                print(row["stderr"], file=sys.stderr)
+    times = sorted(s for r in rows for s in r["recovery_s"] if s is not None)
+    kills = sum(r["kills"] for r in rows)
+    errors = [r["test_error"] for r in rows if r["test_error"] is not None]
+    print(f"\n| workers | kills | runs ending 0 | recovered | kill to next exchange, median "
+          f"(max) | test error, undisturbed | worst test error with kills | orphans | "
+          f"/dev/shm left |\n|---|---|---|---|---|---|---|---|---|")
+    median = times[len(times) // 2] if times else float("nan")
+    print(f"| {args.cpu} (min {args.min_workers}) | {kills} | "
+          f"{sum(r['status'] == 0 for r in rows)}/{len(rows)} | {len(times)}/{kills} | "
+          f"{median:.2f} s ({max(times, default=float('nan')):.2f} s) | "
+          f"{100 * base['test_error']:.2f}% | "
+          f"{100 * max(errors, default=float('nan')):.2f}% | "
+          f"{sum(r['orphans'] for r in rows)} | {sum(r['shm_left'] for r in rows)} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "undisturbed": base, "runs": rows}, f, indent=1)
+    return 0 if all(r["status"] == 0 for r in rows) else 1

@@ -1,0 +1,106 @@
+"""Which of a node's workers are still in the run, and the way on without one (--min-workers).
+
+A lost worker (dead, or hung and killed) is dropped while at least ``min_workers`` remain:
+the coordinator tells the survivors (SHRINK), each says which exchanges it holds the state of
+(RECOVER: the last two, docs/DECISIONS.md, "Going on without a lost worker"), and once all
+have, the newest that every one holds is where they all go back to (REFORM). Workers keep
+their process's slot (their link's number) for good; their rank is their place among the
+survivors, in slot order.
+"""
+import time
+
+from .failures import WorkerFailed
+
+
+class Membership:
+    """The ``members`` (slots, in rank order) of a node of ``n`` workers, ``min_workers`` of
+    whom must remain (None: every one, and no loss is survived)."""
+
+    def __init__(self, n, min_workers=None):
+        self.n, self.members = n, list(range(n))
+        self.min_workers = n if min_workers is None else min_workers
+        self.recovering = None  # from SHRINK to REFORM: what the survivors said, and of whom
+        self.announce = None  # from REFORM to the survivors' next completed exchange
+
+    @property
+    def elastic(self):
+        """Whether a worker may be lost at all (--min-workers below the workers)."""
+        return self.min_workers < self.n
+
+    @property
+    def recovered_slots(self):
+        """The survivors that have said what they hold, while the others have not."""
+        return set(self.recovering["kept"]) if self.recovering else set()
+
+    def rank(self, slot):
+        """The rank of the worker in ``slot`` now (its slot's number, once it is lost)."""
+        return self.members.index(slot) if slot in self.members else slot
+
+    def heard(self, slot, kind):
+        """Whether a message of ``kind`` from ``slot`` counts: none from a lost worker, and
+        while the survivors recover, none that a survivor sent before its RECOVER."""
+        if slot not in self.members:
+            return False
+        if self.recovering is None or kind not in ("REGISTER", "BARRIER", "WAITING"):
+            return True
+        return slot in self.recovering["kept"]
+
+    def lose(self, slot, error, now):
+        """Drop the worker in ``slot``, which failed with ``error`` (WorkerFailed); returns
+        the SHRINK payload for the survivors. Raises ``error`` itself, saying why, where
+        fewer than min_workers would remain."""
+        if not self.elastic:
+            raise error
+        if len(self.members) - 1 < self.min_workers:
+            note = (f"; {len(self.members) - 1} worker(s) would remain, fewer than "
+                    f"--min-workers {self.min_workers}: the run stops")
+            raise WorkerFailed(error.rank, error.reason + note, error.details, node=error.node)
+        rank = self.members.index(slot)
+        self.members.remove(slot)
+        first = self.recovering
+        self.recovering = {"lost": (first or {}).get("lost", []) + [(rank, error.reason)],
+                           "since": first["since"] if first else now, "kept": {}, "at": []}
+        return {"lost": rank, "reason": error.reason}
+
+    def recovered(self, slot, kept, at):
+        """RECOVER from ``slot``: the positions whose state it holds (oldest first) and where
+        it was. Returns the REFORM payload once every survivor has said, else None. A survivor
+        that holds none (lost before the first exchange), or positions no one else holds,
+        ends the run."""
+        rec = self.recovering
+        if rec is None or slot not in self.members:
+            return None  # said twice across two losses: the second is the answer
+        rec["kept"][slot] = [tuple(p[:2]) for p in kept]
+        rec["steps"] = {**rec.get("steps", {}), **{tuple(p[:2]): p[2] for p in kept}}
+        if at is not None:
+            rec["at"].append(at)
+        if len(rec["kept"]) < len(self.members):
+            return None
+        lost = rec["lost"][0]
+        common = set.intersection(*(set(k) for k in rec["kept"].values()))
+        if not common:
+            why = ("before the workers' first exchange" if not all(rec["kept"].values())
+                   else "and the survivors hold no exchange in common")
+            raise WorkerFailed(lost[0], f"{lost[1]} {why}: the run stops (it goes on only "
+                                        "from a state every survivor holds)")
+        back_to = max(common)
+        self.announce = {
+            "lost": [r for r, _ in rec["lost"]], "reason": "; ".join(w for _, w in rec["lost"]),
+            # Steps counted from 1: the one under way when the loss came, the next to run.
+            "at_step": max((a[2] for a in rec["at"]), default=rec["steps"][back_to]) + 1,
+            "epoch": back_to[0] + 1, "from_step": rec["steps"][back_to] + 1,
+            "workers": len(self.members), "since": rec["since"]}
+        self.recovering = None
+        return {"members": self.members, "back_to": [*back_to, rec["steps"][back_to]]}
+
+    def record(self, now=None):
+        """The membership change in metrics.jsonl's words, once the survivors have completed
+        an exchange after it; None if there is none to tell."""
+        a, self.announce = self.announce, None
+        if a is None:
+            return None
+        now = time.monotonic() if now is None else now
+        return {"kind": "membership", "event": "membership", "epoch": a["epoch"],
+                "lost": a["lost"], "reason": a["reason"], "at_step": a["at_step"],
+                "from_step": a["from_step"], "workers": a["workers"],
+                "seconds": round(now - a["since"], 3), "time": time.time()}

@@ -1,0 +1,203 @@
+"""The training loop of one worker: epochs of steps and exchanges, the epoch's end (rank 0's
+evaluation and checkpoint, every rank's decision to go on), and, with --min-workers, the way
+on after a lost worker (pympgu.training.recovery)."""
+import math
+import time
+
+from . import checkpoint
+from .outdir import OutDir
+from .recovery import Recovery
+from .sync import Sync
+from ..runtime.control import Shrunk
+
+
+class Training:
+    """One worker's run from ``start_epoch`` (``history``: the epochs before it); ``run()``
+    returns its summary: the history, a digest of the replica, and the epoch and loss where
+    the loss stopped being finite, if it did (``diverged``)."""
+
+    def __init__(self, ctx, cfg, rep, history, connect):
+        from .. import data
+        from .worker import make_schedule
+        self.ctx, self.cfg, self.rep, self.history = ctx, cfg, rep, history
+        self.connect = connect  # ctx, rep, cfg -> (Exchanger, StepExchange): see make_exchanger
+        self.ex = self.inside = self.out = None
+        self.ntrain = len(rep.dataset.train[1])
+        # The schedule counts the steps of the workers the run began with, whatever their
+        # number later: a step is a share of the epoch's data.
+        self.n0 = ctx.nranks
+        self.per_epoch = data.batches_per_epoch(self.ntrain, cfg.batch_size, self.n0) // self.n0
+        self.schedule = make_schedule(cfg, self.ntrain, self.n0)
+        elastic = cfg.min_workers is not None and cfg.min_workers < cfg.nworkers
+        self.recovery = Recovery(ctx, rep, elastic)
+        self.at = None  # where this worker is: [epoch, batches of the epoch done, step]
+        self.epoch_state = None  # the epoch under way: its batches, costs, clocks
+
+    def step_of(self, epoch, done):
+        """The run's step (the schedule's) once ``done`` batches of ``epoch`` are done."""
+        return epoch * self.per_epoch + min(done // self.n0, self.per_epoch)
+
+    def run(self, start_epoch):
+        self.start_epoch = start_epoch
+        position, diverged = [start_epoch, 0, self.step_of(start_epoch, 0)], None
+        try:
+            while True:
+                try:
+                    if self.ex is None and self.ctx.nranks > 1:
+                        self.ex, self.inside = self.connect(self.ctx, self.rep, self.cfg)
+                    if self.ctx.rank == 0 and self.at is None:
+                        self.ctx.metric(kind="stage", text=f"training from epoch "
+                                        f"{start_epoch + 1} (its first steps compile)")
+                    self.recovery.keep(position, self.epoch_state)
+                    diverged = self._epochs(position)
+                    break
+                except Shrunk:
+                    self._disconnect()
+                    position, self.epoch_state = self.recovery.recover(self.at)
+            # Replicas must end identical: a digest per rank lets the launcher's caller check.
+            digest = self.rep.digest()
+        finally:
+            self._disconnect()
+            if self.out is not None:
+                self.out.close()
+        return {"rank": self.ctx.rank, "history": self.history if self.ctx.rank == 0 else None,
+                "digest": digest, "diverged": diverged}
+
+    def _disconnect(self):
+        if self.ex is not None:
+            ex, self.ex, self.inside = self.ex, None, None
+            ex.close()
+
+    def _epochs(self, position):
+        epoch, done = position[:2]
+        for epoch in range(epoch, self.cfg.epochs):
+            if done == 0 or self.epoch_state is None:
+                self.epoch_state = self._begin(epoch)
+            record = self._epoch(epoch, done)
+            done = 0
+            diverged, stop = self._end(epoch, record)
+            if stop:
+                return diverged
+        return None
+
+    def _begin(self, epoch):
+        """An epoch's bookkeeping: its batches in all, its costs so far, its clock."""
+        from .. import data
+        return {"total": data.batches_per_epoch(self.ntrain, self.cfg.batch_size,
+                                                self.ctx.nranks),
+                "costs": [], "t0": time.perf_counter(), "exchange_s": 0.0, "done": 0}
+
+    def _epoch(self, epoch, start):
+        """Train ``epoch`` from its batch ``start`` on; returns its record (loss, rate,
+        speed, the exchange's road)."""
+        import numpy as np
+
+        from .. import data
+        ctx, cfg, rep, state = self.ctx, self.cfg, self.rep, self.epoch_state
+        state["costs"] = state["costs"][:state.get("kept_costs", len(state["costs"]))]
+        batches = data.shard_batches(self.ntrain, cfg.batch_size, ctx.nranks, ctx.rank,
+                                     cfg.seed, epoch, start, state["total"])
+        rep.seed_noise(epoch)
+        sync = Sync(rep, self.ex, cfg.sync_every, cfg.overlap, self.inside)
+        report_every = max(1, len(batches) // 20)
+        n, steps = ctx.nranks, start // ctx.nranks + len(batches)
+        rate = None
+        for step, idx in enumerate(rep.device_batches(batches)):
+            last = step == len(batches) - 1
+            done = start + step * n
+            self.at = [epoch, done, self.step_of(epoch, done)]
+            # The run's step, from which a resumed run goes on.
+            rate = rep.apply_rate(self.schedule, self.at[2])
+            t0 = sync.seconds
+            state["costs"].append(sync.step(idx, step, last))
+            state["exchange_s"] += sync.seconds - t0
+            if self.recovery.enabled and (last or not (step + 1) % cfg.sync_every):
+                state["kept_costs"] = len(state["costs"])
+                self.recovery.keep([epoch, done + n, self.step_of(epoch, done + n)],
+                                   dict(state))
+            if ctx.rank == 0 and (step % report_every == 0 or last):
+                ctx.metric(kind="progress", epoch=epoch + 1,
+                           step=start // n + step + 1, steps=steps)
+        sync.drain()
+        rep.wait()
+        state["done"] = start + len(batches) * n
+        self.at = [epoch, state["done"], self.step_of(epoch, state["done"])]  # the epoch's end
+        epoch_s = time.perf_counter() - state["t0"]
+        if rate is None:
+            rate = float(self.schedule(self.step_of(epoch, start)))
+        costs = [float(c) for c in state["costs"]]
+        return {"epoch": epoch + 1, "loss": float(np.mean(costs)) if costs else float("nan"),
+                "lr": rate, "time_s": epoch_s,
+                "samples_per_s": state["done"] * cfg.batch_size / epoch_s,
+                "exchange_share": None if sync.fused else state["exchange_s"] / epoch_s,
+                # Which road the step's exchange took inside XLA, in words (None when no
+                # step traced average_gradients), so that a run says whether the gradients
+                # or the parameters crossed, and why; or why it runs outside XLA (a build
+                # without jaxlib's headers, say).
+                "road": road(ctx, sync, self.inside)}
+
+    def _end(self, epoch, record):
+        """Rank 0 evaluates and checkpoints; every rank learns whether to stop, and the
+        epoch's record. Returns (diverged, stop)."""
+        ctx, cfg = self.ctx, self.cfg
+        diverged, stop = None, False
+        if ctx.rank == 0:
+            if not math.isfinite(record["loss"]):
+                # Nothing of this epoch is kept: the last checkpoint stays the last good one.
+                diverged = {"epoch": record["epoch"], "loss": record["loss"]}
+                record, stop = None, True
+            else:
+                record["valid_error"], record["test_error"] = self.rep.errors()
+                if cfg.out:
+                    if self.out is None:  # rank 0 from the start, or since a recovery
+                        self.out = OutDir(cfg.out, create=False)
+                        # What a rank 0 lost while writing left (no one else writes there
+                        # while the workers run).
+                        self.out.remove_temporaries()
+                    self._save(self.history + [record], first=epoch == self.start_epoch)
+                stop = bool(cfg.patience and checkpoint.epochs_since_best(
+                    self.history + [record]) >= cfg.patience)
+        # Rank 0 alone evaluates, so it decides, and every rank stops after the same
+        # epoch, the replicas identical. Across nodes the replicas are compared every
+        # epoch (one digest a rank): a difference is named at once. Every rank keeps the
+        # history, so that any survivor can go on as rank 0.
+        if ctx.nranks > 1:
+            decided = ctx.barrier("replica (every node's must stay identical)",
+                                  self.rep.digest() if ctx.nnodes > 1 else None,
+                                  shared={"stop": stop, "record": record,
+                                          "diverged": diverged})
+            stop, record, diverged = decided["stop"], decided["record"], decided["diverged"]
+        if record is not None:
+            self.history.append(record)
+            if ctx.rank == 0:
+                ctx.metric(kind="epoch", **record)
+        self.epoch_state = None
+        step = self.step_of(epoch + 1, 0)
+        self.recovery.keep([epoch + 1, 0, step])
+        return diverged, stop
+
+    def _save(self, history, first):
+        """Rank 0's checkpoint of the epoch just ended, best.npz if it is the best so far,
+        and, after a run's first epoch, its config.json in place of an earlier run's."""
+        out, rep = self.out, self.rep
+        rep.save(out, history[-1]["epoch"], history)
+        if first and out.exists(checkpoint.CONFIG_NEXT):  # the launcher wrote it
+            out.rename(checkpoint.CONFIG_NEXT, checkpoint.CONFIG)
+        if all(history[-1]["valid_error"] < h["valid_error"] for h in history[:-1]):
+            checkpoint.keep_best(out)
+
+
+def road(ctx, sync, inside):
+    """Which road the step's exchange took, in words: inside XLA (None when no step traced
+    average_gradients), queued from Python after the step and why, or on CPU workers
+    through shared memory (and between nodes by JAX's gloo)."""
+    if sync.ex is None:
+        return None
+    if ctx.is_cpu:
+        every = "the step" if sync.every == 1 else f"every {sync.every} steps"
+        across = ", and between the nodes by JAX's gloo" if ctx.nnodes > 1 else ""
+        return f"averaged after {every}, through shared memory{across} (CPU workers)"
+    outside = sync.outside
+    if outside:
+        return f"queued from Python after the step: {outside}"
+    return None if inside is None else inside.road

@@ -1,0 +1,61 @@
+"""Going on without a lost worker (--min-workers): what each exchange leaves to go back to,
+and the way back.
+
+After an exchange every replica holds the same bits, so the state right after one is a
+point every survivor can return to. A loss can come while the exchange is half done (some
+slices averaged, some not) or while some survivors have passed it and others have not
+noticed yet, so each worker keeps the last two such states (docs/DECISIONS.md, "Going on
+without a lost worker"): the launcher picks the newest that every survivor holds.
+"""
+from ..runtime.control import Shrunk
+
+KEEP = 2  # a survivor is at most one exchange ahead of another
+
+
+class Recovery:
+    """The states a worker may go back to, in order: (position, values, what the training
+    loop noted then). A position is [epoch, batches of the epoch done, the run's step]."""
+
+    def __init__(self, ctx, rep, enabled):
+        self.ctx, self.rep, self.enabled = ctx, rep, enabled
+        self.kept = []
+        self.back_to = None  # since a recovery: tell the launcher of the next exchange
+
+    def keep(self, position, note=None):
+        """Every replica holds the same state at ``position``: an exchange just completed
+        (or the one that made the replicas alike)."""
+        if not self.enabled:
+            return
+        import numpy as np
+        # A JAX step never writes into its inputs: after a CPU workers' exchange the state is
+        # numpy arrays that nothing writes again, and holding them is enough. PyTensor's C
+        # backend updates its arrays in place: those are copied.
+        values = [v if self.rep.jax is not None and isinstance(v, np.ndarray)
+                  else np.array(v, copy=True) for v in self.rep.values()]
+        entry = (list(position), values, note)
+        if self.kept and self.kept[-1][0][:2] == entry[0][:2]:
+            self.kept[-1] = entry  # the same point again (the exchange re-formed)
+        else:
+            self.kept = (self.kept + [entry])[-KEEP:]
+        if self.back_to is not None and position[:2] != self.back_to[:2]:
+            self.back_to = None
+            if self.ctx.rank == 0:
+                self.ctx.metric(kind="recovered")
+
+    def recover(self, at):
+        """After control.Shrunk (the exchange closed): agree with the survivors on the
+        newest position every one of them holds, and go back to it; ``at``: where this
+        worker was. Returns (position, note). Another loss meanwhile starts over."""
+        while True:
+            try:
+                back_to = self.ctx.recover([p for p, _, _ in self.kept], at)
+                break
+            except Shrunk:
+                continue
+        import numpy as np
+        position, values, note = next(e for e in self.kept if e[0][:2] == back_to[:2])
+        # Copies: the kept arrays must stay as they are, whatever the step does with its own.
+        self.rep.set_values([np.array(v, copy=True) for v in values])
+        self.kept = [(position, values, note)]
+        self.back_to = position
+        return position, note

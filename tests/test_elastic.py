@@ -1,0 +1,194 @@
+"""Training that goes on without a lost worker (--min-workers), on CPU workers: a worker
+killed at each moment of a run, the survivors identical after it, nothing left behind, and
+the run stopped where too few would remain."""
+import glob
+import os
+
+import numpy as np
+import pytest
+
+from pympgu.runtime import WorkerFailed, launch
+from pympgu.training import RunConfig
+from pympgu.training import checkpoint
+from elastic_targets import dying_worker
+from processes import alive
+from runtime_targets import shm_left
+
+pytestmark = pytest.mark.timeout(180)
+
+# A small run: the embedded MNIST, a narrow MLP, 3 epochs of 3 workers.
+CONFIG = dict(devices=(None, None, None), hidden=(64,), epochs=3, batch_size=100,
+              min_workers=1)
+
+
+def train(tmp_path, faults, launching=None, **changes):
+    """Launch the run with ``faults`` ({rank: (phase, k)}); returns (survivors' results,
+    membership records, pids)."""
+    cfg = RunConfig(**{**CONFIG, **changes})
+    records = []
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir(exist_ok=True)
+
+    def on_metric(rank, data):
+        if data.get("kind") in ("membership", "epoch"):
+            records.append(dict(data))
+    try:
+        results = launch(dying_worker, (cfg, faults, str(pid_dir)), cpu=len(cfg.devices),
+                         on_metric=on_metric, min_workers=cfg.min_workers,
+                         **(launching or {}))
+    finally:
+        pids = [int(open(p).read()) for p in glob.glob(str(pid_dir / "*.pid"))]
+        assert not [p for p in pids if alive(p)], "a worker outlived the run"
+    return results, records, pids
+
+
+def check_survivors(results, records, lost, phase):
+    """Every survivor ended with the same bits, the loss was told once, and training went on
+    to a sane model; nothing of the run is left in /dev/shm."""
+    assert len(results) == 3 - len(lost), (phase, results)
+    assert len({r["digest"] for r in results}) == 1, (phase, [r["digest"] for r in results])
+    changes = [r for r in records if r.get("event") == "membership"]
+    assert [c["lost"] for c in changes] == [[r] for r in lost], (phase, changes)
+    for c in changes:
+        assert c["workers"] >= 1 and c["from_step"] <= c["at_step"] and c["seconds"] >= 0
+        assert "killed by signal 9" in c["reason"]
+    epochs = [r for r in records if r.get("kind") == "epoch"]
+    assert [e["epoch"] for e in epochs] == [1, 2, 3], (phase, epochs)
+    assert results[0]["history"][-1]["test_error"] < 0.2, results[0]["history"]
+    assert not shm_left(results[0]["run_id"])
+
+
+@pytest.mark.parametrize("phase,k", [("step", 30), ("exchange", 30), ("epoch", 1)])
+@pytest.mark.parametrize("rank", [0, 2])
+def test_a_run_goes_on_without_a_worker_killed(tmp_path, phase, k, rank):
+    """Killed while computing, inside an exchange half done, or at the epoch's barrier:
+    rank 0 (who evaluates and saves) or another."""
+    results, records, _ = train(tmp_path, {rank: (phase, k)})
+    check_survivors(results, records, [rank], phase)
+
+
+def test_a_hung_worker_is_killed_and_the_others_go_on(tmp_path):
+    results, records, _ = train(tmp_path, {1: ("hang", 30)}, dict(progress_timeout=3))
+    changes = [r for r in records if r.get("event") == "membership"]
+    assert len(changes) == 1 and "reached no barrier in 3 s" in changes[0]["reason"], changes
+    assert changes[0]["seconds"] < 3, changes
+    assert len(results) == 2 and len({r["digest"] for r in results}) == 1
+
+
+def test_a_worker_killed_while_the_checkpoint_is_written(tmp_path):
+    """Rank 0 dies with its checkpoint written but not in place: the checkpoint on disk is
+    the previous epoch's, whole; the new rank 0 writes the epoch's again, and the run's
+    log holds every epoch once and the loss."""
+    out = tmp_path / "out"
+    out.mkdir()
+    results, records, _ = train(tmp_path, {0: ("checkpoint", 2)}, out=str(out))
+    check_survivors(results, records, [0], "checkpoint")
+    model_epoch, history, values = checkpoint.read(str(out / checkpoint.CHECKPOINT),
+                                                   _model())
+    assert model_epoch == 3 and [h["epoch"] for h in history] == [1, 2, 3]
+    assert all(np.isfinite(v).all() for v in values)
+    assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
+
+
+def test_two_workers_lost_one_after_the_other(tmp_path):
+    results, records, _ = train(tmp_path, {1: ("step", 20), 2: ("exchange", 60)})
+    check_survivors(results, records, [1, 1], "two")  # rank 2 is rank 1 once 1 is lost
+
+
+def test_below_min_workers_the_run_stops(tmp_path):
+    with pytest.raises(WorkerFailed) as info:
+        train(tmp_path, {1: ("step", 20), 2: ("step", 60)}, min_workers=2)
+    assert "fewer than --min-workers 2" in str(info.value), info.value
+    assert "killed by signal 9" in str(info.value)
+
+
+@pytest.mark.parametrize("phase", ["build", "setup"])
+def test_a_worker_lost_before_the_first_exchange_stops_the_run(tmp_path, phase):
+    with pytest.raises(WorkerFailed) as info:
+        train(tmp_path, {1: (phase, 1)})
+    assert "before the workers' first exchange" in str(info.value), info.value
+
+
+def test_without_min_workers_a_loss_stops_the_run_as_before(tmp_path):
+    with pytest.raises(WorkerFailed) as info:
+        train(tmp_path, {2: ("step", 10)}, min_workers=None)
+    assert "rank 2 was killed by signal 9" in str(info.value)
+    assert "min-workers" not in str(info.value)
+
+
+def _model():
+    from pympgu import data
+    from pympgu.training.replica import build_model
+    cfg = RunConfig(**CONFIG)
+    return build_model(cfg, data.load(cfg.data))
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(devices=(0, 1)), "on CPU workers only"),
+    (dict(nnodes=2), "inside one node only"),
+])
+def test_what_cannot_go_on_without_a_worker_yet_is_refused(changes, message):
+    from pympgu.training.config import UsageError
+    with pytest.raises(UsageError) as info:
+        RunConfig(**{**CONFIG, **changes})
+    assert message in str(info.value)
+
+
+def test_the_command_goes_on_without_a_killed_worker(tmp_path):
+    """python -m pympgu.train --min-workers: a worker killed from outside, the run ends with
+    status 0, says what happened in one line, and its log records it."""
+    import json
+    import signal
+    import sys
+    from processes import kill_session, session_left, start, wait_until
+    out = tmp_path / "run"
+    proc = start([sys.executable, "-m", "pympgu.train", "--cpu", "3", "--min-workers", "2",
+                  "--epochs", "6", "--batch-size", "32", "--hidden", "256", "--out", str(out)])
+    try:
+        assert wait_until(lambda: (out / "metrics.jsonl").exists() or proc.poll() is not None,
+                          150)
+        workers = [int(c) for c in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read()
+                   .split() if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
+        assert len(workers) == 3, workers
+        os.kill(workers[1], signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=150)
+    finally:
+        kill_session(proc)
+    assert proc.returncode == 0, stderr
+    assert "rank 1 lost (was killed by signal 9" in stderr and "2 workers go on" in stderr
+    records = [json.loads(x) for x in open(out / "metrics.jsonl")]
+    assert [r["lost"] for r in records if r.get("event") == "membership"] == [[1]]
+    assert [r["epoch"] for r in records if "event" not in r] == [1, 2, 3, 4, 5, 6]
+    assert wait_until(lambda: not session_left(proc.pid), 5), session_left(proc.pid)
+
+
+def test_the_survivors_go_back_to_the_newest_state_all_of_them_hold():
+    """One survivor passed the exchange's second barrier, another did not: both hold the
+    state before it, which is where they go back to; ranks are renumbered in slot order."""
+    from pympgu.runtime.membership import Membership
+    m = Membership(4, min_workers=2)
+    lost = WorkerFailed(1, "was killed by signal 9 (pid 7)")
+    assert m.lose(1, lost, now=0.0) == {"lost": 1, "reason": lost.reason}
+    assert m.members == [0, 2, 3] and m.rank(3) == 2
+    assert m.heard(2, "BARRIER") is False and m.heard(2, "RECOVER") is True
+    assert m.recovered(0, [[0, 8, 2], [0, 12, 3]], [0, 12, 3]) is None
+    assert m.heard(0, "BARRIER") is True and m.heard(1, "METRIC") is False
+    assert m.recovered(2, [[0, 4, 1], [0, 8, 2]], [0, 8, 2]) is None
+    reform = m.recovered(3, [[0, 4, 1], [0, 8, 2]], [0, 8, 2])
+    assert reform == {"members": [0, 2, 3], "back_to": [0, 8, 2]}
+    record = m.record(now=1.5)
+    assert (record["lost"], record["at_step"], record["from_step"], record["workers"],
+            record["seconds"]) == ([1], 4, 3, 3, 1.5)
+    assert m.record() is None  # told once
+    with pytest.raises(WorkerFailed, match="fewer than --min-workers 2"):
+        m.lose(0, WorkerFailed(0, "exited with status 1"), now=2.0)
+        m.lose(2, WorkerFailed(1, "exited with status 1"), now=2.0)
+
+
+def test_survivors_without_a_state_in_common_stop_the_run():
+    from pympgu.runtime.membership import Membership
+    m = Membership(3, min_workers=1)
+    m.lose(2, WorkerFailed(2, "was killed by signal 9"), now=0.0)
+    m.recovered(0, [], None)
+    with pytest.raises(WorkerFailed, match="before the workers' first exchange"):
+        m.recovered(1, [[0, 0, 0]], None)
