@@ -36,7 +36,7 @@ def _hang_at(k, fn, time):
     return wrapped
 
 
-def dying_worker(ctx, cfg, faults, pid_dir):
+def dying_worker(ctx, cfg, faults, pid_dir, pace=0.0):
     """pympgu's training worker, whose rank (as numbered at the start) in ``faults`` kills
     itself: {rank: (phase, k)}. Phases: 'step' (computing its k-th step), 'exchange' (its
     k-th exchange, half done: its slice written into its peers, the second barrier not
@@ -44,14 +44,23 @@ def dying_worker(ctx, cfg, faults, pid_dir):
     checkpoint written but not yet in place), 'setup' (before its first exchange), 'build'
     (before the replicas' first barrier); or
     'hang' (alive, at its k-th step for an hour). Each
-    process leaves its pid in ``pid_dir``; the result carries the run's id."""
+    process leaves its pid in ``pid_dir``; the result carries the run's id. ``pace``:
+    seconds of sleep before each step (a run long enough for a restarted worker to join)."""
     from pympgu.runtime.context import WorkerContext
     from pympgu.training import worker as worker_module
     from pympgu.training.outdir import OutDir
     from pympgu.training.replica import Replica
     with open(os.path.join(pid_dir, f"{ctx.rank}.pid"), "w") as f:
         f.write(str(os.getpid()))
-    fault = faults.get(ctx.rank)
+    if pace:
+        import time
+        step = Replica.step
+
+        def paced(*args, **kwargs):
+            time.sleep(pace)
+            return step(*args, **kwargs)
+        Replica.step = paced
+    fault = None if ctx.joining else faults.get(ctx.rank)  # a restarted one lives
     if fault is not None:
         phase, k = fault
         if phase == "step":

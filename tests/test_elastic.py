@@ -21,7 +21,7 @@ CONFIG = dict(devices=(None, None, None), hidden=(64,), epochs=3, batch_size=100
               min_workers=1)
 
 
-def train(tmp_path, faults, launching=None, **changes):
+def train(tmp_path, faults, launching=None, pace=0.0, **changes):
     """Launch the run with ``faults`` ({rank: (phase, k)}); returns (survivors' results,
     membership records, pids)."""
     cfg = RunConfig(**{**CONFIG, **changes})
@@ -33,7 +33,7 @@ def train(tmp_path, faults, launching=None, **changes):
         if data.get("kind") in ("membership", "epoch"):
             records.append(dict(data))
     try:
-        results = launch(dying_worker, (cfg, faults, str(pid_dir)), cpu=len(cfg.devices),
+        results = launch(dying_worker, (cfg, faults, str(pid_dir), pace), cpu=len(cfg.devices),
                          on_metric=on_metric, min_workers=cfg.min_workers,
                          **(launching or {}))
     finally:
@@ -175,7 +175,7 @@ def test_the_survivors_go_back_to_the_newest_state_all_of_them_hold():
     assert m.heard(0, "BARRIER") is True and m.heard(1, "METRIC") is False
     assert m.recovered(2, [[0, 4, 1], [0, 8, 2]], [0, 8, 2]) is None
     reform = m.recovered(3, [[0, 4, 1], [0, 8, 2]], [0, 8, 2])
-    assert reform == {"members": [0, 2, 3], "back_to": [0, 8, 2]}
+    assert reform == {"members": [0, 2, 3], "back_to": [0, 8, 2], "root": None}
     record = m.record(now=1.5)
     assert (record["lost"], record["at_step"], record["from_step"], record["workers"],
             record["seconds"]) == ([1], 4, 3, 3, 1.5)
@@ -192,3 +192,19 @@ def test_survivors_without_a_state_in_common_stop_the_run():
     m.recovered(0, [], None)
     with pytest.raises(WorkerFailed, match="before the workers' first exchange"):
         m.recovered(1, [[0, 0, 0]], None)
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_a_restarted_worker_joins_with_the_others_state(tmp_path, rank):
+    """--restart-workers: a new process takes the lost one's place, joins once it is ready
+    (the others go back to their last exchange), takes its state from a peer, and from
+    then on is bit-identical to the others; as rank 0 it goes on evaluating and saving."""
+    results, records, _ = train(tmp_path, {rank: ("step", 30)}, dict(restarts=1),
+                                pace=0.02, epochs=6)
+    changes = [r for r in records if r.get("event") == "membership"]
+    assert [(c["lost"], c["joined"]) for c in changes] == [([rank], []), ([], [rank])]
+    assert len(results) == 3 and len({r["digest"] for r in results}) == 1
+    epochs = [r for r in records if r.get("kind") == "epoch"]
+    assert [e["epoch"] for e in epochs] == [1, 2, 3, 4, 5, 6]
+    assert all(np.isfinite(e["loss"]) for e in epochs)
+    assert not shm_left(results[0]["run_id"])

@@ -65,7 +65,7 @@ class Exchanger:
         """Bytes of the staging buffer (enough for an exact exchange)."""
         return self.total * ITEMSIZE[self.dtype]
 
-    def start(self, arrays, flat=False, entries=None) -> None:
+    def start(self, arrays, flat=False, entries=None, root=None) -> None:
         """Pack this rank's arrays and start averaging them; every rank must call it.
 
         flat=True takes one 1-D array of ``total`` elements instead, laid out as finish's
@@ -78,6 +78,8 @@ class Exchanger:
         entry's own reference.
         On the GPU the average may still be running when this returns: the arrays must stay
         unchanged until finish(), and are kept alive until then.
+        ``root`` (CPU workers): every rank gets rank root's arrays instead of the average
+        (a worker that joins a run takes its state so).
         """
         if self.pending is not None:
             raise RuntimeError("Exchanger.start called twice without finish()")
@@ -95,7 +97,13 @@ class Exchanger:
         t0 = time.perf_counter()
         self.backend.pack(pairs, kind, self.offsets[lo])
         t1 = time.perf_counter()
-        self.backend.average(self.wire_dtype if kind == "delta" else self.dtype, count)
+        if root is None:
+            self.backend.average(self.wire_dtype if kind == "delta" else self.dtype, count)
+        elif kind != "exact" or not self.ctx.is_cpu:
+            raise ValueError("Exchanger.start(root=...) copies exact arrays between CPU "
+                             "workers only")
+        else:
+            self.backend.copy_from(root, self.dtype, count)
         self.stats["pack_s"] += t1 - t0
         self.stats["average_s"] += time.perf_counter() - t1
         self.pending = kind

@@ -98,6 +98,14 @@ class HostBackend:
                 a[lo:hi] = mine
         self.ctx.meet(self.barrier)  # every slice has reached every rank of the node
 
+    def copy_from(self, root, dtype, count):
+        """Every rank's buffer gets rank root's first count elements."""
+        arrays = self.views[dtype]
+        self.ctx.meet(self.barrier)  # root has packed
+        if self.rank != root:
+            arrays[self.rank][:count] = arrays[root][:count]
+        self.ctx.meet(self.barrier)  # root's buffer may be packed again
+
     def wait(self):
         pass  # the host average is complete when average() returns
 

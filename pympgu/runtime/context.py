@@ -15,11 +15,13 @@ class WorkerContext:
     device, the run's public id (which names its shared memory) and the way to the
     coordinator."""
 
-    def __init__(self, place, device, run_id, link, data_address=None):
+    def __init__(self, place, device, run_id, link, data_address=None, joining=False):
         (self.rank, self.nranks, self.local_rank, self.local_nranks, self.node,
          self.nnodes) = place
         self.device, self.run_id, self.link = device, run_id, link
         self.data_address = data_address  # node 0's address for the data plane's rendezvous
+        # A restarted worker, to join the run at its next epoch (pympgu.training.recovery).
+        self.joining = joining
         self._barrier_seq = 0
 
     @property
@@ -65,11 +67,13 @@ class WorkerContext:
             if told:
                 self.link.send("WAITING", {"waiting": False})
 
-    def recover(self, kept, at) -> list:
-        """After control.Shrunk: tell the launcher the positions whose state this rank holds
-        (``kept``, lists whose first two entries order them) and where it was (``at``), and
-        wait for the survivors' REFORM: this rank is renumbered among them, and the position
-        all of them go back to is returned. Another loss meanwhile raises Shrunk again."""
+    def recover(self, kept, at) -> tuple:
+        """After control.Shrunk (or, joining, at once): tell the launcher the positions whose
+        state this rank holds (``kept``, lists whose first two entries order them) and where
+        it was (``at``), and wait for REFORM: this rank is renumbered among the workers from
+        now on. Returns the position all of them go back to, and the rank whose state every
+        one takes (None: no worker joins, the replicas are alike). Another loss meanwhile
+        raises Shrunk again."""
         self.link.send("RECOVER", {"kept": kept, "at": at})
         data, _ = self.link.receive("REFORM")
         if self.nnodes != 1:
@@ -78,7 +82,7 @@ class WorkerContext:
         self.rank = self.local_rank = members.index(self.link.rank)
         self.nranks = self.local_nranks = len(members)
         self._barrier_seq = 0
-        return data["back_to"]
+        return data["back_to"], data["root"]
 
     def register(self, layout, facts, blob) -> tuple:
         """Announce this rank's buffer to its node's ranks; returns every local rank's

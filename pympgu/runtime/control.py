@@ -46,13 +46,14 @@ class Stopped(Exception):
 
 
 class Shrunk(Exception):
-    """A rank was lost and the run goes on without it (--min-workers): this worker leaves
-    what it was doing and recovers (pympgu.training.recovery). ``lost``: the rank, as the
-    run numbered it until now; ``reason``: what became of it."""
+    """A rank was lost and the run goes on without it (--min-workers), or a restarted
+    worker joins (``lost`` None): this worker leaves what it was doing and recovers
+    (pympgu.training.recovery). ``lost``: the rank, as the run numbered it until now;
+    ``reason``: what became of it."""
 
     def __init__(self, lost, reason):
         self.lost, self.reason = lost, reason
-        super().__init__(f"rank {lost} {reason}")
+        super().__init__(reason if lost is None else f"rank {lost} {reason}")
 
 
 def _interrupting(kind, data):
@@ -264,6 +265,14 @@ class Listener:
         if self._unreported or self._unreported_drops:
             self._unreported = self._unreported_drops = 0
             self._reported_at = now
+
+    def forget(self, rank):
+        """A new process takes ``rank``'s place (a restarted worker): its HELLO is
+        accepted, and its messages are numbered from the start again."""
+        self.identities.pop(rank, None)
+        for key in [(rank, False), (rank, True)]:
+            self.last_seq.pop(key, None)
+        self.sent_seq[rank] = 0
 
     def send(self, rank, kind, payload=None, blobs=()):
         identity = self.identities.get(rank)

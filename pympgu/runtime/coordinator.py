@@ -61,14 +61,17 @@ class NodeCoordinator:
     level ``above`` this node. A rank silent for ``heartbeat_timeout`` seconds, or absent
     from a barrier (or register) for ``progress_timeout`` seconds while another rank waits
     there, fails the run; or, while more than ``min_workers`` remain (a run of one node),
-    is dropped, killed if it still runs, and the others go on without it (Membership)."""
+    is dropped, killed if it still runs, and the others go on without it (Membership).
+    ``restarting``: (start, restarts, retired): start(slot, joining=True) starts a new
+    worker in a lost one's place, at most ``restarts`` times in all, which joins the
+    others once it is ready; the outputs it replaces go to ``retired``."""
 
     # Across nodes: how long a rank's error is held, and how long a node's silence then
     # says it is lost (the heartbeats come every second).
     HOLD_S, SILENT_S = 3.0, 2.5
 
     def __init__(self, listener, procs, outputs, node, nnodes, above, on_metric, log,
-                 heartbeat_timeout, progress_timeout, min_workers=None):
+                 heartbeat_timeout, progress_timeout, min_workers=None, restarting=None):
         self.listener, self.procs, self.outputs = listener, procs, outputs
         self.node, self.nnodes, self.above = node, nnodes, above
         self.on_metric, self.log = on_metric, log
@@ -79,6 +82,10 @@ class NodeCoordinator:
             raise ValueError("a run of several nodes goes on without a lost worker only in "
                              "a later version: give every worker as min_workers")
         self.membership = Membership(self.n, min_workers)
+        self.start_worker, self.restarts, self.retired = restarting or (None, 0, [])
+        # Restarted workers not yet in the run, by slot: "starting", "ready" (its RECOVER
+        # came) or "joining" (the others are taking it in).
+        self.joiners = {}
         now = time.monotonic()
         self.hello, self.registered, self.results, self.waiting = set(), {}, {}, {}
         self.stalled = set()  # ranks long at a barrier in shared memory (WAITING)
@@ -92,24 +99,33 @@ class NodeCoordinator:
     def run(self):
         """Supervise until every rank is done; returns the results (Alone.finish's)."""
         import zmq
-        poller = zmq.Poller()
+        self.poller = zmq.Poller()
         for s in (self.listener.socket, *self.above.sockets):
-            poller.register(s, zmq.POLLIN)
-        reading = {out.fileno(): out for outs in self.outputs for out in outs}
-        for fd in reading:
-            poller.register(fd, zmq.POLLIN)
+            self.poller.register(s, zmq.POLLIN)
+        self.reading = {}
+        for outs in self.outputs:
+            self._watch(outs)
         while not (len(self.results) == len(self.membership.members) and self.above.done()):
-            ready = dict(poller.poll(100))
+            ready = dict(self.poller.poll(100))
             if self.listener.socket in ready:
                 self.drain()
             self.above.handle(ready)
-            for fd in [fd for fd in reading if fd in ready]:
-                reading[fd].read()
-                if not reading[fd].open:
-                    poller.unregister(fd)
-                    del reading[fd]
+            for fd in [fd for fd in self.reading if fd in ready]:
+                self.reading[fd].read()
+            for fd in [fd for fd, out in self.reading.items() if not out.open]:
+                self.poller.unregister(fd)
+                del self.reading[fd]
             self._check(time.monotonic())
+        if self.joiners:  # restarted, and the run ended before they could join
+            self.listener.broadcast("STOP", {"reason": "the run ended before this worker "
+                                             "joined"}, ranks=list(self.joiners))
         return self.above.finish([self.results[r] for r in self.membership.members])
+
+    def _watch(self, outs):
+        import zmq
+        for out in outs:
+            self.reading[out.fileno()] = out
+            self.poller.register(out.fileno(), zmq.POLLIN)
 
     def drain(self):
         while (msg := self.listener.receive(0)) is not None:
@@ -125,7 +141,10 @@ class NodeCoordinator:
     # ---------------------------------------------------------------- the workers
 
     def _from_worker(self, local, kind, data, blobs):
-        if not self.membership.heard(local, kind):
+        if local in self.joiners and kind != "ERROR":  # a joiner's exception fails the run
+            self._from_joiner(local, kind)
+            return
+        if local not in self.joiners and not self.membership.heard(local, kind):
             return  # the dead's last words, or what a survivor said before it recovered
         rank = self.rank_of(local)
         self.last_beat[local] = time.monotonic()
@@ -162,7 +181,10 @@ class NodeCoordinator:
             reform = self.membership.recovered(local, data["kept"], data["at"])
             if reform is not None:
                 self.since = None
+                for r in [r for r, state in self.joiners.items() if state == "joining"]:
+                    del self.joiners[r]  # a worker of the run from now on
                 self.listener.broadcast("REFORM", reform, ranks=self.membership.members)
+                self._admit()  # those that became ready meanwhile
         elif kind == "ERROR":
             if data["message"] is not None:  # a failure said whole: no traceback to show
                 error = WorkerFailed(rank, printable(data["message"], 2000),
@@ -178,6 +200,37 @@ class NodeCoordinator:
                 self.pending = (error, time.monotonic())
         elif kind == "DONE":
             self.results[local] = data["result"]
+
+    def _from_joiner(self, local, kind):
+        """A restarted worker: started, then ready to join (its RECOVER) as soon as every
+        other worker is back in step."""
+        self.last_beat[local] = time.monotonic()
+        if kind == "HELLO":
+            self.listener.send(local, "RUN")
+        elif kind == "RECOVER" and self.joiners[local] == "starting":
+            self.joiners[local] = "ready"
+            self._admit()
+
+    def _admit(self):
+        """The ready joiners join, where no recovery is under way: the others go back to
+        their last exchange and take them in (SHRINK, then REFORM)."""
+        ready = sorted(r for r, state in self.joiners.items() if state == "ready")
+        if not ready or self.membership.recovering is not None:
+            return
+        for r in ready:
+            self.joiners[r] = "joining"
+        self._reshape(self.membership.grow(ready, time.monotonic()))
+
+    def _restart(self, local, now):
+        """A new worker in slot ``local``'s place, to join once ready."""
+        self.restarts -= 1
+        self.listener.forget(local)
+        self.retired.extend(self.outputs[local])
+        self.procs[local], self.outputs[local] = self.start_worker(local, joining=True)
+        self._watch(self.outputs[local])
+        self.joiners[local] = "starting"
+        self.hello.discard(local)
+        self.last_beat[local] = now
 
     def metric(self, rank, data):
         """A worker's metric, for on_metric: a report that cannot be shown stops no run."""
@@ -241,10 +294,16 @@ class NodeCoordinator:
             p.kill()
             p.join(5)
         self.last_beat.pop(local, None)
+        self._reshape(shrink)
+        if self.restarts > 0:
+            self._restart(local, now)
+
+    def _reshape(self, shrink):
+        """Tell the workers to leave what they do and recover (SHRINK)."""
         self.registered.clear()
         self.waiting.clear()
         self.stalled.clear()
-        self.since = now  # the hang check covers the recovery too
+        self.since = time.monotonic()  # the hang check covers the recovery too
         self.listener.broadcast("SHRINK", shrink, ranks=self.membership.members)
 
     # ---------------------------------------------------------------- every poll
@@ -263,6 +322,10 @@ class NodeCoordinator:
             if now - since > self.HOLD_S:
                 raise error
             return  # its process's exit is this error's echo
+        for local in list(self.joiners):
+            p = self.procs[local]
+            if p.exitcode is not None or now - self.last_beat[local] > self.heartbeat_timeout:
+                self._lost_joiner(local, p, now)
         for local in list(self.membership.members):
             p = self.procs[local]
             if local in self.results:
@@ -306,6 +369,23 @@ class NodeCoordinator:
                 raise error
             self._lose(absent, error, now)
         self.above.check(now)
+
+    def _lost_joiner(self, local, p, now):
+        """A restarted worker lost before it joined: dropped (and restarted again while
+        restarts remain)."""
+        del self.joiners[local]
+        if p.exitcode is None:
+            p.kill()
+            p.join(5)
+        for out in self.outputs[local]:
+            out.read()
+            out.close()
+        how = (f"was killed by signal {-p.exitcode}" if p.exitcode < 0
+               else f"exited with status {p.exitcode}")
+        self.log(f"a restarted worker (pid {p.pid}) {how} before it joined")
+        self.membership.drop_joiner(local)
+        if self.restarts > 0:
+            self._restart(local, now)
 
     def _exited(self, local, p):
         """The failure a worker's exit is, or None where it had finished: it may have

@@ -36,7 +36,7 @@ TRACEBACK_CHARS = 200_000
 
 
 def _worker_main(place, device, address, secret, run_id, data_address, private, pipes,
-                 target, args):
+                 target, args, joining=False):
     # Ctrl-C and a scheduler's SIGTERM reach the whole process group; the launcher alone
     # decides how to stop, and tells the workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -60,7 +60,7 @@ def _worker_main(place, device, address, secret, run_id, data_address, private, 
         link.send("HELLO", {"version": protocol.PROTOCOL_VERSION, "pid": os.getpid(),
                             "device": device})
         link.receive("RUN")
-        ctx = WorkerContext(place, device, run_id, link, data_address)
+        ctx = WorkerContext(place, device, run_id, link, data_address, joining)
         if ctx.nnodes > 1 and device is None:
             from . import jaxdist
             jaxdist.join(ctx)  # before the target's first JAX computation
@@ -94,7 +94,7 @@ def _worker_main(place, device, address, secret, run_id, data_address, private, 
 
 def launch(target, args=(), *, gpus=None, cpu=None, on_metric=None, heartbeat_timeout=120.0,
            progress_timeout=600.0, grace=3.0, log=None, nodes=None, secret=None,
-           node_timeout=5.0, join_timeout=120.0, min_workers=None) -> list:
+           node_timeout=5.0, join_timeout=120.0, min_workers=None, restarts=0) -> list:
     """Run target(ctx, *args) on one process per GPU in gpus, or on cpu CPU workers (of
     this node, with ``nodes``).
 
@@ -117,7 +117,9 @@ def launch(target, args=(), *, gpus=None, cpu=None, on_metric=None, heartbeat_ti
     if multi and nodes.node_rank == 0 and devices[0] is None:
         _check_free(_bind_host(nodes), nodes.port + 1, "JAX's rendezvous")
     ctx = mp.get_context("spawn")
-    procs, outputs, above, run_id = [], [], None, protocol.new_run_id()
+    # The coordinator replaces a restarted worker's process and outputs in these lists,
+    # and keeps the outputs it replaced in ``retired``.
+    procs, outputs, retired, above, run_id = [], [], [], None, protocol.new_run_id()
     private = rundir.RunDir()
     listener = None
     # The secret reaches each worker through its spawn pipe: never argv, env or a file.
@@ -128,20 +130,26 @@ def launch(target, args=(), *, gpus=None, cpu=None, on_metric=None, heartbeat_ti
                            progress_timeout) if multi else Alone()
             nnodes, node = (nodes.nnodes, nodes.node_rank) if multi else (1, 0)
             data_address = f"{nodes.host}:{nodes.port + 1}" if multi else None
-            for r, device in enumerate(devices):
+
+            def start(r, joining=False):
+                """Start the worker of local rank ``r`` (again, for a restart)."""
                 place = (node * nlocal + r, nnodes * nlocal, r, nlocal, node, nnodes)
                 streams = [ctx.Pipe(duplex=False) for _ in range(2)]
                 p = ctx.Process(target=_worker_main, name=f"pympgu-rank{place[0]}",
                                 daemon=True,
-                                args=(place, device, listener.address, listener.secret,
+                                args=(place, devices[r], listener.address, listener.secret,
                                       run_id, data_address, private.path,
-                                      [w for _, w in streams], target, args))
+                                      [w for _, w in streams], target, args, joining))
                 p.start()
+                return p, _outputs(place[0], streams)
+
+            for r in range(nlocal):
+                p, outs = start(r)
                 procs.append(p)
-                outputs.append(_outputs(place[0], streams))
+                outputs.append(outs)
             return NodeCoordinator(listener, procs, outputs, node, nnodes, above, on_metric,
                                    log, heartbeat_timeout, progress_timeout,
-                                   min_workers).run()
+                                   min_workers, (start, restarts, retired)).run()
         except BaseException as e:
             if listener is not None:
                 listener.broadcast("STOP", {"reason": "the run is stopping"})
@@ -150,7 +158,7 @@ def launch(target, args=(), *, gpus=None, cpu=None, on_metric=None, heartbeat_ti
             raise
         finally:
             _reap(procs, grace)
-            for outs in outputs:
+            for outs in outputs + [retired]:
                 for out in outs:
                     out.read()
                     out.close()

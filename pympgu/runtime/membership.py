@@ -57,10 +57,23 @@ class Membership:
             raise WorkerFailed(error.rank, error.reason + note, error.details, node=error.node)
         rank = self.members.index(slot)
         self.members.remove(slot)
-        first = self.recovering
-        self.recovering = {"lost": (first or {}).get("lost", []) + [(rank, error.reason)],
-                           "since": first["since"] if first else now, "kept": {}, "at": []}
+        first = self.recovering or {}
+        self.recovering = {"lost": first.get("lost", []) + [(rank, error.reason)],
+                           "joining": first.get("joining", []),
+                           "since": first.get("since", now), "kept": {}, "at": []}
         return {"lost": rank, "reason": error.reason}
+
+    def grow(self, slots, now):
+        """The restarted workers in ``slots`` join; returns the SHRINK payload that sends the
+        others back to their last exchange to take them in."""
+        self.recovering = {"lost": [], "joining": list(slots), "since": now, "kept": {},
+                           "at": []}
+        return {"lost": None, "reason": f"{len(slots)} restarted worker(s) join"}
+
+    def drop_joiner(self, slot):
+        """A joiner lost before it joined."""
+        if self.recovering is not None and slot in self.recovering["joining"]:
+            self.recovering["joining"].remove(slot)
 
     def recovered(self, slot, kept, at):
         """RECOVER from ``slot``: the positions whose state it holds (oldest first) and where
@@ -76,22 +89,28 @@ class Membership:
             rec["at"].append(at)
         if len(rec["kept"]) < len(self.members):
             return None
-        lost = rec["lost"][0]
         common = set.intersection(*(set(k) for k in rec["kept"].values()))
         if not common:
             why = ("before the workers' first exchange" if not all(rec["kept"].values())
                    else "and the survivors hold no exchange in common")
-            raise WorkerFailed(lost[0], f"{lost[1]} {why}: the run stops (it goes on only "
-                                        "from a state every survivor holds)")
+            rank, reason = rec["lost"][0] if rec["lost"] else (None, "a worker joined")
+            raise WorkerFailed(rank, f"{reason} {why}: the run stops (it goes on only from "
+                                     "a state every survivor holds)")
         back_to = max(common)
+        old = self.members
+        self.members = sorted(old + rec["joining"])
+        joined = [self.members.index(s) for s in rec["joining"]]
         self.announce = {
-            "lost": [r for r, _ in rec["lost"]], "reason": "; ".join(w for _, w in rec["lost"]),
+            "lost": [r for r, _ in rec["lost"]], "joined": joined,
+            "reason": "; ".join(w for _, w in rec["lost"]),
             # Steps counted from 1: the one under way when the loss came, the next to run.
             "at_step": max((a[2] for a in rec["at"]), default=rec["steps"][back_to]) + 1,
             "epoch": back_to[0] + 1, "from_step": rec["steps"][back_to] + 1,
             "workers": len(self.members), "since": rec["since"]}
         self.recovering = None
-        return {"members": self.members, "back_to": [*back_to, rec["steps"][back_to]]}
+        root = self.members.index(old[0]) if joined else None
+        return {"members": self.members, "back_to": [*back_to, rec["steps"][back_to]],
+                "root": root}
 
     def record(self, now=None):
         """The membership change in metrics.jsonl's words, once the survivors have completed
@@ -101,6 +120,6 @@ class Membership:
             return None
         now = time.monotonic() if now is None else now
         return {"kind": "membership", "event": "membership", "epoch": a["epoch"],
-                "lost": a["lost"], "reason": a["reason"], "at_step": a["at_step"],
+                "lost": a["lost"], "joined": a["joined"], "reason": a["reason"], "at_step": a["at_step"],
                 "from_step": a["from_step"], "workers": a["workers"],
                 "seconds": round(now - a["since"], 3), "time": time.time()}

@@ -16,8 +16,8 @@ barrier in shared memory, for long, or no longer), METRIC (any JSON object), HEA
 by a thread on its own socket), ERROR (traceback, or a message that says it all), RECOVER
 (after a SHRINK: the exchanges this rank completed last), DONE (result). Coordinator to
 worker: RUN, PEERS (every rank's registration), RELEASE (seq), STOP, SHRINK (a rank was
-lost and the others go on: stop where you are), REFORM (the survivors, and the exchange
-they all go back to). Between node launchers and node 0's: JOIN, ARRIVE,
+lost, or a restarted one joins: stop where you are), REFORM (the workers from now on, the
+exchange they all go back to, and the rank a joiner takes the state from). Between node launchers and node 0's: JOIN, ARRIVE,
 REPORT, FAIL, FINISH and HEARTBEAT up; START, RELEASE, STOP and HEARTBEAT down.
 """
 import hashlib
@@ -60,8 +60,8 @@ SCHEMA = {
     "PEERS": ({"facts": list, "max_blocks": (int, _NONE)}, 8, False, _BIG),
     "RELEASE": ({"seq": int, "shared": ANY, "values": (list, _NONE)}, 0, False, _BIG),
     "STOP": ({"reason": str}, 0, False, _TEXT),
-    "SHRINK": ({"lost": int, "reason": str}, 0, False, _TEXT),
-    "REFORM": ({"members": list, "back_to": list}, 0, False, _SMALL),
+    "SHRINK": ({"lost": (int, _NONE), "reason": str}, 0, False, _TEXT),
+    "REFORM": ({"members": list, "back_to": list, "root": (int, _NONE)}, 0, False, _SMALL),
     "JOIN": ({"version": int, "pid": int, "host": str, "nlocal": int}, 0, False, _SMALL),
     "ARRIVE": ({"seq": int, "what": (str, _NONE), "value": ANY, "shared": ANY,
                 "values": (list, _NONE)}, 0, False, _BIG),

@@ -63,6 +63,9 @@ def _flags_where(p):
     g.add_argument("--min-workers", type=int, metavar="N",
                    help="go on without a lost worker while N remain (default: every worker: "
                         "any loss stops the run; CPU workers of one node for now)")
+    g.add_argument("--restart-workers", type=int, metavar="K",
+                   help="with --min-workers: start a new worker in a lost one's place, K "
+                        "times in all; it joins the others with their state (default: 0)")
 
 
 def _flags_nodes(p):
@@ -193,7 +196,7 @@ _PLAIN = ("hidden", "epochs", "batch_size", "lr", "momentum", "l1", "l2", "beta2
           "weight_decay", "clip_norm", "ema", "patience", "warmup", "dropout",
           "label_smoothing", "shift", "bn_examples", "seed", "init_seed", "schedule",
           "compute_dtype", "sync_every", "overlap", "exchange_dtype", "exchange_blocks",
-          "nesterov", "flip", "method", "min_workers")
+          "nesterov", "flip", "method", "min_workers", "restart_workers")
 
 
 class Resolved:

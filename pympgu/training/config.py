@@ -72,6 +72,8 @@ class RunConfig:
     exchange_blocks: int = None
     # How many workers must remain for the run to go on without a lost one (None: all).
     min_workers: int = None
+    # How many times in all a lost worker's place is taken by a new one (--restart-workers).
+    restart_workers: int = 0
     # Seeds: of the data order, dropout and augmentation; of the starting weights.
     seed: int = 0
     init_seed: int = MODEL_SEED
@@ -171,6 +173,11 @@ class RunConfig:
 
     def _check_min_workers(self, need):
         n = self.nworkers
+        need(self.restart_workers >= 0, "--restart-workers",
+             f"must be 0 or more, got {self.restart_workers}")
+        need(not self.restart_workers or (self.min_workers or n) < n, "--restart-workers",
+             "restarts a lost worker of a run that goes on without it: give --min-workers "
+             f"below the {n} workers too")
         if self.min_workers is None or self.min_workers == n:
             return
         need(1 <= self.min_workers <= n, "--min-workers",

@@ -81,7 +81,8 @@ def _launch_run(cfg, ds, model, out, resumed, changed, quiet, nodes, secret):
         log.info("node 0 of %d, waiting for the others at %s", cfg.nnodes, nodes.address)
     try:
         results = launch(worker, (cfg,), on_metric=reporter, nodes=nodes,
-                         secret=secret, min_workers=cfg.min_workers, **_workers(cfg))
+                         secret=secret, min_workers=cfg.min_workers,
+                         restarts=cfg.restart_workers, **_workers(cfg))
     finally:
         reporter.close()
         if out is not None:

@@ -39,12 +39,17 @@ class Training:
 
     def run(self, start_epoch):
         self.start_epoch = start_epoch
-        position, diverged = [start_epoch, 0, self.step_of(start_epoch, 0)], None
+        position, diverged, root = [start_epoch, 0, self.step_of(start_epoch, 0)], None, None
         try:
+            if self.ctx.joining:  # a restarted worker: taken in when the others are ready
+                position, self.epoch_state, root = self.recovery.recover(None)
             while True:
                 try:
                     if self.ex is None and self.ctx.nranks > 1:
-                        self.ex, self.inside = self.connect(self.ctx, self.rep, self.cfg)
+                        self.ex, self.inside = self.connect(self.ctx, self.rep, self.cfg,
+                                                            root=root)
+                        if root is not None:
+                            self._welcome(root)
                     if self.ctx.rank == 0 and self.at is None:
                         self.ctx.metric(kind="stage", text=f"training from epoch "
                                         f"{start_epoch + 1} (its first steps compile)")
@@ -53,7 +58,7 @@ class Training:
                     break
                 except Shrunk:
                     self._disconnect()
-                    position, self.epoch_state = self.recovery.recover(self.at)
+                    position, self.epoch_state, root = self.recovery.recover(self.at)
             # Replicas must end identical: a digest per rank lets the launcher's caller check.
             digest = self.rep.digest()
         finally:
@@ -62,6 +67,26 @@ class Training:
                 self.out.close()
         return {"rank": self.ctx.rank, "history": self.history if self.ctx.rank == 0 else None,
                 "digest": digest, "diverged": diverged}
+
+    def _welcome(self, root):
+        """A worker joined (its state now rank root's): it learns from rank root the run's
+        history, its first epoch, and the epoch under way (its batches in all, its costs
+        and clock so far), so that it could take rank 0's place at the epoch's end."""
+        mine = None
+        if self.ctx.rank == root:
+            state = self.epoch_state
+            if state is not None:
+                state = {**state, "costs": [float(c) for c in state["costs"]],
+                         "t0": time.perf_counter() - state["t0"]}  # (elapsed)
+            mine = {"history": self.history, "start": self.start_epoch, "epoch": state}
+        told = self.ctx.gather(mine)[root]
+        if self.ctx.joining:
+            self.history, self.start_epoch = told["history"], told["start"]
+            self.epoch_state = told["epoch"]
+            if self.epoch_state is not None:
+                self.epoch_state["t0"] = time.perf_counter() - self.epoch_state["t0"]
+            self.ctx.joining = False
+            self.at = self.recovery.back_to  # (not a run's start to tell)
 
     def _disconnect(self):
         if self.ex is not None:

@@ -45,17 +45,21 @@ class Recovery:
     def recover(self, at):
         """After control.Shrunk (the exchange closed): agree with the survivors on the
         newest position every one of them holds, and go back to it; ``at``: where this
-        worker was. Returns (position, note). Another loss meanwhile starts over."""
+        worker was. A restarted worker (``ctx.joining``) holds nothing yet, and waits here
+        to be taken in. Returns (position, note, root): root is the rank whose state every
+        worker takes (None: no worker joins). Another loss meanwhile starts over."""
         while True:
             try:
-                back_to = self.ctx.recover([p for p, _, _ in self.kept], at)
+                back_to, root = self.ctx.recover([p for p, _, _ in self.kept], at)
                 break
             except Shrunk:
                 continue
+        self.back_to = back_to
+        if self.ctx.joining:  # the state comes from rank root in the first exchange
+            return back_to, None, root
         import numpy as np
         position, values, note = next(e for e in self.kept if e[0][:2] == back_to[:2])
         # Copies: the kept arrays must stay as they are, whatever the step does with its own.
         self.rep.set_values([np.array(v, copy=True) for v in values])
         self.kept = [(position, values, note)]
-        self.back_to = position
-        return position, note
+        return position, note, root

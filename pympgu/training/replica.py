@@ -239,6 +239,11 @@ class Replica:
         self._start(ex, self.values(), "state")
         self.set_values(self._adopt(ex, len(self.model.state)))
 
+    def adopt(self, ex, root):
+        """Take rank ``root``'s whole state (CPU workers): a joining worker's first exchange."""
+        ex.start(self.values(), root=root)
+        self.set_values(self._adopt(ex, len(self.model.state)))
+
     def _start(self, ex, values, part):
         lo, hi = self.part(part)
         if self.jax is None or self.ctx.is_cpu:

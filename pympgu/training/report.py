@@ -55,10 +55,17 @@ class Reporter:
         """A lost worker, and the others going on: one line, and a record in the log."""
         if self.tty and not self.quiet:
             self.stream.write("\r" + " " * 70 + "\r")
-        lost = ", ".join(str(r) for r in data["lost"])
-        log.warning("rank %s lost (%s) at step %s; %d workers go on from step %s after "
-                    "%.1f s", lost, printable(data["reason"], 300), f"{data['at_step']:,}",
-                    data["workers"], f"{data['from_step']:,}", data["seconds"])
+        def ranks(key):
+            return ", ".join(str(r) for r in data.get(key) or [])
+        if data["lost"]:
+            what = (f"rank {ranks('lost')} lost ({printable(data['reason'], 300)}) at step "
+                    f"{data['at_step']:,}; ")
+        else:
+            what = ""
+        if data.get("joined"):
+            what += f"rank {ranks('joined')} joined (restarted); "
+        log.warning("%s%d workers go on from step %s after %.1f s", what, data["workers"],
+                    f"{data['from_step']:,}", data["seconds"])
         self._record(data)
 
     def _record(self, data):

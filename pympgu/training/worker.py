@@ -45,10 +45,11 @@ def make_schedule(cfg, ntrain, nranks):
     return Schedule(cfg.lr, cfg.epochs * per_epoch, cfg.schedule, round(cfg.warmup * per_epoch))
 
 
-def make_exchanger(ctx, rep, cfg, inside=True):
+def make_exchanger(ctx, rep, cfg, inside=True, root=None):
     """The worker's Exchanger, after one exact exchange (which also proves it works), and
     its StepExchange (None without ``inside``: the exchanges are then queued from Python
-    after each step); (None, None) for a lone worker."""
+    after each step); (None, None) for a lone worker. With ``root`` (CPU workers that a
+    restarted one joins) every replica takes rank root's state instead."""
     from .. import methods, settings
     from ..exchange import Exchanger
     from ..xla import StepExchange, copies_to_every_peer
@@ -68,7 +69,10 @@ def make_exchanger(ctx, rep, cfg, inside=True):
     ex = Exchanger(ctx, rep.layout, method=cfg.method, wire_dtype=cfg.exchange_dtype,
                    max_blocks=blocks, shadow=shadow)
     try:
-        rep.exchange(ex)  # replicas start identical (--init-seed); a resumed run too
+        if root is None:
+            rep.exchange(ex)  # replicas start identical (--init-seed); a resumed run too
+        else:
+            rep.adopt(ex, root)
     except BaseException:
         ex.close()
         raise
@@ -84,6 +88,8 @@ def worker(ctx, cfg):
     stage(ctx, "building the model and compiling its step")
     rep = Replica(ctx, cfg)
     start_epoch, history = 0, []
+    if ctx.joining:  # restarted in a lost worker's place: the others hand it all it needs
+        return Training(ctx, cfg, rep, history, make_exchanger).run(start_epoch)
     if cfg.resume:
         start_epoch, history = rep.load(cfg.resume)
     if ctx.nnodes > 1:  # each node reads its own files: they must be the same
