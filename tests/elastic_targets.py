@@ -42,7 +42,7 @@ def dying_worker(ctx, cfg, faults, pid_dir, pace=0.0):
     k-th exchange, half done: its slice written into its peers, the second barrier not
     reached), 'epoch' (at the k-th epoch's barrier), 'checkpoint' (rank 0, its k-th
     checkpoint written but not yet in place), 'setup' (before its first exchange), 'build'
-    (before the replicas' first barrier); or
+    (before the replicas' first barrier), 'welcome' (as a restarted worker joins); or
     'hang' (alive, at its k-th step for an hour). Each
     process leaves its pid in ``pid_dir``; the result carries the run's id. ``pace``:
     seconds of sleep before each step (a run long enough for a restarted worker to join)."""
@@ -88,6 +88,9 @@ def dying_worker(ctx, cfg, faults, pid_dir, pace=0.0):
             OutDir.write = write
         elif phase == "setup":
             worker_module.make_exchanger = _after(1, worker_module.make_exchanger)
+        elif phase == "welcome":  # while a restarted worker takes its state from the others
+            from pympgu.training.loop import Training
+            Training._welcome = _after(k, Training._welcome)
         elif phase == "build":  # its model built, before the replicas are compared
             Replica.digest = _after(1, Replica.digest)
     return {**worker_module.worker(ctx, cfg), "run_id": ctx.run_id}

@@ -44,6 +44,9 @@ pytestmark = pytest.mark.timeout(600)
     (["--cpu", "3", "--min-workers", "0"], "--min-workers must be 1 to the 3 workers, got 0"),
     (["--cpu", "3", "--min-workers", "2", "--overlap"],
      "--min-workers needs replicas identical after each exchange"),
+    (["--cpu", "3", "--restart-workers", "2"], "give --min-workers below the 3 workers too"),
+    (["--cpu", "3", "--min-workers", "2", "--restart-workers", "-1"],
+     "--restart-workers must be 0 or more, got -1"),
 ])
 def test_cli_rejects_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit) as info:

@@ -208,3 +208,37 @@ def test_a_restarted_worker_joins_with_the_others_state(tmp_path, rank):
     assert [e["epoch"] for e in epochs] == [1, 2, 3, 4, 5, 6]
     assert all(np.isfinite(e["loss"]) for e in epochs)
     assert not shm_left(results[0]["run_id"])
+
+
+def test_a_joiner_holds_nothing_until_an_exchange_with_the_others():
+    """A loss while a restarted worker is being taken in: its state is still no one's, so
+    the others' newest common exchange is the way back, and it takes its state again."""
+    from pympgu.runtime.membership import Membership
+    m = Membership(3, min_workers=1)
+    m.lose(1, WorkerFailed(1, "was killed by signal 9"), now=0.0)
+    for slot in (0, 2):
+        m.recovered(slot, [[0, 6, 2]], None)
+    m.record()
+    m.grow([1], now=1.0)
+    m.recovered(0, [[0, 6, 2], [0, 8, 3]], None)
+    assert m.recovered(2, [[0, 6, 2], [0, 8, 3]], None)["root"] == 0
+    assert m.members == [0, 1, 2] and m.fresh == {1}
+    m.lose(2, WorkerFailed(2, "was killed by signal 9"), now=2.0)  # before the welcome: rank 0
+    # alone holds the state, and the way back is its newest
+    m.recovered(1, [[0, 8, 3]], None)  # what it says is not taken: it holds nothing yet
+    reform = m.recovered(0, [[0, 8, 3], [0, 10, 4]], None)
+    assert reform == {"members": [0, 1], "back_to": [0, 10, 4], "root": 0}
+    m.record()
+    assert not m.fresh
+
+
+def test_a_worker_killed_while_a_restarted_one_joins(tmp_path):
+    """Rank 1 dies as the restarted rank 2 takes its state: the joiner holds nothing of the
+    run yet, so it takes its state again, from rank 0, and the two go on identical."""
+    results, records, _ = train(tmp_path, {2: ("step", 30), 1: ("welcome", 1)},
+                                dict(restarts=1), pace=0.02, epochs=6)
+    changes = [r for r in records if r.get("event") == "membership"]
+    assert [r for c in changes for r in c["lost"]] == [2, 1], changes
+    assert changes[-1]["joined"] == [1] and changes[-1]["workers"] == 2, changes
+    assert len(results) == 2 and len({r["digest"] for r in results}) == 1
+    assert [e["epoch"] for e in records if e.get("kind") == "epoch"] == [1, 2, 3, 4, 5, 6]

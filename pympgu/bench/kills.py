@@ -1,10 +1,12 @@
 """``python -m pympgu.bench kills``: training that goes on without lost workers, measured.
 
-Runs ``python -m pympgu.train --cpu N --min-workers M`` once undisturbed, then ``--runs``
-times with ``--kills`` workers killed (SIGKILL, at random moments of training, a random
-worker each time), and prints a table: every run's status, the time from each kill to the
-survivors' next completed exchange (metrics.jsonl's membership record), the final test
-error against the undisturbed run's, and what was left behind (processes, /dev/shm)."""
+Runs ``python -m pympgu.train --cpu N --min-workers M [--restart-workers R]`` once
+undisturbed, then ``--runs`` times with ``--kills`` workers killed (SIGKILL, at random
+moments of training, a random worker each time; with restarts, once the last one's
+replacement has joined), and prints a table: every run's status, the time from each kill to the
+survivors' next completed exchange (metrics.jsonl's membership record), the restarted
+workers that joined, the final test error against the undisturbed run's, and what was left
+behind (processes, /dev/shm)."""
 import argparse
 import glob
 import json
@@ -51,10 +53,26 @@ def _shm():
     return set(glob.glob("/dev/shm/pympgu-*"))
 
 
+def _wait(done, timeout):
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _joined(metrics):
+    """How many restarted workers metrics.jsonl says have joined."""
+    try:
+        with open(metrics) as f:
+            return sum(len(json.loads(x).get("joined") or []) for x in f if '"joined"' in x)
+    except (OSError, ValueError):
+        return 0
+
+
 def _train(args, out, kills, rng):
     """One run with ``kills`` kills; returns its row."""
     argv = [sys.executable, "-m", "pympgu.train", "--cpu", str(args.cpu), "--epochs",
-            str(args.epochs), "--out", out, "--quiet", "--min-workers", str(args.min_workers)]
+            str(args.epochs), "--out", out, "--quiet", "--min-workers", str(args.min_workers),
+            "--restart-workers", str(args.restart_workers)]
     if args.data_dir:
         argv += ["--data-dir", args.data_dir]
     before = _shm()
@@ -76,6 +94,11 @@ def _train(args, out, kills, rng):
             killed.append(time.time())
             os.kill(victim, signal.SIGKILL)
             time.sleep(0.2)
+            if args.restart_workers:
+                # The next kill once its replacement has joined: kills faster than a new
+                # worker compiles would take every worker of the run in the end.
+                _wait(lambda: _joined(metrics) >= len(killed) or proc.poll() is not None,
+                      120)
         stdout, stderr = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
@@ -84,9 +107,12 @@ def _train(args, out, kills, rng):
     records = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []
     changes = [r for r in records if r.get("event") == "membership"]
     epochs = [r for r in records if "event" not in r]
-    # Each kill's recovery: the first membership record after it.
-    recovery = [next((c["time"] - k for c in changes if c["time"] > k), None) for k in killed]
-    return {"status": proc.returncode, "kills": len(killed), "recovered": len(changes),
+    # Each kill's recovery: the first record of a loss after it (none where the worker
+    # killed was a restarted one that had not joined yet).
+    losses = [c for c in changes if c["lost"]]
+    recovery = [next((c["time"] - k for c in losses if c["time"] > k), None) for k in killed]
+    return {"status": proc.returncode, "kills": len(killed), "recovered": len(losses),
+            "joined": sum(len(c.get("joined") or []) for c in changes),
             "recovery_s": recovery, "test_error": epochs[-1]["test_error"] if epochs else None,
             "seconds": time.time() - t0, "orphans": _session_left(proc.pid)[0],
             "shm_left": len(_shm() - before), "stderr": stderr[-2000:]}
@@ -97,6 +123,7 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu", type=int, default=4, help="CPU workers (default: 4)")
     p.add_argument("--min-workers", type=int, default=1, help="(default: 1)")
+    p.add_argument("--restart-workers", type=int, default=0, help="(default: 0)")
     p.add_argument("--runs", type=int, default=3, help="runs with kills (default: 3)")
     p.add_argument("--kills", type=int, default=3, help="kills a run (default: 3)")
     p.add_argument("--epochs", type=int, default=4, help="(default: 4)")
@@ -118,22 +145,25 @@ def main(argv=None):
             times = ", ".join("-" if s is None else f"{s:.2f}" for s in row["recovery_s"])
             err = "-" if row["test_error"] is None else f"{100 * row['test_error']:.2f}%"
             print(f"run {r + 1}: status {row['status']}, {row['kills']} kills, recovered in "
-                  f"[{times}] s, test error {err}, {row['orphans']} orphans, "
+                  f"[{times}] s, {row['joined']} joined, test error {err}, "
+                  f"{row['orphans']} orphans, "
                   f"{row['shm_left']} /dev/shm left", flush=True)
             if row["status"] != 0:
                 print(row["stderr"], file=sys.stderr)
     times = sorted(s for r in rows for s in r["recovery_s"] if s is not None)
     kills = sum(r["kills"] for r in rows)
     errors = [r["test_error"] for r in rows if r["test_error"] is not None]
-    print(f"\n| workers | kills | runs ending 0 | recovered | kill to next exchange, median "
-          f"(max) | test error, undisturbed | worst test error with kills | orphans | "
-          f"/dev/shm left |\n|---|---|---|---|---|---|---|---|---|")
+    print("\n| workers | kills | runs ending 0 | losses recovered | kill to next exchange, "
+          "median (max) | restarted and joined | test error, undisturbed | test error with "
+          "kills, worst | orphans | /dev/shm left |\n|---|---|---|---|---|---|---|---|---|---|")
     median = times[len(times) // 2] if times else float("nan")
-    print(f"| {args.cpu} (min {args.min_workers}) | {kills} | "
+    worst = max(errors, key=lambda e: abs(e - base["test_error"]), default=float("nan"))
+    print(f"| {args.cpu} (min {args.min_workers}, {args.restart_workers} restarts) | {kills} | "
           f"{sum(r['status'] == 0 for r in rows)}/{len(rows)} | {len(times)}/{kills} | "
           f"{median:.2f} s ({max(times, default=float('nan')):.2f} s) | "
+          f"{sum(r['joined'] for r in rows)} | "
           f"{100 * base['test_error']:.2f}% | "
-          f"{100 * max(errors, default=float('nan')):.2f}% | "
+          f"{100 * worst:.2f}% | "
           f"{sum(r['orphans'] for r in rows)} | {sum(r['shm_left'] for r in rows)} |")
     if args.json:
         with open(args.json, "w") as f:

@@ -21,6 +21,9 @@ class Membership:
         self.min_workers = n if min_workers is None else min_workers
         self.recovering = None  # from SHRINK to REFORM: what the survivors said, and of whom
         self.announce = None  # from REFORM to the survivors' next completed exchange
+        # Joined, but not yet through an exchange with the others: they hold no state of
+        # the run until then, whatever comes in between.
+        self.fresh = set()
 
     @property
     def elastic(self):
@@ -84,31 +87,37 @@ class Membership:
         if rec is None or slot not in self.members:
             return None  # said twice across two losses: the second is the answer
         rec["kept"][slot] = [tuple(p[:2]) for p in kept]
+        if slot in self.fresh:
+            rec["kept"][slot] = None
         rec["steps"] = {**rec.get("steps", {}), **{tuple(p[:2]): p[2] for p in kept}}
         if at is not None:
             rec["at"].append(at)
         if len(rec["kept"]) < len(self.members):
             return None
-        common = set.intersection(*(set(k) for k in rec["kept"].values()))
+        holders = [set(k) for k in rec["kept"].values() if k is not None]
+        common = set.intersection(*holders) if holders else set()
         if not common:
-            why = ("before the workers' first exchange" if not all(rec["kept"].values())
+            why = ("before the workers' first exchange" if not all(holders)
                    else "and the survivors hold no exchange in common")
             rank, reason = rec["lost"][0] if rec["lost"] else (None, "a worker joined")
             raise WorkerFailed(rank, f"{reason} {why}: the run stops (it goes on only from "
                                      "a state every survivor holds)")
         back_to = max(common)
-        old = self.members
-        self.members = sorted(old + rec["joining"])
-        joined = [self.members.index(s) for s in rec["joining"]]
+        holding = [s for s in self.members if rec["kept"][s] is not None]
+        self.fresh |= set(rec["joining"])
+        self.members = sorted(self.members + rec["joining"])
+        # Told once the workers are through an exchange: what happened since the last time.
+        told = self.announce or {"lost": [], "reason": [], "since": rec["since"]}
         self.announce = {
-            "lost": [r for r, _ in rec["lost"]], "joined": joined,
-            "reason": "; ".join(w for _, w in rec["lost"]),
+            "lost": told["lost"] + [r for r, _ in rec["lost"]],
+            "joined": sorted(self.members.index(s) for s in self.fresh),
+            "reason": told["reason"] + [w for _, w in rec["lost"]],
             # Steps counted from 1: the one under way when the loss came, the next to run.
             "at_step": max((a[2] for a in rec["at"]), default=rec["steps"][back_to]) + 1,
             "epoch": back_to[0] + 1, "from_step": rec["steps"][back_to] + 1,
-            "workers": len(self.members), "since": rec["since"]}
+            "workers": len(self.members), "since": min(told["since"], rec["since"])}
         self.recovering = None
-        root = self.members.index(old[0]) if joined else None
+        root = self.members.index(holding[0]) if self.fresh else None
         return {"members": self.members, "back_to": [*back_to, rec["steps"][back_to]],
                 "root": root}
 
@@ -118,8 +127,10 @@ class Membership:
         a, self.announce = self.announce, None
         if a is None:
             return None
+        a["reason"] = "; ".join(a["reason"])
+        self.fresh.clear()  # through an exchange with the others: they hold the run's state
         now = time.monotonic() if now is None else now
         return {"kind": "membership", "event": "membership", "epoch": a["epoch"],
-                "lost": a["lost"], "joined": a["joined"], "reason": a["reason"], "at_step": a["at_step"],
-                "from_step": a["from_step"], "workers": a["workers"],
+                "lost": a["lost"], "joined": a["joined"], "reason": a["reason"],
+                "at_step": a["at_step"], "from_step": a["from_step"], "workers": a["workers"],
                 "seconds": round(now - a["since"], 3), "time": time.time()}

@@ -55,10 +55,17 @@ class Recovery:
             except Shrunk:
                 continue
         self.back_to = back_to
-        if self.ctx.joining:  # the state comes from rank root in the first exchange
+        entry = next((e for e in self.kept if e[0][:2] == back_to[:2]), None)
+        if self.ctx.joining or entry is None:
+            # A worker that joined and has not been through an exchange with the others
+            # since: its state comes from rank root in the first exchange.
+            if root is None:
+                raise RuntimeError(f"rank {self.ctx.rank} holds no state at {back_to[:2]} "
+                                   "and no rank was named to take it from")
+            self.ctx.joining = True
             return back_to, None, root
         import numpy as np
-        position, values, note = next(e for e in self.kept if e[0][:2] == back_to[:2])
+        position, values, note = entry
         # Copies: the kept arrays must stay as they are, whatever the step does with its own.
         self.rep.set_values([np.array(v, copy=True) for v in values])
         self.kept = [(position, values, note)]
