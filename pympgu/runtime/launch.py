@@ -109,6 +109,10 @@ def launch(target, args=(), *, gpus=None, cpu=None, on_metric=None, heartbeat_ti
     nlocal = len(devices)
     if not 1 <= nlocal <= 8:
         raise ValueError(f"pympgu runs 1 to 8 workers a node, got {nlocal}")
+    if min_workers is not None and min_workers < nlocal and devices[0] is not None:
+        raise ValueError("min_workers below the workers goes on without a lost worker on CPU "
+                         "workers only, for now (docs/DECISIONS.md, \"Going on without a "
+                         "lost worker\")")
     log = log or _logger().warning
     multi = nodes is not None and nodes.nnodes > 1
     if multi and not secret:
