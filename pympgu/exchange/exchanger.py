@@ -65,7 +65,7 @@ class Exchanger:
         """Bytes of the staging buffer (enough for an exact exchange)."""
         return self.total * ITEMSIZE[self.dtype]
 
-    def start(self, arrays, flat=False, entries=None, root=None) -> None:
+    def start(self, arrays, flat=False, entries=None, root=None, reach="world") -> None:
         """Pack this rank's arrays and start averaging them; every rank must call it.
 
         flat=True takes one 1-D array of ``total`` elements instead, laid out as finish's
@@ -80,6 +80,9 @@ class Exchanger:
         unchanged until finish(), and are kept alive until then.
         ``root`` (CPU workers): every rank gets rank root's arrays instead of the average
         (a worker that joins a run takes its state so).
+        ``reach`` (CPU workers across nodes): 'world', every rank's average; 'node', this
+        node's ranks' alone; 'outer', the node's, then the outer step set by
+        ``outer_step`` across the nodes (pympgu.exchange.outer).
         """
         if self.pending is not None:
             raise RuntimeError("Exchanger.start called twice without finish()")
@@ -97,7 +100,12 @@ class Exchanger:
         t0 = time.perf_counter()
         self.backend.pack(pairs, kind, self.offsets[lo])
         t1 = time.perf_counter()
-        if root is None:
+        if reach != "world" and not (self.ctx.is_cpu and root is None and kind == "exact"):
+            raise ValueError(f"Exchanger.start(reach={reach!r}) averages exact arrays of CPU "
+                             "workers only")
+        if root is None and reach != "world":
+            self.backend.average(self.dtype, count, reach)
+        elif root is None:
             self.backend.average(self.wire_dtype if kind == "delta" else self.dtype, count)
         elif kind != "exact" or not self.ctx.is_cpu:
             raise ValueError("Exchanger.start(root=...) copies exact arrays between CPU "
@@ -108,6 +116,16 @@ class Exchanger:
         self.stats["average_s"] += time.perf_counter() - t1
         self.pending = kind
         self._started = (lo, hi, count)
+
+    def outer_step(self, count, lr, momentum) -> None:
+        """DiLoCo's outer step across the nodes (CPU workers), on the first ``count``
+        elements of the buffer (the parameters), for start(reach='outer')."""
+        from .outer import DiLoCo
+        backend = self.backend
+        if not self.ctx.is_cpu or backend.across is None:
+            raise ValueError("an outer step is between the nodes of CPU workers")
+        chunk = -(-self.total // backend.nranks)
+        backend.outer = DiLoCo(count, self.total, chunk, lr, momentum, self.ctx.nnodes)
 
     def part(self, lo, hi) -> int:
         """The elements that averaging the layout's entries lo to hi - 1 on their own

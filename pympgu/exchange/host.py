@@ -20,7 +20,8 @@ class HostBackend:
         ctx = self.ctx = ex.ctx
         self.ex = ex
         self.rank, self.nranks = ctx.local_rank, ctx.local_nranks
-        self.across = self.barrier = None
+        self.across = self.barrier = self.outer = None
+        self.across_bytes = 0  # what this rank has sent between nodes
         if ctx.nnodes > 1:
             if ex.wire_dtype or ex.dtype != "float32":
                 raise ValueError("across nodes the exchange is float32 (a half-precision "
@@ -74,8 +75,11 @@ class HostBackend:
             else:
                 own[off:off + size] = a.reshape(-1)
 
-    def average(self, dtype, count):
-        """Average the buffers' first count elements: this rank's 1/R slice of them."""
+    def average(self, dtype, count, reach="world"):
+        """Average the buffers' first count elements: this rank's 1/R slice of them.
+        ``reach``: 'world' (every rank of every node), 'node' (this node's ranks alone), or
+        'outer' (the node's ranks, then across the nodes an outer step (self.outer) on the
+        first outer.count elements and the average of the rest)."""
         rank = self.rank
         chunk = -(-count // self.nranks)
         lo = min(count, rank * chunk)
@@ -83,7 +87,10 @@ class HostBackend:
         arrays = self.views[dtype]
         self.ctx.meet(self.barrier)  # every rank of the node has packed
         mine = arrays[rank][lo:hi]
-        if self.across is None:
+        whole = self.outer is not None and count == self.outer.total
+        if reach == "outer" and not whole:
+            raise ValueError("the outer step takes the whole state")
+        if self.across is None or reach == "node":
             _host.host_average([a[lo:hi] for a in arrays], mine, dtype=dtype)
         else:
             # Summed in rank order as the host kernel sums, across the nodes, then divided
@@ -92,11 +99,47 @@ class HostBackend:
             part[:hi - lo] = arrays[0][lo:hi]
             for a in arrays[1:]:
                 part[:hi - lo] += a[lo:hi]
-            mine[:] = self.across(part)[:hi - lo] / np.float32(self.ctx.nranks)
+            if reach == "outer":
+                self.outer.step(part, lo, hi, self.nranks)
+            self.across_bytes += part.nbytes
+            total = self.across(part)[:hi - lo]
+            if reach == "outer":
+                self.outer.finish(total, mine, lo, hi, self.ctx.nranks)
+            else:
+                mine[:] = total / np.float32(self.ctx.nranks)
+                if whole:
+                    self.outer.reset(mine, lo, hi)
         for r, a in enumerate(arrays):
             if r != rank:
                 a[lo:hi] = mine
         self.ctx.meet(self.barrier)  # every slice has reached every rank of the node
+
+    def _slice(self, rank):
+        chunk = -(-self.ex.total // self.nranks)
+        lo = min(self.ex.total, rank * chunk)
+        return lo, min(self.ex.total, lo + chunk)
+
+    def outer_momentum(self):
+        """DiLoCo's outer momentum whole, on local rank 0 (None on the others), each rank's
+        slice passed through the shared buffers: every rank of the node calls it, between
+        exchanges."""
+        outer, arrays = self.outer, self.views[self.ex.dtype]
+        lo, hi = self._slice(self.rank)
+        n = outer._params(lo, hi)
+        arrays[self.rank][lo:lo + n] = outer.v[:n]
+        self.ctx.meet(self.barrier)  # every slice is in its rank's buffer
+        whole = None
+        if self.rank == 0:
+            whole = np.concatenate([arrays[r][slice(*self._slice(r))][:outer._params(
+                *self._slice(r))] for r in range(self.nranks)])
+        self.ctx.meet(self.barrier)  # read: the buffers are free again
+        return whole
+
+    def set_outer_momentum(self, whole):
+        """This rank's slice of DiLoCo's outer momentum, from the whole (a checkpoint's)."""
+        lo, hi = self._slice(self.rank)
+        n = self.outer._params(lo, hi)
+        self.outer.v[:n] = whole[lo:lo + n]
 
     def copy_from(self, root, dtype, count):
         """Every rank's buffer gets rank root's first count elements."""

@@ -18,17 +18,27 @@ CURVES = "curves.png"
 FILES = (CONFIG, CONFIG_NEXT, METRICS, CHECKPOINT, BEST, CURVES)  # what a run writes
 
 
-def save(out, model, values, epoch, history, name=CHECKPOINT):
+def save(out, model, values, epoch, history, name=CHECKPOINT, extra=None):
     """Write ``model``'s state (``values``, numpy or JAX arrays in its state's order) and its
     batch norms' statistics as the checkpoint of ``epoch`` into ``out`` (an OutDir),
-    atomically."""
+    atomically; ``extra``: more arrays by name (read_extra's), such as DiLoCo's outer
+    momentum."""
     import numpy as np
     arrays = {s.name: np.asarray(v) for s, v in zip(model.state, values)}
     # The norms' population statistics that the epoch's errors were evaluated with.
     arrays.update({s.name: s.get_value() for s in model.statistics})
+    arrays.update({f"__{key}__": np.asarray(v) for key, v in (extra or {}).items()})
     out.write(name, lambda f: np.savez(f, __epoch__=epoch, __history__=json.dumps(history),
                                        __model__=model.describe(),
                                        __optimizer__=model.optimizer, **arrays))
+
+
+def read_extra(path, key):
+    """The array ``key`` that save's ``extra`` put into the checkpoint at ``path``, or None."""
+    import numpy as np
+    with np.load(path) as f:
+        name = f"__{key}__"
+        return f[name].astype(np.float32) if name in f.files else None
 
 
 def keep_best(out):

@@ -25,7 +25,7 @@ from ..precision import DTYPES as COMPUTE_DTYPES
 from ..schedule import SCHEDULES
 from . import checkpoint
 from . import resume as resuming
-from .config import (ADAM_LR, ADAMW_DECAY, MAX_WORKERS, PRESETS, RunConfig,
+from .config import (ACROSS_NODES, ADAM_LR, ADAMW_DECAY, MAX_WORKERS, PRESETS, RunConfig,
                      UsageError, auto_backend, optimizer_defaults)
 
 DEFAULTS = RunConfig()
@@ -79,6 +79,16 @@ def _flags_nodes(p):
     g.add_argument("--secret-file", metavar="FILE",
                    help="the run's shared secret (mode 600), else $PYMPGU_SECRET; a run of "
                         "several nodes needs one")
+    g.add_argument("--across-nodes", choices=list(ACROSS_NODES),
+                   help="between nodes: every-step (exact, the default), or every "
+                        "--outer-every steps average (local SGD) or diloco (an outer Nesterov "
+                        "step on the nodes' mean change); inside a node, exact as ever")
+    g.add_argument("--outer-every", type=int, metavar="H",
+                   help="steps between two exchanges across nodes (default: 50)")
+    g.add_argument("--outer-lr", type=float, metavar="LR",
+                   help="diloco's outer learning rate (default: 0.7)")
+    g.add_argument("--outer-momentum", type=float, metavar="MU",
+                   help="diloco's outer Nesterov momentum (default: 0.9)")
 
 
 def _flags_data(p):
@@ -196,7 +206,8 @@ _PLAIN = ("hidden", "epochs", "batch_size", "lr", "momentum", "l1", "l2", "beta2
           "weight_decay", "clip_norm", "ema", "patience", "warmup", "dropout",
           "label_smoothing", "shift", "bn_examples", "seed", "init_seed", "schedule",
           "compute_dtype", "sync_every", "overlap", "exchange_dtype", "exchange_blocks",
-          "nesterov", "flip", "method", "min_workers", "restart_workers")
+          "nesterov", "flip", "method", "min_workers", "restart_workers", "across_nodes",
+          "outer_every", "outer_lr", "outer_momentum")
 
 
 class Resolved:

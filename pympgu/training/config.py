@@ -15,6 +15,8 @@ from ..precision import DTYPES as COMPUTE_DTYPES
 from ..schedule import SCHEDULES
 
 BACKENDS = ("jax", "c")
+# --across-nodes: how nodes meet (docs/TRAINING.md, "Across slow links").
+ACROSS_NODES = ("every-step", "average", "diloco")
 # Adam's (and AdamW's) learning rate when --lr is not given (SGD's would be far too large),
 # and AdamW's --weight-decay: torch.optim.AdamW's defaults, as their optimizers hold them.
 ADAM_LR = OPTIMIZERS["adam"].default_lr
@@ -70,6 +72,12 @@ class RunConfig:
     overlap: bool = False
     exchange_dtype: str = "float32"
     exchange_blocks: int = None
+    # Between nodes (--across-nodes): every step, or every outer_every steps averaged or
+    # taken by DiLoCo's outer Nesterov step (its rate and momentum: the paper's defaults).
+    across_nodes: str = "every-step"
+    outer_every: int = 50
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
     # How many workers must remain for the run to go on without a lost one (None: all).
     min_workers: int = None
     # How many times in all a lost worker's place is taken by a new one (--restart-workers).
@@ -168,6 +176,7 @@ class RunConfig:
         # line refuses it, pympgu.training.cli).
         need(self.warmup >= 0, "--warmup", f"must be 0 or more epochs, got {self.warmup}")
         self._check_min_workers(need)
+        self._check_across_nodes(need)
         need(self.exchange_blocks is None or 1 <= self.exchange_blocks <= 512,
              "--exchange-blocks", f"must be 1 to 512, got {self.exchange_blocks}")
 
@@ -190,6 +199,24 @@ class RunConfig:
              "node only, for now: give every worker of every node with --nnodes")
         need(not self.overlap, "--min-workers", "needs replicas identical after each "
              "exchange; --overlap leaves them alike only at the epoch's end: drop one of them")
+
+    def _check_across_nodes(self, need):
+        need(self.across_nodes in ACROSS_NODES, "--across-nodes",
+             f"must be one of {list(ACROSS_NODES)}")
+        need(self.outer_every >= 1, "--outer-every", f"must be at least 1, got {self.outer_every}")
+        need(self.outer_lr > 0, "--outer-lr", f"must be positive, got {self.outer_lr}")
+        need(0 <= self.outer_momentum < 1, "--outer-momentum",
+             f"must be in [0, 1), got {self.outer_momentum}")
+        if self.across_nodes == "every-step":
+            return
+        need(self.nnodes > 1, "--across-nodes", f"{self.across_nodes} is between nodes: give "
+             "--nnodes 2 or more")
+        need(self.cpu, "--across-nodes", f"{self.across_nodes} runs on CPU workers only, for "
+             "now: GPU workers exchange across nodes every step")
+        need(not self.overlap, "--across-nodes", f"{self.across_nodes} takes plain exchanges "
+             "inside the node; drop --overlap")
+        need(self.min_workers is None or self.min_workers == self.nworkers, "--across-nodes",
+             "runs inside one node only with --min-workers")
 
     def to_json(self):
         """The configuration as config.json holds it."""

@@ -110,7 +110,14 @@ class Training:
         from .. import data
         return {"total": data.batches_per_epoch(self.ntrain, self.cfg.batch_size,
                                                 self.ctx.nranks),
-                "costs": [], "t0": time.perf_counter(), "exchange_s": 0.0, "done": 0}
+                "costs": [], "t0": time.perf_counter(), "exchange_s": 0.0, "done": 0,
+                "sent0": self._sent() or 0}
+
+    def _sent(self):
+        """The bytes this CPU worker has sent between nodes (None: it sends none)."""
+        if self.ex is None or not self.ctx.is_cpu or self.ctx.nnodes == 1:
+            return None
+        return self.ex.backend.across_bytes
 
     def _epoch(self, epoch, start):
         """Train ``epoch`` from its batch ``start`` on; returns its record (loss, rate,
@@ -134,7 +141,7 @@ class Training:
             # The run's step, from which a resumed run goes on.
             rate = rep.apply_rate(self.schedule, self.at[2])
             t0 = sync.seconds
-            state["costs"].append(sync.step(idx, step, last))
+            state["costs"].append(sync.step(idx, step, last, self._reach(last)))
             state["exchange_s"] += sync.seconds - t0
             if self.recovery.enabled and (last or not (step + 1) % cfg.sync_every):
                 state["kept_costs"] = len(state["costs"])
@@ -145,6 +152,10 @@ class Training:
                            step=start // n + step + 1, steps=steps)
         sync.drain()
         rep.wait()
+        between = None
+        if self._sent() is not None:
+            # What this node put on the wire between nodes in the epoch (its ranks send alike).
+            between = (self._sent() - state["sent0"]) * ctx.local_nranks
         state["done"] = start + len(batches) * n
         self.at = [epoch, state["done"], self.step_of(epoch, state["done"])]  # the epoch's end
         epoch_s = time.perf_counter() - state["t0"]
@@ -159,13 +170,30 @@ class Training:
                 # step traced average_gradients), so that a run says whether the gradients
                 # or the parameters crossed, and why; or why it runs outside XLA (a build
                 # without jaxlib's headers, say).
-                "road": road(ctx, sync, self.inside)}
+                "road": road(ctx, sync, self.inside),
+                **({} if between is None else {"between_nodes_bytes": between})}
+
+    def _reach(self, last):
+        """How far this step's exchange goes (Sync.step): None, every rank as K says; with
+        --across-nodes, inside the node, and every --outer-every steps (and at the epoch's
+        end, when the nodes compare their replicas) across the nodes too."""
+        cfg = self.cfg
+        if cfg.across_nodes == "every-step" or self.ctx.nnodes == 1:
+            return None
+        if not (last or (self.at[2] + 1) % cfg.outer_every == 0):
+            return "node"
+        return "outer" if cfg.across_nodes == "diloco" else "world"
 
     def _end(self, epoch, record):
         """Rank 0 evaluates and checkpoints; every rank learns whether to stop, and the
         epoch's record. Returns (diverged, stop)."""
         ctx, cfg = self.ctx, self.cfg
         diverged, stop = None, False
+        extra = None
+        if cfg.across_nodes == "diloco" and self._sent() is not None:
+            # DiLoCo's outer momentum goes into the checkpoint (the global parameters are
+            # the replicas' own after the epoch's last exchange).
+            extra = {"outer_momentum": self.ex.backend.outer_momentum()}
         if ctx.rank == 0:
             if not math.isfinite(record["loss"]):
                 # Nothing of this epoch is kept: the last checkpoint stays the last good one.
@@ -179,7 +207,8 @@ class Training:
                         # What a rank 0 lost while writing left (no one else writes there
                         # while the workers run).
                         self.out.remove_temporaries()
-                    self._save(self.history + [record], first=epoch == self.start_epoch)
+                    self._save(self.history + [record], first=epoch == self.start_epoch,
+                               extra=extra)
                 stop = bool(cfg.patience and checkpoint.epochs_since_best(
                     self.history + [record]) >= cfg.patience)
         # Rank 0 alone evaluates, so it decides, and every rank stops after the same
@@ -201,11 +230,11 @@ class Training:
         self.recovery.keep([epoch + 1, 0, step])
         return diverged, stop
 
-    def _save(self, history, first):
+    def _save(self, history, first, extra=None):
         """Rank 0's checkpoint of the epoch just ended, best.npz if it is the best so far,
         and, after a run's first epoch, its config.json in place of an earlier run's."""
         out, rep = self.out, self.rep
-        rep.save(out, history[-1]["epoch"], history)
+        rep.save(out, history[-1]["epoch"], history, extra)
         if first and out.exists(checkpoint.CONFIG_NEXT):  # the launcher wrote it
             out.rename(checkpoint.CONFIG_NEXT, checkpoint.CONFIG)
         if all(history[-1]["valid_error"] < h["valid_error"] for h in history[:-1]):
@@ -221,6 +250,10 @@ def road(ctx, sync, inside):
     if ctx.is_cpu:
         every = "the step" if sync.every == 1 else f"every {sync.every} steps"
         across = ", and between the nodes by JAX's gloo" if ctx.nnodes > 1 else ""
+        cfg = sync.rep.cfg
+        if ctx.nnodes > 1 and cfg.across_nodes != "every-step":
+            across = (f", and between the nodes every {cfg.outer_every} steps "
+                      f"({cfg.across_nodes}) by JAX's gloo")
         return f"averaged after {every}, through shared memory{across} (CPU workers)"
     outside = sync.outside
     if outside:

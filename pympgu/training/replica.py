@@ -234,9 +234,10 @@ class Replica:
         if self.jax is not None:
             self.jax.block_until_ready(self.values())
 
-    def exchange(self, ex):
-        """Average parameters and momentum with every other replica."""
-        self._start(ex, self.values(), "state")
+    def exchange(self, ex, reach="world"):
+        """Average parameters and momentum with every other replica (``reach``: see
+        Exchanger.start; CPU workers)."""
+        self._start(ex, self.values(), "state", reach)
         self.set_values(self._adopt(ex, len(self.model.state)))
 
     def adopt(self, ex, root):
@@ -244,12 +245,12 @@ class Replica:
         ex.start(self.values(), root=root)
         self.set_values(self._adopt(ex, len(self.model.state)))
 
-    def _start(self, ex, values, part):
+    def _start(self, ex, values, part, reach="world"):
         lo, hi = self.part(part)
         if self.jax is None or self.ctx.is_cpu:
             # CPU JAX arrays are host memory already: pack reads them where they are
             # (docs/DECISIONS.md, "One export of the state").
-            ex.start(values, entries=(lo, hi))
+            ex.start(values, entries=(lo, hi), reach=reach)
         else:
             # JAX packs its arrays into one (a jitted concatenation) and hands pympgu a
             # single DLPack export: one more pass on the GPU, and one export's host time
@@ -342,9 +343,10 @@ class Replica:
         return [(s.name, list(s.get_value(borrow=True).shape), "float32")
                 for s in self.model.state]
 
-    def save(self, out, epoch, history):
-        """This replica as the checkpoint of ``epoch`` in ``out`` (an OutDir)."""
-        checkpoint.save(out, self.model, self.values(), epoch, history)
+    def save(self, out, epoch, history, extra=None):
+        """This replica as the checkpoint of ``epoch`` in ``out`` (an OutDir), with
+        ``extra`` arrays (checkpoint.save's)."""
+        checkpoint.save(out, self.model, self.values(), epoch, history, extra=extra)
 
     def load(self, path):
         epoch, history, values = checkpoint.read(path, self.model)

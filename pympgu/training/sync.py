@@ -99,12 +99,14 @@ class Sync:
             return "state"
         return None
 
-    def step(self, idx, step, last=False):
+    def step(self, idx, step, last=False, reach=None):
         """Training step `step` (counted from 0) of an epoch on minibatch idx, then the
-        exchange if one is due (`last` forces one); returns the step's cost."""
+        exchange if one is due (`last` forces one); returns the step's cost. ``reach``
+        (CPU workers across nodes, --across-nodes): this step's exchange is inside the
+        node ('node'), or across the nodes too ('world', 'outer': due whatever K says)."""
         if not self.fused:
             cost = self.rep.step(idx)
-            self.after_step(step, last)
+            self.after_step(step, last, reach)
             return cost
         if last:  # the whole state, plain: replicas end identical
             return self.rep.step(idx, self.inside, gradients=self.gradients)
@@ -118,12 +120,13 @@ class Sync:
                                  gradients=self.gradients)
         return self.rep.step(idx)
 
-    def after_step(self, step, last=False):
+    def after_step(self, step, last=False, reach=None):
         """Call after step `step` (counted from 0) of an epoch; `last` forces a sync."""
         self.stepped = True
         if self.ex is None:
             return
-        due = (not (step + 1) % self.every and not self.overlap) or last
+        due = (not (step + 1) % self.every and not self.overlap) or last or reach in (
+            "world", "outer")
         pending = self.overlap and self.ex.pending
         begin = self.overlap and not last and self.spanning(step + 1)
         if not (due or pending or begin):
@@ -140,7 +143,7 @@ class Sync:
             self.rep.exchange_start(self.ex, begin)
             self.stepped = False
         elif due:
-            self.rep.exchange(self.ex)
+            self.rep.exchange(self.ex, reach or "world")
         self.seconds += time.perf_counter() - t0
 
     def drain(self):

@@ -69,6 +69,14 @@ def make_exchanger(ctx, rep, cfg, inside=True, root=None):
     ex = Exchanger(ctx, rep.layout, method=cfg.method, wire_dtype=cfg.exchange_dtype,
                    max_blocks=blocks, shadow=shadow)
     try:
+        if cfg.across_nodes == "diloco":  # its global parameters: those the first exchange gives
+            lo, hi = rep.part("params")
+            ex.outer_step(ex.part(lo, hi), cfg.outer_lr, cfg.outer_momentum)
+            if cfg.resume:
+                from . import checkpoint
+                v = checkpoint.read_extra(cfg.resume, "outer_momentum")
+                if v is not None:  # (none: resumed from a run without it, from rest)
+                    ex.backend.set_outer_momentum(v)
         if root is None:
             rep.exchange(ex)  # replicas start identical (--init-seed); a resumed run too
         else:
