@@ -1,0 +1,82 @@
+"""Two nodes of CPU workers on this host, every way of meeting between them: the final test
+error and the bytes each node sends between nodes a epoch, in a table.
+
+    python benchmarks/across_nodes.py --data-dir /usr/share/datasets/fashion-mnist
+
+Each row is one run of two launchers on loopback (--nnodes 2), ``--cpu 2`` each: exact
+every step, and every H steps plain (local SGD) or by DiLoCo's outer step. Loopback is no
+slow link: the table shows what crosses and what it costs in accuracy, not time."""
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+
+def _port():
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free pair of ports")
+
+
+def run(args, out, flags):
+    """One run of two nodes; node 0's metrics.jsonl records."""
+    port = _port()
+    env = dict(os.environ, PYMPGU_SECRET=os.urandom(16).hex())
+    base = [sys.executable, "-m", "pympgu.train", "--cpu", "2", "--nnodes", "2",
+            "--coordinator", f"127.0.0.1:{port}", "--epochs", str(args.epochs),
+            "--batch-size", str(args.batch_size), "--quiet", *args.more, *flags]
+    if args.data_dir:
+        base += ["--data-dir", args.data_dir]
+    procs = [subprocess.Popen(base + ["--node-rank", str(k)] + (["--out", out] if k == 0
+                                                                 else []),
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for k in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=3600)
+        if p.returncode:
+            raise RuntimeError(f"{flags}: status {p.returncode}\n{err[-2000:]}")
+    return [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data-dir")
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--every", type=int, nargs="+", default=[10, 50, 200], metavar="H")
+    p.add_argument("--ways", nargs="+", default=["average", "diloco"])
+    p.add_argument("--more", nargs=argparse.REMAINDER, default=[],
+                   help="more flags for pympgu.train (a --model, say)")
+    args = p.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="pympgu-across-") as tmp:
+        plans = [("every-step", None)] + [(w, h) for h in args.every for w in args.ways]
+        for k, (way, h) in enumerate(plans):
+            flags = [] if h is None else ["--across-nodes", way, "--outer-every", str(h)]
+            records = run(args, os.path.join(tmp, str(k)), flags)
+            last = records[-1]
+            per_epoch = sum(r["between_nodes_bytes"] for r in records) / len(records)
+            rows.append((way, h, last["test_error"], per_epoch, records[-1]["loss"]))
+            print(f"{way} H={h}: test error {100 * last['test_error']:.2f}%, "
+                  f"{per_epoch / 2 ** 20:.1f} MiB a node a epoch", flush=True)
+    base = rows[0][3]
+    print("\n| between nodes | H | test error | MiB a node an epoch | fewer bytes | last loss |")
+    print("|---|---|---|---|---|---|")
+    for way, h, err, b, loss in rows:
+        print(f"| {way} | {h or 1} | {100 * err:.2f}% | {b / 2 ** 20:.1f} | {base / b:.0f}x "
+              f"| {loss:.4f} |")
+
+
+if __name__ == "__main__":
+    main()
