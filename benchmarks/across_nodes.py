@@ -56,26 +56,33 @@ def main():
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--every", type=int, nargs="+", default=[10, 50, 200], metavar="H")
     p.add_argument("--ways", nargs="+", default=["average", "diloco"])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int8"],
+                   help="DiLoCo's pseudo-gradient on the wire, at each H")
     p.add_argument("--more", nargs=argparse.REMAINDER, default=[],
                    help="more flags for pympgu.train (a --model, say)")
     args = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="pympgu-across-") as tmp:
-        plans = [("every-step", None)] + [(w, h) for h in args.every for w in args.ways]
-        for k, (way, h) in enumerate(plans):
+        plans = [("every-step", None, "float32")] + [
+            (w, h, d) for h in args.every for w in args.ways
+            for d in (args.dtypes if w == "diloco" else ["float32"])]
+        for k, (way, h, dtype) in enumerate(plans):
             flags = [] if h is None else ["--across-nodes", way, "--outer-every", str(h)]
+            if dtype != "float32":
+                flags += ["--outer-dtype", dtype]
             records = run(args, os.path.join(tmp, str(k)), flags)
             last = records[-1]
             per_epoch = sum(r["between_nodes_bytes"] for r in records) / len(records)
-            rows.append((way, h, last["test_error"], per_epoch, records[-1]["loss"]))
-            print(f"{way} H={h}: test error {100 * last['test_error']:.2f}%, "
-                  f"{per_epoch / 2 ** 20:.1f} MiB a node a epoch", flush=True)
-    base = rows[0][3]
-    print("\n| between nodes | H | test error | MiB a node an epoch | fewer bytes | last loss |")
-    print("|---|---|---|---|---|---|")
-    for way, h, err, b, loss in rows:
-        print(f"| {way} | {h or 1} | {100 * err:.2f}% | {b / 2 ** 20:.1f} | {base / b:.0f}x "
-              f"| {loss:.4f} |")
+            rows.append((way, h, dtype, last["test_error"], per_epoch, records[-1]["loss"]))
+            print(f"{way} H={h} {dtype}: test error {100 * last['test_error']:.2f}%, "
+                  f"{per_epoch / 2 ** 20:.2f} MiB a node a epoch", flush=True)
+    base = rows[0][4]
+    print("\n| between nodes | H | on the wire | test error | MiB a node an epoch | fewer bytes "
+          "| last loss |")
+    print("|---|---|---|---|---|---|---|")
+    for way, h, dtype, err, b, loss in rows:
+        print(f"| {way} | {h or 1} | {dtype} | {100 * err:.2f}% | {b / 2 ** 20:.2f} | "
+              f"{base / b:.0f}x | {loss:.4f} |")
 
 
 if __name__ == "__main__":

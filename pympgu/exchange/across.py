@@ -11,6 +11,10 @@ import numpy as np
 
 from ..runtime import jaxdist
 
+# int8 on the wire: one float32 scale for each block of this many values.
+INT8_BLOCK = 256
+
+
 class NodeSum:
     """Sums of equal-length float32 arrays over the ranks of one local index, one per node."""
 
@@ -29,8 +33,8 @@ class NodeSum:
         self.device = jax.local_devices()[0]
         self._sums = {}
 
-    def _sum_fn(self, n):
-        fn = self._sums.get(n)
+    def _sum_fn(self, n, wire):
+        fn = self._sums.get((n, wire))
         if fn is None:
             import jax
             from jax.sharding import PartitionSpec
@@ -39,19 +43,60 @@ class NodeSum:
             except AttributeError:  # before JAX 0.7
                 from jax.experimental.shard_map import shard_map
             spec = PartitionSpec("node", "local")
-            fn = self._sums[n] = jax.jit(shard_map(lambda a: jax.lax.psum(a, "node"),
-                                                   mesh=self.mesh, in_specs=spec,
-                                                   out_specs=spec))
+            fn = self._sums[(n, wire)] = jax.jit(shard_map(
+                _SUMS[wire], mesh=self.mesh, in_specs=spec, out_specs=spec))
         return fn
 
-    def __call__(self, x):
+    def __call__(self, x, wire=None):
         """The sum of ``x`` (float32, 1-D, the same length on every rank of this local
-        index) over the nodes, as a new array; every node gets the same bits."""
+        index) over the nodes, as a new array; every node gets the same bits. ``wire``:
+        None (float32), 'bfloat16' or 'int8' (a float32 scale a block of INT8_BLOCK): each
+        node's ``x`` crosses so, every node gathers them all and sums them in float32, in
+        node order."""
         import jax
         n = x.size
-        local = jax.device_put(np.ascontiguousarray(x, np.float32).reshape(1, 1, n),
-                               self.device)
+        padded = n if wire != "int8" else -(-n // INT8_BLOCK) * INT8_BLOCK
+        flat = np.zeros(padded, np.float32)
+        flat[:n] = x
+        local = jax.device_put(flat.reshape(1, 1, padded), self.device)
         whole = jax.make_array_from_single_device_arrays(
-            (self.nnodes, self.nlocal, n), self.sharding, [local])
-        out = self._sum_fn(n)(whole)
-        return np.asarray(out.addressable_shards[0].data).reshape(n)
+            (self.nnodes, self.nlocal, padded), self.sharding, [local])
+        out = self._sum_fn(padded, wire)(whole)
+        return np.asarray(out.addressable_shards[0].data).reshape(padded)[:n]
+
+    @staticmethod
+    def wire_bytes(n, wire=None):
+        """The bytes that a sum of ``n`` values puts on the wire from one rank."""
+        if wire == "bfloat16":
+            return 2 * n
+        if wire == "int8":
+            return n + 4 * -(-n // INT8_BLOCK)
+        return 4 * n
+
+
+def _psum(a):
+    import jax
+    return jax.lax.psum(a, "node")
+
+
+def _bfloat16_sum(a):
+    import jax
+    import jax.numpy as jnp
+    every = jax.lax.all_gather(a.astype(jnp.bfloat16), "node")
+    return every.astype(jnp.float32).sum(axis=0)
+
+
+def _int8_sum(a):
+    """Per block of INT8_BLOCK: a scale (its largest magnitude / 127) and the values in
+    int8, rounded to nearest; every node's gathered, taken back to float32 and summed."""
+    import jax
+    import jax.numpy as jnp
+    blocks = a.reshape(-1, INT8_BLOCK)
+    scale = jnp.max(jnp.abs(blocks), axis=1, keepdims=True) / 127
+    q = jnp.round(blocks / jnp.where(scale > 0, scale, 1)).astype(jnp.int8)
+    qs = jax.lax.all_gather(q, "node")
+    scales = jax.lax.all_gather(scale, "node")
+    return (qs.astype(jnp.float32) * scales).sum(axis=0).reshape(a.shape)
+
+
+_SUMS = {None: _psum, "bfloat16": _bfloat16_sum, "int8": _int8_sum}

@@ -82,7 +82,8 @@ class Exchanger:
         (a worker that joins a run takes its state so).
         ``reach`` (CPU workers across nodes): 'world', every rank's average; 'node', this
         node's ranks' alone; 'outer', the node's, then the outer step set by
-        ``outer_step`` across the nodes (pympgu.exchange.outer).
+        ``outer_step`` across the nodes on the parameters (pympgu.exchange.outer);
+        'outer-all', the same and the rest averaged across the nodes too.
         """
         if self.pending is not None:
             raise RuntimeError("Exchanger.start called twice without finish()")
@@ -117,15 +118,16 @@ class Exchanger:
         self.pending = kind
         self._started = (lo, hi, count)
 
-    def outer_step(self, count, lr, momentum) -> None:
+    def outer_step(self, count, lr, momentum, wire=None) -> None:
         """DiLoCo's outer step across the nodes (CPU workers), on the first ``count``
-        elements of the buffer (the parameters), for start(reach='outer')."""
+        elements of the buffer (the parameters), for start(reach='outer' or 'outer-all');
+        ``wire``: the pseudo-gradient's dtype between nodes (None, 'bfloat16', 'int8')."""
         from .outer import DiLoCo
         backend = self.backend
         if not self.ctx.is_cpu or backend.across is None:
             raise ValueError("an outer step is between the nodes of CPU workers")
         chunk = -(-self.total // backend.nranks)
-        backend.outer = DiLoCo(count, self.total, chunk, lr, momentum, self.ctx.nnodes)
+        backend.outer = DiLoCo(count, self.total, chunk, lr, momentum, self.ctx.nnodes, wire)
 
     def part(self, lo, hi) -> int:
         """The elements that averaging the layout's entries lo to hi - 1 on their own

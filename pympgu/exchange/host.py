@@ -77,9 +77,10 @@ class HostBackend:
 
     def average(self, dtype, count, reach="world"):
         """Average the buffers' first count elements: this rank's 1/R slice of them.
-        ``reach``: 'world' (every rank of every node), 'node' (this node's ranks alone), or
-        'outer' (the node's ranks, then across the nodes an outer step (self.outer) on the
-        first outer.count elements and the average of the rest)."""
+        ``reach``: 'world' (every rank of every node), 'node' (this node's ranks alone),
+        'outer' (the node's ranks, then across the nodes the outer step (self.outer) on the
+        parameters, the rest the node's average) or 'outer-all' (the same, the rest averaged
+        across the nodes too)."""
         rank = self.rank
         chunk = -(-count // self.nranks)
         lo = min(count, rank * chunk)
@@ -88,7 +89,7 @@ class HostBackend:
         self.ctx.meet(self.barrier)  # every rank of the node has packed
         mine = arrays[rank][lo:hi]
         whole = self.outer is not None and count == self.outer.total
-        if reach == "outer" and not whole:
+        if reach.startswith("outer") and not whole:
             raise ValueError("the outer step takes the whole state")
         if self.across is None or reach == "node":
             _host.host_average([a[lo:hi] for a in arrays], mine, dtype=dtype)
@@ -99,20 +100,37 @@ class HostBackend:
             part[:hi - lo] = arrays[0][lo:hi]
             for a in arrays[1:]:
                 part[:hi - lo] += a[lo:hi]
-            if reach == "outer":
-                self.outer.step(part, lo, hi, self.nranks)
-            self.across_bytes += part.nbytes
-            total = self.across(part)[:hi - lo]
-            if reach == "outer":
-                self.outer.finish(total, mine, lo, hi, self.ctx.nranks)
-            else:
-                mine[:] = total / np.float32(self.ctx.nranks)
+            if reach == "world":
+                mine[:] = self._across(part)[:hi - lo] / np.float32(self.ctx.nranks)
                 if whole:
                     self.outer.reset(mine, lo, hi)
+            else:
+                self._outer(part[:hi - lo], mine, lo, hi, reach == "outer-all")
         for r, a in enumerate(arrays):
             if r != rank:
                 a[lo:hi] = mine
         self.ctx.meet(self.barrier)  # every slice has reached every rank of the node
+
+    def _across(self, x, wire=None):
+        """``x`` summed across the nodes (pympgu.exchange.across), its bytes counted."""
+        self.across_bytes += self.across.wire_bytes(x.size, wire)
+        return self.across(x, wire)
+
+    def _outer(self, sums, mine, lo, hi, everything):
+        """The outer step on this rank's slice (``sums``: the node's sums of it): the
+        parameters' part by self.outer, the rest the node's mean or (``everything``) every
+        node's."""
+        outer = self.outer
+        n = outer._params(lo, hi)
+        if n:  # the same on this local index of every node
+            outer.step(sums, lo, hi, self.nranks)
+            mine[:n] = outer.finish(self._across(sums[:n], outer.wire), lo, hi)
+        if n < hi - lo:
+            rest = sums[n:]
+            if everything:
+                mine[n:] = self._across(rest)[:rest.size] / np.float32(self.ctx.nranks)
+            else:
+                mine[n:] = rest / np.float32(self.nranks)
 
     def _slice(self, rank):
         chunk = -(-self.ex.total // self.nranks)

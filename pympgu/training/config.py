@@ -17,6 +17,7 @@ from ..schedule import SCHEDULES
 BACKENDS = ("jax", "c")
 # --across-nodes: how nodes meet (docs/TRAINING.md, "Across slow links").
 ACROSS_NODES = ("every-step", "average", "diloco")
+OUTER_DTYPES = ("float32", "bfloat16", "int8")
 # Adam's (and AdamW's) learning rate when --lr is not given (SGD's would be far too large),
 # and AdamW's --weight-decay: torch.optim.AdamW's defaults, as their optimizers hold them.
 ADAM_LR = OPTIMIZERS["adam"].default_lr
@@ -78,6 +79,7 @@ class RunConfig:
     outer_every: int = 50
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    outer_dtype: str = "float32"  # DiLoCo's pseudo-gradient between nodes
     # How many workers must remain for the run to go on without a lost one (None: all).
     min_workers: int = None
     # How many times in all a lost worker's place is taken by a new one (--restart-workers).
@@ -207,6 +209,10 @@ class RunConfig:
         need(self.outer_lr > 0, "--outer-lr", f"must be positive, got {self.outer_lr}")
         need(0 <= self.outer_momentum < 1, "--outer-momentum",
              f"must be in [0, 1), got {self.outer_momentum}")
+        need(self.outer_dtype in OUTER_DTYPES, "--outer-dtype",
+             f"must be one of {list(OUTER_DTYPES)}")
+        need(self.outer_dtype == "float32" or self.across_nodes == "diloco", "--outer-dtype",
+             f"{self.outer_dtype} is DiLoCo's pseudo-gradient's: give --across-nodes diloco")
         if self.across_nodes == "every-step":
             return
         need(self.nnodes > 1, "--across-nodes", f"{self.across_nodes} is between nodes: give "

@@ -154,8 +154,8 @@ class Training:
         rep.wait()
         between = None
         if self._sent() is not None:
-            # What this node put on the wire between nodes in the epoch (its ranks send alike).
-            between = (self._sent() - state["sent0"]) * ctx.local_nranks
+            # What this node's ranks put on the wire between nodes in the epoch.
+            between = sum(ctx.gather(self._sent() - state["sent0"], local=True))
         state["done"] = start + len(batches) * n
         self.at = [epoch, state["done"], self.step_of(epoch, state["done"])]  # the epoch's end
         epoch_s = time.perf_counter() - state["t0"]
@@ -182,7 +182,10 @@ class Training:
             return None
         if not (last or (self.at[2] + 1) % cfg.outer_every == 0):
             return "node"
-        return "outer" if cfg.across_nodes == "diloco" else "world"
+        if cfg.across_nodes == "average":
+            return "world"
+        # DiLoCo's inner optimizer state stays the node's but at the epoch's end.
+        return "outer-all" if last else "outer"
 
     def _end(self, epoch, record):
         """Rank 0 evaluates and checkpoints; every rank learns whether to stop, and the

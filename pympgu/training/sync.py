@@ -103,7 +103,8 @@ class Sync:
         """Training step `step` (counted from 0) of an epoch on minibatch idx, then the
         exchange if one is due (`last` forces one); returns the step's cost. ``reach``
         (CPU workers across nodes, --across-nodes): this step's exchange is inside the
-        node ('node'), or across the nodes too ('world', 'outer': due whatever K says)."""
+        node ('node'), or across the nodes too ('world', 'outer', 'outer-all': due whatever
+        K says)."""
         if not self.fused:
             cost = self.rep.step(idx)
             self.after_step(step, last, reach)
@@ -126,7 +127,7 @@ class Sync:
         if self.ex is None:
             return
         due = (not (step + 1) % self.every and not self.overlap) or last or reach in (
-            "world", "outer")
+            "world", "outer", "outer-all")
         pending = self.overlap and self.ex.pending
         begin = self.overlap and not last and self.spanning(step + 1)
         if not (due or pending or begin):

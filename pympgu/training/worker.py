@@ -71,7 +71,8 @@ def make_exchanger(ctx, rep, cfg, inside=True, root=None):
     try:
         if cfg.across_nodes == "diloco":  # its global parameters: those the first exchange gives
             lo, hi = rep.part("params")
-            ex.outer_step(ex.part(lo, hi), cfg.outer_lr, cfg.outer_momentum)
+            ex.outer_step(ex.part(lo, hi), cfg.outer_lr, cfg.outer_momentum,
+                          None if cfg.outer_dtype == "float32" else cfg.outer_dtype)
             if cfg.resume:
                 from . import checkpoint
                 v = checkpoint.read_extra(cfg.resume, "outer_momentum")
