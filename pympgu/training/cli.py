@@ -90,7 +90,7 @@ def _flags_nodes(p):
     g.add_argument("--outer-momentum", type=float, metavar="MU",
                    help="diloco's outer Nesterov momentum (default: 0.9)")
     g.add_argument("--outer-dtype", choices=list(OUTER_DTYPES),
-                   help="diloco's pseudo-gradient between nodes: bfloat16 or int8 (a scale a "
+                   help="diloco's pseudo-gradient between nodes: bfloat16 or int8 (one scale for "
                         "256 values) send 2 or 3.9 times fewer bytes (default: float32)")
 
 
