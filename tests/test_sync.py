@@ -18,8 +18,8 @@ class FakeEx:
     def __init__(self, average):
         self.average, self.pending, self.sent, self.entries = average, None, [], []
 
-    def start(self, arrays, entries=None):
-        assert self.pending is None
+    def start(self, arrays, entries=None, reach="world"):
+        assert self.pending is None and reach == "world"  # one node
         self.sent.append([a.copy() for a in arrays])
         self.entries.append(entries)
         self.pending = "exact"
