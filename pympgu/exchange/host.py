@@ -121,7 +121,7 @@ class HostBackend:
         parameters' part by self.outer, the rest the node's mean or (``everything``) every
         node's."""
         outer = self.outer
-        n = outer._params(lo, hi)
+        n = outer.params_in(lo, hi)
         if n:  # the same on this local index of every node
             outer.step(sums, lo, hi, self.nranks)
             mine[:n] = outer.finish(self._across(sums[:n], outer.wire), lo, hi)
@@ -143,12 +143,12 @@ class HostBackend:
         exchanges."""
         outer, arrays = self.outer, self.views[self.ex.dtype]
         lo, hi = self._slice(self.rank)
-        n = outer._params(lo, hi)
+        n = outer.params_in(lo, hi)
         arrays[self.rank][lo:lo + n] = outer.v[:n]
         self.ctx.meet(self.barrier)  # every slice is in its rank's buffer
         whole = None
         if self.rank == 0:
-            whole = np.concatenate([arrays[r][slice(*self._slice(r))][:outer._params(
+            whole = np.concatenate([arrays[r][slice(*self._slice(r))][:outer.params_in(
                 *self._slice(r))] for r in range(self.nranks)])
         self.ctx.meet(self.barrier)  # read: the buffers are free again
         return whole
@@ -156,7 +156,7 @@ class HostBackend:
     def set_outer_momentum(self, whole):
         """This rank's slice of DiLoCo's outer momentum, from the whole (a checkpoint's)."""
         lo, hi = self._slice(self.rank)
-        n = self.outer._params(lo, hi)
+        n = self.outer.params_in(lo, hi)
         self.outer.v[:n] = whole[lo:lo + n]
 
     def copy_from(self, root, dtype, count):

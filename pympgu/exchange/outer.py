@@ -27,13 +27,13 @@ class DiLoCo:
         self.v = np.zeros(chunk, np.float32)  # and of the outer momentum
         self.ready = False
 
-    def _params(self, lo, hi):
+    def params_in(self, lo, hi):
         """How many of the slice [lo, hi) are parameters."""
         return max(0, min(hi, self.count) - lo)
 
     def reset(self, mine, lo, hi):
         """After an exact average across the nodes: the global parameters are its result."""
-        n = self._params(lo, hi)
+        n = self.params_in(lo, hi)
         self.g[:n] = mine[:n]
         self.ready = True
 
@@ -43,13 +43,13 @@ class DiLoCo:
         if not self.ready:
             raise RuntimeError("DiLoCo's outer step before any exact exchange set the global "
                                "parameters")
-        n = self._params(lo, hi)
+        n = self.params_in(lo, hi)
         part[:n] = self.g[:n] - part[:n] / np.float32(nlocal)
 
     def finish(self, total, lo, hi):
         """``total``: the pseudo-gradients' sum across the nodes (this rank's slice of the
         parameters); returns G after the outer step."""
-        n = self._params(lo, hi)
+        n = self.params_in(lo, hi)
         d = total[:n] / np.float32(self.nnodes)
         v, g = self.v[:n], self.g[:n]
         v *= self.mu
