@@ -4,7 +4,8 @@ error and the bytes each node sends between nodes a epoch, in a table.
     python benchmarks/across_nodes.py --data-dir /usr/share/datasets/fashion-mnist
 
 Each row is one run of two launchers on loopback (--nnodes 2), ``--cpu 2`` each: exact
-every step, and every H steps plain (local SGD) or by DiLoCo's outer step. Loopback is no
+every step, and every H steps plain (local SGD), by DiLoCo's outer step or by EASGD's
+elastic pull. Loopback is no
 slow link: the table shows what crosses and what it costs in accuracy, not time."""
 import argparse
 import json
@@ -55,17 +56,19 @@ def main():
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--every", type=int, nargs="+", default=[10, 50, 200], metavar="H")
-    p.add_argument("--ways", nargs="+", default=["average", "diloco"])
+    p.add_argument("--ways", nargs="+", default=["average", "diloco", "easgd"])
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int8"],
-                   help="DiLoCo's pseudo-gradient on the wire, at each H")
+                   help="what DiLoCo and EASGD send, at each H")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="leave out the every-step row (the fewer-bytes column then has none)")
     p.add_argument("--more", nargs=argparse.REMAINDER, default=[],
                    help="more flags for pympgu.train (a --model, say)")
     args = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="pympgu-across-") as tmp:
-        plans = [("every-step", None, "float32")] + [
-            (w, h, d) for h in args.every for w in args.ways
-            for d in (args.dtypes if w == "diloco" else ["float32"])]
+        plans = [] if args.no_baseline else [("every-step", None, "float32")]
+        plans += [(w, h, d) for h in args.every for w in args.ways
+                  for d in (["float32"] if w == "average" else args.dtypes)]
         for k, (way, h, dtype) in enumerate(plans):
             flags = [] if h is None else ["--across-nodes", way, "--outer-every", str(h)]
             if dtype != "float32":
@@ -76,13 +79,13 @@ def main():
             rows.append((way, h, dtype, last["test_error"], per_epoch, records[-1]["loss"]))
             print(f"{way} H={h} {dtype}: test error {100 * last['test_error']:.2f}%, "
                   f"{per_epoch / 2 ** 20:.2f} MiB a node a epoch", flush=True)
-    base = rows[0][4]
+    base = None if args.no_baseline else rows[0][4]
     print("\n| between nodes | H | on the wire | test error | MiB a node an epoch | fewer bytes "
           "| last loss |")
     print("|---|---|---|---|---|---|---|")
     for way, h, dtype, err, b, loss in rows:
         print(f"| {way} | {h or 1} | {dtype} | {100 * err:.2f}% | {b / 2 ** 20:.2f} | "
-              f"{base / b:.0f}x | {loss:.4f} |")
+              f"{f'{base / b:.0f}x' if base else '-'} | {loss:.4f} |")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
-"""Between nodes every H steps, exact inside them (--across-nodes average|diloco), on CPU
-workers: DiLoCo's outer step against its formula, the runs of two nodes of two workers on
-one host, and what is refused."""
+"""Between nodes every H steps, exact inside them (--across-nodes average|diloco|easgd), on
+CPU workers: the outer optimizers against their formulas, the runs of two nodes of two
+workers on one host, and what is refused."""
 import json
 
 import numpy as np
 import pytest
 
-from pympgu.exchange.outer import DiLoCo
+from pympgu.exchange.outer import EASGD, DiLoCo
 from pympgu.training import RunConfig
 from pympgu.training.config import UsageError
 from test_nodes import finish, free_port, node_argv, start
@@ -14,42 +14,110 @@ from test_nodes import finish, free_port, node_argv, start
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_the_outer_step_is_nesterovs_sgd_on_the_mean_pseudo_gradient(seed):
+def _outer_round(outers, sums, total, count, everything):
+    """One outer exchange of 2 nodes x L slices as the host backend makes it: each rank's
+    due range stepped, the contributions summed across the nodes, finished. Returns each
+    node's parameters after it (NaN where nothing was due) and the global range due."""
+    nnodes, nlocal = len(outers), len(outers[0])
+    chunk = -(-total // nlocal)
+    results = [np.full(count, np.nan, np.float32) for _ in range(nnodes)]
+    due = []
+    for k in range(nlocal):
+        lo, hi = k * chunk, min(total, (k + 1) * chunk)
+        n = max(0, min(hi, count) - lo)
+        ats = [outers[node][k].due(lo, lo + n, everything) for node in range(nnodes)]
+        assert len(set((a.start, a.stop) for a in ats)) == 1  # the turns alike everywhere
+        at = ats[0]
+        due += range(lo + at.start, lo + at.stop)
+        parts = []
+        for node in range(nnodes):
+            part = sums[node][lo:hi][at].copy()
+            outers[node][k].step(part, at, nlocal)
+            parts.append(part)
+        across = parts[0] + parts[1]  # what the sum across the nodes gives every node
+        for node in range(nnodes):
+            results[node][lo + at.start:lo + at.stop] = outers[node][k].finish(
+                across, at, everything)
+    return results, np.array(due, int)
+
+
+def _outers(kind, total, count, nlocal, nnodes, start, **settings):
+    chunk = -(-total // nlocal)
+    outers = [[kind(count, total, chunk, nnodes, **settings) for _ in range(nlocal)]
+              for _ in range(nnodes)]
+    for node in outers:
+        for k, o in enumerate(node):
+            lo = k * chunk
+            n = max(0, min(lo + chunk, count) - lo)
+            o.reset(start[lo:lo + n].copy(), slice(0, n))
+    return outers
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+def test_the_outer_step_is_nesterovs_sgd_on_the_mean_pseudo_gradient(seed, streams):
     """Two nodes of two ranks, rank k of each node its slice: G -= lr (d + mu v), v = mu v
-    + d, d the nodes' mean of G - x, x a node's mean; every node the same bits."""
+    + d, d the nodes' mean of G - x, x a node's mean; every node the same bits. In F
+    streams, each exchange steps the next fragment's elements alone, each every F."""
     rng = np.random.default_rng(seed)
     total, count, nlocal, nnodes = 10, 7, 2, 2
-    chunk = -(-total // nlocal)
     g0 = rng.standard_normal(total).astype(np.float32)
     lr, mu = 0.7, 0.9
     v_ref = np.zeros(count, np.float32)
     g_ref = g0[:count].copy()
-    outers = [[DiLoCo(count, total, chunk, lr, mu, nnodes) for _ in range(nlocal)]
-              for _ in range(nnodes)]
-    for node in outers:
-        for k, o in enumerate(node):
-            lo, hi = k * chunk, min(total, (k + 1) * chunk)
-            o.reset(g0[lo:hi].copy(), lo, hi)
-    for _ in range(3):
+    outers = _outers(DiLoCo, total, count, nlocal, nnodes, g0, streams=streams, lr=lr,
+                     momentum=mu)
+    for turn in range(4):
         # Each node's sums of its ranks' states, different per node.
         sums = [rng.standard_normal(total).astype(np.float32) * nlocal for _ in range(nnodes)]
-        results = [np.empty(count, np.float32) for _ in range(nnodes)]
-        for k in range(nlocal):
-            lo, hi = k * chunk, min(total, (k + 1) * chunk)
-            n = max(0, min(hi, count) - lo)
-            parts = []
+        results, due = _outer_round(outers, sums, total, count, False)
+        fragment = turn % streams
+        assert list(due) == list(range(fragment * count // streams,
+                                       (fragment + 1) * count // streams))
+        d = np.mean([g_ref - s[:count] / nlocal for s in sums], axis=0)[due]
+        v_ref[due] = mu * v_ref[due] + d
+        g_ref[due] = g_ref[due] - lr * (d + mu * v_ref[due])
+        assert np.array_equal(results[0][due], results[1][due])
+        np.testing.assert_allclose(results[0][due], g_ref[due], rtol=1e-5, atol=1e-6)
+    _, due = _outer_round(outers, sums, total, count, True)  # the epoch's end: all of them
+    assert list(due) == list(range(count))
+
+
+def test_easgd_pulls_each_node_and_the_centre_toward_each_other(seed):
+    """Two nodes of two ranks: d = x - c, x -= alpha d, c += alpha (sum of d), c before the
+    step on both sides; every node the same centre bits, and at the epoch's end (everything)
+    every node takes the centre."""
+    rng = np.random.default_rng(seed)
+    total, count, nlocal, nnodes, alpha = 10, 7, 2, 2, np.float32(0.45)
+    c_ref = rng.standard_normal(total).astype(np.float32)
+    outers = _outers(EASGD, total, count, nlocal, nnodes, c_ref, alpha=alpha)
+    c_ref = c_ref[:count]
+    for everything in (False, False, True):
+        sums = [rng.standard_normal(total).astype(np.float32) * nlocal for _ in range(nnodes)]
+        results, _ = _outer_round(outers, sums, total, count, everything)
+        xs = [s[:count] / nlocal for s in sums]
+        ds = [x - c_ref for x in xs]
+        c_ref = c_ref + alpha * (ds[0] + ds[1])
+        if everything:
+            assert np.array_equal(results[0], results[1])
+            np.testing.assert_allclose(results[0], c_ref, rtol=1e-5, atol=1e-6)
+        else:
             for node in range(nnodes):
-                part = sums[node][lo:hi].copy()
-                outers[node][k].step(part, lo, hi, nlocal)
-                parts.append(part[:n])
-            across = parts[0] + parts[1]  # what the sum across the nodes gives every node
-            for node in range(nnodes):
-                results[node][lo:lo + n] = outers[node][k].finish(across, lo, hi)
-        d = np.mean([g_ref - s[:count] / nlocal for s in sums], axis=0)
-        v_ref = mu * v_ref + d
-        g_ref = g_ref - lr * (d + mu * v_ref)
-        assert np.array_equal(results[0], results[1])
-        np.testing.assert_allclose(results[0], g_ref, rtol=1e-5, atol=1e-6)
+                np.testing.assert_allclose(results[node], xs[node] - alpha * ds[node],
+                                           rtol=1e-5, atol=1e-6)
+    for node in range(nnodes):  # the centre: the same bits on every node
+        assert np.array_equal(np.concatenate([o.c for o in outers[node]])[:count],
+                              np.concatenate([o.c for o in outers[0]])[:count])
+
+
+def test_the_outer_optimizers_are_one_registry():
+    from pympgu.exchange import outer
+    from pympgu.training.config import ACROSS_NODES
+    assert set(outer.NAMES) == {"diloco", "easgd"}
+    assert set(outer.NAMES) < set(ACROSS_NODES)
+    for name, kind in outer.REGISTRY.items():
+        assert kind.name == name
+        fields = {f for f in RunConfig.__dataclass_fields__}
+        assert set(kind.flags.values()) <= fields, name  # every setting a RunConfig field
 
 
 def test_a_compressed_wire_costs_what_it_says():
@@ -67,7 +135,14 @@ def test_a_compressed_wire_costs_what_it_says():
     (dict(across_nodes="diloco", nnodes=2, outer_momentum=1.0), "--outer-momentum must be"),
     (dict(across_nodes="sometimes", nnodes=2), "--across-nodes must be one of"),
     (dict(across_nodes="average", nnodes=2, outer_dtype="int8"),
-     "int8 is DiLoCo's pseudo-gradient's"),
+     "int8 is what an outer optimizer sends: give --across-nodes diloco or easgd"),
+    (dict(across_nodes="diloco", nnodes=2, easgd_alpha=0.1), "--easgd-alpha is EASGD's"),
+    (dict(across_nodes="easgd", nnodes=2, easgd_alpha=0.6),
+     "--easgd-alpha must be above 0 and at most 1 / nodes (1/2), got 0.6"),
+    (dict(across_nodes="easgd", nnodes=2, easgd_alpha=0.0), "--easgd-alpha must be above 0"),
+    (dict(across_nodes="average", nnodes=2, outer_streams=2), "--outer-streams is for an"),
+    (dict(across_nodes="diloco", nnodes=2, outer_every=4, outer_streams=5),
+     "--outer-streams must be 1 to --outer-every (4), got 5"),
 ])
 def test_what_across_nodes_refuses(changes, message):
     with pytest.raises(UsageError) as info:
@@ -109,6 +184,34 @@ def test_diloco_sends_h_times_fewer_bytes_and_keeps_the_nodes_alike(tmp_path):
     assert runs["int8"][0]["between_nodes_bytes"] < bf16
     for records in [every, local, *runs.values()]:
         assert records[1]["loss"] < records[0]["loss"], records  # it learns
+
+
+def test_easgd_sends_the_distances_and_brings_the_nodes_together(tmp_path):
+    """EASGD sends each node's distance from the centre (the parameters' size) every H
+    steps, and the inner optimizer's state at the epoch's end, when every node takes the
+    centre: the nodes' replicas are then compared (a difference fails the run); it learns,
+    with the wire in float32 or int8."""
+    every = _two_nodes(tmp_path, "every")
+    state = every[0]["between_nodes_bytes"] // 15
+    easgd = _two_nodes(tmp_path, "easgd", "--across-nodes", "easgd", "--outer-every", "5")
+    assert [e["between_nodes_bytes"] for e in easgd] == [2 * state] * 2
+    int8 = _two_nodes(tmp_path, "int8", "--across-nodes", "easgd", "--outer-every", "5",
+                      "--outer-dtype", "int8", "--easgd-alpha", "0.3")
+    assert int8[0]["between_nodes_bytes"] < 0.8 * 2 * state
+    for records in (easgd, int8):
+        assert records[1]["loss"] < records[0]["loss"], records
+
+
+def test_streams_send_one_fragment_at_a_time(tmp_path):
+    """--outer-streams 3 at H = 6: a third of the parameters crosses every 2 steps (steps 2
+    to 14 of 15), the whole state at the epoch's end; the nodes end alike, and it learns."""
+    every = _two_nodes(tmp_path, "every")
+    state = every[0]["between_nodes_bytes"] / 15
+    streams = _two_nodes(tmp_path, "streams", "--across-nodes", "diloco", "--outer-every",
+                         "6", "--outer-streams", "3")
+    for e in streams:
+        assert e["between_nodes_bytes"] == pytest.approx((7 / 3 * 0.5 + 1) * state, rel=0.01)
+    assert streams[1]["loss"] < streams[0]["loss"], streams
 
 
 def test_diloco_at_rate_1_without_momentum_is_local_sgd_on_the_parameters(tmp_path):

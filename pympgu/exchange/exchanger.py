@@ -82,7 +82,7 @@ class Exchanger:
         (a worker that joins a run takes its state so).
         ``reach`` (CPU workers across nodes): 'world', every rank's average; 'node', this
         node's ranks' alone; 'outer', the node's, then the outer step set by
-        ``outer_step`` across the nodes on the parameters (pympgu.exchange.outer);
+        ``set_outer`` across the nodes on the parameters (pympgu.exchange.outer);
         'outer-all', the same and the rest averaged across the nodes too.
         """
         if self.pending is not None:
@@ -118,16 +118,21 @@ class Exchanger:
         self.pending = kind
         self._started = (lo, hi, count)
 
-    def outer_step(self, count, lr, momentum, wire=None) -> None:
-        """DiLoCo's outer step across the nodes (CPU workers), on the first ``count``
-        elements of the buffer (the parameters), for start(reach='outer' or 'outer-all');
-        ``wire``: the pseudo-gradient's dtype between nodes (None, 'bfloat16', 'int8')."""
-        from .outer import DiLoCo
+    def set_outer(self, name, count, wire=None, streams=1, **settings) -> None:
+        """The outer optimizer ``name`` between the nodes (CPU workers; a name of
+        pympgu.exchange.outer's registry) on the first ``count`` elements of the buffer (the
+        parameters), for start(reach='outer' or 'outer-all'); ``wire``: what crosses between
+        the nodes (None, 'bfloat16', 'int8'); ``streams``: the parameters' fragments that
+        meet in turn, one each reach='outer'; ``settings``: the optimizer's own."""
+        from . import outer
         backend = self.backend
         if not self.ctx.is_cpu or backend.across is None:
             raise ValueError("an outer step is between the nodes of CPU workers")
+        if name not in outer.REGISTRY:
+            raise ValueError(f"no outer optimizer {name!r}: one of {', '.join(outer.NAMES)}")
         chunk = -(-self.total // backend.nranks)
-        backend.outer = DiLoCo(count, self.total, chunk, lr, momentum, self.ctx.nnodes, wire)
+        backend.outer = outer.REGISTRY[name](count, self.total, chunk, self.ctx.nnodes, wire,
+                                             streams, **settings)
 
     def part(self, lo, hi) -> int:
         """The elements that averaging the layout's entries lo to hi - 1 on their own

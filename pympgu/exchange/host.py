@@ -103,7 +103,8 @@ class HostBackend:
             if reach == "world":
                 mine[:] = self._across(part)[:hi - lo] / np.float32(self.ctx.nranks)
                 if whole:
-                    self.outer.reset(mine, lo, hi)
+                    n = self.outer.params_in(lo, hi)
+                    self.outer.reset(mine[:n], slice(0, n))
             else:
                 self._outer(part[:hi - lo], mine, lo, hi, reach == "outer-all")
         for r, a in enumerate(arrays):
@@ -117,34 +118,39 @@ class HostBackend:
         return self.across(x, wire)
 
     def _outer(self, sums, mine, lo, hi, everything):
-        """The outer step on this rank's slice (``sums``: the node's sums of it): the
-        parameters' part by self.outer, the rest the node's mean or (``everything``) every
+        """The outer step on this rank's slice (``sums``: the node's sums of it): on the
+        parameters due (self.outer.due), the rest the node's mean or (``everything``) every
         node's."""
         outer = self.outer
         n = outer.params_in(lo, hi)
-        if n:  # the same on this local index of every node
-            outer.step(sums, lo, hi, self.nranks)
-            mine[:n] = outer.finish(self._across(sums[:n], outer.wire), lo, hi)
+        at = outer.due(lo, lo + n, everything)
+        if at.stop > at.start:  # the same on this local index of every node
+            part = sums[at]
+            outer.step(part, at, self.nranks)
+            mine[at] = outer.finish(self._across(part, outer.wire), at, everything)
+        local = np.float32(self.nranks)
+        mine[:at.start] = sums[:at.start] / local
+        mine[at.stop:n] = sums[at.stop:n] / local
         if n < hi - lo:
             rest = sums[n:]
             if everything:
                 mine[n:] = self._across(rest)[:rest.size] / np.float32(self.ctx.nranks)
             else:
-                mine[n:] = rest / np.float32(self.nranks)
+                mine[n:] = rest / local
 
     def _slice(self, rank):
         chunk = -(-self.ex.total // self.nranks)
         lo = min(self.ex.total, rank * chunk)
         return lo, min(self.ex.total, lo + chunk)
 
-    def outer_momentum(self):
-        """DiLoCo's outer momentum whole, on local rank 0 (None on the others), each rank's
-        slice passed through the shared buffers: every rank of the node calls it, between
-        exchanges."""
+    def outer_state(self, attr):
+        """The outer optimizer's array ``attr`` (its slices) whole, on local rank 0 (None on
+        the others), each rank's slice passed through the shared buffers: every rank of the
+        node calls it, between exchanges."""
         outer, arrays = self.outer, self.views[self.ex.dtype]
         lo, hi = self._slice(self.rank)
         n = outer.params_in(lo, hi)
-        arrays[self.rank][lo:lo + n] = outer.v[:n]
+        arrays[self.rank][lo:lo + n] = getattr(outer, attr)[:n]
         self.ctx.meet(self.barrier)  # every slice is in its rank's buffer
         whole = None
         if self.rank == 0:
@@ -153,11 +159,12 @@ class HostBackend:
         self.ctx.meet(self.barrier)  # read: the buffers are free again
         return whole
 
-    def set_outer_momentum(self, whole):
-        """This rank's slice of DiLoCo's outer momentum, from the whole (a checkpoint's)."""
+    def set_outer_state(self, attr, whole):
+        """This rank's slice of the outer optimizer's array ``attr``, from the whole (a
+        checkpoint's)."""
         lo, hi = self._slice(self.rank)
         n = self.outer.params_in(lo, hi)
-        self.outer.v[:n] = whole[lo:lo + n]
+        getattr(self.outer, attr)[:n] = whole[lo:lo + n]
 
     def copy_from(self, root, dtype, count):
         """Every rank's buffer gets rank root's first count elements."""

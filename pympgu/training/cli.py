@@ -81,17 +81,27 @@ def _flags_nodes(p):
                         "several nodes needs one")
     g.add_argument("--across-nodes", choices=list(ACROSS_NODES),
                    help="between nodes: every-step (exact, the default), or every "
-                        "--outer-every steps average (local SGD) or diloco (an outer Nesterov "
-                        "step on the nodes' mean change); inside a node, exact as ever")
+                        "--outer-every steps average (local SGD), diloco (an outer Nesterov "
+                        "step on the nodes' mean change) or easgd (each node pulled toward a "
+                        "shared centre, and the centre toward them); inside a node, exact "
+                        "as ever")
     g.add_argument("--outer-every", type=int, metavar="H",
                    help="steps between two exchanges across nodes (default: 50)")
     g.add_argument("--outer-lr", type=float, metavar="LR",
                    help="diloco's outer learning rate (default: 0.7)")
     g.add_argument("--outer-momentum", type=float, metavar="MU",
                    help="diloco's outer Nesterov momentum (default: 0.9)")
+    g.add_argument("--outer-streams", type=int, metavar="F",
+                   help="diloco or easgd on the parameters in F fragments, one meeting "
+                        "across the nodes every H/F steps, each every H (Streaming DiLoCo): "
+                        "F times fewer bytes a meeting (default: 1)")
+    g.add_argument("--easgd-alpha", type=float, metavar="A",
+                   help="easgd's elastic rate: how far each node and the centre move toward "
+                        "each other (default: 0.9 / nodes)")
     g.add_argument("--outer-dtype", choices=list(OUTER_DTYPES),
-                   help="diloco's pseudo-gradient between nodes: bfloat16 or int8 (one scale for "
-                        "256 values) send 2 or 3.9 times fewer bytes (default: float32)")
+                   help="what diloco or easgd sends between nodes: bfloat16 or int8 (one "
+                        "scale for 256 values) send 2 or 3.9 times fewer bytes (default: "
+                        "float32)")
 
 
 def _flags_data(p):
@@ -210,7 +220,8 @@ _PLAIN = ("hidden", "epochs", "batch_size", "lr", "momentum", "l1", "l2", "beta2
           "label_smoothing", "shift", "bn_examples", "seed", "init_seed", "schedule",
           "compute_dtype", "sync_every", "overlap", "exchange_dtype", "exchange_blocks",
           "nesterov", "flip", "method", "min_workers", "restart_workers", "across_nodes",
-          "outer_every", "outer_lr", "outer_momentum", "outer_dtype")
+          "outer_every", "outer_lr", "outer_momentum", "easgd_alpha", "outer_dtype",
+          "outer_streams")
 
 
 class Resolved:

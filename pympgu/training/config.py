@@ -10,13 +10,14 @@ import json
 
 from .. import methods
 from ..errors import FlagError
+from ..exchange import outer
 from ..models import OPTIMIZERS, STATISTICS_EXAMPLES
 from ..precision import DTYPES as COMPUTE_DTYPES
 from ..schedule import SCHEDULES
 
 BACKENDS = ("jax", "c")
 # --across-nodes: how nodes meet (docs/TRAINING.md, "Across slow links").
-ACROSS_NODES = ("every-step", "average", "diloco")
+ACROSS_NODES = ("every-step", "average") + outer.NAMES
 OUTER_DTYPES = ("float32", "bfloat16", "int8")
 # Adam's (and AdamW's) learning rate when --lr is not given (SGD's would be far too large),
 # and AdamW's --weight-decay: torch.optim.AdamW's defaults, as their optimizers hold them.
@@ -73,13 +74,16 @@ class RunConfig:
     overlap: bool = False
     exchange_dtype: str = "float32"
     exchange_blocks: int = None
-    # Between nodes (--across-nodes): every step, or every outer_every steps averaged or
-    # taken by DiLoCo's outer Nesterov step (its rate and momentum: the paper's defaults).
+    # Between nodes (--across-nodes): every step, or every outer_every steps averaged,
+    # taken by DiLoCo's outer Nesterov step (its rate and momentum: the paper's defaults)
+    # or pulled toward EASGD's centre (its alpha: None, the paper's 0.9 / nodes).
     across_nodes: str = "every-step"
     outer_every: int = 50
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
-    outer_dtype: str = "float32"  # DiLoCo's pseudo-gradient between nodes
+    easgd_alpha: float = None
+    outer_dtype: str = "float32"  # what an outer optimizer sends between nodes
+    outer_streams: int = 1  # the parameters' fragments meeting in turn (Streaming DiLoCo)
     # How many workers must remain for the run to go on without a lost one (None: all).
     min_workers: int = None
     # How many times in all a lost worker's place is taken by a new one (--restart-workers).
@@ -211,8 +215,21 @@ class RunConfig:
              f"must be in [0, 1), got {self.outer_momentum}")
         need(self.outer_dtype in OUTER_DTYPES, "--outer-dtype",
              f"must be one of {list(OUTER_DTYPES)}")
-        need(self.outer_dtype == "float32" or self.across_nodes == "diloco", "--outer-dtype",
-             f"{self.outer_dtype} is DiLoCo's pseudo-gradient's: give --across-nodes diloco")
+        need(self.outer_dtype == "float32" or self.across_nodes in outer.NAMES, "--outer-dtype",
+             f"{self.outer_dtype} is what an outer optimizer sends: give --across-nodes "
+             f"{' or '.join(outer.NAMES)}")
+        need(self.outer_streams == 1 or self.across_nodes in outer.NAMES, "--outer-streams",
+             f"is for an outer optimizer's fragments: give --across-nodes "
+             f"{' or '.join(outer.NAMES)}")
+        need(1 <= self.outer_streams <= self.outer_every, "--outer-streams",
+             f"must be 1 to --outer-every ({self.outer_every}), got {self.outer_streams}")
+        need(self.easgd_alpha is None or self.across_nodes == "easgd", "--easgd-alpha",
+             "is EASGD's: give --across-nodes easgd")
+        # The centre moves by alpha times the nodes' summed distance: past 1 / nodes it
+        # overshoots their mean.
+        need(self.easgd_alpha is None or 0 < self.easgd_alpha * self.nnodes <= 1,
+             "--easgd-alpha", f"must be above 0 and at most 1 / nodes (1/{self.nnodes}), got "
+             f"{self.easgd_alpha}")
         if self.across_nodes == "every-step":
             return
         need(self.nnodes > 1, "--across-nodes", f"{self.across_nodes} is between nodes: give "

@@ -5,6 +5,7 @@ import math
 import time
 
 from . import checkpoint
+from ..exchange import outer
 from .outdir import OutDir
 from .recovery import Recovery
 from .sync import Sync
@@ -180,11 +181,12 @@ class Training:
         cfg = self.cfg
         if cfg.across_nodes == "every-step" or self.ctx.nnodes == 1:
             return None
-        if not (last or (self.at[2] + 1) % cfg.outer_every == 0):
+        # With F streams a fragment meets every H // F steps, each in turn.
+        if not (last or (self.at[2] + 1) % (cfg.outer_every // cfg.outer_streams) == 0):
             return "node"
         if cfg.across_nodes == "average":
             return "world"
-        # DiLoCo's inner optimizer state stays the node's but at the epoch's end.
+        # The inner optimizer's state stays the node's but at the epoch's end.
         return "outer-all" if last else "outer"
 
     def _end(self, epoch, record):
@@ -193,10 +195,11 @@ class Training:
         ctx, cfg = self.ctx, self.cfg
         diverged, stop = None, False
         extra = None
-        if cfg.across_nodes == "diloco" and self._sent() is not None:
-            # DiLoCo's outer momentum goes into the checkpoint (the global parameters are
-            # the replicas' own after the epoch's last exchange).
-            extra = {"outer_momentum": self.ex.backend.outer_momentum()}
+        if cfg.across_nodes in outer.REGISTRY and self._sent() is not None:
+            # The outer optimizer's state goes into the checkpoint (DiLoCo's momentum; the
+            # state the nodes share is the replicas' own after the epoch's last exchange).
+            extra = {key: self.ex.backend.outer_state(attr) for key, attr in
+                     outer.REGISTRY[cfg.across_nodes].saved.items()} or None
         if ctx.rank == 0:
             if not math.isfinite(record["loss"]):
                 # Nothing of this epoch is kept: the last checkpoint stays the last good one.

@@ -3,6 +3,7 @@ its exchange connected for the training loop (pympgu.training.loop)."""
 import os
 import warnings
 
+from ..exchange import outer
 from .replica import Replica
 from .sync import same_start
 
@@ -69,15 +70,18 @@ def make_exchanger(ctx, rep, cfg, inside=True, root=None):
     ex = Exchanger(ctx, rep.layout, method=cfg.method, wire_dtype=cfg.exchange_dtype,
                    max_blocks=blocks, shadow=shadow)
     try:
-        if cfg.across_nodes == "diloco":  # its global parameters: those the first exchange gives
+        if cfg.across_nodes in outer.REGISTRY:  # its shared state: what the first exchange gives
+            kind = outer.REGISTRY[cfg.across_nodes]
             lo, hi = rep.part("params")
-            ex.outer_step(ex.part(lo, hi), cfg.outer_lr, cfg.outer_momentum,
-                          None if cfg.outer_dtype == "float32" else cfg.outer_dtype)
-            if cfg.resume:
+            ex.set_outer(cfg.across_nodes, ex.part(lo, hi),
+                         None if cfg.outer_dtype == "float32" else cfg.outer_dtype,
+                         cfg.outer_streams,
+                         **{k: getattr(cfg, field) for k, field in kind.flags.items()})
+            for key, attr in kind.saved.items() if cfg.resume else ():
                 from . import checkpoint
-                v = checkpoint.read_extra(cfg.resume, "outer_momentum")
-                if v is not None:  # (none: resumed from a run without it, from rest)
-                    ex.backend.set_outer_momentum(v)
+                whole = checkpoint.read_extra(cfg.resume, key)
+                if whole is not None:  # (none: resumed from a run without it, from rest)
+                    ex.backend.set_outer_state(attr, whole)
         if root is None:
             rep.exchange(ex)  # replicas start identical (--init-seed); a resumed run too
         else:
