@@ -273,8 +273,11 @@ class PeerState(_Peers):
         self.places = {}
 
 
-def average_hook(state, bucket) -> "torch.futures.Future":
-    """DDP communication hook: ``ddp.register_comm_hook(PeerState(...), average_hook)``."""
+# No return annotation: DDP refuses any but the type torch.futures.Future[torch.Tensor]
+# itself, and pympgu imports torch only when it is used.
+def average_hook(state, bucket):
+    """DDP communication hook: ``ddp.register_comm_hook(PeerState(...), average_hook)``;
+    returns a torch.futures.Future of the bucket's mean."""
     if state.group is None and state.nranks > 1:
         raise RuntimeError(f"pympgu.ddp: rank {state.rank}: the PeerState is closed")
     return state.average(bucket)

@@ -424,3 +424,12 @@ def test_the_local_sgd_example_names_a_bad_flag_before_any_rank_starts(argv, mes
         example.main(argv)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_hook_passes_ddps_check_of_its_signature():
+    """DDP's register_comm_hook refuses a return annotation other than the type
+    torch.futures.Future[torch.Tensor] itself (a string among them); pympgu's hook has none."""
+    import inspect
+    sig = inspect.signature(ddp.average_hook)
+    assert sig.return_annotation is inspect.Signature.empty
+    assert len(sig.parameters) == 2
