@@ -203,8 +203,12 @@ class Replica:
             elif ex is not None:
                 def exchange(compute, which, *args, local=()):
                     return ex.average_results(compute, which[lo:hi], *args)
+            # A worker alone gives XLA its state to write the new one over, as a JAX user's
+            # step does; beside others, the exchange may still read it (docs/DECISIONS.md,
+            # "The state donated").
+            alone = ex is None and self.ctx.nranks == 1
             fn = self._steps[key] = JaxStep(self.train_fn, self.model.state, exchange, during,
-                                            inputs, options)
+                                            inputs, options, donate=alone)
         return fn
 
     def device_batches(self, batches):

@@ -38,9 +38,12 @@ class JaxStep:
     A random generator that ``fn`` draws from (Model.dropout's) is a rank's own input,
     like the minibatch: ``exchange`` is given it in ``local``, as the arrays of its key.
     ``compiler_options`` are jax.jit's, for this program (pympgu.xla.alike_options()).
+    ``donate``: the values of the shared variables that ``fn`` updates are given to XLA to
+    write the new ones over (nothing else may hold them: the containers get the new ones).
     """
 
-    def __init__(self, fn, state, exchange=None, during=None, inputs=(), compiler_options=None):
+    def __init__(self, fn, state, exchange=None, during=None, inputs=(), compiler_options=None,
+                 donate=False):
         import jax
         from pytensor.compile.sharedvalue import SharedVariable
         from pytensor.tensor.random.type import RandomType
@@ -105,7 +108,9 @@ class JaxStep:
             outs = self._run(compiled, outs_in, args_in, local, args, more, exchange, during)
             return jax.tree.unflatten(out_tree, outs) if noise else outs
 
-        self.jitted = jax.jit(run, compiler_options=compiler_options or None)
+        donated = sorted(set(fgraph.update_mapping.values())) if donate else ()
+        self.jitted = jax.jit(run, compiler_options=compiler_options or None,
+                              donate_argnums=tuple(donated))
 
     @staticmethod
     def _run(program, state_outs, state_ins, local, args, more, exchange, during):
