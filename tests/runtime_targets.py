@@ -43,10 +43,20 @@ def average_rounds(ctx, rounds, pid_dir=None, fail=None, layout=None, flat=False
     flat=True hands the Exchanger one packed array (start(flat=True)), as JAX workers do.
     pace: seconds of sleep before each round (a run that lasts).
     """
-    from pympgu.exchange import Exchanger
     if pid_dir:
         open(os.path.join(pid_dir, f"{ctx.rank}.pid"), "w").write(str(os.getpid()))
         open(os.path.join(pid_dir, "run_id"), "w").write(ctx.run_id)
+    try:
+        return _rounds(ctx, rounds, fail, layout, flat, pace)
+    except BaseException as e:
+        from pympgu.runtime import control
+        if pid_dir and isinstance(e, control.Stopped):  # told to stop, not killed
+            open(os.path.join(pid_dir, f"{ctx.rank}.stopped"), "w").close()
+        raise
+
+
+def _rounds(ctx, rounds, fail, layout, flat, pace):
+    from pympgu.exchange import Exchanger
     layout = layout or LAYOUT
     if layout == "mismatch":
         layout = LAYOUT[:-1] + [("b2", [6] if ctx.rank == 1 else [5], "float32")]

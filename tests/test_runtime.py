@@ -4,6 +4,7 @@ import glob
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -119,16 +120,26 @@ def test_ctrl_c_stops_every_worker(tmp_path):
         "from pympgu.runtime import launch; from runtime_targets import average_rounds;"
         f"launch(average_rounds, (100000, {str(tmp_path)!r}), cpu=2)"
     )
-    proc = start([sys.executable, "-c", script])
+    proc = start([sys.executable, "-c", "import faulthandler, signal; "
+                  "faulthandler.register(signal.SIGUSR1); " + script])
     try:
         wait_until(lambda: len(glob.glob(str(tmp_path / "*.pid"))) == 2, 60, every=0.2)
         time.sleep(1.0)
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
-        _, err = proc.communicate(timeout=20)
+        try:
+            _, err = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:  # say where the launcher is stuck
+            os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(1.0)
+            kill_session(proc)
+            _, err = proc.communicate(timeout=10)
+            raise AssertionError("the launcher outlived Ctrl-C by 20 s:\n" + err[-6000:])
     finally:
         kill_session(proc)
     assert proc.returncode != 0
     assert "KeyboardInterrupt" in err
+    # Workers exchanging at full pace heard the launcher's STOP: none waited to be killed.
+    assert len(glob.glob(str(tmp_path / "*.stopped"))) == 2, err[-3000:]
     pids = [int(open(p).read()) for p in glob.glob(str(tmp_path / "*.pid"))]
     assert wait_until(lambda: not [p for p in pids if alive(p)], 5), "a worker outlived it"
     assert not shm_left((tmp_path / "run_id").read_text())

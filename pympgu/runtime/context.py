@@ -23,6 +23,7 @@ class WorkerContext:
         # A restarted worker, to join the run at its next epoch (pympgu.training.recovery).
         self.joining = joining
         self._barrier_seq = 0
+        self._next_check = 0.0  # when check() next reads the launcher's socket
 
     @property
     def is_cpu(self) -> bool:
@@ -48,13 +49,24 @@ class WorkerContext:
         data, _ = self.link.receive("RELEASE")
         return data
 
+    def check(self) -> None:
+        """Raise control.Stopped if the launcher has said STOP (control.Shrunk for a lost
+        peer), reading its socket at most once every MEET_SLICE_S: cheap enough for every
+        step of a loop that never waits for the launcher otherwise."""
+        if (now := time.monotonic()) >= self._next_check:
+            self._next_check = now + MEET_SLICE_S
+            self.link.check()
+
     def meet(self, barrier) -> None:
         """Pass ``barrier`` (pympgu._host.Barrier of this node's ranks, in shared memory)
         with every rank of the node: no message unless the wait lasts. A STOP from the
         launcher (a peer died, the run is stopped) raises control.Stopped within
-        MEET_SLICE_S; a wait past MEET_REPORT_S is told to the launcher, whose hang check
-        then names the rank that does not arrive."""
+        MEET_SLICE_S of the next meeting, waiting or not; a wait past MEET_REPORT_S is told
+        to the launcher, whose hang check then names the rank that does not arrive."""
         if barrier.arrive() or barrier.wait(0.0, MEET_SPINS):
+            # Peers that never wait long would never read the socket: a STOP while every
+            # rank keeps pace (Ctrl-C) is looked for here too.
+            self.check()
             return
         start, told = time.monotonic(), False
         try:

@@ -139,6 +139,7 @@ class Training:
             last = step == len(batches) - 1
             done = start + step * n
             self.at = [epoch, done, self.step_of(epoch, done)]
+            ctx.check()  # Ctrl-C or a lost peer, heard where no exchange meets the launcher
             # The run's step, from which a resumed run goes on.
             rate = rep.apply_rate(self.schedule, self.at[2])
             t0 = sync.seconds
