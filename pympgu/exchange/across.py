@@ -1,15 +1,16 @@
-"""CPU workers' exchange between nodes: JAX's multi-process runtime (runtime.jaxdist), its
-collectives by gloo.
+"""CPU workers' exchange between nodes, over pympgu's own authenticated TCP links
+(runtime.datalinks).
 
 Inside a node the host backend sums each local rank's slice of the buffer through shared
-memory; this sums that slice across the nodes, between the ranks of one local index. JAX
-over torch.distributed: JAX is already pympgu's dependency, and its runtime needs nothing
-more (docs/DECISIONS.md, "CPU workers across nodes"). Every rank of every run-wide mesh
-calls each sum at once, as every rank exchanges at once.
+memory; this sums that slice across the nodes, between the ranks of one local index: each
+node's slice crosses to every other node (float32, bfloat16 or int8 with a scale a block),
+and every node sums them all in float32 in node order, so that every node gets the same bits
+(docs/DECISIONS.md, "CPU workers across nodes"). Every rank of the run makes its links at
+once, as every rank exchanges at once.
 """
 import numpy as np
 
-from ..runtime import jaxdist
+from ..runtime.datalinks import DataLinks
 
 # int8 on the wire: one float32 scale for each block of this many values.
 INT8_BLOCK = 256
@@ -18,85 +19,73 @@ INT8_BLOCK = 256
 class NodeSum:
     """Sums of equal-length float32 arrays over the ranks of one local index, one per node."""
 
-    def __init__(self, ctx):
-        if not jaxdist.joined():
-            raise RuntimeError("pympgu.runtime.jaxdist.join() was not called in this worker")
-        import jax
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec
-        devices = sorted(jax.devices(), key=lambda d: d.process_index)
-        if len(devices) != ctx.nranks:
-            raise RuntimeError(f"JAX sees {len(devices)} devices across the run's processes, "
-                               f"expected one a rank ({ctx.nranks})")
-        self.nnodes, self.nlocal = ctx.nnodes, ctx.local_nranks
-        self.mesh = Mesh(np.array(devices).reshape(self.nnodes, self.nlocal), ("node", "local"))
-        self.sharding = NamedSharding(self.mesh, PartitionSpec("node", "local"))
-        self.device = jax.local_devices()[0]
-        self._sums = {}
-
-    def _sum_fn(self, n, wire):
-        fn = self._sums.get((n, wire))
-        if fn is None:
-            import jax
-            from jax.sharding import PartitionSpec
-            try:
-                shard_map = jax.shard_map
-            except AttributeError:  # before JAX 0.7
-                from jax.experimental.shard_map import shard_map
-            spec = PartitionSpec("node", "local")
-            fn = self._sums[(n, wire)] = jax.jit(shard_map(
-                _SUMS[wire], mesh=self.mesh, in_specs=spec, out_specs=spec))
-        return fn
+    def __init__(self, ctx, timeout=60.0):
+        self.nnodes, self.nlocal, self.node = ctx.nnodes, ctx.local_nranks, ctx.node
+        peers = [n * self.nlocal + ctx.local_rank for n in range(self.nnodes) if n != ctx.node]
+        self.links = DataLinks.connect(ctx, peers, timeout)
+        self.order = {p: p // self.nlocal for p in peers}  # peer -> its node
 
     def __call__(self, x, wire=None):
         """The sum of ``x`` (float32, 1-D, the same length on every rank of this local
         index) over the nodes, as a new array; every node gets the same bits. ``wire``:
         None (float32), 'bfloat16' or 'int8' (a float32 scale a block of INT8_BLOCK): each
-        node's ``x`` crosses so, every node gathers them all and sums them in float32, in
-        node order."""
-        import jax
-        n = x.size
-        padded = n if wire != "int8" else -(-n // INT8_BLOCK) * INT8_BLOCK
-        flat = np.zeros(padded, np.float32)
-        flat[:n] = x
-        local = jax.device_put(flat.reshape(1, 1, padded), self.device)
-        whole = jax.make_array_from_single_device_arrays(
-            (self.nnodes, self.nlocal, padded), self.sharding, [local])
-        out = self._sum_fn(padded, wire)(whole)
-        return np.asarray(out.addressable_shards[0].data).reshape(padded)[:n]
+        node's ``x`` crosses so, and every node sums them all in float32, in node order."""
+        x = np.ascontiguousarray(x, np.float32).reshape(-1)
+        mine = encode(x, wire)
+        got = self.links.allgather(mine)
+        parts = [None] * self.nnodes
+        parts[self.node] = mine
+        for peer, payload in got.items():
+            parts[self.order[peer]] = payload
+        total = decode(parts[0], x.size, wire).copy()
+        for payload in parts[1:]:
+            total += decode(payload, x.size, wire)
+        return total
+
+    def sent_bytes(self, n, wire=None):
+        """The bytes that one sum of ``n`` values puts on the wire from this rank."""
+        return (self.nnodes - 1) * self.wire_bytes(n, wire)
 
     @staticmethod
     def wire_bytes(n, wire=None):
-        """The bytes that a sum of ``n`` values puts on the wire from one rank."""
+        """The bytes of ``n`` values on the wire, to one other node."""
         if wire == "bfloat16":
             return 2 * n
         if wire == "int8":
             return n + 4 * -(-n // INT8_BLOCK)
         return 4 * n
 
-
-def _psum(a):
-    import jax
-    return jax.lax.psum(a, "node")
+    def close(self):
+        self.links.close()
 
 
-def _bfloat16_sum(a):
-    import jax
-    import jax.numpy as jnp
-    every = jax.lax.all_gather(a.astype(jnp.bfloat16), "node")
-    return every.astype(jnp.float32).sum(axis=0)
+def encode(x, wire):
+    """``x`` (float32) as it crosses: its bytes as a uint8 array."""
+    if wire is None:
+        return x.view(np.uint8)
+    if wire == "bfloat16":
+        import ml_dtypes  # JAX's own dtypes: rounded to nearest even, as XLA rounds
+        return x.astype(ml_dtypes.bfloat16).view(np.uint8)
+    if wire == "int8":
+        # Per block: a scale (its largest magnitude / 127) and the values in int8, rounded
+        # to nearest even; the last block padded with zeros.
+        blocks = np.zeros(-(-x.size // INT8_BLOCK) * INT8_BLOCK, np.float32)
+        blocks[:x.size] = x
+        blocks = blocks.reshape(-1, INT8_BLOCK)
+        scale = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)
+        q = np.round(blocks / np.where(scale > 0, scale, np.float32(1))).astype(np.int8)
+        return np.concatenate([q.reshape(-1).view(np.uint8), scale.reshape(-1).view(np.uint8)])
+    raise ValueError(f"no wire {wire!r} between nodes (float32, bfloat16 or int8)")
 
 
-def _int8_sum(a):
-    """Per block of INT8_BLOCK: a scale (its largest magnitude / 127) and the values in
-    int8, rounded to nearest; every node's gathered, taken back to float32 and summed."""
-    import jax
-    import jax.numpy as jnp
-    blocks = a.reshape(-1, INT8_BLOCK)
-    scale = jnp.max(jnp.abs(blocks), axis=1, keepdims=True) / 127
-    q = jnp.round(blocks / jnp.where(scale > 0, scale, 1)).astype(jnp.int8)
-    qs = jax.lax.all_gather(q, "node")
-    scales = jax.lax.all_gather(scale, "node")
-    return (qs.astype(jnp.float32) * scales).sum(axis=0).reshape(a.shape)
-
-
-_SUMS = {None: _psum, "bfloat16": _bfloat16_sum, "int8": _int8_sum}
+def decode(payload, n, wire):
+    """The float32 values of ``n`` that ``payload`` (encode's bytes) carries."""
+    if wire is None:
+        return payload.view(np.float32)[:n]
+    if wire == "bfloat16":
+        import ml_dtypes
+        return payload.view(ml_dtypes.bfloat16)[:n].astype(np.float32)
+    nblocks = -(-n // INT8_BLOCK)
+    q = payload[:nblocks * INT8_BLOCK].view(np.int8).reshape(nblocks, INT8_BLOCK)
+    scale = payload[nblocks * INT8_BLOCK:].view(np.float32).reshape(nblocks, 1)
+    return (q.astype(np.float32) * scale).reshape(-1)[:n]

@@ -114,7 +114,7 @@ class HostBackend:
 
     def _across(self, x, wire=None):
         """``x`` summed across the nodes (pympgu.exchange.across), its bytes counted."""
-        self.across_bytes += self.across.wire_bytes(x.size, wire)
+        self.across_bytes += self.across.sent_bytes(x.size, wire)
         return self.across(x, wire)
 
     def _outer(self, sums, mine, lo, hi, everything):
@@ -196,6 +196,9 @@ class HostBackend:
                 for (_, shape, _), off, size in zip(ex.layout[:k], ex.offsets, ex.sizes)]
 
     def close(self):
+        if self.across is not None:
+            self.across.close()
+            self.across = None
         self.views = {}  # drop the numpy views first, or the mappings cannot close
         self.barrier = None
         for seg in self.segments:

@@ -19,7 +19,7 @@ class WorkerContext:
         (self.rank, self.nranks, self.local_rank, self.local_nranks, self.node,
          self.nnodes) = place
         self.device, self.run_id, self.link = device, run_id, link
-        self.data_address = data_address  # node 0's address for the data plane's rendezvous
+        self.data_address = data_address  # node 0's host (runtime.datalinks)
         # A restarted worker, to join the run at its next epoch (pympgu.training.recovery).
         self.joining = joining
         self._barrier_seq = 0

@@ -10,7 +10,6 @@ import time
 
 from .failures import WorkerFailed
 from .membership import Membership
-from .output import explain
 from .protocol import printable
 
 
@@ -405,7 +404,7 @@ class NodeCoordinator:
             for out in self.outputs[local]:
                 if (why := out.abort_reason()) is not None:
                     return WorkerFailed(rank, f"was aborted by its C++ runtime (pid {p.pid}): "
-                                        f"{printable(why, 1000)}{explain(why)}",
+                                        f"{printable(why, 1000)}",
                                         node=self.node_of(rank))
         how = (f"was killed by signal {-p.exitcode}" if p.exitcode < 0
                else f"exited with status {p.exitcode}")

@@ -61,13 +61,8 @@ def _worker_main(place, device, address, secret, run_id, data_address, private, 
                             "device": device})
         link.receive("RUN")
         ctx = WorkerContext(place, device, run_id, link, data_address, joining)
-        if ctx.nnodes > 1 and device is None:
-            from . import jaxdist
-            jaxdist.join(ctx)  # before the target's first JAX computation
         result = target(ctx, *args)
         link.send("DONE", {"result": result})
-        if ctx.nnodes > 1 and device is None:
-            jaxdist.leave()  # with every rank, so that no rank's runtime outlives the rest
     except control.Stopped:
         code = 0
     except control.Shrunk:
@@ -118,8 +113,6 @@ def launch(target, args=(), *, gpus=None, cpu=None, on_metric=None, heartbeat_ti
     if multi and not secret:
         raise ValueError("a run of several nodes needs their shared secret (secret=; "
                          "pympgu.runtime.nodes.read_secret)")
-    if multi and nodes.node_rank == 0 and devices[0] is None:
-        _check_free(_bind_host(nodes), nodes.port + 1, "JAX's rendezvous")
     ctx = mp.get_context("spawn")
     # The coordinator replaces a restarted worker's process and outputs in these lists,
     # and keeps the outputs it replaced in ``retired``.
@@ -133,7 +126,8 @@ def launch(target, args=(), *, gpus=None, cpu=None, on_metric=None, heartbeat_ti
             above = _above(nodes, secret, nlocal, log, node_timeout, join_timeout,
                            progress_timeout) if multi else Alone()
             nnodes, node = (nodes.nnodes, nodes.node_rank) if multi else (1, 0)
-            data_address = f"{nodes.host}:{nodes.port + 1}" if multi else None
+            # Node 0's host: CPU workers' data links listen on the interface toward it.
+            data_address = nodes.host if multi else None
 
             def start(r, joining=False):
                 """Start the worker of local rank ``r`` (again, for a restart)."""
@@ -199,18 +193,6 @@ def _above(nodes, secret, nlocal, log, node_timeout, join_timeout, progress_time
     from .uplink import Uplink
     return Uplink(nodes.address, secret, nodes.node_rank, nodes.nnodes, nlocal,
                   node_timeout, join_timeout)
-
-
-def _check_free(host, port, what):
-    """BindError, naming ``what`` listens there, where ``port`` is taken on ``host``: said
-    before any worker starts, not by a worker's runtime as it fails."""
-    import socket
-    try:
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as its server does
-            s.bind(("" if host == "*" else host, port))
-    except OSError as e:
-        raise control.BindError(e.errno, e.strerror, f"port {port} ({what})") from None
 
 
 def _bind_host(nodes):

@@ -1,8 +1,7 @@
 """A worker's stdout and stderr, read by its launcher through pipes and passed on line by
 line, but for what a C++ runtime logs as it fails: absl's error and fatal lines and the
 stack dump after them are held, and a worker killed by SIGABRT is named in one line with
-the fatal line's message; held lines that no abort follows are passed on after HOLD_S. A
-notice of gloo's that every run of several nodes prints is dropped.
+the fatal line's message; held lines that no abort follows are passed on after HOLD_S.
 """
 import logging
 import os
@@ -15,8 +14,6 @@ log = logging.getLogger("pympgu")
 HOLD_S = 2.0
 _ABSL = re.compile(r"[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+\s+[^\]\s]+\] ")
 _STACK = "*** Check failure stack trace: ***"
-_NOISE = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of "
-                    r"connected peer ranks is : \d+")
 _STATUS = "absl::Status: "
 
 
@@ -52,8 +49,6 @@ class Output:
                 self._line(line.decode("utf-8", "replace"))
 
     def _line(self, line):
-        if _NOISE.fullmatch(line.strip()):
-            return
         if self.fatal is not None:  # the process is going: the rest is its stack
             self.held.append(line)
             return
@@ -107,10 +102,3 @@ class Output:
             message = message.split(_STATUS, 1)[1]
         return " ".join(message.split())
 
-
-def explain(message):
-    """What a fatal message of JAX's multi-process runtime means for a run, or ''."""
-    if "incarnation" in message or "coordination service" in message.lower():
-        return (" (a process outside the run joined JAX's rendezvous on node 0: its port "
-                "must sit on a network that only the nodes reach; docs/NODES.md)")
-    return ""

@@ -251,16 +251,16 @@ class Training:
 def road(ctx, sync, inside):
     """Which road the step's exchange took, in words: inside XLA (None when no step traced
     average_gradients), queued from Python after the step and why, or on CPU workers
-    through shared memory (and between nodes by JAX's gloo)."""
+    through shared memory (and between nodes over pympgu's TCP links)."""
     if sync.ex is None:
         return None
     if ctx.is_cpu:
         every = "the step" if sync.every == 1 else f"every {sync.every} steps"
-        across = ", and between the nodes by JAX's gloo" if ctx.nnodes > 1 else ""
+        across = ", and between the nodes over TCP" if ctx.nnodes > 1 else ""
         cfg = sync.rep.cfg
         if ctx.nnodes > 1 and cfg.across_nodes != "every-step":
             across = (f", and between the nodes every {cfg.outer_every} steps "
-                      f"({cfg.across_nodes}) by JAX's gloo")
+                      f"({cfg.across_nodes}) over TCP")
         return f"averaged after {every}, through shared memory{across} (CPU workers)"
     outside = sync.outside
     if outside:
