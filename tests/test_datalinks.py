@@ -89,12 +89,15 @@ def _sums(run, xs, wire, rounds=1):
 
 
 @pytest.mark.parametrize("wire", [None, "bfloat16", "int8"])
-@pytest.mark.parametrize("nnodes,nlocal", [(2, 1), (3, 2)])
-def test_every_node_gets_the_same_bits_the_sum_in_node_order(wire, nnodes, nlocal):
+@pytest.mark.parametrize("nnodes,nlocal", [(2, 1), (3, 2), (4, 1)])
+def test_every_node_gets_the_same_bits(wire, nnodes, nlocal):
+    """Each node's slice crossed as the wire says, summed in float32: in node order, or
+    (float32 on 3 nodes or more) by a ring, each chunk once; the bytes each rank sent."""
     rng = np.random.default_rng(7)
     n = 3 * INT8_BLOCK + 5  # a partial last block
     xs = [rng.standard_normal(n).astype(np.float32) for _ in range(nnodes * nlocal)]
     results = _sums(Run(nnodes, nlocal), xs, wire, rounds=2)
+    ring = wire is None and nnodes > 2
     for k in range(2):
         for local in range(nlocal):
             group = [local + node * nlocal for node in range(nnodes)]
@@ -103,9 +106,21 @@ def test_every_node_gets_the_same_bits_the_sum_in_node_order(wire, nnodes, nloca
             for c in crossed[1:]:
                 expected += c
             for r in group:
-                assert np.array_equal(results[r][0][k], expected), (wire, r, k)
+                assert np.array_equal(results[r][0][k], results[group[0]][0][k]), (r, k)
+                if ring:  # another order of the same sums
+                    np.testing.assert_allclose(results[r][0][k], expected, rtol=1e-5,
+                                               atol=1e-5)
+                else:
+                    assert np.array_equal(results[r][0][k], expected), (wire, r, k)
     per_peer = {None: 4 * n, "bfloat16": 2 * n, "int8": n + 4 * 4}[wire]
-    assert all(sent == (nnodes - 1) * per_peer for _, sent in results)
+    for r, (_, sent) in enumerate(results):
+        if ring:  # every chunk but two, once each way: near 2 (nodes - 1) / nodes of it
+            sizes = np.diff([c * n // nnodes for c in range(nnodes + 1)])
+            node = r // nlocal
+            assert sent == 4 * (2 * n - sizes[(node + 1) % nnodes] - sizes[(node + 2) % nnodes])
+            assert sent < (nnodes - 1) * per_peer
+        else:
+            assert sent == (nnodes - 1) * per_peer
 
 
 def test_int8_and_bfloat16_round_to_nearest_even():

@@ -2,11 +2,13 @@
 (runtime.datalinks).
 
 Inside a node the host backend sums each local rank's slice of the buffer through shared
-memory; this sums that slice across the nodes, between the ranks of one local index: each
-node's slice crosses to every other node (float32, bfloat16 or int8 with a scale a block),
-and every node sums them all in float32 in node order, so that every node gets the same bits
-(docs/DECISIONS.md, "CPU workers across nodes"). Every rank of the run makes its links at
-once, as every rank exchanges at once.
+memory; this sums that slice across the nodes, between the ranks of one local index. In
+float32 on 3 nodes or more, by a ring (reduce-scatter, then all-gather: each chunk summed
+once, on one node, and copied to the others); otherwise each node's slice crosses to every
+other node (float32, bfloat16 or int8 with a scale a block) and every node sums them all in
+float32 in node order. Either way every node gets the same bits (docs/DECISIONS.md, "CPU
+workers across nodes"). Every rank of the run makes its links at once, as every rank
+exchanges at once.
 """
 import numpy as np
 
@@ -24,6 +26,9 @@ class NodeSum:
         peers = [n * self.nlocal + ctx.local_rank for n in range(self.nnodes) if n != ctx.node]
         self.links = DataLinks.connect(ctx, peers, timeout)
         self.order = {p: p // self.nlocal for p in peers}  # peer -> its node
+        # The ring's neighbours: the same local index on the next node and the previous.
+        self.next = ((self.node + 1) % self.nnodes) * self.nlocal + ctx.local_rank
+        self.previous = ((self.node - 1) % self.nnodes) * self.nlocal + ctx.local_rank
 
     def __call__(self, x, wire=None):
         """The sum of ``x`` (float32, 1-D, the same length on every rank of this local
@@ -31,6 +36,8 @@ class NodeSum:
         None (float32), 'bfloat16' or 'int8' (a float32 scale a block of INT8_BLOCK): each
         node's ``x`` crosses so, and every node sums them all in float32, in node order."""
         x = np.ascontiguousarray(x, np.float32).reshape(-1)
+        if wire is None and self.nnodes > 2:
+            return self._ring(x)
         mine = encode(x, wire)
         got = self.links.allgather(mine)
         parts = [None] * self.nnodes
@@ -42,8 +49,31 @@ class NodeSum:
             total += decode(payload, x.size, wire)
         return total
 
+    def _ring(self, x):
+        """The float32 sum by a ring of the nodes: node i's chunk c travels on to node i + 1,
+        which adds its own, for nodes - 1 steps; then each node's finished chunk goes round."""
+        m, i = self.nnodes, self.node
+        bounds = _chunks(x.size, m)
+        total = x.copy()
+        chunk = lambda c: total[bounds[c]:bounds[c + 1]]  # noqa: E731
+        for step in range(m - 1):  # reduce-scatter: node i ends with chunk i + 1 summed
+            out, into = (i - step) % m, (i - step - 1) % m
+            got = self.links.exchange({self.next: chunk(out)},
+                                      {self.previous: chunk(into).nbytes})[self.previous]
+            chunk(into)[:] = got.view(np.float32) + chunk(into)
+        for step in range(m - 1):  # all-gather: the finished chunks, copied as they are
+            out, into = (i + 1 - step) % m, (i - step) % m
+            got = self.links.exchange({self.next: chunk(out)},
+                                      {self.previous: chunk(into).nbytes})[self.previous]
+            chunk(into)[:] = got.view(np.float32)
+        return total
+
     def sent_bytes(self, n, wire=None):
         """The bytes that one sum of ``n`` values puts on the wire from this rank."""
+        if wire is None and self.nnodes > 2:
+            sizes = np.diff(_chunks(n, self.nnodes))
+            m, i = self.nnodes, self.node
+            return 4 * int(2 * n - sizes[(i + 1) % m] - sizes[(i + 2) % m])
         return (self.nnodes - 1) * self.wire_bytes(n, wire)
 
     @staticmethod
@@ -57,6 +87,11 @@ class NodeSum:
 
     def close(self):
         self.links.close()
+
+
+def _chunks(n, m):
+    """The bounds of ``m`` near-equal chunks of ``n`` values."""
+    return [c * n // m for c in range(m + 1)]
 
 
 def encode(x, wire):

@@ -57,7 +57,8 @@ def _mac(key, label, dialler, acceptor, nonces):
 class DataLinks:
     """This rank's links to ``peers`` (global ranks on other nodes), made by ``connect``.
 
-    ``allgather(payload)`` hands every peer this rank's bytes and returns theirs; a wait
+    ``allgather(payload)`` hands every peer this rank's bytes and returns theirs;
+    ``exchange`` sends to and receives from the peers it names (a ring's step); a wait
     calls ``check`` every SLICE_S (the launcher's STOP raises there) and a peer that closes
     its link raises LinkLost."""
 
@@ -90,20 +91,27 @@ class DataLinks:
     def allgather(self, payload):
         """``payload`` (bytes-like) to every peer; every peer's, as {rank: numpy uint8
         array}. Every peer's payload has the same length as this rank's."""
-        view = memoryview(payload).cast("B")
-        n = view.nbytes
-        head = FRAME.pack(n)
-        out = {p: [memoryview(head), view] for p in self.sockets}
-        got = {p: np.empty(n, np.uint8) for p in self.sockets}
-        heads = {p: bytearray() for p in self.sockets}
-        filled = dict.fromkeys(self.sockets, 0)
-        pending_out, pending_in = set(self.sockets), set(self.sockets)
+        n = memoryview(payload).nbytes
+        return self.exchange(dict.fromkeys(self.sockets, payload), dict.fromkeys(self.sockets, n))
+
+    def exchange(self, sends, receives):
+        """At once: ``sends[peer]`` (bytes-like) to each peer named there, and from each
+        peer in ``receives`` its message of ``receives[peer]`` bytes, returned as {peer:
+        numpy uint8 array}. Each message carries its length: a peer out of step is named."""
+        out = {}
+        for p, payload in sends.items():
+            view = memoryview(payload).cast("B")
+            out[p] = [memoryview(FRAME.pack(view.nbytes)), view]
+        got = {p: np.empty(n, np.uint8) for p, n in receives.items()}
+        heads = {p: bytearray() for p in receives}
+        filled = dict.fromkeys(receives, 0)
+        pending_out, pending_in = set(sends), set(receives)
         while pending_out or pending_in:
             progress = False
             for p in list(pending_out):
                 progress |= self._send(p, out[p], pending_out)
             for p in list(pending_in):
-                progress |= self._receive(p, n, heads[p], got[p], filled, pending_in)
+                progress |= self._receive(p, receives[p], heads[p], got[p], filled, pending_in)
             if progress or not (pending_out or pending_in):
                 continue
             self._wait(pending_out, pending_in)
@@ -136,7 +144,7 @@ class DataLinks:
             moved = True
         if FRAME.unpack(head)[0] != n:
             raise self._lost(peer, f"sent {FRAME.unpack(head)[0]} bytes where this rank "
-                                   f"sent {n} (out of step)")
+                                   f"expected {n} (out of step)")
         view = memoryview(into)
         while filled[peer] < n:
             try:
