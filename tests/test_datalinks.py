@@ -162,6 +162,49 @@ def test_strangers_at_a_rank_s_port_neither_join_nor_stall_the_links():
     assert all(np.array_equal(r[0][0], xs[0] + xs[1]) for r in results)
 
 
+def test_a_flood_of_silent_connections_neither_takes_descriptors_nor_delays_the_links():
+    """Four times MAX_UNPROVEN connections that say nothing, opened while the links form:
+    the oldest unproven are closed as new ones come, the link forms at once, and every
+    connection the rank took is closed (no descriptor left)."""
+    import os
+
+    from pympgu.runtime.datalinks import MAX_UNPROVEN
+    held, threads = [], []
+    fds = {}
+
+    def flood(addresses):
+        def body():
+            for _ in range(4 * MAX_UNPROVEN):
+                try:
+                    _stranger(addresses[0], b"", held)
+                except OSError:
+                    pass  # the listener closed: the links are up
+        threads.append(threading.Thread(target=body, daemon=True))
+        threads[0].start()
+    xs = [np.full(8, r + 1, np.float32) for r in range(2)]
+    fds["before"] = len(os.listdir("/proc/self/fd"))
+    t0 = time.monotonic()
+    try:
+        results = _sums(Run(2, 1, on_gather=flood), xs, None)
+        took = time.monotonic() - t0
+        threads[0].join(30)
+        assert all(_closed_by_peer(s) for s in held)
+        assert len(os.listdir("/proc/self/fd")) - fds["before"] == len(held)
+    finally:
+        for s in held:
+            s.close()
+    assert took < 4
+    assert all(np.array_equal(r[0][0], xs[0] + xs[1]) for r in results)
+
+
+def _closed_by_peer(s):
+    s.settimeout(2)
+    try:
+        return s.recv(1) == b""
+    except OSError:
+        return True
+
+
 def test_a_peer_that_closes_its_link_is_named():
     run = Run(2, 1)
 

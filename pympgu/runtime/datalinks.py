@@ -24,6 +24,10 @@ NONCE_BYTES, MAC_BYTES = 16, 32
 HELLO = struct.Struct("!I")  # the dialling rank, after MAGIC and before its nonce
 FRAME = struct.Struct("!Q")  # a payload's length, before it
 HANDSHAKE_S = 5.0
+# Connections admitted and not yet proven, at most: past it the oldest is closed, so that a
+# flood can neither take a worker's descriptors nor keep a real peer waiting (a real peer
+# proves itself within a round trip, and is never the oldest for long).
+MAX_UNPROVEN = 32
 SLICE_S = 0.02  # a wait looks for the launcher's STOP this often
 
 
@@ -233,10 +237,12 @@ class _Handshakes:
                         self._advance(key.fileobj)
                 self.check()
         except BaseException:
-            for s in list(self.pending) + list(self.links.values()):
+            for s in self.links.values():
                 s.close()
             raise
         finally:
+            for s in self.pending:  # strangers' connections, and a failure's half-made links
+                s.close()
             self.selector.close()
         return self.links
 
@@ -254,6 +260,9 @@ class _Handshakes:
         except (BlockingIOError, InterruptedError):
             return
         s.setblocking(False)
+        admitted = [c for c, state in self.pending.items() if state[0] == "admit"]
+        if len(admitted) >= MAX_UNPROVEN:
+            self._drop(admitted[0])  # the oldest: dicts keep their order of insertion
         self.pending[s] = ["admit", None, None, b"", time.monotonic() + HANDSHAKE_S]
         self.selector.register(s, selectors.EVENT_READ)
 
