@@ -109,6 +109,50 @@ def test_easgd_pulls_each_node_and_the_centre_toward_each_other(seed):
                               np.concatenate([o.c for o in outers[0]])[:count])
 
 
+@pytest.mark.parametrize("kind,settings,shared", [
+    (DiLoCo, dict(lr=0.7, momentum=0.9), ["g", "v"]), (EASGD, dict(alpha=0.3), ["c"])])
+def test_an_overlapped_meeting_moves_the_parameters_as_a_blocking_one_would_have(
+        seed, kind, settings, shared):
+    """--outer-overlap: the fragment goes on from the node's mean, its sum across the nodes
+    runs on a thread, and once settled the parameters move by what the blocking outer step
+    would have changed (its result minus the mean it began from); the state the nodes share
+    ends as the blocking step's."""
+    import types
+
+    from pympgu.exchange.host import HostBackend
+    rng = np.random.default_rng(seed)
+    n = 12
+    start, sums, other, later = (rng.standard_normal(n).astype(np.float32) for _ in range(4))
+
+    class Sum:  # the other node's contribution, as the sum across the nodes adds it
+        def __call__(self, x, wire=None, check=None):
+            return x + other
+
+        def sent_bytes(self, k, wire=None):
+            return 4 * k
+
+    def backend(overlap):
+        b = HostBackend.__new__(HostBackend)
+        b.ctx, b.nranks = types.SimpleNamespace(check=lambda: None, nranks=4), 2
+        b.across, b.across_bytes, b.overlap, b.beside = Sum(), 0, overlap, None
+        b.outer = kind(n, n, n, 2, **settings)
+        b.outer.reset(start.copy(), slice(0, n))
+        return b
+    blocking, overlapped = backend(0), backend(1)
+    moved = np.empty(n, np.float32)
+    blocking._outer(sums.copy(), moved, 0, n, False)
+    mine = np.empty(n, np.float32)
+    overlapped._outer(sums.copy(), mine, 0, n, False)
+    assert np.array_equal(mine, sums / np.float32(2))  # the node's mean, meanwhile
+    assert overlapped.across_bytes == blocking.across_bytes == 4 * n
+    now = later.copy()
+    overlapped._settle(now)
+    assert overlapped.beside is None
+    assert np.array_equal(now, later + (moved - sums / np.float32(2)))
+    for attr in shared:
+        assert np.array_equal(getattr(overlapped.outer, attr), getattr(blocking.outer, attr))
+
+
 def test_the_outer_optimizers_are_one_registry():
     from pympgu.exchange import outer
     from pympgu.training.config import ACROSS_NODES
@@ -143,6 +187,11 @@ def test_a_compressed_wire_costs_what_it_says():
     (dict(across_nodes="average", nnodes=2, outer_streams=2), "--outer-streams is for an"),
     (dict(across_nodes="diloco", nnodes=2, outer_every=4, outer_streams=5),
      "--outer-streams must be 1 to --outer-every (4), got 5"),
+    (dict(across_nodes="average", nnodes=2, outer_overlap=1), "--outer-overlap is for an"),
+    (dict(across_nodes="diloco", nnodes=2, outer_every=6, outer_streams=3, outer_overlap=2),
+     "--outer-overlap must be 0 to 1 (a fragment's meeting ends before the next one"),
+    (dict(across_nodes="easgd", nnodes=2, outer_overlap=1, sync_every=2),
+     "--outer-overlap counts the node's exchanges of the whole state"),
 ])
 def test_what_across_nodes_refuses(changes, message):
     with pytest.raises(UsageError) as info:
@@ -212,6 +261,13 @@ def test_streams_send_one_fragment_at_a_time(tmp_path):
     for e in streams:
         assert e["between_nodes_bytes"] == pytest.approx((7 / 3 * 0.5 + 1) * state, rel=0.01)
     assert streams[1]["loss"] < streams[0]["loss"], streams
+    # Each fragment's meeting beside the next step: the same bytes, the nodes alike at the
+    # epoch's end (compared), and it learns.
+    beside = _two_nodes(tmp_path, "beside", "--across-nodes", "diloco", "--outer-every",
+                        "6", "--outer-streams", "3", "--outer-overlap", "1")
+    assert [e["between_nodes_bytes"] for e in beside] == \
+        [e["between_nodes_bytes"] for e in streams]
+    assert beside[1]["loss"] < beside[0]["loss"], beside
 
 
 def test_diloco_at_rate_1_without_momentum_is_local_sgd_on_the_parameters(tmp_path):

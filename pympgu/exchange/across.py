@@ -30,16 +30,17 @@ class NodeSum:
         self.next = ((self.node + 1) % self.nnodes) * self.nlocal + ctx.local_rank
         self.previous = ((self.node - 1) % self.nnodes) * self.nlocal + ctx.local_rank
 
-    def __call__(self, x, wire=None):
+    def __call__(self, x, wire=None, check=None):
         """The sum of ``x`` (float32, 1-D, the same length on every rank of this local
         index) over the nodes, as a new array; every node gets the same bits. ``wire``:
         None (float32), 'bfloat16' or 'int8' (a float32 scale a block of INT8_BLOCK): each
-        node's ``x`` crosses so, and every node sums them all in float32, in node order."""
+        node's ``x`` crosses so, and every node sums them all in float32, in node order.
+        ``check``: the links' wait's (DataLinks.exchange)."""
         x = np.ascontiguousarray(x, np.float32).reshape(-1)
         if wire is None and self.nnodes > 2:
-            return self._ring(x)
+            return self._ring(x, check)
         mine = encode(x, wire)
-        got = self.links.allgather(mine)
+        got = self.links.allgather(mine, check)
         parts = [None] * self.nnodes
         parts[self.node] = mine
         for peer, payload in got.items():
@@ -49,7 +50,7 @@ class NodeSum:
             total += decode(payload, x.size, wire)
         return total
 
-    def _ring(self, x):
+    def _ring(self, x, check):
         """The float32 sum by a ring of the nodes: node i's chunk c travels on to node i + 1,
         which adds its own, for nodes - 1 steps; then each node's finished chunk goes round."""
         m, i = self.nnodes, self.node
@@ -59,12 +60,12 @@ class NodeSum:
         for step in range(m - 1):  # reduce-scatter: node i ends with chunk i + 1 summed
             out, into = (i - step) % m, (i - step - 1) % m
             got = self.links.exchange({self.next: chunk(out)},
-                                      {self.previous: chunk(into).nbytes})[self.previous]
+                                      {self.previous: chunk(into).nbytes}, check)[self.previous]
             chunk(into)[:] = got.view(np.float32) + chunk(into)
         for step in range(m - 1):  # all-gather: the finished chunks, copied as they are
             out, into = (i + 1 - step) % m, (i - step) % m
             got = self.links.exchange({self.next: chunk(out)},
-                                      {self.previous: chunk(into).nbytes})[self.previous]
+                                      {self.previous: chunk(into).nbytes}, check)[self.previous]
             chunk(into)[:] = got.view(np.float32)
         return total
 

@@ -118,12 +118,15 @@ class Exchanger:
         self.pending = kind
         self._started = (lo, hi, count)
 
-    def set_outer(self, name, count, wire=None, streams=1, **settings) -> None:
+    def set_outer(self, name, count, wire=None, streams=1, overlap=0, **settings) -> None:
         """The outer optimizer ``name`` between the nodes (CPU workers; a name of
         pympgu.exchange.outer's registry) on the first ``count`` elements of the buffer (the
         parameters), for start(reach='outer' or 'outer-all'); ``wire``: what crosses between
         the nodes (None, 'bfloat16', 'int8'); ``streams``: the parameters' fragments that
-        meet in turn, one each reach='outer'; ``settings``: the optimizer's own."""
+        meet in turn, one each reach='outer'; ``overlap``: the node's exchanges of the whole
+        state (reach='node') during which a fragment's sum across the nodes runs beside
+        them (0: it blocks; fewer than the exchanges between two fragments); ``settings``:
+        the optimizer's own."""
         from . import outer
         backend = self.backend
         if not self.ctx.is_cpu or backend.across is None:
@@ -133,6 +136,7 @@ class Exchanger:
         chunk = -(-self.total // backend.nranks)
         backend.outer = outer.REGISTRY[name](count, self.total, chunk, self.ctx.nnodes, wire,
                                              streams, **settings)
+        backend.overlap = int(overlap)
 
     def part(self, lo, hi) -> int:
         """The elements that averaging the layout's entries lo to hi - 1 on their own

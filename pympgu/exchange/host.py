@@ -1,6 +1,7 @@
 """CPU workers' exchange: staging buffers in POSIX shared memory, averaged by the host kernel
 inside a node, and summed across nodes by pympgu.exchange.across."""
 import os
+import threading
 
 import numpy as np
 
@@ -21,6 +22,9 @@ class HostBackend:
         self.ex = ex
         self.rank, self.nranks = ctx.local_rank, ctx.local_nranks
         self.across = self.barrier = self.outer = None
+        # --outer-overlap: a fragment's sum across the nodes on a thread (Beside), settled
+        # after this many of the node's exchanges (docs/DECISIONS.md, "Streams overlapped").
+        self.overlap, self.beside = 0, None
         self.across_bytes = 0  # what this rank has sent between nodes
         if ctx.nnodes > 1:
             if ex.wire_dtype or ex.dtype != "float32":
@@ -91,8 +95,16 @@ class HostBackend:
         whole = self.outer is not None and count == self.outer.total
         if reach.startswith("outer") and not whole:
             raise ValueError("the outer step takes the whole state")
+        if self.beside is not None and reach != "node":
+            # Before anything else crosses: at the epoch's end every parameter then takes
+            # the state the nodes share, this fragment's too.
+            self._settle()
         if self.across is None or reach == "node":
             _host.host_average([a[lo:hi] for a in arrays], mine, dtype=dtype)
+            if self.beside is not None and whole:
+                self.beside.countdown -= 1
+                if self.beside.countdown <= 0:
+                    self._settle(mine)
         else:
             # Summed in rank order as the host kernel sums, across the nodes, then divided
             # once (what pads the slice is summed too, and dropped).
@@ -124,11 +136,20 @@ class HostBackend:
         outer = self.outer
         n = outer.params_in(lo, hi)
         at = outer.due(lo, lo + n, everything)
-        if at.stop > at.start:  # the same on this local index of every node
+        local = np.float32(self.nranks)
+        if at.stop > at.start and self.overlap and not everything:
+            # The fragment goes on from the node's mean; its outer step, once the sum
+            # across the nodes is in, moves it as it would have moved it now.
+            then = sums[at] / local
+            part = sums[at]
+            outer.step(part, at, self.nranks)
+            self.across_bytes += self.across.sent_bytes(part.size, outer.wire)
+            self.beside = Beside(self.across, part.copy(), outer.wire, at, then, self.overlap)
+            mine[at] = then
+        elif at.stop > at.start:  # the same on this local index of every node
             part = sums[at]
             outer.step(part, at, self.nranks)
             mine[at] = outer.finish(self._across(part, outer.wire), at, everything)
-        local = np.float32(self.nranks)
         mine[:at.start] = sums[:at.start] / local
         mine[at.stop:n] = sums[at.stop:n] / local
         if n < hi - lo:
@@ -137,6 +158,17 @@ class HostBackend:
                 mine[n:] = self._across(rest)[:rest.size] / np.float32(self.ctx.nranks)
             else:
                 mine[n:] = rest / local
+
+    def _settle(self, mine=None):
+        """The fragment whose sum across the nodes ran beside the inner steps: its outer
+        step finished and, with ``mine`` (the node's mean now, this rank's slice), the
+        fragment moved by what the step changed (the global parameters minus the node's
+        mean it began from)."""
+        beside, self.beside = self.beside, None
+        total = beside.wait(self.ctx.check)
+        new = self.outer.finish(total, beside.at, False)
+        if mine is not None:
+            mine[beside.at] += new - beside.then
 
     def _slice(self, rank):
         chunk = -(-self.ex.total // self.nranks)
@@ -196,6 +228,9 @@ class HostBackend:
                 for (_, shape, _), off, size in zip(ex.layout[:k], ex.offsets, ex.sizes)]
 
     def close(self):
+        if self.beside is not None:
+            self.beside.cancel()
+            self.beside = None
         if self.across is not None:
             self.across.close()
             self.across = None
@@ -206,3 +241,46 @@ class HostBackend:
                 seg.close()
         self.segments = []
         self.own.close()
+
+
+class Beside:
+    """One fragment's sum across the nodes (NodeSum), on a thread beside the inner steps;
+    ``at``, ``then``: its range and the node's mean of it when it began; ``countdown``: the
+    node's exchanges to go before it is settled."""
+
+    SLICE_S = 0.02  # the waiting main thread reads the launcher's socket this often
+
+    def __init__(self, across, x, wire, at, then, countdown):
+        self.at, self.then, self.countdown = at, then, countdown
+        self.stopping = threading.Event()
+        self.result = self.error = None
+        self.thread = threading.Thread(target=self._run, args=(across, x, wire),
+                                       name="pympgu-outer", daemon=True)
+        self.thread.start()
+
+    def _run(self, across, x, wire):
+        try:
+            self.result = across(x, wire, self._check)
+        except BaseException as e:  # re-raised in the main thread by wait()
+            self.error = e
+
+    def _check(self):
+        if self.stopping.is_set():
+            raise _Cancelled()
+
+    def wait(self, check):
+        """The sum; ``check`` (the main thread's: the launcher's STOP) while it runs."""
+        while self.thread.is_alive():
+            self.thread.join(self.SLICE_S)
+            check()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+    def cancel(self):
+        self.stopping.set()
+        self.thread.join(5)
+
+
+class _Cancelled(Exception):
+    """The exchange closed while a sum ran beside the steps."""

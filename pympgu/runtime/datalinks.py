@@ -92,16 +92,19 @@ class DataLinks:
             listener.close()
         return cls(ctx.rank, sockets, node_of, ctx.check)
 
-    def allgather(self, payload):
+    def allgather(self, payload, check=None):
         """``payload`` (bytes-like) to every peer; every peer's, as {rank: numpy uint8
         array}. Every peer's payload has the same length as this rank's."""
         n = memoryview(payload).nbytes
-        return self.exchange(dict.fromkeys(self.sockets, payload), dict.fromkeys(self.sockets, n))
+        return self.exchange(dict.fromkeys(self.sockets, payload),
+                             dict.fromkeys(self.sockets, n), check)
 
-    def exchange(self, sends, receives):
+    def exchange(self, sends, receives, check=None):
         """At once: ``sends[peer]`` (bytes-like) to each peer named there, and from each
         peer in ``receives`` its message of ``receives[peer]`` bytes, returned as {peer:
-        numpy uint8 array}. Each message carries its length: a peer out of step is named."""
+        numpy uint8 array}. Each message carries its length: a peer out of step is named.
+        ``check`` replaces the links' own while this waits (another thread's: the
+        launcher's socket is the main thread's alone)."""
         out = {}
         for p, payload in sends.items():
             view = memoryview(payload).cast("B")
@@ -118,7 +121,7 @@ class DataLinks:
                 progress |= self._receive(p, receives[p], heads[p], got[p], filled, pending_in)
             if progress or not (pending_out or pending_in):
                 continue
-            self._wait(pending_out, pending_in)
+            self._wait(pending_out, pending_in, check or self.check)
         return got
 
     def _send(self, peer, parts, pending):
@@ -175,7 +178,7 @@ class DataLinks:
             raise self._lost(peer, "closed its link")
         return chunk
 
-    def _wait(self, pending_out, pending_in):
+    def _wait(self, pending_out, pending_in, check):
         for p in pending_out | pending_in:
             events = ((selectors.EVENT_WRITE if p in pending_out else 0)
                       | (selectors.EVENT_READ if p in pending_in else 0))
@@ -185,7 +188,7 @@ class DataLinks:
         finally:
             for p in pending_out | pending_in:
                 self.selector.unregister(self.sockets[p])
-        self.check()
+        check()
 
     def _lost(self, peer, why):
         return LinkLost(peer, self.node_of(peer), why)

@@ -95,6 +95,10 @@ def _flags_nodes(p):
                    help="diloco or easgd on the parameters in F fragments, one meeting "
                         "across the nodes every H/F steps, each every H (Streaming DiLoCo): "
                         "F times fewer bytes a meeting (default: 1)")
+    g.add_argument("--outer-overlap", type=int, metavar="T",
+                   help="diloco or easgd: each meeting across the nodes runs beside the next "
+                        "T steps, its outer step then applied as the change it makes "
+                        "(Streaming DiLoCo's overlap; default: 0, the steps wait for it)")
     g.add_argument("--easgd-alpha", type=float, metavar="A",
                    help="easgd's elastic rate: how far each node and the centre move toward "
                         "each other (default: 0.9 / nodes)")
@@ -221,7 +225,7 @@ _PLAIN = ("hidden", "epochs", "batch_size", "lr", "momentum", "l1", "l2", "beta2
           "compute_dtype", "sync_every", "overlap", "exchange_dtype", "exchange_blocks",
           "nesterov", "flip", "method", "min_workers", "restart_workers", "across_nodes",
           "outer_every", "outer_lr", "outer_momentum", "easgd_alpha", "outer_dtype",
-          "outer_streams")
+          "outer_streams", "outer_overlap")
 
 
 class Resolved:

@@ -84,6 +84,7 @@ class RunConfig:
     easgd_alpha: float = None
     outer_dtype: str = "float32"  # what an outer optimizer sends between nodes
     outer_streams: int = 1  # the parameters' fragments meeting in turn (Streaming DiLoCo)
+    outer_overlap: int = 0  # steps a fragment's meeting runs beside (0: it blocks)
     # How many workers must remain for the run to go on without a lost one (None: all).
     min_workers: int = None
     # How many times in all a lost worker's place is taken by a new one (--restart-workers).
@@ -223,6 +224,16 @@ class RunConfig:
              f"{' or '.join(outer.NAMES)}")
         need(1 <= self.outer_streams <= self.outer_every, "--outer-streams",
              f"must be 1 to --outer-every ({self.outer_every}), got {self.outer_streams}")
+        need(self.outer_overlap == 0 or self.across_nodes in outer.NAMES, "--outer-overlap",
+             f"is for an outer optimizer's meetings: give --across-nodes "
+             f"{' or '.join(outer.NAMES)}")
+        between = self.outer_every // self.outer_streams
+        need(0 <= self.outer_overlap < between, "--outer-overlap",
+             f"must be 0 to {between - 1} (a fragment's meeting ends before the next one "
+             f"begins, every --outer-every / --outer-streams steps), got {self.outer_overlap}")
+        need(self.outer_overlap == 0 or (self.sync_every == 1 and not self.overlap),
+             "--outer-overlap", "counts the node's exchanges of the whole state: give "
+             "--sync-every 1 without --overlap")
         need(self.easgd_alpha is None or self.across_nodes == "easgd", "--easgd-alpha",
              "is EASGD's: give --across-nodes easgd")
         # The centre moves by alpha times the nodes' summed distance: past 1 / nodes it

@@ -75,7 +75,7 @@ def make_exchanger(ctx, rep, cfg, inside=True, root=None):
             lo, hi = rep.part("params")
             ex.set_outer(cfg.across_nodes, ex.part(lo, hi),
                          None if cfg.outer_dtype == "float32" else cfg.outer_dtype,
-                         cfg.outer_streams,
+                         cfg.outer_streams, cfg.outer_overlap,
                          **{k: getattr(cfg, field) for k, field in kind.flags.items()})
             for key, attr in kind.saved.items() if cfg.resume else ():
                 from . import checkpoint
