@@ -216,10 +216,7 @@ def test_a_peer_that_closes_its_link_is_named():
             time.sleep(0.3)  # node 1 is gone by then
             return s(np.ones(1000, np.float32))
         finally:
-            if ctx.node == 0:
-                s.close()
-            else:
-                s.links.close()
+            s.close()
     with pytest.raises(LinkLost, match=r"rank 1 \(node 1\) closed its link"):
         run.each(body)
 

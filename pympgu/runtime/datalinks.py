@@ -110,7 +110,7 @@ class DataLinks:
             view = memoryview(payload).cast("B")
             out[p] = [memoryview(FRAME.pack(view.nbytes)), view]
         got = {p: np.empty(n, np.uint8) for p, n in receives.items()}
-        heads = {p: bytearray() for p in receives}
+        heads = {p: [bytearray(FRAME.size), 0] for p in receives}
         filled = dict.fromkeys(receives, 0)
         pending_out, pending_in = set(sends), set(receives)
         while pending_out or pending_in:
@@ -142,41 +142,37 @@ class DataLinks:
         return moved
 
     def _receive(self, peer, n, head, into, filled, pending):
-        s, moved = self.sockets[peer], False
-        while len(head) < FRAME.size:
-            chunk = self._recv(peer, FRAME.size - len(head))
-            if chunk is None:
+        moved = False
+        while head[1] < FRAME.size:  # the length first
+            k = self._recv_into(peer, memoryview(head[0])[head[1]:])
+            if not k:
                 return moved
-            head += chunk
+            head[1] += k
             moved = True
-        if FRAME.unpack(head)[0] != n:
-            raise self._lost(peer, f"sent {FRAME.unpack(head)[0]} bytes where this rank "
+        if FRAME.unpack(head[0])[0] != n:
+            raise self._lost(peer, f"sent {FRAME.unpack(head[0])[0]} bytes where this rank "
                                    f"expected {n} (out of step)")
         view = memoryview(into)
         while filled[peer] < n:
-            try:
-                k = s.recv_into(view[filled[peer]:])
-            except BlockingIOError:
-                return moved
-            except OSError as e:
-                raise self._lost(peer, _why(e)) from None
+            k = self._recv_into(peer, view[filled[peer]:])
             if not k:
-                raise self._lost(peer, "closed its link")
+                return moved
             filled[peer] += k
             moved = True
         pending.discard(peer)
         return moved
 
-    def _recv(self, peer, k):
+    def _recv_into(self, peer, view):
+        """The bytes read into ``view`` now (0: none yet); a closed or failed link raises."""
         try:
-            chunk = self.sockets[peer].recv(k)
+            k = self.sockets[peer].recv_into(view)
         except BlockingIOError:
-            return None
+            return 0
         except OSError as e:
             raise self._lost(peer, _why(e)) from None
-        if not chunk:
+        if not k:
             raise self._lost(peer, "closed its link")
-        return chunk
+        return k
 
     def _wait(self, pending_out, pending_in, check):
         for p in pending_out | pending_in:
