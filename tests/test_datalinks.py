@@ -42,6 +42,7 @@ class Run:
 
         class Ctx:
             nnodes, local_nranks, data_address = run.nnodes, run.nlocal, "127.0.0.1"
+            progress_timeout = 600.0
             node, local_rank = divmod(rank, run.nlocal)
 
             def gather(self, value):
@@ -50,6 +51,9 @@ class Run:
             def check(self):
                 if run.stop.is_set():
                     raise Stopped("the run is stopping")
+
+            def await_word(self, seconds):
+                self.check()  # no launcher here: silence at once
         c = Ctx()
         c.rank = rank
         return c
@@ -235,6 +239,24 @@ def test_a_stop_ends_a_wait_for_a_peer():
         finally:
             s.close()
     with pytest.raises(Stopped):
+        run.each(body)
+
+
+def test_a_peer_that_sends_nothing_is_named_after_the_hang_check():
+    run = Run(2, 1)
+
+    def body(ctx):
+        ctx.progress_timeout = 0.5
+        s = NodeSum(ctx, timeout=20)
+        try:
+            if ctx.node == 1:
+                time.sleep(1.5)  # alive, linked, and silent
+                return None
+            return s(np.ones(10, np.float32))
+        finally:
+            s.close()
+    with pytest.raises(LinkLost, match=r"rank 1 \(node 1\) moved nothing for 0.5 s while "
+                                       r"rank 0 waited for it \(hung\?\)"):
         run.each(body)
 
 

@@ -125,7 +125,11 @@ def _model():
 
 @pytest.mark.parametrize("changes,message", [
     (dict(devices=(0, 1)), "on CPU workers only"),
-    (dict(nnodes=2), "inside one node only"),
+    (dict(nnodes=2, across_nodes="diloco", min_workers=2),
+     "--min-workers across nodes goes on without a lost node with --across-nodes every-step "
+     "or average only"),
+    (dict(nnodes=2, min_workers=2, restart_workers=1),
+     "--restart-workers restarts a lost worker inside one node only"),
 ])
 def test_what_cannot_go_on_without_a_worker_yet_is_refused(changes, message):
     from pympgu.training.config import UsageError
@@ -175,7 +179,8 @@ def test_the_survivors_go_back_to_the_newest_state_all_of_them_hold():
     assert m.heard(0, "BARRIER") is True and m.heard(1, "METRIC") is False
     assert m.recovered(2, [[0, 4, 1], [0, 8, 2]], [0, 8, 2]) is None
     reform = m.recovered(3, [[0, 4, 1], [0, 8, 2]], [0, 8, 2])
-    assert reform == {"members": [0, 2, 3], "back_to": [0, 8, 2], "root": None}
+    assert reform == {"members": [0, 2, 3], "back_to": [0, 8, 2], "root": None, "node": 0,
+                      "nnodes": 1}
     record = m.record(now=1.5)
     assert (record["lost"], record["at_step"], record["from_step"], record["workers"],
             record["seconds"]) == ([1], 4, 3, 3, 1.5)
@@ -227,7 +232,8 @@ def test_a_joiner_holds_nothing_until_an_exchange_with_the_others():
     # alone holds the state, and the way back is its newest
     m.recovered(1, [[0, 8, 3]], None)  # what it says is not taken: it holds nothing yet
     reform = m.recovered(0, [[0, 8, 3], [0, 10, 4]], None)
-    assert reform == {"members": [0, 1], "back_to": [0, 10, 4], "root": 0}
+    assert reform == {"members": [0, 1], "back_to": [0, 10, 4], "root": 0, "node": 0,
+                      "nnodes": 1}
     m.record()
     assert not m.fresh
 

@@ -221,6 +221,65 @@ def test_workers_listen_on_no_port_once_their_data_links_are_up(tmp_path):
             kill_session(p)
 
 
+@pytest.mark.parametrize("victim", ["node 1's launcher", "a worker of node 1"])
+def test_with_min_workers_the_other_nodes_go_on_without_a_lost_one(tmp_path, victim):
+    """2 nodes x 2 workers, --min-workers 2: node 1 lost (its launcher killed, or a worker
+    of it, which fails the node) after the first epoch, node 0's workers go back to their
+    last common exchange, re-form alone and finish every epoch, status 0; the record says
+    which ranks were lost. Node 1 (where it lives) stops, naming why."""
+    port = free_port()
+    out = tmp_path / "run"
+    before = set(glob.glob("/dev/shm/pympgu-*"))
+    procs = [start(node_argv(k, port, "--epochs", "4", "--min-workers", "2",
+                             *(["--out", str(out)] if k == 0 else []))) for k in range(2)]
+    try:
+        assert wait_until((out / "checkpoint.npz").exists, 120, every=0.05)
+        if victim == "a worker of node 1":
+            workers = [int(p) for p in subprocess.run(
+                ["pgrep", "-f", "-s", str(procs[1].pid), "spawn_main"], capture_output=True,
+                text=True).stdout.split()]
+            os.kill(workers[-1], signal.SIGKILL)
+        else:
+            os.kill(procs[1].pid, signal.SIGKILL)
+        code0, err0 = procs[0].wait(timeout=120), procs[0].stderr.read()
+        code1, err1 = procs[1].wait(timeout=30), procs[1].stderr.read()
+    finally:
+        for p in procs:
+            kill_session(p)
+    assert code0 == 0, err0[-3000:]
+    records = epochs(out / "metrics.jsonl")
+    assert [r["epoch"] for r in records if r.get("event") != "membership"][-1] == 4
+    changes = [r for r in records if r.get("event") == "membership"]
+    assert len(changes) == 1 and changes[0]["lost"] == [2, 3], changes
+    why = ("node 1 (" if victim == "node 1's launcher" else "was killed by signal 9")
+    assert changes[0]["workers"] == 2 and why in changes[0]["reason"], changes
+    assert "node 1 leaves the run; 2 workers on 1 node(s) go on without it" in err0, err0
+    assert f"rank 2, 3 lost ({changes[0]['reason']}) at step" in err0, err0[-3000:]
+    if victim == "a worker of node 1":
+        assert code1 == 1 and "was killed by signal 9" in err1, err1[-3000:]
+    wait_until(lambda: not any(session_left(p.pid) for p in procs), 10, every=0.2)
+    for p in procs:
+        assert not session_left(p.pid), f"outlived the run: {session_left(p.pid)}"
+    assert not set(glob.glob("/dev/shm/pympgu-*")) - before
+
+
+def test_a_node_lost_below_min_workers_stops_the_run(tmp_path):
+    port = free_port()
+    out = tmp_path / "run"
+    procs = [start(node_argv(k, port, "--epochs", "100000", "--min-workers", "3",
+                             *(["--out", str(out)] if k == 0 else []))) for k in range(2)]
+    try:
+        assert wait_until((out / "checkpoint.npz").exists, 120, every=0.2)
+        os.kill(procs[1].pid, signal.SIGKILL)
+        code0, err0 = procs[0].wait(timeout=60), procs[0].stderr.read()
+    finally:
+        for p in procs:
+            kill_session(p)
+    assert code0 == 1, err0[-3000:]
+    assert ("2 worker(s) would remain without node 1, fewer than --min-workers 3: the run "
+            "stops") in err0, err0[-3000:]
+
+
 @pytest.mark.parametrize("victim", ["node 1's launcher", "node 0's launcher",
                                     "node 1's worker aborts as node 0's launcher dies",
                                     "a worker of node 1"])

@@ -12,7 +12,11 @@ exchanges at once.
 """
 import numpy as np
 
-from ..runtime.datalinks import DataLinks
+from ..runtime.datalinks import DataLinks, LinkLost
+
+# How long a rank whose link to another node closed waits for the launcher to say why (the
+# node's loss, seen by node 0 within its node timeout) before it raises the closed link.
+WORD_S = 15.0
 
 # int8 on the wire: one float32 scale for each block of this many values.
 INT8_BLOCK = 256
@@ -24,6 +28,7 @@ class NodeSum:
     def __init__(self, ctx, timeout=60.0):
         self.nnodes, self.nlocal, self.node = ctx.nnodes, ctx.local_nranks, ctx.node
         peers = [n * self.nlocal + ctx.local_rank for n in range(self.nnodes) if n != ctx.node]
+        self.ctx = ctx
         self.links = DataLinks.connect(ctx, peers, timeout)
         self.order = {p: p // self.nlocal for p in peers}  # peer -> its node
         # The ring's neighbours: the same local index on the next node and the previous.
@@ -37,6 +42,14 @@ class NodeSum:
         node's ``x`` crosses so, and every node sums them all in float32, in node order.
         ``check``: the links' wait's (DataLinks.exchange)."""
         x = np.ascontiguousarray(x, np.float32).reshape(-1)
+        try:
+            return self._sum(x, wire, check)
+        except LinkLost:
+            if check is None:  # the main thread: a lost node is the launcher's to tell
+                self.ctx.await_word(WORD_S)
+            raise
+
+    def _sum(self, x, wire, check):
         if wire is None and self.nnodes > 2:
             return self._ring(x, check)
         mine = encode(x, wire)

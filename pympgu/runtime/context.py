@@ -15,11 +15,14 @@ class WorkerContext:
     device, the run's public id (which names its shared memory) and the way to the
     coordinator."""
 
-    def __init__(self, place, device, run_id, link, data_address=None, joining=False):
+    def __init__(self, place, device, run_id, link, data_address=None, joining=False,
+                 progress_timeout=600.0):
         (self.rank, self.nranks, self.local_rank, self.local_nranks, self.node,
          self.nnodes) = place
         self.device, self.run_id, self.link = device, run_id, link
         self.data_address = data_address  # node 0's host (runtime.datalinks)
+        # The launcher's hang check: a wait for a peer of another node ends after it too.
+        self.progress_timeout = progress_timeout
         # A restarted worker, to join the run at its next epoch (pympgu.training.recovery).
         self.joining = joining
         self._barrier_seq = 0
@@ -88,13 +91,25 @@ class WorkerContext:
         raises Shrunk again."""
         self.link.send("RECOVER", {"kept": kept, "at": at})
         data, _ = self.link.receive("REFORM")
-        if self.nnodes != 1:
-            raise RuntimeError("only a run of one node goes on without a lost worker")
         members = data["members"]
-        self.rank = self.local_rank = members.index(self.link.rank)
-        self.nranks = self.local_nranks = len(members)
+        self.local_rank = members.index(self.link.rank)
+        self.local_nranks = len(members)
+        # Across nodes a node is lost whole: every node has as many workers, numbered
+        # node after node among the nodes that remain.
+        self.node, self.nnodes = data["node"], data["nnodes"]
+        self.rank = self.node * self.local_nranks + self.local_rank
+        self.nranks = self.nnodes * self.local_nranks
         self._barrier_seq = 0
         return data["back_to"], data["root"]
+
+    def await_word(self, seconds) -> None:
+        """Wait up to ``seconds`` for the launcher's word on a peer that vanished (a link to
+        another node closed): STOP raises control.Stopped, SHRINK control.Shrunk; silence
+        returns, and the caller raises what it saw."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self.link.check()
+            time.sleep(MEET_SLICE_S)
 
     def register(self, layout, facts, blob) -> tuple:
         """Announce this rank's buffer to its node's ranks; returns every local rank's

@@ -77,10 +77,9 @@ class NodeCoordinator:
         self.heartbeat_timeout, self.progress_timeout = heartbeat_timeout, progress_timeout
         self.n = len(procs)
         self.offset = node * self.n
-        if min_workers is not None and nnodes > 1 and min_workers < self.n * nnodes:
-            raise ValueError("a run of several nodes goes on without a lost worker only in "
-                             "a later version: give every worker as min_workers")
-        self.membership = Membership(self.n, min_workers)
+        # Across nodes a node is lost whole (docs/DECISIONS.md, "A node lost"): a worker's
+        # loss fails its node, and node 0's hub decides whether the others go on.
+        self.membership = Membership(self.n, min_workers if nnodes == 1 else None)
         self.start_worker, self.restarts, self.retired = restarting or (None, 0, [])
         # Restarted workers not yet in the run, by slot: "starting", "ready" (its RECOVER
         # came) or "joining" (the others are taking it in).
@@ -176,6 +175,10 @@ class NodeCoordinator:
                 if data is None:
                     return
             self.above.report(rank, data)
+        elif kind == "RECOVER" and self.nnodes > 1:
+            held = self.membership.holds(local, data["kept"], data["at"])
+            if held is not None:
+                self.above.hold(held)  # node 0 picks where every node goes back to
         elif kind == "RECOVER":
             reform = self.membership.recovered(local, data["kept"], data["at"])
             if reform is not None:
@@ -296,6 +299,23 @@ class NodeCoordinator:
         self._reshape(shrink)
         if self.restarts > 0:
             self._restart(local, now)
+
+    def dropped(self, reason):
+        """Node 0 dropped a node (``reason``): this node's workers go back too."""
+        self.membership.external(time.monotonic())
+        self._reshape({"lost": None, "reason": reason})
+
+    def regroup(self, data, lost=(), reason=None):
+        """Node 0's REGROUP: the nodes from now on (``nodes``, in order) and the exchange
+        every worker goes back to; ``lost``, ``reason``: for node 0's record."""
+        nodes = data["nodes"]
+        place = nodes.index(self.node)
+        reform = self.membership.reform(data["back_to"], lost, reason,
+                                        workers=len(nodes) * self.n)
+        reform.update(node=place, nnodes=len(nodes))
+        self.offset = place * self.n
+        self.since = None
+        self.listener.broadcast("REFORM", reform, ranks=self.membership.members)
 
     def _reshape(self, shrink):
         """Tell the workers to leave what they do and recover (SHRINK)."""

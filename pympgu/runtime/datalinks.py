@@ -66,8 +66,9 @@ class DataLinks:
     calls ``check`` every SLICE_S (the launcher's STOP raises there) and a peer that closes
     its link raises LinkLost."""
 
-    def __init__(self, rank, sockets, node_of, check):
+    def __init__(self, rank, sockets, node_of, check, silence=600.0):
         self.rank, self.sockets, self.node_of, self.check = rank, sockets, node_of, check
+        self.silence = silence  # a wait with nothing moving this long names the peer hung
         self.selector = selectors.DefaultSelector()
         for peer, s in sockets.items():
             s.setblocking(False)
@@ -90,7 +91,7 @@ class DataLinks:
                                   timeout).run()
         finally:
             listener.close()
-        return cls(ctx.rank, sockets, node_of, ctx.check)
+        return cls(ctx.rank, sockets, node_of, ctx.check, ctx.progress_timeout)
 
     def allgather(self, payload, check=None):
         """``payload`` (bytes-like) to every peer; every peer's, as {rank: numpy uint8
@@ -113,6 +114,7 @@ class DataLinks:
         heads = {p: [bytearray(FRAME.size), 0] for p in receives}
         filled = dict.fromkeys(receives, 0)
         pending_out, pending_in = set(sends), set(receives)
+        moved = time.monotonic()
         while pending_out or pending_in:
             progress = False
             for p in list(pending_out):
@@ -120,7 +122,12 @@ class DataLinks:
             for p in list(pending_in):
                 progress |= self._receive(p, receives[p], heads[p], got[p], filled, pending_in)
             if progress or not (pending_out or pending_in):
+                moved = time.monotonic()
                 continue
+            if time.monotonic() - moved > self.silence:
+                peer = min(pending_in or pending_out)
+                raise self._lost(peer, f"moved nothing for {self.silence:g} s while rank "
+                                       f"{self.rank} waited for it (hung?)")
             self._wait(pending_out, pending_in, check or self.check)
         return got
 

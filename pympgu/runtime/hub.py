@@ -1,7 +1,9 @@
 """Node 0's hub, the level above its coordinator in a run of several nodes: the other nodes
 join it, arrive at each run-wide barrier once all their ranks have, pass their ranks'
 metrics on, say when one failed, and finish with their results; it heartbeats to them and
-tells them to stop."""
+tells them to stop. With ``min_workers`` below every worker, a node other than node 0 that
+fails or falls silent is dropped while enough workers remain: every other node's workers go
+back to the newest exchange all of them hold (DROP, HOLD, REGROUP) and go on without it."""
 import time
 
 from . import control
@@ -18,7 +20,7 @@ class Hub:
     BEAT_S = 1.0
 
     def __init__(self, nnodes, endpoint, secret, log, node_timeout, join_timeout,
-                 progress_timeout):
+                 progress_timeout, min_workers=None):
         self.listener = control.Listener(nnodes, endpoint, secret=secret, log=log,
                                          kinds=TO_HUB, hello="JOIN", fresh_key=True)
         self.nnodes = nnodes
@@ -27,6 +29,11 @@ class Hub:
         self.t0 = time.monotonic()
         self.joined, self.arrived, self.finished = {}, {}, {}
         self.node_beat, self.node_since, self.beat_sent = {}, None, 0.0
+        self.log, self.min_workers = log, min_workers
+        # The nodes in the run, and the membership's generation (each drop starts one;
+        # what a node sent in an earlier one is dropped); while the others go back:
+        # what each node holds (HOLD), and the drop's facts.
+        self.alive, self.gen, self.holding, self.dropping = list(range(nnodes)), 0, None, None
 
     @property
     def address(self):
@@ -47,6 +54,11 @@ class Hub:
             while (msg := self.listener.receive(0)) is not None:
                 self._from_node(*msg)
 
+    @property
+    def others(self):
+        """The other nodes still in the run."""
+        return [k for k in self.alive if k != 0]
+
     def may_run(self):
         if len(self.joined) < self.nnodes - 1:
             return False
@@ -54,22 +66,22 @@ class Hub:
         return True
 
     def arrive(self, arrival):
-        self._arrive(0, arrival)
+        self._arrive(0, dict(arrival, gen=self.gen))
 
     def report(self, rank, data):
         self.coordinator.metric(rank, data)
 
     def done(self):
-        return len(self.finished) == self.nnodes - 1
+        return all(k in self.finished for k in self.others)
 
     def finish(self, mine):
-        return mine + [r for k in range(1, self.nnodes) for r in self.finished[k]]
+        return mine + [r for k in self.others for r in self.finished[k]]
 
     def stop(self, error):
         """Every other node stops too, told why."""
         text = (str(error).split("\n")[0] if isinstance(error, WorkerFailed)
                 else f"node 0 {_reason(error)}")
-        self.listener.broadcast("STOP", {"reason": text})
+        self.listener.broadcast("STOP", {"reason": text}, ranks=self.others)
 
     def close(self):
         self.listener.close()
@@ -78,6 +90,8 @@ class Hub:
         self.node_beat[k] = time.monotonic()
         if k == 0:
             return  # node 0 is this launcher: nothing of its own comes over the socket
+        if k not in self.alive or data.get("gen", self.gen) != self.gen:
+            return  # a dropped node's, or sent before the last drop
         if kind == "JOIN":
             n = self.coordinator.n
             if data["nlocal"] != n:
@@ -91,8 +105,11 @@ class Hub:
         elif kind == "REPORT":
             self.coordinator.metric(data["rank"], data["data"])
         elif kind == "FAIL":
-            raise WorkerFailed(data["rank"], printable(data["reason"], 2000),
-                               printable(data["details"]), node=k)
+            error = WorkerFailed(data["rank"], printable(data["reason"], 2000),
+                                 printable(data["details"]), node=k)
+            self._drop(k, error)
+        elif kind == "HOLD":
+            self.holds(k, data)
         elif kind == "FINISH":
             self.finished[k] = data["results"]
 
@@ -100,7 +117,7 @@ class Hub:
         if self.node_since is None:
             self.node_since = time.monotonic()
         self.arrived[k] = arrival
-        if len(self.arrived) < self.nnodes:
+        if len(self.arrived) < len(self.alive):
             return
         first = self.arrived[0]
         seqs = {q: a["seq"] for q, a in self.arrived.items()}
@@ -110,29 +127,90 @@ class Hub:
         gather = first["values"] is not None
         n = self.coordinator.n
         if not gather:
-            for q in range(1, self.nnodes):
-                same(q * n, first, self.arrived[q], 0, self.coordinator.node_of)
-        values = [v for q in range(self.nnodes) for v in self.arrived[q]["values"]] \
+            for place, q in enumerate(self.others, 1):
+                same(place * n, first, self.arrived[q], 0, self.coordinator.node_of)
+        values = [v for q in self.alive for v in self.arrived[q]["values"]] \
             if gather else None
         self.arrived.clear()
         self.node_since = None
         release = dict(first, values=values)
         self.listener.broadcast("RELEASE", {"seq": release["seq"], "shared": release["shared"],
-                                            "values": values})
+                                            "values": values}, ranks=self.others)
         self.coordinator.release(release)
 
     def beat(self, now):
         if now - self.beat_sent >= self.BEAT_S:
-            self.listener.broadcast("HEARTBEAT")
+            self.listener.broadcast("HEARTBEAT", ranks=self.others)
             self.beat_sent = now
 
     def lost(self, now, silent):
         """A node silent for ``silent`` seconds, in words, or None."""
-        for k in self.joined:
-            if k not in self.finished and now - self.node_beat[k] > silent:
-                return (f"node {k} ({printable(self.joined[k]['host'], 100)}) "
-                        f"stopped answering: its launcher is gone")
-        return None
+        k = self._silent(now, silent)
+        return None if k is None else self._gone(k)
+
+    def _silent(self, now, silent):
+        return next((k for k in self.joined if k in self.alive and k not in self.finished
+                     and now - self.node_beat[k] > silent), None)
+
+    def _gone(self, k):
+        return (f"node {k} ({printable(self.joined[k]['host'], 100)}) stopped answering: "
+                "its launcher is gone")
+
+    # ---------------------------------------------------------------- a node dropped
+
+    def _drop(self, k, error):
+        """Node ``k`` failed (``error``): raise it, or, where --min-workers allows, go on
+        without the node: every other node's workers go back to an exchange all hold."""
+        n = self.coordinator.n
+        left = (len(self.alive) - 1) * n
+        if self.min_workers is None or self.min_workers >= self.nnodes * n:
+            raise error
+        if left < self.min_workers:
+            raise WorkerFailed(error.rank, f"{error.reason}; {left} worker(s) would remain "
+                               f"without node {k}, fewer than --min-workers "
+                               f"{self.min_workers}: the run stops", error.details, node=k)
+        place = self.alive.index(k)
+        self.alive.remove(k)
+        self.listener.send(k, "STOP", {"reason": f"node 0 goes on without this node: "
+                                                 f"{printable(error, 500)}"})
+        self.gen += 1
+        self.arrived.clear()
+        self.node_since = None
+        ranks = list(range(place * n, (place + 1) * n))
+        why = str(error).split("\n")[0]
+        self.log(f"{why}: node {k} leaves the run; {left} workers on {len(self.alive)} "
+                 f"node(s) go on without it")
+        first = self.dropping
+        self.dropping = {"lost": (first or {}).get("lost", []) + ranks, "reason": why}
+        self.holding = {}
+        self.listener.broadcast("DROP", {"gen": self.gen, "reason": self.dropping["reason"]},
+                                ranks=self.others)
+        self.coordinator.dropped(self.dropping["reason"])
+
+    def hold(self, data):
+        """Node 0's workers' HOLD."""
+        self.holds(0, data)
+
+    def holds(self, k, data):
+        """What node ``k``'s workers all hold (every node's, node 0's by a call): once every
+        node has said, every node goes back to the newest exchange all of them hold."""
+        if self.holding is None:
+            return
+        self.holding[k] = data
+        if len(self.holding) < len(self.alive):
+            return
+        sets = [{tuple(p[:2]) for p in h["kept"]} for h in self.holding.values()]
+        common = set.intersection(*sets)
+        if not common:
+            from .membership import stops
+            raise WorkerFailed(None, f"{self.dropping['reason']} "
+                                     f"{stops(any(h.get('fresh') for h in self.holding.values()))}")
+        back_to = max(common)
+        step = next(p[2] for p in self.holding[0]["kept"] if tuple(p[:2]) == back_to)
+        regroup = {"gen": self.gen, "back_to": [*back_to, step], "nodes": list(self.alive)}
+        dropping, self.holding, self.dropping = self.dropping, None, None
+        self.listener.broadcast("REGROUP", regroup, ranks=self.others)
+        self.coordinator.regroup(regroup, dropping["lost"], dropping["reason"])
 
     def check(self, now):
         missing = [k for k in range(1, self.nnodes) if k not in self.joined]
@@ -140,11 +218,11 @@ class Hub:
             raise WorkerFailed(None, f"node(s) {missing} did not join within "
                                f"{self.join_timeout:.0f} s at {self.address} (started? "
                                "the same secret? a firewall?)", node=missing[0])
-        lost = self.lost(now, self.node_timeout)
-        if lost is not None:
-            raise WorkerFailed(None, lost)
+        k = self._silent(now, self.node_timeout)
+        if k is not None:
+            self._drop(k, WorkerFailed(None, self._gone(k), node=k))
         if self.node_since is not None and now - self.node_since > self.progress_timeout:
-            absent = min(k for k in range(self.nnodes) if k not in self.arrived)
+            absent = min(k for k in self.alive if k not in self.arrived)
             raise WorkerFailed(None, f"node {absent} reached no barrier in "
                                f"{self.progress_timeout:.0f} s while node(s) "
                                f"{sorted(self.arrived)} waited at one", node=absent)

@@ -36,7 +36,7 @@ TRACEBACK_CHARS = 200_000
 
 
 def _worker_main(place, device, address, secret, run_id, data_address, private, pipes,
-                 target, args, joining=False):
+                 target, args, joining=False, progress_timeout=600.0):
     # Ctrl-C and a scheduler's SIGTERM reach the whole process group; the launcher alone
     # decides how to stop, and tells the workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -60,7 +60,8 @@ def _worker_main(place, device, address, secret, run_id, data_address, private, 
         link.send("HELLO", {"version": protocol.PROTOCOL_VERSION, "pid": os.getpid(),
                             "device": device})
         link.receive("RUN")
-        ctx = WorkerContext(place, device, run_id, link, data_address, joining)
+        ctx = WorkerContext(place, device, run_id, link, data_address, joining,
+                            progress_timeout)
         result = target(ctx, *args)
         link.send("DONE", {"result": result})
     except control.Stopped:
@@ -104,7 +105,8 @@ def launch(target, args=(), *, gpus=None, cpu=None, on_metric=None, heartbeat_ti
     nlocal = len(devices)
     if not 1 <= nlocal <= 8:
         raise ValueError(f"pympgu runs 1 to 8 workers a node, got {nlocal}")
-    if min_workers is not None and min_workers < nlocal and devices[0] is not None:
+    nnodes = nodes.nnodes if nodes is not None else 1
+    if min_workers is not None and min_workers < nlocal * nnodes and devices[0] is not None:
         raise ValueError("min_workers below the workers goes on without a lost worker on CPU "
                          "workers only, for now (docs/DECISIONS.md, \"Going on without a "
                          "lost worker\")")
@@ -124,7 +126,7 @@ def launch(target, args=(), *, gpus=None, cpu=None, on_metric=None, heartbeat_ti
         try:
             listener = control.Listener(nlocal, private.control, log=log)
             above = _above(nodes, secret, nlocal, log, node_timeout, join_timeout,
-                           progress_timeout) if multi else Alone()
+                           progress_timeout, min_workers) if multi else Alone()
             nnodes, node = (nodes.nnodes, nodes.node_rank) if multi else (1, 0)
             # Node 0's host: CPU workers' data links listen on the interface toward it.
             data_address = nodes.host if multi else None
@@ -137,7 +139,8 @@ def launch(target, args=(), *, gpus=None, cpu=None, on_metric=None, heartbeat_ti
                                 daemon=True,
                                 args=(place, devices[r], listener.address, listener.secret,
                                       run_id, data_address, private.path,
-                                      [w for _, w in streams], target, args, joining))
+                                      [w for _, w in streams], target, args, joining,
+                                      progress_timeout))
                 p.start()
                 return p, _outputs(place[0], streams)
 
@@ -184,12 +187,13 @@ def _outputs(rank, streams):
     return outs
 
 
-def _above(nodes, secret, nlocal, log, node_timeout, join_timeout, progress_timeout):
+def _above(nodes, secret, nlocal, log, node_timeout, join_timeout, progress_timeout,
+           min_workers):
     """The level above this node's coordinator in a run of several nodes."""
     if nodes.node_rank == 0:
         from .hub import Hub
         return Hub(nodes.nnodes, f"tcp://{_bind_host(nodes)}:{nodes.port}", secret, log,
-                   node_timeout, join_timeout, progress_timeout)
+                   node_timeout, join_timeout, progress_timeout, min_workers)
     from .uplink import Uplink
     return Uplink(nodes.address, secret, nodes.node_rank, nodes.nnodes, nlocal,
                   node_timeout, join_timeout)

@@ -83,6 +83,20 @@ class Membership:
         it was. Returns the REFORM payload once every survivor has said, else None. A survivor
         that holds none (lost before the first exchange), or positions no one else holds,
         ends the run."""
+        held = self.holds(slot, kept, at)
+        if held is None:
+            return None
+        common = {tuple(p[:2]) for p in held["kept"]}
+        if not common:
+            rec = self.recovering
+            rank, reason = rec["lost"][0] if rec["lost"] else (None, "a worker joined")
+            raise WorkerFailed(rank, f"{reason} {stops(held['fresh'])}")
+        return self.reform(max(common))
+
+    def holds(self, slot, kept, at):
+        """RECOVER from ``slot`` noted; once every survivor has said: the positions (with
+        their steps) that all of them hold, where the furthest was, and whether any held
+        nothing yet (``fresh``), else None. Across nodes node 0 picks among every node's."""
         rec = self.recovering
         if rec is None or slot not in self.members:
             return None  # said twice across two losses: the second is the answer
@@ -96,13 +110,22 @@ class Membership:
             return None
         holders = [set(k) for k in rec["kept"].values() if k is not None]
         common = set.intersection(*holders) if holders else set()
-        if not common:
-            why = ("before the workers' first exchange" if not all(holders)
-                   else "and the survivors hold no exchange in common")
-            rank, reason = rec["lost"][0] if rec["lost"] else (None, "a worker joined")
-            raise WorkerFailed(rank, f"{reason} {why}: the run stops (it goes on only from "
-                                     "a state every survivor holds)")
-        back_to = max(common)
+        return {"kept": [[*p, rec["steps"][p]] for p in sorted(common)],
+                "at": max(rec["at"], default=None, key=lambda a: a[2]),
+                "fresh": not all(holders)}
+
+    def external(self, now):
+        """Another node was dropped: this node's workers go back too, none of them lost."""
+        self.recovering = {"lost": [], "joining": [], "since": now, "kept": {}, "at": []}
+
+    def reform(self, back_to, lost=(), reason=None, workers=None):
+        """Every survivor goes back to ``back_to`` (a position every one holds); returns the
+        REFORM payload. For the record, across nodes: the ranks lost with another node
+        (``lost``), why (``reason``), and the workers of every node that go on."""
+        rec = self.recovering
+        back_to = tuple(back_to[:2])
+        rec["lost"] = rec["lost"] + [(r, reason if k == 0 else None)
+                                     for k, r in enumerate(lost)]
         holding = [s for s in self.members if rec["kept"][s] is not None]
         self.fresh |= set(rec["joining"])
         self.members = sorted(self.members + rec["joining"])
@@ -111,15 +134,16 @@ class Membership:
         self.announce = {
             "lost": told["lost"] + [r for r, _ in rec["lost"]],
             "joined": sorted(self.members.index(s) for s in self.fresh),
-            "reason": told["reason"] + [w for _, w in rec["lost"]],
+            "reason": told["reason"] + [w for _, w in rec["lost"] if w is not None],
             # Steps counted from 1: the one under way when the loss came, the next to run.
             "at_step": max((a[2] for a in rec["at"]), default=rec["steps"][back_to]) + 1,
             "epoch": back_to[0] + 1, "from_step": rec["steps"][back_to] + 1,
-            "workers": len(self.members), "since": min(told["since"], rec["since"])}
+            "workers": workers or len(self.members),
+            "since": min(told["since"], rec["since"])}
         self.recovering = None
         root = self.members.index(holding[0]) if self.fresh else None
         return {"members": self.members, "back_to": [*back_to, rec["steps"][back_to]],
-                "root": root}
+                "root": root, "node": 0, "nnodes": 1}
 
     def record(self, now=None):
         """The membership change in metrics.jsonl's words, once the survivors have completed
@@ -134,3 +158,10 @@ class Membership:
                 "lost": a["lost"], "joined": a["joined"], "reason": a["reason"],
                 "at_step": a["at_step"], "from_step": a["from_step"], "workers": a["workers"],
                 "seconds": round(now - a["since"], 3), "time": time.time()}
+
+
+def stops(fresh):
+    """Why a recovery with no exchange in common stops the run, in words."""
+    why = ("before the workers' first exchange" if fresh
+           else "and the survivors hold no exchange in common")
+    return f"{why}: the run stops (it goes on only from a state every survivor holds)"

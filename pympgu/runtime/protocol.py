@@ -18,14 +18,17 @@ by a thread on its own socket), ERROR (traceback, or a message that says it all)
 worker: RUN, PEERS (every rank's registration), RELEASE (seq), STOP, SHRINK (a rank was
 lost, or a restarted one joins: stop where you are), REFORM (the workers from now on, the
 exchange they all go back to, and the rank a joiner takes the state from). Between node launchers and node 0's: JOIN, ARRIVE,
-REPORT, FAIL, FINISH and HEARTBEAT up; START, RELEASE, STOP and HEARTBEAT down.
+REPORT, FAIL, FINISH, HOLD (after a DROP: the exchanges every worker of the node holds)
+and HEARTBEAT up; START, RELEASE, STOP, DROP (a node was dropped: every worker goes back),
+REGROUP (the nodes from now on, and where they go back to) and HEARTBEAT down. ARRIVE, DROP,
+HOLD and REGROUP carry the membership's generation: what an earlier one sent is dropped.
 """
 import hashlib
 import hmac
 import json
 import secrets
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 SECRET_BYTES = 32
 NONCE_BYTES = 16
 # A frame's most bytes (ZMQ_MAXMSGSIZE): far above any real message (a layout of thousands
@@ -37,8 +40,8 @@ MAX_HEADER_BYTES = 64
 TO_COORDINATOR = {"HELLO", "REGISTER", "BARRIER", "WAITING", "METRIC", "HEARTBEAT", "ERROR",
                   "RECOVER", "DONE"}
 TO_WORKER = {"RUN", "PEERS", "RELEASE", "STOP", "SHRINK", "REFORM"}
-TO_HUB = {"JOIN", "ARRIVE", "REPORT", "FAIL", "FINISH", "HEARTBEAT"}
-TO_NODE = {"START", "RELEASE", "STOP", "HEARTBEAT"}
+TO_HUB = {"JOIN", "ARRIVE", "REPORT", "FAIL", "FINISH", "HOLD", "HEARTBEAT"}
+TO_NODE = {"START", "RELEASE", "STOP", "DROP", "REGROUP", "HEARTBEAT"}
 
 ANY = object()
 _NONE = type(None)
@@ -61,14 +64,19 @@ SCHEMA = {
     "RELEASE": ({"seq": int, "shared": ANY, "values": (list, _NONE)}, 0, False, _BIG),
     "STOP": ({"reason": str}, 0, False, _TEXT),
     "SHRINK": ({"lost": (int, _NONE), "reason": str}, 0, False, _TEXT),
-    "REFORM": ({"members": list, "back_to": list, "root": (int, _NONE)}, 0, False, _SMALL),
+    "REFORM": ({"members": list, "back_to": list, "root": (int, _NONE), "node": int,
+                "nnodes": int}, 0, False, _SMALL),
     "JOIN": ({"version": int, "pid": int, "host": str, "nlocal": int}, 0, False, _SMALL),
     "ARRIVE": ({"seq": int, "what": (str, _NONE), "value": ANY, "shared": ANY,
-                "values": (list, _NONE)}, 0, False, _BIG),
+                "values": (list, _NONE), "gen": int}, 0, False, _BIG),
     "REPORT": ({"rank": int, "data": dict}, 0, False, _TEXT),
     "FAIL": ({"rank": (int, _NONE), "reason": str, "details": str}, 0, False, _TEXT),
     "FINISH": ({"results": list}, 0, False, _BIG),
     "START": ({}, 0, False, _SMALL),
+    "HOLD": ({"gen": int, "kept": list, "at": (list, _NONE), "fresh": bool}, 0, False,
+             _SMALL),
+    "DROP": ({"gen": int, "reason": str}, 0, False, _TEXT),
+    "REGROUP": ({"gen": int, "back_to": list, "nodes": list}, 0, False, _SMALL),
 }
 TO_COORDINATOR_DIRECTION, TO_WORKER_DIRECTION = b"C", b"W"  # under the MAC
 NONCE_DIRECTION = b"N"  # node 0's answer to a knock, under the MAC of the nodes' secret

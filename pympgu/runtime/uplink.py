@@ -20,6 +20,7 @@ class Uplink:
         self.node_timeout, self.join_timeout = node_timeout, join_timeout
         self.t0 = self.heard = time.monotonic()
         self.started = False
+        self.gen = 0  # the membership's generation (Hub): each DROP starts one
         self.link.send("JOIN", {"version": PROTOCOL_VERSION, "pid": os.getpid(),
                                 "host": os.uname().nodename, "nlocal": nlocal})
 
@@ -42,6 +43,11 @@ class Uplink:
             self.coordinator.maybe_run()
         elif kind == "RELEASE":
             self.coordinator.release(data)
+        elif kind == "DROP":
+            self.gen = data["gen"]
+            self.coordinator.dropped(printable(data["reason"], 2000))
+        elif kind == "REGROUP" and data["gen"] == self.gen:
+            self.coordinator.regroup(data)
         elif kind == "STOP":
             raise NodeStopped(None, f"node 0 stopped the run: "
                               f"{printable(data['reason'], 2000)}")
@@ -50,7 +56,10 @@ class Uplink:
         return self.started
 
     def arrive(self, arrival):
-        self.link.send("ARRIVE", arrival)
+        self.link.send("ARRIVE", dict(arrival, gen=self.gen))
+
+    def hold(self, data):
+        self.link.send("HOLD", dict(data, gen=self.gen))
 
     def report(self, rank, data):
         self.link.send("REPORT", {"rank": rank, "data": data})

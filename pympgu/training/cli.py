@@ -62,7 +62,8 @@ def _flags_where(p):
                    help="N CPU workers instead of GPUs (default without a usable GPU: 2)")
     g.add_argument("--min-workers", type=int, metavar="N",
                    help="go on without a lost worker while N remain (default: every worker: "
-                        "any loss stops the run; CPU workers of one node for now)")
+                        "any loss stops the run; CPU workers; across nodes a node other "
+                        "than node 0 is lost whole)")
     g.add_argument("--restart-workers", type=int, metavar="K",
                    help="with --min-workers: start a new worker in a lost one's place, K "
                         "times in all; it joins the others with their state (default: 0)")

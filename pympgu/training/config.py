@@ -202,8 +202,13 @@ class RunConfig:
         # a lost worker"): said here rather than found out at the first loss.
         need(self.cpu, "--min-workers", "goes on without a lost worker on CPU workers only, "
              "for now: GPU workers stop the run at a loss (give every worker, or --cpu N)")
-        need(self.nnodes == 1, "--min-workers", "goes on without a lost worker inside one "
-             "node only, for now: give every worker of every node with --nnodes")
+        need(self.nnodes == 1 or self.across_nodes in ("every-step", "average"),
+             "--min-workers", "across nodes goes on without a lost node with --across-nodes "
+             "every-step or average only, for now (an outer optimizer's state is not carried "
+             "through the loss)")
+        need(self.nnodes == 1 or not self.restart_workers, "--restart-workers",
+             "restarts a lost worker inside one node only: across nodes a node is lost "
+             "whole, and not restarted")
         need(not self.overlap, "--min-workers", "needs replicas identical after each "
              "exchange; --overlap leaves them alike only at the epoch's end: drop one of them")
 
