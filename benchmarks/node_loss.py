@@ -59,11 +59,15 @@ def run(args, out, victim):
     records = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
     change = next((r for r in records if r.get("event") == "membership"), None)
     seconds = change["time"] - killed if change and killed else None
-    left = sum(bool(subprocess.run(["ps", "-o", "pid=", "-s", str(p.pid)],
-                                   capture_output=True, text=True).stdout.strip())
-               for p in procs)
+    def left():  # processes of either session still alive (a moment allowed to exit)
+        return sum(bool(subprocess.run(["ps", "-o", "pid=", "-s", str(p.pid)],
+                                       capture_output=True, text=True).stdout.strip())
+                   for p in procs)
+    deadline = time.monotonic() + 5
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.1)
     epochs = [r for r in records if "test_error" in r]
-    return (seconds, codes[0], codes[1], epochs[-1]["test_error"], left,
+    return (seconds, codes[0], codes[1], epochs[-1]["test_error"], left(),
             len(set(glob.glob("/dev/shm/pympgu-*")) - before))
 
 
