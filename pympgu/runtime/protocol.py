@@ -17,9 +17,9 @@ by a thread on its own socket), ERROR (traceback, or a message that says it all)
 (after a SHRINK: the exchanges this rank completed last), DONE (result). Coordinator to
 worker: RUN, PEERS (every rank's registration), RELEASE (seq), STOP, SHRINK (a rank was
 lost, or a restarted one joins: stop where you are), REFORM (the workers from now on, the
-exchange they all go back to, and the rank a joiner takes the state from). Between node launchers and node 0's: JOIN, ARRIVE,
-REPORT, FAIL, FINISH, HOLD (after a DROP: the exchanges every worker of the node holds)
-and HEARTBEAT up; START, RELEASE, STOP, DROP (a node was dropped: every worker goes back),
+exchange they all go back to, the rank a joiner takes the state from, the worker's node
+and the nodes' number). Between node launchers and node 0's: JOIN, ARRIVE, REPORT, FAIL,
+FINISH, HOLD (after a DROP: the exchanges every worker of the node holds) and HEARTBEAT up; START, RELEASE, STOP, DROP (a node was dropped: every worker goes back),
 REGROUP (the nodes from now on, and where they go back to) and HEARTBEAT down. ARRIVE, DROP,
 HOLD and REGROUP carry the membership's generation: what an earlier one sent is dropped.
 """
