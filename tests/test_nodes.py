@@ -181,6 +181,15 @@ def test_two_nodes_of_two_workers_train_as_four_workers_on_one(tmp_path, launche
         assert a["valid_error"] == pytest.approx(b["valid_error"], abs=1e-3), (a, b)
 
 
+def _nothing_left(procs, before):
+    """No process of the nodes' sessions still runs, and /dev/shm holds no name of theirs
+    that was not there ``before``."""
+    wait_until(lambda: not any(session_left(p.pid) for p in procs), 10, every=0.2)
+    for p in procs:
+        assert not session_left(p.pid), f"outlived the run: {session_left(p.pid)}"
+    assert not set(glob.glob("/dev/shm/pympgu-*")) - before
+
+
 def _listening(pid):
     """The TCP ports on which process ``pid`` listens."""
     inodes = set()
@@ -257,10 +266,7 @@ def test_with_min_workers_the_other_nodes_go_on_without_a_lost_one(tmp_path, vic
     assert f"rank 2, 3 lost ({changes[0]['reason']}) at step" in err0, err0[-3000:]
     if victim == "a worker of node 1":
         assert code1 == 1 and "was killed by signal 9" in err1, err1[-3000:]
-    wait_until(lambda: not any(session_left(p.pid) for p in procs), 10, every=0.2)
-    for p in procs:
-        assert not session_left(p.pid), f"outlived the run: {session_left(p.pid)}"
-    assert not set(glob.glob("/dev/shm/pympgu-*")) - before
+    _nothing_left(procs, before)
 
 
 def test_a_node_lost_below_min_workers_stops_the_run(tmp_path):
@@ -334,10 +340,7 @@ def test_a_node_or_rank_lost_stops_every_node_within_seconds(tmp_path, victim):
     else:
         assert "was killed by signal 9" in err and "(node 1)" in err, err
         assert f"continue with --resume {out}" in err
-    wait_until(lambda: not any(session_left(p.pid) for p in procs), 10, every=0.2)
-    for p in procs:
-        assert not session_left(p.pid), f"outlived the run: {session_left(p.pid)}"
-    assert not set(glob.glob("/dev/shm/pympgu-*")) - before
+    _nothing_left(procs, before)
 
 
 def test_a_node_without_the_secret_is_refused_and_the_run_goes_on(tmp_path):
