@@ -312,7 +312,7 @@ def test_a_flood_at_node_0s_port_leaves_the_run_as_a_clean_one(tmp_path):
 
     def two_nodes(out, watch=None):
         argv = [sys.executable, "-m", "pympgu.train", "--cpu", "1", "--hidden", "16",
-                "--epochs", "12", "--quiet", "--nnodes", "2", "--coordinator",
+                "--epochs", "30", "--quiet", "--nnodes", "2", "--coordinator",
                 f"127.0.0.1:{port}", "--node-rank"]
         procs = [start(argv + ["0", "--out", str(out)], env), start(argv + ["1"], env)]
         most = 0

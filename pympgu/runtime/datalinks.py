@@ -253,7 +253,18 @@ class _Handshakes:
         return self.links
 
     def _dial(self, peer):
-        s = socket.create_connection(self.addresses[peer], timeout=HANDSHAKE_S)
+        """Connect to ``peer`` and say hello; again and again until the deadline, while its
+        port is busy (a flood fills its backlog, or closes this connection unproven)."""
+        while True:
+            try:
+                s = socket.create_connection(self.addresses[peer], timeout=1.0)
+                break
+            except OSError as e:
+                if time.monotonic() > self.deadline:
+                    raise LinkLost(peer, self.node_of(peer), f"took no data link from rank "
+                                   f"{self.rank} in time ({e.strerror or e})") from None
+                self.check()
+                time.sleep(SLICE_S)
         nonce = secrets.token_bytes(NONCE_BYTES)
         s.sendall(MAGIC + HELLO.pack(self.rank) + nonce)
         s.setblocking(False)
@@ -268,9 +279,13 @@ class _Handshakes:
         s.setblocking(False)
         admitted = [c for c, state in self.pending.items() if state[0] == "admit"]
         if len(admitted) >= MAX_UNPROVEN:
-            self._drop(admitted[0])  # the oldest: dicts keep their order of insertion
+            # The oldest that has not said who it is (a peer's hello comes with its
+            # connection), else the oldest: dicts keep their order of insertion.
+            silent = [c for c in admitted if self.pending[c][1] is None]
+            self._drop((silent or admitted)[0])
         self.pending[s] = ["admit", None, None, b"", time.monotonic() + HANDSHAKE_S]
         self.selector.register(s, selectors.EVENT_READ)
+        self._advance(s)  # its hello, where it is already there
 
     def _advance(self, s):
         state = self.pending.get(s)
@@ -286,7 +301,10 @@ class _Handshakes:
         except OSError:
             chunk = b""
         if not chunk:
-            return self._drop(s)
+            self._drop(s)
+            if role == "dial":  # closed unproven by a flooded peer: once more
+                self._dial(peer)
+            return
         got = state[3] = got + chunk
         if len(got) < want:
             return
