@@ -331,7 +331,9 @@ def test_a_flood_at_node_0s_port_leaves_the_run_as_a_clean_one(tmp_path):
         tmp_path, lambda: two_nodes(tmp_path / "attacked", watch=True), seconds=10,
         target=f"tcp://127.0.0.1:{port}", flood=3000)
     assert learnt == clean
-    assert report["flood"] >= 1000, report
+    # The flood came (how many the attacker opens in its 10 s depends on the CPU the run
+    # leaves it: 705 to 3,000 here), and node 0 held at most half of it at a time.
+    assert report["flood"] >= 500, report
     assert most < usual + report["flood"] / 2, (most, usual, report["flood"])
     assert "had not shown the nodes' secret" in err0 and "rejected" not in err0, err0
 
