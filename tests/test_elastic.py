@@ -128,8 +128,6 @@ def _model():
     (dict(nnodes=2, across_nodes="diloco", min_workers=2),
      "--min-workers across nodes goes on without a lost node with --across-nodes every-step "
      "or average only"),
-    (dict(nnodes=2, min_workers=2, restart_workers=1),
-     "--restart-workers restarts a lost worker inside one node only"),
 ])
 def test_what_cannot_go_on_without_a_worker_yet_is_refused(changes, message):
     from pympgu.training.config import UsageError

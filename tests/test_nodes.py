@@ -269,6 +269,66 @@ def test_with_min_workers_the_other_nodes_go_on_without_a_lost_one(tmp_path, vic
     _nothing_left(procs, before)
 
 
+def _workers(proc):
+    """The worker processes of a node's launcher ``proc``."""
+    return [int(p) for p in subprocess.run(["pgrep", "-f", "-s", str(proc.pid), "spawn_main"],
+                                           capture_output=True, text=True).stdout.split()]
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory):
+    """The epochs of 2 nodes x 2 workers, 4 epochs, nothing lost."""
+    port, out = free_port(), tmp_path_factory.mktemp("undisturbed") / "run"
+    procs = [start(node_argv(k, port, "--epochs", "4", *(["--out", str(out)] if k == 0
+                                                         else []))) for k in range(2)]
+    try:
+        codes = [p.wait(timeout=150) for p in procs]
+    finally:
+        for p in procs:
+            kill_session(p)
+    assert codes == [0, 0], [p.stderr.read()[-3000:] for p in procs]
+    return epochs(out / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("node", [1, 0])
+def test_a_worker_lost_on_any_node_is_restarted_and_every_node_goes_on(tmp_path, node,
+                                                                       undisturbed):
+    """2 nodes x 2 workers, --restart-workers 1: a worker killed on node 1 (or on node 0,
+    whose launcher hosts the run) is replaced on its node; every node goes back to the last
+    common exchange, waits for the new worker, which takes its node's state, and the 4
+    finish every epoch, status 0 on both nodes, bit-identical (the launcher checks the
+    digests) and with the losses of a run that lost nothing (the same 4 workers redo the
+    same steps); the record says who was lost and who joined."""
+    port = free_port()
+    out = tmp_path / "run"
+    before = set(glob.glob("/dev/shm/pympgu-*"))
+    procs = [start(node_argv(k, port, "--epochs", "4", "--min-workers", "2",
+                             "--restart-workers", "1",
+                             *(["--out", str(out)] if k == 0 else []))) for k in range(2)]
+    try:
+        assert wait_until((out / "checkpoint.npz").exists, 120, every=0.05)
+        os.kill(max(_workers(procs[node])), signal.SIGKILL)
+        codes = [p.wait(timeout=150) for p in procs]
+        errs = [p.stderr.read() for p in procs]
+    finally:
+        for p in procs:
+            kill_session(p)
+    assert codes == [0, 0], [e[-3000:] for e in errs]
+    records = epochs(out / "metrics.jsonl")
+    done = [r for r in records if r.get("event") != "membership"]
+    assert [(r["epoch"], r["loss"], r["valid_error"]) for r in done] == \
+        [(r["epoch"], r["loss"], r["valid_error"]) for r in undisturbed]
+    changes = [r for r in records if r.get("event") == "membership"]
+    lost = 2 * node + 1  # the newest worker of the node: its second
+    assert len(changes) == 1, changes
+    assert (changes[0]["lost"], changes[0]["joined"], changes[0]["workers"]) == \
+        ([lost], [lost], 4), changes
+    assert "was killed by signal 9" in changes[0]["reason"], changes
+    assert (f"a new worker takes its place on node {node}; every node waits for it"
+            in errs[0]), errs[0][-3000:]
+    _nothing_left(procs, before)
+
+
 def test_a_node_lost_below_min_workers_stops_the_run(tmp_path):
     port = free_port()
     out = tmp_path / "run"

@@ -25,7 +25,9 @@ class WorkerContext:
         self.progress_timeout = progress_timeout
         # A restarted worker, to join the run at its next epoch (pympgu.training.recovery).
         self.joining = joining
-        self._barrier_seq = 0
+        # Barriers counted apart: the run's, whose numbers every node compares, and this
+        # node's alone (a node's own business, such as taking in a replacement worker).
+        self._seq = {False: 0, True: 0}
         self._next_check = 0.0  # when check() next reads the launcher's socket
 
     @property
@@ -46,8 +48,9 @@ class WorkerContext:
         return self._meet(None, value, None, local, True)["values"]
 
     def _meet(self, what, value, shared, local, gather):
-        self._barrier_seq += 1
-        self.link.send("BARRIER", {"seq": self._barrier_seq, "what": what, "value": value,
+        local = bool(local)
+        self._seq[local] += 1
+        self.link.send("BARRIER", {"seq": self._seq[local], "what": what, "value": value,
                                    "shared": shared, "local": bool(local), "gather": gather})
         data, _ = self.link.receive("RELEASE")
         return data
@@ -99,7 +102,7 @@ class WorkerContext:
         self.node, self.nnodes = data["node"], data["nnodes"]
         self.rank = self.node * self.local_nranks + self.local_rank
         self.nranks = self.nnodes * self.local_nranks
-        self._barrier_seq = 0
+        self._seq = {False: 0, True: 0}
         return data["back_to"], data["root"]
 
     def await_word(self, seconds) -> None:

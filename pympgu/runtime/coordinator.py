@@ -211,6 +211,12 @@ class NodeCoordinator:
             self.listener.send(local, "RUN")
         elif kind == "RECOVER" and self.joiners[local] == "starting":
             self.joiners[local] = "ready"
+            if self.nnodes > 1:  # every node waits for it (pause): this node may say now
+                self.joiners[local] = "joining"
+                held = self.membership.ready(local)
+                if held is not None:
+                    self.above.hold(held)
+                return
             self._admit()
 
     def _admit(self):
@@ -284,10 +290,33 @@ class NodeCoordinator:
                                             "values": arrival["values"]},
                                 ranks=self.membership.members)
 
+    def _pause(self, local, error, now):
+        """Across nodes, with restarts left: the worker in slot ``local`` failed with
+        ``error``; a new one takes its slot, and every node goes back and waits for it
+        (docs/DECISIONS.md, "A worker restarted across nodes")."""
+        rank = self.rank_of(local)
+        self.membership.pause(local, rank, error.reason, now)
+        p = self.procs[local]
+        if p.exitcode is None:  # hung: it must not wake and write into the exchange
+            p.kill()
+            p.join(5)
+        self.last_beat.pop(local, None)
+        self._reshape({"lost": rank, "reason": error.reason})
+        self._restart(local, now)
+        self.above.pause(rank, str(error).split("\n")[0])
+
+    def _restartable(self):
+        """Across nodes: whether a lost worker is replaced (restarts left, training under
+        way) rather than failing its node."""
+        return self.nnodes > 1 and self.running and self.restarts > 0
+
     def _lose(self, local, error, now):
         """The worker in slot ``local`` failed with ``error``: raise it, or, where
         --min-workers allows, drop the worker (killed if it still runs) and tell the others
-        to go on without it."""
+        to go on without it; across nodes, replace it while restarts are left."""
+        if self._restartable():
+            self._pause(local, error, now)
+            return
         if not self.running:  # the survivors wait for RUN: there is nothing to go back to
             raise error
         shrink = self.membership.lose(local, error, now)
@@ -305,13 +334,15 @@ class NodeCoordinator:
         self.membership.external(time.monotonic())
         self._reshape({"lost": None, "reason": reason})
 
-    def regroup(self, data, lost=(), reason=None):
+    def regroup(self, data, lost=(), reason=None, joined=()):
         """Node 0's REGROUP: the nodes from now on (``nodes``, in order) and the exchange
-        every worker goes back to; ``lost``, ``reason``: for node 0's record."""
+        every worker goes back to; ``lost``, ``reason``, ``joined``: for node 0's record."""
         nodes = data["nodes"]
         place = nodes.index(self.node)
         reform = self.membership.reform(data["back_to"], lost, reason,
-                                        workers=len(nodes) * self.n)
+                                        workers=len(nodes) * self.n, joined=joined)
+        for r in [r for r, state in self.joiners.items() if state == "joining"]:
+            del self.joiners[r]  # a worker of the run from now on
         reform.update(node=place, nnodes=len(nodes))
         self.offset = place * self.n
         self.since = None
@@ -355,6 +386,9 @@ class NodeCoordinator:
                     continue
                 if self.nnodes == 1:
                     self._lose(local, error, now)
+                    continue
+                if self._restartable():
+                    self._pause(local, error, now)
                     continue
                 if p.exitcode == -signal.SIGKILL:
                     raise error
@@ -405,6 +439,10 @@ class NodeCoordinator:
         self.membership.drop_joiner(local)
         if self.restarts > 0:
             self._restart(local, now)
+        elif self.nnodes > 1:  # its slot stays empty: the node fails whole
+            rank = self.rank_of(local)
+            raise WorkerFailed(rank, f"was lost, and its replacement {how} before it "
+                               "joined, with no restart left", node=self.node_of(rank))
 
     def _exited(self, local, p):
         """The failure a worker's exit is, or None where it had finished: it may have

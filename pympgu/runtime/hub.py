@@ -3,7 +3,9 @@ join it, arrive at each run-wide barrier once all their ranks have, pass their r
 metrics on, say when one failed, and finish with their results; it heartbeats to them and
 tells them to stop. With ``min_workers`` below every worker, a node other than node 0 that
 fails or falls silent is dropped while enough workers remain: every other node's workers go
-back to the newest exchange all of them hold (DROP, HOLD, REGROUP) and go on without it."""
+back to the newest exchange all of them hold (DROP, HOLD, REGROUP) and go on without it.
+With restarts, a node's lost worker is replaced instead: every node goes back the same way
+and waits for the replacement (PAUSE), whose node says what it holds once it is ready."""
 import time
 
 from . import control
@@ -90,6 +92,9 @@ class Hub:
         self.node_beat[k] = time.monotonic()
         if k == 0:
             return  # node 0 is this launcher: nothing of its own comes over the socket
+        if k in self.alive and kind == "PAUSE":  # whatever its generation: it must be heard
+            self._pause(k, data["rank"], printable(data["reason"], 2000))
+            return
         if k not in self.alive or data.get("gen", self.gen) != self.gen:
             return  # a dropped node's, or sent before the last drop
         if kind == "JOIN":
@@ -181,11 +186,37 @@ class Hub:
         self.log(f"{why}: node {k} leaves the run; {left} workers on {len(self.alive)} "
                  f"node(s) go on without it")
         first = self.dropping
-        self.dropping = {"lost": (first or {}).get("lost", []) + ranks, "reason": why}
+        self.dropping = {"lost": (first or {}).get("lost", []) + ranks, "reason": why,
+                         "joined": (first or {}).get("joined", [])}
         self.holding = {}
-        self.listener.broadcast("DROP", {"gen": self.gen, "reason": self.dropping["reason"]},
-                                ranks=self.others)
+        self.listener.broadcast("DROP", {"gen": self.gen, "reason": self.dropping["reason"],
+                                         "node": None}, ranks=self.others)
         self.coordinator.dropped(self.dropping["reason"])
+
+    def pause(self, rank, reason):
+        """Node 0's own worker ``rank`` lost, its replacement starting."""
+        self._pause(0, rank, reason)
+
+    def _pause(self, k, rank, reason):
+        """A worker of node ``k`` (``rank``) was lost (``reason``) and a new one starts in
+        its place: every node's workers go back to an exchange all hold, and node ``k``
+        says what it holds once the replacement is ready (docs/DECISIONS.md, "A worker
+        restarted across nodes")."""
+        self.gen += 1
+        self.arrived.clear()
+        self.node_since = None
+        self.log(f"{reason}: a new worker takes its place on node {k}; every node waits for "
+                 "it")
+        first = self.dropping or {}
+        # Node 0's record takes its own workers' losses from its own membership.
+        self.dropping = {"lost": first.get("lost", []) + ([rank] if k else []),
+                         "joined": first.get("joined", []) + ([rank] if k else []),
+                         "reason": first.get("reason", reason)}
+        self.holding = {}
+        self.listener.broadcast("DROP", {"gen": self.gen, "reason": reason, "node": k},
+                                ranks=self.others)
+        if k != 0:
+            self.coordinator.dropped(reason)
 
     def hold(self, data):
         """Node 0's workers' HOLD."""
@@ -210,7 +241,8 @@ class Hub:
         regroup = {"gen": self.gen, "back_to": [*back_to, step], "nodes": list(self.alive)}
         dropping, self.holding, self.dropping = self.dropping, None, None
         self.listener.broadcast("REGROUP", regroup, ranks=self.others)
-        self.coordinator.regroup(regroup, dropping["lost"], dropping["reason"])
+        self.coordinator.regroup(regroup, dropping["lost"], dropping["reason"],
+                                 dropping.get("joined", ()))
 
     def check(self, now):
         missing = [k for k in range(1, self.nnodes) if k not in self.joined]

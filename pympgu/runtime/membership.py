@@ -6,6 +6,9 @@ the coordinator tells the survivors (SHRINK), each says which exchanges it holds
 have, the newest that every one holds is where they all go back to (REFORM). Workers keep
 their process's slot (their link's number) for good; their rank is their place among the
 survivors, in slot order.
+
+Across nodes every node keeps as many workers: a lost one's slot waits for its replacement
+(``pause``), and the node says what it holds only once that one is ready too.
 """
 import time
 
@@ -73,10 +76,32 @@ class Membership:
                            "at": []}
         return {"lost": None, "reason": f"{len(slots)} restarted worker(s) join"}
 
+    def pause(self, slot, rank, reason, now):
+        """Across nodes, with restarts: the worker in ``slot`` (the run's ``rank``) is lost
+        and its replacement will take the same slot; the survivors go back, and this node
+        holds nothing to say until the replacement is ready (``ready``)."""
+        self.members.remove(slot)
+        first = self.recovering or {}
+        self.recovering = {"lost": first.get("lost", []) + [(rank, reason)],
+                           "joining": first.get("joining", []),
+                           "waiting": first.get("waiting", set()) | {slot},
+                           "since": first.get("since", now), "kept": {}, "at": []}
+
+    def ready(self, slot):
+        """The replacement in ``slot`` is ready to join: what ``holds`` returns."""
+        rec = self.recovering
+        if rec is None or slot not in rec.get("waiting", ()):
+            return None
+        rec["waiting"].discard(slot)
+        rec["joining"].append(slot)
+        return self._held()
+
     def drop_joiner(self, slot):
         """A joiner lost before it joined."""
         if self.recovering is not None and slot in self.recovering["joining"]:
             self.recovering["joining"].remove(slot)
+            if "waiting" in self.recovering:  # across nodes: its slot waits for another
+                self.recovering["waiting"].add(slot)
 
     def recovered(self, slot, kept, at):
         """RECOVER from ``slot``: the positions whose state it holds (oldest first) and where
@@ -106,7 +131,11 @@ class Membership:
         rec["steps"] = {**rec.get("steps", {}), **{tuple(p[:2]): p[2] for p in kept}}
         if at is not None:
             rec["at"].append(at)
-        if len(rec["kept"]) < len(self.members):
+        return self._held()
+
+    def _held(self):
+        rec = self.recovering
+        if len(rec["kept"]) < len(self.members) or rec.get("waiting"):
             return None
         holders = [set(k) for k in rec["kept"].values() if k is not None]
         common = set.intersection(*holders) if holders else set()
@@ -115,13 +144,18 @@ class Membership:
                 "fresh": not all(holders)}
 
     def external(self, now):
-        """Another node was dropped: this node's workers go back too, none of them lost."""
-        self.recovering = {"lost": [], "joining": [], "since": now, "kept": {}, "at": []}
+        """Another node was dropped, or waits for a replacement: this node's workers go back
+        too (say again what they hold), none of them lost here since."""
+        first = self.recovering or {}
+        self.recovering = {"lost": first.get("lost", []), "joining": first.get("joining", []),
+                           "waiting": first.get("waiting", set()),
+                           "since": first.get("since", now), "kept": {}, "at": []}
 
-    def reform(self, back_to, lost=(), reason=None, workers=None):
+    def reform(self, back_to, lost=(), reason=None, workers=None, joined=()):
         """Every survivor goes back to ``back_to`` (a position every one holds); returns the
         REFORM payload. For the record, across nodes: the ranks lost with another node
-        (``lost``), why (``reason``), and the workers of every node that go on."""
+        (``lost``), why (``reason``), the workers of every node that go on, and the ranks
+        that other nodes' replacements take (``joined``)."""
         rec = self.recovering
         back_to = tuple(back_to[:2])
         rec["lost"] = rec["lost"] + [(r, reason if k == 0 else None)
@@ -133,7 +167,8 @@ class Membership:
         told = self.announce or {"lost": [], "reason": [], "since": rec["since"]}
         self.announce = {
             "lost": told["lost"] + [r for r, _ in rec["lost"]],
-            "joined": sorted(self.members.index(s) for s in self.fresh),
+            "joined": sorted({*(self.members.index(s) for s in self.fresh), *joined,
+                              *told.get("joined", [])}),
             "reason": told["reason"] + [w for _, w in rec["lost"] if w is not None],
             # Steps counted from 1: the one under way when the loss came, the next to run.
             "at_step": max((a[2] for a in rec["at"]), default=rec["steps"][back_to]) + 1,

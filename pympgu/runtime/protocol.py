@@ -19,16 +19,18 @@ worker: RUN, PEERS (every rank's registration), RELEASE (seq), STOP, SHRINK (a r
 lost, or a restarted one joins: stop where you are), REFORM (the workers from now on, the
 exchange they all go back to, the rank a joiner takes the state from, the worker's node
 and the nodes' number). Between node launchers and node 0's: JOIN, ARRIVE, REPORT, FAIL,
-FINISH, HOLD (after a DROP: the exchanges every worker of the node holds) and HEARTBEAT up; START, RELEASE, STOP, DROP (a node was dropped: every worker goes back),
-REGROUP (the nodes from now on, and where they go back to) and HEARTBEAT down. ARRIVE, DROP,
-HOLD and REGROUP carry the membership's generation: what an earlier one sent is dropped.
+FINISH, HOLD (after a DROP: the exchanges every worker of the node holds), PAUSE (a worker
+of the node lost, its replacement starting) and HEARTBEAT up; START, RELEASE, STOP, DROP (a
+node was dropped, or one waits for a replacement: every worker goes back), REGROUP (the
+nodes from now on, and where they go back to) and HEARTBEAT down. ARRIVE, DROP, HOLD, PAUSE
+and REGROUP carry the membership's generation: what an earlier one sent is dropped.
 """
 import hashlib
 import hmac
 import json
 import secrets
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 SECRET_BYTES = 32
 NONCE_BYTES = 16
 # A frame's most bytes (ZMQ_MAXMSGSIZE): far above any real message (a layout of thousands
@@ -40,7 +42,7 @@ MAX_HEADER_BYTES = 64
 TO_COORDINATOR = {"HELLO", "REGISTER", "BARRIER", "WAITING", "METRIC", "HEARTBEAT", "ERROR",
                   "RECOVER", "DONE"}
 TO_WORKER = {"RUN", "PEERS", "RELEASE", "STOP", "SHRINK", "REFORM"}
-TO_HUB = {"JOIN", "ARRIVE", "REPORT", "FAIL", "FINISH", "HOLD", "HEARTBEAT"}
+TO_HUB = {"JOIN", "ARRIVE", "REPORT", "FAIL", "FINISH", "HOLD", "PAUSE", "HEARTBEAT"}
 TO_NODE = {"START", "RELEASE", "STOP", "DROP", "REGROUP", "HEARTBEAT"}
 
 ANY = object()
@@ -75,7 +77,8 @@ SCHEMA = {
     "START": ({}, 0, False, _SMALL),
     "HOLD": ({"gen": int, "kept": list, "at": (list, _NONE), "fresh": bool}, 0, False,
              _SMALL),
-    "DROP": ({"gen": int, "reason": str}, 0, False, _TEXT),
+    "PAUSE": ({"gen": int, "rank": int, "reason": str}, 0, False, _TEXT),
+    "DROP": ({"gen": int, "reason": str, "node": (int, _NONE)}, 0, False, _TEXT),
     "REGROUP": ({"gen": int, "back_to": list, "nodes": list}, 0, False, _SMALL),
 }
 TO_COORDINATOR_DIRECTION, TO_WORKER_DIRECTION = b"C", b"W"  # under the MAC

@@ -45,7 +45,8 @@ class Uplink:
             self.coordinator.release(data)
         elif kind == "DROP":
             self.gen = data["gen"]
-            self.coordinator.dropped(printable(data["reason"], 2000))
+            if data["node"] != self.node:  # (this node's own pause: its workers went back)
+                self.coordinator.dropped(printable(data["reason"], 2000))
         elif kind == "REGROUP" and data["gen"] == self.gen:
             self.coordinator.regroup(data)
         elif kind == "STOP":
@@ -60,6 +61,11 @@ class Uplink:
 
     def hold(self, data):
         self.link.send("HOLD", dict(data, gen=self.gen))
+
+    def pause(self, rank, reason):
+        """A worker of this node (``rank``) lost, its replacement starting: every node
+        goes back and waits for it."""
+        self.link.send("PAUSE", {"gen": self.gen, "rank": rank, "reason": reason})
 
     def report(self, rank, data):
         self.link.send("REPORT", {"rank": rank, "data": data})

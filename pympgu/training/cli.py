@@ -66,7 +66,8 @@ def _flags_where(p):
                         "than node 0 is lost whole)")
     g.add_argument("--restart-workers", type=int, metavar="K",
                    help="with --min-workers: start a new worker in a lost one's place, K "
-                        "times in all; it joins the others with their state (default: 0)")
+                        "times in all (on each node); it joins the others with their state; "
+                        "across nodes every node waits for it (default: 0)")
 
 
 def _flags_nodes(p):

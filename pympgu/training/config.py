@@ -206,9 +206,6 @@ class RunConfig:
              "--min-workers", "across nodes goes on without a lost node with --across-nodes "
              "every-step or average only, for now (an outer optimizer's state is not carried "
              "through the loss)")
-        need(self.nnodes == 1 or not self.restart_workers, "--restart-workers",
-             "restarts a lost worker inside one node only: across nodes a node is lost "
-             "whole, and not restarted")
         need(not self.overlap, "--min-workers", "needs replicas identical after each "
              "exchange; --overlap leaves them alike only at the epoch's end: drop one of them")
 

@@ -162,7 +162,8 @@ def _run_node(cfg, nodes, secret):
     data.load(cfg.data)  # fail here, with the file's name, before any worker starts
     log.info("node %d of %d, joining node 0 at %s", nodes.node_rank, nodes.nnodes,
              nodes.address)
-    launch(worker, (cfg,), nodes=nodes, secret=secret, **_workers(cfg))
+    launch(worker, (cfg,), nodes=nodes, secret=secret, restarts=cfg.restart_workers,
+           **_workers(cfg))
     log.info("node %d done", nodes.node_rank)
     return None
 

@@ -74,13 +74,13 @@ class Training:
         history, its first epoch, and the epoch under way (its batches in all, its costs
         and clock so far), so that it could take rank 0's place at the epoch's end."""
         mine = None
-        if self.ctx.rank == root:
+        if self.ctx.local_rank == root:  # (a node's rank: across nodes the others go on)
             state = self.epoch_state
             if state is not None:
                 state = {**state, "costs": [float(c) for c in state["costs"]],
                          "t0": time.perf_counter() - state["t0"]}  # (elapsed)
             mine = {"history": self.history, "start": self.start_epoch, "epoch": state}
-        told = self.ctx.gather(mine)[root]
+        told = self.ctx.gather(mine, local=True)[root]
         if self.ctx.joining:
             self.history, self.start_epoch = told["history"], told["start"]
             self.epoch_state = told["epoch"]

@@ -82,10 +82,12 @@ def make_exchanger(ctx, rep, cfg, inside=True, root=None):
                 whole = checkpoint.read_extra(cfg.resume, key)
                 if whole is not None:  # (none: resumed from a run without it, from rest)
                     ex.backend.set_outer_state(attr, whole)
-        if root is None:
-            rep.exchange(ex)  # replicas start identical (--init-seed); a resumed run too
-        else:
+        if root is not None:
             rep.adopt(ex, root)
+        if root is None or ctx.nnodes > 1:
+            # Replicas start identical (--init-seed; a resumed run too). Across nodes a node
+            # whose worker was replaced (root) averages too, as the other nodes do.
+            rep.exchange(ex)
     except BaseException:
         ex.close()
         raise
