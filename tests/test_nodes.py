@@ -275,12 +275,15 @@ def _workers(proc):
                                            capture_output=True, text=True).stdout.split()]
 
 
+EPOCHS = "6"
+
+
 @pytest.fixture(scope="module")
 def undisturbed(tmp_path_factory):
-    """The epochs of 2 nodes x 2 workers, 4 epochs, nothing lost."""
+    """The epochs of 2 nodes x 2 workers, nothing lost."""
     port, out = free_port(), tmp_path_factory.mktemp("undisturbed") / "run"
-    procs = [start(node_argv(k, port, "--epochs", "4", *(["--out", str(out)] if k == 0
-                                                         else []))) for k in range(2)]
+    procs = [start(node_argv(k, port, "--epochs", EPOCHS, *(["--out", str(out)] if k == 0
+                                                          else []))) for k in range(2)]
     try:
         codes = [p.wait(timeout=150) for p in procs]
     finally:
@@ -290,24 +293,34 @@ def undisturbed(tmp_path_factory):
     return epochs(out / "metrics.jsonl")
 
 
-@pytest.mark.parametrize("node", [1, 0])
-def test_a_worker_lost_on_any_node_is_restarted_and_every_node_goes_on(tmp_path, node,
+def _changes(path):
+    return [r for r in epochs(path) if r.get("event") == "membership"] if path.exists() else []
+
+
+# (node, its worker started first or last): a second kill takes the worker that was no
+# replacement, which holds the node's state while its new peer holds nothing yet.
+@pytest.mark.parametrize("victims", [[(1, max)], [(0, max)], [(1, max), (1, min)]])
+def test_a_worker_lost_on_any_node_is_restarted_and_every_node_goes_on(tmp_path, victims,
                                                                        undisturbed):
-    """2 nodes x 2 workers, --restart-workers 1: a worker killed on node 1 (or on node 0,
-    whose launcher hosts the run) is replaced on its node; every node goes back to the last
-    common exchange, waits for the new worker, which takes its node's state, and the 4
-    finish every epoch, status 0 on both nodes, bit-identical (the launcher checks the
-    digests) and with the losses of a run that lost nothing (the same 4 workers redo the
-    same steps); the record says who was lost and who joined."""
+    """2 nodes x 2 workers, --restart-workers: a worker killed on node 1 (or on node 0,
+    whose launcher hosts the run; or node 1's other worker once the first replacement joined)
+    is replaced on its node; every node goes back to the last common exchange, waits for
+    the new worker, which takes its node's state, and the 4 finish every epoch, status 0
+    on both nodes, bit-identical (the launcher checks the digests) and with the losses of a
+    run that lost nothing (the same 4 workers redo the same steps); the record says who was
+    lost and who joined."""
     port = free_port()
     out = tmp_path / "run"
     before = set(glob.glob("/dev/shm/pympgu-*"))
-    procs = [start(node_argv(k, port, "--epochs", "4", "--min-workers", "2",
-                             "--restart-workers", "1",
+    procs = [start(node_argv(k, port, "--epochs", EPOCHS, "--min-workers", "2",
+                             "--restart-workers", str(len(victims)),
                              *(["--out", str(out)] if k == 0 else []))) for k in range(2)]
     try:
         assert wait_until((out / "checkpoint.npz").exists, 120, every=0.05)
-        os.kill(max(_workers(procs[node])), signal.SIGKILL)
+        for i, (node, which) in enumerate(victims):
+            os.kill(which(_workers(procs[node])), signal.SIGKILL)
+            assert wait_until(lambda: len(_changes(out / "metrics.jsonl")) > i, 60,
+                              every=0.05)
         codes = [p.wait(timeout=150) for p in procs]
         errs = [p.stderr.read() for p in procs]
     finally:
@@ -318,14 +331,15 @@ def test_a_worker_lost_on_any_node_is_restarted_and_every_node_goes_on(tmp_path,
     done = [r for r in records if r.get("event") != "membership"]
     assert [(r["epoch"], r["loss"], r["valid_error"]) for r in done] == \
         [(r["epoch"], r["loss"], r["valid_error"]) for r in undisturbed]
-    changes = [r for r in records if r.get("event") == "membership"]
-    lost = 2 * node + 1  # the newest worker of the node: its second
-    assert len(changes) == 1, changes
-    assert (changes[0]["lost"], changes[0]["joined"], changes[0]["workers"]) == \
-        ([lost], [lost], 4), changes
-    assert "was killed by signal 9" in changes[0]["reason"], changes
-    assert (f"a new worker takes its place on node {node}; every node waits for it"
-            in errs[0]), errs[0][-3000:]
+    changes = _changes(out / "metrics.jsonl")
+    assert len(changes) == len(victims), changes
+    for change, (node, which) in zip(changes, victims):
+        lost = 2 * node + (which is max)  # (the node's workers in the order they started)
+        assert (change["lost"], change["joined"], change["workers"]) == ([lost], [lost], 4), \
+            changes
+        assert "was killed by signal 9" in change["reason"], changes
+        assert (f"a new worker takes its place on node {node}; every node waits for it"
+                in errs[0]), errs[0][-3000:]
     _nothing_left(procs, before)
 
 

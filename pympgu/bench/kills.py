@@ -1,9 +1,10 @@
 """``python -m pympgu.bench kills``: training that goes on without lost workers, measured.
 
-Runs ``python -m pympgu.train --cpu N --min-workers M [--restart-workers R]`` once
-undisturbed, then ``--runs`` times with ``--kills`` workers killed (SIGKILL, at random
-moments of training, a random worker each time; with restarts, once the last one's
-replacement has joined), and prints a table: every run's status, the time from each kill to the
+Runs ``python -m pympgu.train --cpu N --min-workers M [--restart-workers R]`` (on
+``--nnodes`` nodes of this host, over loopback) once undisturbed, then ``--runs`` times
+with ``--kills`` workers killed (SIGKILL, at random moments of training, a random worker of
+any node each time; with restarts, once the last one's replacement has joined), and prints
+a table: every run's status, the time from each kill to the
 survivors' next completed exchange (metrics.jsonl's membership record), the restarted
 workers that joined, the final test error against the undisturbed run's, and what was left
 behind (processes, /dev/shm)."""
@@ -12,7 +13,9 @@ import glob
 import json
 import os
 import random
+import secrets
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -68,17 +71,41 @@ def _joined(metrics):
         return 0
 
 
-def _train(args, out, kills, rng):
-    """One run with ``kills`` kills; returns its row."""
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(args, out):
+    """The run's launchers: one, or one a node (node 0's keeps ``out``)."""
     argv = [sys.executable, "-m", "pympgu.train", "--cpu", str(args.cpu), "--epochs",
-            str(args.epochs), "--out", out, "--quiet", "--min-workers", str(args.min_workers),
+            str(args.epochs), "--quiet", "--min-workers", str(args.min_workers),
             "--restart-workers", str(args.restart_workers)]
     if args.data_dir:
         argv += ["--data-dir", args.data_dir]
+    env = dict(os.environ)
+    if args.nnodes > 1:
+        env["PYMPGU_SECRET"] = secrets.token_hex(32)
+        where = f"127.0.0.1:{_free_port()}"
+    procs = []
+    for k in range(args.nnodes):
+        more = ["--out", out] if k == 0 else []
+        if args.nnodes > 1:
+            more += ["--nnodes", str(args.nnodes), "--node-rank", str(k), "--coordinator",
+                     where]
+        procs.append(subprocess.Popen(argv + more, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, env=env,
+                                      start_new_session=True))
+    return procs
+
+
+def _train(args, out, kills, rng):
+    """One run with ``kills`` kills; returns its row."""
     before = _shm()
     t0 = time.time()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    procs = _start(args, out)
+    proc = procs[0]
     killed = []
     try:
         # The first epoch's line says training is under way (compiled); then the kills.
@@ -87,7 +114,7 @@ def _train(args, out, kills, rng):
             time.sleep(0.05)
         for _ in range(kills):
             time.sleep(rng.uniform(0.3, args.spacing))
-            workers = _workers(proc.pid)
+            workers = [w for p in procs for w in _workers(p.pid)]
             if proc.poll() is not None or len(workers) <= args.min_workers:
                 break
             victim = rng.choice(workers)
@@ -99,11 +126,15 @@ def _train(args, out, kills, rng):
                 # worker compiles would take every worker of the run in the end.
                 _wait(lambda: _joined(metrics) >= len(killed) or proc.poll() is not None,
                       120)
-        stdout, stderr = proc.communicate(timeout=600)
+        ends = [p.communicate(timeout=600) for p in procs]
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    status = max(p.returncode for p in procs)
+    stderr = "\n".join(f"node {k}: {err[-2000:]}" for k, (_, err) in enumerate(ends)
+                       if procs[k].returncode)
     records = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []
     changes = [r for r in records if r.get("event") == "membership"]
     epochs = [r for r in records if "event" not in r]
@@ -111,17 +142,20 @@ def _train(args, out, kills, rng):
     # killed was a restarted one that had not joined yet).
     losses = [c for c in changes if c["lost"]]
     recovery = [next((c["time"] - k for c in losses if c["time"] > k), None) for k in killed]
-    return {"status": proc.returncode, "kills": len(killed), "recovered": len(losses),
+    return {"status": status, "kills": len(killed), "recovered": len(losses),
             "joined": sum(len(c.get("joined") or []) for c in changes),
             "recovery_s": recovery, "test_error": epochs[-1]["test_error"] if epochs else None,
-            "seconds": time.time() - t0, "orphans": _session_left(proc.pid)[0],
-            "shm_left": len(_shm() - before), "stderr": stderr[-2000:]}
+            "seconds": time.time() - t0,
+            "orphans": sum(_session_left(p.pid)[0] for p in procs),
+            "shm_left": len(_shm() - before), "stderr": stderr}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m pympgu.bench kills", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cpu", type=int, default=4, help="CPU workers (default: 4)")
+    p.add_argument("--cpu", type=int, default=4, help="CPU workers a node (default: 4)")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="nodes, each a launcher of this host on loopback (default: 1)")
     p.add_argument("--min-workers", type=int, default=1, help="(default: 1)")
     p.add_argument("--restart-workers", type=int, default=0, help="(default: 0)")
     p.add_argument("--runs", type=int, default=3, help="runs with kills (default: 3)")
@@ -158,7 +192,8 @@ def main(argv=None):
           "kills, worst | orphans | /dev/shm left |\n|---|---|---|---|---|---|---|---|---|---|")
     median = times[len(times) // 2] if times else float("nan")
     worst = max(errors, key=lambda e: abs(e - base["test_error"]), default=float("nan"))
-    print(f"| {args.cpu} (min {args.min_workers}, {args.restart_workers} restarts) | {kills} | "
+    shape = f"{args.nnodes} x {args.cpu}" if args.nnodes > 1 else f"{args.cpu}"
+    print(f"| {shape} (min {args.min_workers}, {args.restart_workers} restarts) | {kills} | "
           f"{sum(r['status'] == 0 for r in rows)}/{len(rows)} | {len(times)}/{kills} | "
           f"{median:.2f} s ({max(times, default=float('nan')):.2f} s) | "
           f"{sum(r['joined'] for r in rows)} | "

@@ -172,7 +172,7 @@ class NodeCoordinator:
         elif kind == "METRIC":
             if data.get("kind") == "recovered":  # the survivors' first exchange since
                 data = self.membership.record()
-                if data is None:
+                if data is None or self.offset:  # node 0's record is the run's
                     return
             self.above.report(rank, data)
         elif kind == "RECOVER" and self.nnodes > 1:

@@ -39,7 +39,7 @@ class Recovery:
             self.kept = (self.kept + [entry])[-KEEP:]
         if self.back_to is not None and position[:2] != self.back_to[:2]:
             self.back_to = None
-            if self.ctx.rank == 0:
+            if self.ctx.local_rank == 0:  # (each node's: its launcher learns it so)
                 self.ctx.metric(kind="recovered")
 
     def recover(self, at):
