@@ -2,6 +2,9 @@
 CPU workers: the outer optimizers against their formulas, the runs of two nodes of two
 workers on one host, and what is refused."""
 import json
+import os
+import signal
+import sys
 
 import numpy as np
 import pytest
@@ -9,6 +12,7 @@ import pytest
 from pympgu.exchange.outer import EASGD, DiLoCo
 from pympgu.training import RunConfig
 from pympgu.training.config import UsageError
+from processes import kill_session, wait_until
 from test_nodes import finish, free_port, node_argv, start
 
 pytestmark = pytest.mark.timeout(300)
@@ -293,3 +297,52 @@ def test_diloco_resumed_goes_on_as_if_never_stopped(tmp_path):
     assert [e["epoch"] for e in resumed] == [1, 2]  # the first from the checkpoint's log
     assert resumed[1]["loss"] == pytest.approx(whole[1]["loss"], rel=1e-6), (resumed, whole)
     assert resumed[1]["valid_error"] == whole[1]["valid_error"]
+
+
+@pytest.mark.parametrize("kind,settings", [(DiLoCo, {"streams": 2}), (EASGD, {})])
+def test_a_run_that_goes_back_takes_the_outer_state_back(seed, kind, settings):
+    """What a recovery keeps of an outer optimizer (Outer.snapshot) and puts back: the
+    same round after the restore gives the same bits as before it; between two changes the
+    snapshot is the same object (no copy a step)."""
+    rng = np.random.default_rng(seed)
+    total, count = 50, 40
+    start = rng.standard_normal(total).astype(np.float32)
+    outers = _outers(kind, total, count, 2, 2, start, **settings)
+    sums = [2 * start + rng.standard_normal(total).astype(np.float32) for _ in range(2)]
+    _outer_round(outers, sums, total, count, False)  # a state of its own (momentum, turn)
+    kept = [[o.snapshot() for o in node] for node in outers]
+    assert all(o.snapshot() is s for node, ks in zip(outers, kept) for o, s in zip(node, ks))
+    first, _ = _outer_round(outers, sums, total, count, False)
+    for node, ks in zip(outers, kept):
+        for o, s in zip(node, ks):
+            o.restore(s)
+    again, _ = _outer_round(outers, sums, total, count, False)
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_diloco_goes_on_without_a_lost_node(tmp_path):
+    """3 nodes x 1 worker, DiLoCo, --min-workers 2: node 2's launcher killed; nodes 0 and 1
+    go back to their last common exchange with the outer state they held there, and finish
+    every epoch alike (the launcher compares the replicas), status 0."""
+    port = free_port()
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "pympgu.train", "--cpu", "1", "--hidden", "16", "--epochs",
+            "6", "--across-nodes", "diloco", "--outer-every", "5", "--min-workers", "2",
+            "--nnodes", "3", "--coordinator", f"127.0.0.1:{port}"]
+    procs = [start(argv + ["--node-rank", str(k), *(["--out", str(out)] if k == 0 else [])])
+             for k in range(3)]
+    try:
+        assert wait_until((out / "checkpoint.npz").exists, 120, every=0.05)
+        os.kill(procs[2].pid, signal.SIGKILL)
+        codes = [p.wait(timeout=120) for p in procs[:2]]
+        errs = [p.stderr.read() for p in procs[:2]]
+    finally:
+        for p in procs:
+            kill_session(p)
+    assert codes == [0, 0], [e[-3000:] for e in errs]
+    records = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["epoch"] for r in records if "event" not in r][-1] == 6
+    changes = [r for r in records if r.get("event") == "membership"]
+    assert [(c["lost"], c["workers"]) for c in changes] == [([2], 2)], changes
+    assert records[-1]["loss"] < records[0]["loss"]

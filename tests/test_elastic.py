@@ -125,9 +125,10 @@ def _model():
 
 @pytest.mark.parametrize("changes,message", [
     (dict(devices=(0, 1)), "on CPU workers only"),
-    (dict(nnodes=2, across_nodes="diloco", min_workers=2),
-     "--min-workers across nodes goes on without a lost node with --across-nodes every-step "
-     "or average only"),
+    (dict(nnodes=2, across_nodes="diloco", min_workers=2, outer_overlap=1, outer_streams=5),
+     "--min-workers across nodes with --outer-overlap"),
+    (dict(nnodes=2, across_nodes="easgd", min_workers=2, restart_workers=1),
+     "--restart-workers with --across-nodes easgd: a new worker would hold no slice"),
 ])
 def test_what_cannot_go_on_without_a_worker_yet_is_refused(changes, message):
     from pympgu.training.config import UsageError

@@ -117,6 +117,7 @@ class HostBackend:
                 if whole:
                     n = self.outer.params_in(lo, hi)
                     self.outer.reset(mine[:n], slice(0, n))
+                    self.outer.version += 1
             else:
                 self._outer(part[:hi - lo], mine, lo, hi, reach == "outer-all")
         for r, a in enumerate(arrays):
@@ -150,6 +151,7 @@ class HostBackend:
             part = sums[at]
             outer.step(part, at, self.nranks)
             mine[at] = outer.finish(self._across(part, outer.wire), at, everything)
+            outer.version += 1
         mine[:at.start] = sums[:at.start] / local
         mine[at.stop:n] = sums[at.stop:n] / local
         if n < hi - lo:
@@ -167,6 +169,7 @@ class HostBackend:
         beside, self.beside = self.beside, None
         total = beside.wait(self.ctx.check)
         new = self.outer.finish(total, beside.at, False)
+        self.outer.version += 1
         if mine is not None:
             mine[beside.at] += new - beside.then
 

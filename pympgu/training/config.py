@@ -202,10 +202,13 @@ class RunConfig:
         # a lost worker"): said here rather than found out at the first loss.
         need(self.cpu, "--min-workers", "goes on without a lost worker on CPU workers only, "
              "for now: GPU workers stop the run at a loss (give every worker, or --cpu N)")
-        need(self.nnodes == 1 or self.across_nodes in ("every-step", "average"),
-             "--min-workers", "across nodes goes on without a lost node with --across-nodes "
-             "every-step or average only, for now (an outer optimizer's state is not carried "
-             "through the loss)")
+        outer = self.across_nodes not in ("every-step", "average")
+        need(self.nnodes == 1 or not (outer and self.outer_overlap), "--min-workers",
+             "across nodes with --outer-overlap: a fragment's sum in flight is not carried "
+             "through a loss; drop one of them")
+        need(self.nnodes == 1 or not (outer and self.restart_workers), "--restart-workers",
+             f"with --across-nodes {self.across_nodes}: a new worker would hold no slice of "
+             "the outer optimizer's state; give --min-workers alone (a lost node is dropped)")
         need(not self.overlap, "--min-workers", "needs replicas identical after each "
              "exchange; --overlap leaves them alike only at the epoch's end: drop one of them")
 
@@ -251,8 +254,6 @@ class RunConfig:
              "now: GPU workers exchange across nodes every step")
         need(not self.overlap, "--across-nodes", f"{self.across_nodes} takes plain exchanges "
              "inside the node; drop --overlap")
-        need(self.min_workers is None or self.min_workers == self.nworkers, "--across-nodes",
-             "runs inside one node only with --min-workers")
 
     def to_json(self):
         """The configuration as config.json holds it."""

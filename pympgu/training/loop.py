@@ -30,7 +30,7 @@ class Training:
         self.per_epoch = data.batches_per_epoch(self.ntrain, cfg.batch_size, self.n0) // self.n0
         self.schedule = make_schedule(cfg, self.ntrain, self.n0)
         elastic = cfg.min_workers is not None and cfg.min_workers < cfg.nworkers
-        self.recovery = Recovery(ctx, rep, elastic)
+        self.recovery = Recovery(ctx, rep, elastic, self._outer)
         self.at = None  # where this worker is: [epoch, batches of the epoch done, step]
         self.epoch_state = None  # the epoch under way: its batches, costs, clocks
 
@@ -51,6 +51,10 @@ class Training:
                                                             root=root)
                         if root is not None:
                             self._welcome(root)
+                        elif self.recovery.outer_back is not None and self.ctx.nnodes > 1:
+                            # The outer optimizer's slice as it was there: the exchange just
+                            # re-formed started its shared state from the replicas.
+                            self.ex.backend.outer.restore(self.recovery.outer_back)
                     if self.ctx.rank == 0 and self.at is None:
                         self.ctx.metric(kind="stage", text=f"training from epoch "
                                         f"{start_epoch + 1} (its first steps compile)")
@@ -88,6 +92,11 @@ class Training:
                 self.epoch_state["t0"] = time.perf_counter() - self.epoch_state["t0"]
             self.ctx.joining = False
             self.at = self.recovery.back_to  # (not a run's start to tell)
+
+    def _outer(self):
+        """The outer optimizer's slice of this CPU worker now (Outer.snapshot), or None."""
+        outer = getattr(self.ex.backend, "outer", None) if self.ex is not None else None
+        return outer.snapshot() if outer is not None else None
 
     def _disconnect(self):
         if self.ex is not None:

@@ -14,12 +14,15 @@ KEEP = 2  # a survivor is at most one exchange ahead of another
 
 class Recovery:
     """The states a worker may go back to, in order: (position, values, what the training
-    loop noted then). A position is [epoch, batches of the epoch done, the run's step]."""
+    loop noted then, the outer optimizer's slice then). A position is [epoch, batches of the
+    epoch done, the run's step]. ``outer``: the outer optimizer's slice now (Outer.snapshot),
+    or None."""
 
-    def __init__(self, ctx, rep, enabled):
-        self.ctx, self.rep, self.enabled = ctx, rep, enabled
+    def __init__(self, ctx, rep, enabled, outer=lambda: None):
+        self.ctx, self.rep, self.enabled, self.outer = ctx, rep, enabled, outer
         self.kept = []
         self.back_to = None  # since a recovery: tell the launcher of the next exchange
+        self.outer_back = None  # the outer optimizer's slice where a recovery went back to
 
     def keep(self, position, note=None):
         """Every replica holds the same state at ``position``: an exchange just completed
@@ -32,7 +35,7 @@ class Recovery:
         # backend updates its arrays in place: those are copied.
         values = [v if self.rep.jax is not None and isinstance(v, np.ndarray)
                   else np.array(v, copy=True) for v in self.rep.values()]
-        entry = (list(position), values, note)
+        entry = (list(position), values, note, self.outer())
         if self.kept and self.kept[-1][0][:2] == entry[0][:2]:
             self.kept[-1] = entry  # the same point again (the exchange re-formed)
         else:
@@ -50,7 +53,7 @@ class Recovery:
         worker takes (None: no worker joins). Another loss meanwhile starts over."""
         while True:
             try:
-                back_to, root = self.ctx.recover([p for p, _, _ in self.kept], at)
+                back_to, root = self.ctx.recover([e[0] for e in self.kept], at)
                 break
             except Shrunk:
                 continue
@@ -65,8 +68,8 @@ class Recovery:
             self.ctx.joining = True
             return back_to, None, root
         import numpy as np
-        position, values, note = entry
+        position, values, note, self.outer_back = entry
         # Copies: the kept arrays must stay as they are, whatever the step does with its own.
         self.rep.set_values([np.array(v, copy=True) for v in values])
-        self.kept = [(position, values, note)]
+        self.kept = [entry]
         return position, note, root

@@ -70,7 +70,8 @@ def make_exchanger(ctx, rep, cfg, inside=True, root=None):
     ex = Exchanger(ctx, rep.layout, method=cfg.method, wire_dtype=cfg.exchange_dtype,
                    max_blocks=blocks, shadow=shadow)
     try:
-        if cfg.across_nodes in outer.REGISTRY:  # its shared state: what the first exchange gives
+        # Its shared state: what the first exchange gives (none once a single node is left).
+        if cfg.across_nodes in outer.REGISTRY and ctx.nnodes > 1:
             kind = outer.REGISTRY[cfg.across_nodes]
             lo, hi = rep.part("params")
             ex.set_outer(cfg.across_nodes, ex.part(lo, hi),

@@ -16,12 +16,29 @@ class Outer:
     name = None
     flags = {}
     saved = {}
+    kept = ()  # the arrays that a run going back to an earlier exchange takes back
 
     def __init__(self, count, total, chunk, nnodes, wire=None, streams=1):
         self.count, self.total, self.nnodes = count, total, nnodes
         self.wire = wire
         self.streams, self.turn = streams, 0
         self.ready = False
+        self.version, self._snapshot = 0, None  # (version: counted by each change)
+
+    def snapshot(self):
+        """This slice's state now, for a run that may go back to this point: a copy taken
+        once a change (between two changes, the same object)."""
+        if self._snapshot is None or self._snapshot[:2] != (self.version, self.turn):
+            self._snapshot = (self.version, self.turn, self.ready,
+                              {k: getattr(self, k).copy() for k in self.kept})
+        return self._snapshot
+
+    def restore(self, snapshot):
+        """Back to ``snapshot`` (the slice must be the same: as many ranks a node)."""
+        _, self.turn, self.ready, arrays = snapshot
+        for k, a in arrays.items():
+            getattr(self, k)[:] = a
+        self.version += 1
 
     def params_in(self, lo, hi):
         """How many of the slice [lo, hi) are parameters."""

@@ -13,6 +13,7 @@ class DiLoCo(Outer):
     name = "diloco"
     flags = {"lr": "outer_lr", "momentum": "outer_momentum"}
     saved = {"outer_momentum": "v"}  # G is the replicas' own after each epoch's end
+    kept = ("g", "v")
 
     def __init__(self, count, total, chunk, nnodes, wire=None, streams=1, lr=0.7,
                  momentum=0.9):

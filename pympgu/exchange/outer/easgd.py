@@ -14,6 +14,7 @@ class EASGD(Outer):
     name = "easgd"
     flags = {"alpha": "easgd_alpha"}
     saved = {}  # the centre is the replicas' own after each epoch's end
+    kept = ("c",)
 
     def __init__(self, count, total, chunk, nnodes, wire=None, streams=1, alpha=None):
         super().__init__(count, total, chunk, nnodes, wire, streams)
