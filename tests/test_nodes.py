@@ -343,6 +343,37 @@ def test_a_worker_lost_on_any_node_is_restarted_and_every_node_goes_on(tmp_path,
     _nothing_left(procs, before)
 
 
+def test_a_node_started_again_joins_the_run_and_takes_its_state(tmp_path):
+    """2 nodes x 2 workers, --min-workers 2: node 1's launcher killed, node 0 goes on
+    alone; node 1 started again with the same command joins (its workers take node 0's
+    state across the data links), and both finish every epoch with status 0,
+    bit-identical (the launcher compares the replicas); the record says who left and who
+    joined."""
+    port = free_port()
+    out = tmp_path / "run"
+    before = set(glob.glob("/dev/shm/pympgu-*"))
+    argv = lambda k: node_argv(k, port, "--epochs", "300", "--min-workers", "2",  # noqa: E731
+                               *(["--out", str(out)] if k == 0 else []))
+    procs = [start(argv(k)) for k in range(2)]
+    try:
+        assert wait_until((out / "checkpoint.npz").exists, 120, every=0.05)
+        os.kill(procs[1].pid, signal.SIGKILL)
+        assert wait_until(lambda: len(_changes(out / "metrics.jsonl")) == 1, 60, every=0.05)
+        procs.append(start(argv(1)))
+        codes = [procs[0].wait(timeout=200), procs[2].wait(timeout=30)]
+        errs = [procs[0].stderr.read(), procs[2].stderr.read()]
+    finally:
+        for p in procs:
+            kill_session(p)
+    assert codes == [0, 0], [e[-3000:] for e in errs]
+    changes = _changes(out / "metrics.jsonl")
+    assert [(c["lost"], c["joined"], c["workers"]) for c in changes] == \
+        [([2, 3], [], 2), ([], [2, 3], 4)], changes
+    assert "node 1 (" in errs[0] and ") joins the run; its workers start" in errs[0], errs[0]
+    assert epochs(out / "metrics.jsonl")[-1]["epoch"] == 300
+    _nothing_left(procs, before)
+
+
 def test_a_node_lost_below_min_workers_stops_the_run(tmp_path):
     port = free_port()
     out = tmp_path / "run"

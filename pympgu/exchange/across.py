@@ -49,6 +49,20 @@ class NodeSum:
                 self.ctx.await_word(WORD_S)
             raise
 
+    def take(self, x, source):
+        """Node ``source``'s ``x`` (float32, 1-D, the same length everywhere), on every
+        node: what a node that joins late takes."""
+        x = np.ascontiguousarray(x, np.float32).reshape(-1)
+        peer = source * self.nlocal + self.ctx.local_rank
+        try:
+            if self.node == source:
+                self.links.exchange(dict.fromkeys(self.order, x), {})
+                return x.copy()
+            return self.links.exchange({}, {peer: x.nbytes})[peer].view(np.float32)
+        except LinkLost:
+            self.ctx.await_word(WORD_S)
+            raise
+
     def _sum(self, x, wire, check):
         if wire is None and self.nnodes > 2:
             return self._ring(x, check)

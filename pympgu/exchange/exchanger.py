@@ -65,7 +65,8 @@ class Exchanger:
         """Bytes of the staging buffer (enough for an exact exchange)."""
         return self.total * ITEMSIZE[self.dtype]
 
-    def start(self, arrays, flat=False, entries=None, root=None, reach="world") -> None:
+    def start(self, arrays, flat=False, entries=None, root=None, reach="world",
+              source=None) -> None:
         """Pack this rank's arrays and start averaging them; every rank must call it.
 
         flat=True takes one 1-D array of ``total`` elements instead, laid out as finish's
@@ -79,7 +80,8 @@ class Exchanger:
         On the GPU the average may still be running when this returns: the arrays must stay
         unchanged until finish(), and are kept alive until then.
         ``root`` (CPU workers): every rank gets rank root's arrays instead of the average
-        (a worker that joins a run takes its state so).
+        (a worker that joins a run takes its state so); ``source`` (CPU workers across
+        nodes): every rank gets node source's (a node that joins late takes them so).
         ``reach`` (CPU workers across nodes): 'world', every rank's average; 'node', this
         node's ranks' alone; 'outer', the node's, then the outer step set by
         ``set_outer`` across the nodes on the parameters (pympgu.exchange.outer);
@@ -104,7 +106,12 @@ class Exchanger:
         if reach != "world" and not (self.ctx.is_cpu and root is None and kind == "exact"):
             raise ValueError(f"Exchanger.start(reach={reach!r}) averages exact arrays of CPU "
                              "workers only")
-        if root is None and reach != "world":
+        if source is not None:
+            if kind != "exact" or not self.ctx.is_cpu or reach != "world":
+                raise ValueError("Exchanger.start(source=...) copies exact arrays between "
+                                 "CPU workers only")
+            self.backend.copy_from_node(source, self.dtype, count)
+        elif root is None and reach != "world":
             self.backend.average(self.dtype, count, reach)
         elif root is None:
             self.backend.average(self.wire_dtype if kind == "delta" else self.dtype, count)

@@ -209,6 +209,36 @@ class HostBackend:
             arrays[self.rank][:count] = arrays[root][:count]
         self.ctx.meet(self.barrier)  # root's buffer may be packed again
 
+    def copy_from_node(self, source, dtype, count):
+        """Every rank's buffer gets the first count elements of node ``source``'s (whose
+        ranks hold the same): each rank's slice of them crosses from that node's rank of
+        its local index."""
+        rank, arrays = self.rank, self.views[dtype]
+        chunk = -(-count // self.nranks)
+        lo = min(count, rank * chunk)
+        hi = min(count, lo + chunk)
+        self.ctx.meet(self.barrier)  # every rank of the node has packed
+        mine = arrays[rank][lo:hi]
+        if self.across is not None:
+            mine[:] = self.across.take(mine, source)
+        for r, a in enumerate(arrays):
+            if r != rank:
+                a[lo:hi] = mine
+        self.ctx.meet(self.barrier)  # every slice has reached every rank of the node
+
+    def take_outer(self, source):
+        """The outer optimizer's slice of node ``source``'s rank of this local index (a
+        node that joins late holds none)."""
+        outer = self.outer
+        if outer is None:
+            return
+        turn = np.array([outer.turn, outer.ready], np.float32)
+        turn, ready = self.across.take(turn, source)
+        outer.turn, outer.ready = int(turn), bool(ready)
+        for k in outer.kept:
+            getattr(outer, k)[:] = self.across.take(getattr(outer, k), source)
+        outer.version += 1
+
     def wait(self):
         pass  # the host average is complete when average() returns
 

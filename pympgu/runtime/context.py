@@ -25,6 +25,7 @@ class WorkerContext:
         self.progress_timeout = progress_timeout
         # A restarted worker, to join the run at its next epoch (pympgu.training.recovery).
         self.joining = joining
+        self.source = None  # (recover)
         # Barriers counted apart: the run's, whose numbers every node compares, and this
         # node's alone (a node's own business, such as taking in a replacement worker).
         self._seq = {False: 0, True: 0}
@@ -100,6 +101,7 @@ class WorkerContext:
         # Across nodes a node is lost whole: every node has as many workers, numbered
         # node after node among the nodes that remain.
         self.node, self.nnodes = data["node"], data["nnodes"]
+        self.source = data["source"]  # the node whose state a node that joins takes
         self.rank = self.node * self.local_nranks + self.local_rank
         self.nranks = self.nnodes * self.local_nranks
         self._seq = {False: 0, True: 0}

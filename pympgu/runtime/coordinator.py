@@ -208,7 +208,7 @@ class NodeCoordinator:
         other worker is back in step."""
         self.last_beat[local] = time.monotonic()
         if kind == "HELLO":
-            self.listener.send(local, "RUN")
+            self.listener.send(local, "RUN", {"joining": True})
         elif kind == "RECOVER" and self.joiners[local] == "starting":
             self.joiners[local] = "ready"
             if self.nnodes > 1:  # every node waits for it (pause): this node may say now
@@ -257,7 +257,10 @@ class NodeCoordinator:
         if self.running or len(self.hello) < self.n or not self.above.may_run():
             return
         self.running = True
-        self.listener.broadcast("RUN")
+        joining = getattr(self.above, "joining", False)
+        if joining:  # a node that joins a run under way: its workers hold nothing yet
+            self.membership.late(time.monotonic())
+        self.listener.broadcast("RUN", {"joining": joining})
 
     def _local_barrier(self):
         members = self.membership.members
@@ -343,7 +346,7 @@ class NodeCoordinator:
                                         workers=len(nodes) * self.n, joined=joined)
         for r in [r for r, state in self.joiners.items() if state == "joining"]:
             del self.joiners[r]  # a worker of the run from now on
-        reform.update(node=place, nnodes=len(nodes))
+        reform.update(node=place, nnodes=len(nodes), source=data.get("source"))
         self.offset = place * self.n
         self.since = None
         self.listener.broadcast("REFORM", reform, ranks=self.membership.members)

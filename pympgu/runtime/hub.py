@@ -5,7 +5,9 @@ tells them to stop. With ``min_workers`` below every worker, a node other than n
 fails or falls silent is dropped while enough workers remain: every other node's workers go
 back to the newest exchange all of them hold (DROP, HOLD, REGROUP) and go on without it.
 With restarts, a node's lost worker is replaced instead: every node goes back the same way
-and waits for the replacement (PAUSE), whose node says what it holds once it is ready."""
+and waits for the replacement (PAUSE), whose node says what it holds once it is ready. A
+node that left (or never came) and is started again with the same command joins the same
+way once its workers are ready, and takes node 0's state."""
 import time
 
 from . import control
@@ -36,6 +38,9 @@ class Hub:
         # what a node sent in an earlier one is dropped); while the others go back:
         # what each node holds (HOLD), and the drop's facts.
         self.alive, self.gen, self.holding, self.dropping = list(range(nnodes)), 0, None, None
+        # Nodes that join a run under way: "starting" (told START), then "ready" (their
+        # workers compiled: HOLD), then taken in at the next REGROUP ("joining").
+        self.started, self.coming = False, {}
 
     @property
     def address(self):
@@ -64,7 +69,8 @@ class Hub:
     def may_run(self):
         if len(self.joined) < self.nnodes - 1:
             return False
-        self.listener.broadcast("START")
+        self.listener.broadcast("START", {"gen": self.gen, "joining": False})
+        self.started = True
         return True
 
     def arrive(self, arrival):
@@ -77,6 +83,9 @@ class Hub:
         return all(k in self.finished for k in self.others)
 
     def finish(self, mine):
+        if self.coming:
+            self.listener.broadcast("STOP", {"reason": "the run ended before this node "
+                                             "joined"}, ranks=list(self.coming))
         return mine + [r for k in self.others for r in self.finished[k]]
 
     def stop(self, error):
@@ -94,6 +103,9 @@ class Hub:
             return  # node 0 is this launcher: nothing of its own comes over the socket
         if k in self.alive and kind == "PAUSE":  # whatever its generation: it must be heard
             self._pause(k, data["rank"], printable(data["reason"], 2000))
+            return
+        if k not in self.alive and self.started:
+            self._from_late_node(k, kind, data)
             return
         if k not in self.alive or data.get("gen", self.gen) != self.gen:
             return  # a dropped node's, or sent before the last drop
@@ -117,6 +129,47 @@ class Hub:
             self.holds(k, data)
         elif kind == "FINISH":
             self.finished[k] = data["results"]
+
+    def _from_late_node(self, k, kind, data):
+        """A node that joins the run under way (started again, or late)."""
+        if kind == "JOIN" and k not in self.coming:
+            n = self.coordinator.n
+            if data["nlocal"] != n:
+                self.log(f"node {k} ({printable(data['host'], 100)}) runs {data['nlocal']} "
+                         f"workers and node 0 runs {n}: it may not join")
+                self.listener.send(k, "STOP", {"reason": f"every node must run {n} workers"})
+                self.listener.forget(k)
+                return
+            self.joined[k] = data
+            self.coming[k] = "starting"
+            self.log(f"node {k} ({printable(data['host'], 100)}) joins the run; its workers "
+                     "start")
+            self.listener.send(k, "START", {"gen": self.gen, "joining": True})
+        elif kind == "HOLD" and self.coming.get(k) == "starting":
+            self.coming[k] = "ready"
+            self._admit()
+        elif kind == "FAIL" and k in self.coming:
+            del self.coming[k]
+            self.listener.forget(k)
+            self.log(f"node {k} failed before it joined: {printable(data['reason'], 500)}")
+
+    def _admit(self):
+        """The ready late nodes join, where no other change is under way: every node goes
+        back to an exchange all hold, and the new ones take node 0's state there."""
+        ready = sorted(k for k, state in self.coming.items() if state == "ready")
+        if not ready or self.holding is not None:
+            return
+        for k in ready:
+            self.coming[k] = "joining"
+        self.gen += 1
+        self.arrived.clear()
+        self.node_since = None
+        why = f"node(s) {ready} join"
+        self.dropping = {"lost": [], "joined": [], "reason": why}
+        self.holding = {}
+        self.listener.broadcast("DROP", {"gen": self.gen, "reason": why, "node": None},
+                                ranks=self.others)
+        self.coordinator.dropped(why)
 
     def _arrive(self, k, arrival):
         if self.node_since is None:
@@ -145,7 +198,7 @@ class Hub:
 
     def beat(self, now):
         if now - self.beat_sent >= self.BEAT_S:
-            self.listener.broadcast("HEARTBEAT", ranks=self.others)
+            self.listener.broadcast("HEARTBEAT", ranks=self.others + list(self.coming))
             self.beat_sent = now
 
     def lost(self, now, silent):
@@ -178,6 +231,7 @@ class Hub:
         self.alive.remove(k)
         self.listener.send(k, "STOP", {"reason": f"node 0 goes on without this node: "
                                                  f"{printable(error, 500)}"})
+        self.listener.forget(k)  # started again, it may join
         self.gen += 1
         self.arrived.clear()
         self.node_since = None
@@ -238,14 +292,25 @@ class Hub:
                                      f"{stops(any(h.get('fresh') for h in self.holding.values()))}")
         back_to = max(common)
         step = next(p[2] for p in self.holding[0]["kept"] if tuple(p[:2]) == back_to)
-        regroup = {"gen": self.gen, "back_to": [*back_to, step], "nodes": list(self.alive)}
+        joining = sorted(k for k, state in self.coming.items() if state == "joining")
+        nodes = sorted(self.alive + joining)
+        n = self.coordinator.n
+        joined = [nodes.index(k) * n + r for k in joining for r in range(n)]
+        # Node 0 (place 0) hands its state to the nodes that join.
+        regroup = {"gen": self.gen, "back_to": [*back_to, step], "nodes": nodes,
+                   "source": 0 if joining else None}
         dropping, self.holding, self.dropping = self.dropping, None, None
+        self.alive = nodes
+        for k in joining:
+            del self.coming[k]
         self.listener.broadcast("REGROUP", regroup, ranks=self.others)
         self.coordinator.regroup(regroup, dropping["lost"], dropping["reason"],
-                                 dropping.get("joined", ()))
+                                 dropping.get("joined", []) + joined)
+        self._admit()  # those that became ready meanwhile
 
     def check(self, now):
-        missing = [k for k in range(1, self.nnodes) if k not in self.joined]
+        missing = [k for k in range(1, self.nnodes) if k not in self.joined
+                   and not self.started]
         if missing and now - self.t0 > self.join_timeout:
             raise WorkerFailed(None, f"node(s) {missing} did not join within "
                                f"{self.join_timeout:.0f} s at {self.address} (started? "

@@ -59,9 +59,11 @@ def _worker_main(place, device, address, secret, run_id, data_address, private, 
             cuda.set_device(device)
         link.send("HELLO", {"version": protocol.PROTOCOL_VERSION, "pid": os.getpid(),
                             "device": device})
-        link.receive("RUN")
-        ctx = WorkerContext(place, device, run_id, link, data_address, joining,
-                            progress_timeout)
+        run, _ = link.receive("RUN")
+        # (joining a run under way: restarted in a lost worker's place, or on a node that
+        # joins late)
+        ctx = WorkerContext(place, device, run_id, link, data_address,
+                            joining or run["joining"], progress_timeout)
         result = target(ctx, *args)
         link.send("DONE", {"result": result})
     except control.Stopped:

@@ -87,6 +87,12 @@ class Membership:
                            "waiting": first.get("waiting", set()) | {slot},
                            "since": first.get("since", now), "kept": {}, "at": []}
 
+    def late(self, now):
+        """This node joins a run under way: each worker will say it holds nothing, and
+        the node takes another node's state."""
+        self.recovering = {"lost": [], "joining": [], "since": now, "kept": {}, "at": []}
+        self.fresh = set(self.members)
+
     def ready(self, slot):
         """The replacement in ``slot`` is ready to join: what ``holds`` returns."""
         rec = self.recovering
@@ -157,6 +163,8 @@ class Membership:
         (``lost``), why (``reason``), the workers of every node that go on, and the ranks
         that other nodes' replacements take (``joined``)."""
         rec = self.recovering
+        # (a node that joins late holds no step of its own: node 0's REGROUP says it)
+        rec["steps"] = {**rec.get("steps", {}), tuple(back_to[:2]): back_to[2]}
         back_to = tuple(back_to[:2])
         rec["lost"] = rec["lost"] + [(r, reason if k == 0 else None)
                                      for k, r in enumerate(lost)]
@@ -176,9 +184,9 @@ class Membership:
             "workers": workers or len(self.members),
             "since": min(told["since"], rec["since"])}
         self.recovering = None
-        root = self.members.index(holding[0]) if self.fresh else None
+        root = self.members.index(holding[0]) if self.fresh and holding else None
         return {"members": self.members, "back_to": [*back_to, rec["steps"][back_to]],
-                "root": root, "node": 0, "nnodes": 1}
+                "root": root, "node": 0, "nnodes": 1, "source": None}
 
     def record(self, now=None):
         """The membership change in metrics.jsonl's words, once the survivors have completed

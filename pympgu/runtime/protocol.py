@@ -18,11 +18,12 @@ by a thread on its own socket), ERROR (traceback, or a message that says it all)
 worker: RUN, PEERS (every rank's registration), RELEASE (seq), STOP, SHRINK (a rank was
 lost, or a restarted one joins: stop where you are), REFORM (the workers from now on, the
 exchange they all go back to, the rank a joiner takes the state from, the worker's node
-and the nodes' number). Between node launchers and node 0's: JOIN, ARRIVE, REPORT, FAIL,
+and the nodes' number, and the node whose state a node that joins late takes). Between node launchers and node 0's: JOIN, ARRIVE, REPORT, FAIL,
 FINISH, HOLD (after a DROP: the exchanges every worker of the node holds), PAUSE (a worker
 of the node lost, its replacement starting) and HEARTBEAT up; START, RELEASE, STOP, DROP (a
-node was dropped, or one waits for a replacement: every worker goes back), REGROUP (the
-nodes from now on, and where they go back to) and HEARTBEAT down. ARRIVE, DROP, HOLD, PAUSE
+node was dropped, one waits for a replacement or one joins: every worker goes back),
+REGROUP (the nodes from now on, where they go back to, whose state a joining node takes)
+and HEARTBEAT down; START says whether the node joins a run under way. ARRIVE, DROP, HOLD, PAUSE
 and REGROUP carry the membership's generation: what an earlier one sent is dropped.
 """
 import hashlib
@@ -61,25 +62,26 @@ SCHEMA = {
     "ERROR": ({"traceback": str, "message": (str, _NONE)}, 0, False, 2 * _TEXT),
     "RECOVER": ({"kept": list, "at": (list, _NONE)}, 0, False, _SMALL),
     "DONE": ({"result": ANY}, 0, False, _BIG),
-    "RUN": ({}, 0, False, _SMALL),
+    "RUN": ({"joining": bool}, 0, False, _SMALL),
     "PEERS": ({"facts": list, "max_blocks": (int, _NONE)}, 8, False, _BIG),
     "RELEASE": ({"seq": int, "shared": ANY, "values": (list, _NONE)}, 0, False, _BIG),
     "STOP": ({"reason": str}, 0, False, _TEXT),
     "SHRINK": ({"lost": (int, _NONE), "reason": str}, 0, False, _TEXT),
     "REFORM": ({"members": list, "back_to": list, "root": (int, _NONE), "node": int,
-                "nnodes": int}, 0, False, _SMALL),
+                "nnodes": int, "source": (int, _NONE)}, 0, False, _SMALL),
     "JOIN": ({"version": int, "pid": int, "host": str, "nlocal": int}, 0, False, _SMALL),
     "ARRIVE": ({"seq": int, "what": (str, _NONE), "value": ANY, "shared": ANY,
                 "values": (list, _NONE), "gen": int}, 0, False, _BIG),
     "REPORT": ({"rank": int, "data": dict}, 0, False, _TEXT),
     "FAIL": ({"rank": (int, _NONE), "reason": str, "details": str}, 0, False, _TEXT),
     "FINISH": ({"results": list}, 0, False, _BIG),
-    "START": ({}, 0, False, _SMALL),
+    "START": ({"gen": int, "joining": bool}, 0, False, _SMALL),
     "HOLD": ({"gen": int, "kept": list, "at": (list, _NONE), "fresh": bool}, 0, False,
              _SMALL),
     "PAUSE": ({"gen": int, "rank": int, "reason": str}, 0, False, _TEXT),
     "DROP": ({"gen": int, "reason": str, "node": (int, _NONE)}, 0, False, _TEXT),
-    "REGROUP": ({"gen": int, "back_to": list, "nodes": list}, 0, False, _SMALL),
+    "REGROUP": ({"gen": int, "back_to": list, "nodes": list, "source": (int, _NONE)}, 0,
+                False, _SMALL),
 }
 TO_COORDINATOR_DIRECTION, TO_WORKER_DIRECTION = b"C", b"W"  # under the MAC
 NONCE_DIRECTION = b"N"  # node 0's answer to a knock, under the MAC of the nodes' secret

@@ -21,6 +21,7 @@ class Uplink:
         self.t0 = self.heard = time.monotonic()
         self.started = False
         self.gen = 0  # the membership's generation (Hub): each DROP starts one
+        self.joining = False  # this node joins a run under way, until its REGROUP
         self.link.send("JOIN", {"version": PROTOCOL_VERSION, "pid": os.getpid(),
                                 "host": os.uname().nodename, "nlocal": nlocal})
 
@@ -40,6 +41,7 @@ class Uplink:
         self.heard = time.monotonic()
         if kind == "START":
             self.started = True
+            self.gen, self.joining = data["gen"], data["joining"]
             self.coordinator.maybe_run()
         elif kind == "RELEASE":
             self.coordinator.release(data)
@@ -47,7 +49,8 @@ class Uplink:
             self.gen = data["gen"]
             if data["node"] != self.node:  # (this node's own pause: its workers went back)
                 self.coordinator.dropped(printable(data["reason"], 2000))
-        elif kind == "REGROUP" and data["gen"] == self.gen:
+        elif kind == "REGROUP" and (data["gen"] == self.gen or self.joining):
+            self.gen, self.joining = data["gen"], False
             self.coordinator.regroup(data)
         elif kind == "STOP":
             raise NodeStopped(None, f"node 0 stopped the run: "

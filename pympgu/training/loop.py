@@ -55,6 +55,9 @@ class Training:
                             # The outer optimizer's slice as it was there: the exchange just
                             # re-formed started its shared state from the replicas.
                             self.ex.backend.outer.restore(self.recovery.outer_back)
+                        if self.ctx.source is not None:  # a node joined: from node source
+                            self._welcome(self.ctx.source * self.ctx.local_nranks, local=False)
+                            self.ex.backend.take_outer(self.ctx.source)
                     if self.ctx.rank == 0 and self.at is None:
                         self.ctx.metric(kind="stage", text=f"training from epoch "
                                         f"{start_epoch + 1} (its first steps compile)")
@@ -73,18 +76,19 @@ class Training:
         return {"rank": self.ctx.rank, "history": self.history if self.ctx.rank == 0 else None,
                 "digest": digest, "diverged": diverged}
 
-    def _welcome(self, root):
+    def _welcome(self, root, local=True):
         """A worker joined (its state now rank root's): it learns from rank root the run's
         history, its first epoch, and the epoch under way (its batches in all, its costs
         and clock so far), so that it could take rank 0's place at the epoch's end."""
         mine = None
-        if self.ctx.local_rank == root:  # (a node's rank: across nodes the others go on)
+        if (self.ctx.local_rank if local else self.ctx.rank) == root:
             state = self.epoch_state
             if state is not None:
                 state = {**state, "costs": [float(c) for c in state["costs"]],
                          "t0": time.perf_counter() - state["t0"]}  # (elapsed)
             mine = {"history": self.history, "start": self.start_epoch, "epoch": state}
-        told = self.ctx.gather(mine, local=True)[root]
+        # (a node's own gather for a worker that joins it: the other nodes go on)
+        told = self.ctx.gather(mine, local=local)[root]
         if self.ctx.joining:
             self.history, self.start_epoch = told["history"], told["start"]
             self.epoch_state = told["epoch"]

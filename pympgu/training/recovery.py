@@ -62,7 +62,7 @@ class Recovery:
         if self.ctx.joining or entry is None:
             # A worker that joined and has not been through an exchange with the others
             # since: its state comes from rank root in the first exchange.
-            if root is None:
+            if root is None and self.ctx.source is None:
                 raise RuntimeError(f"rank {self.ctx.rank} holds no state at {back_to[:2]} "
                                    "and no rank was named to take it from")
             self.ctx.joining = True

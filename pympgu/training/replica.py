@@ -244,9 +244,10 @@ class Replica:
         self._start(ex, self.values(), "state", reach)
         self.set_values(self._adopt(ex, len(self.model.state)))
 
-    def adopt(self, ex, root):
-        """Take rank ``root``'s whole state (CPU workers): a joining worker's first exchange."""
-        ex.start(self.values(), root=root)
+    def adopt(self, ex, root=None, source=None):
+        """Take rank ``root``'s whole state, or node ``source``'s (CPU workers): a joining
+        worker's, or a joining node's, first exchange."""
+        ex.start(self.values(), root=root, source=source)
         self.set_values(self._adopt(ex, len(self.model.state)))
 
     def _start(self, ex, values, part, reach="world"):

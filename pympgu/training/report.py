@@ -63,7 +63,7 @@ class Reporter:
         else:
             what = ""
         if data.get("joined"):
-            what += f"rank {ranks('joined')} joined (restarted); "
+            what += f"rank {ranks('joined')} joined; "
         log.warning("%s%d workers go on from step %s after %.1f s", what, data["workers"],
                     f"{data['from_step']:,}", data["seconds"])
         self._record(data)

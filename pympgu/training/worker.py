@@ -84,7 +84,9 @@ def make_exchanger(ctx, rep, cfg, inside=True, root=None):
                 if whole is not None:  # (none: resumed from a run without it, from rest)
                     ex.backend.set_outer_state(attr, whole)
         if root is not None:
-            rep.adopt(ex, root)
+            rep.adopt(ex, root=root)
+        if ctx.source is not None:  # a node joins: every node takes node source's state
+            rep.adopt(ex, source=ctx.source)
         if root is None or ctx.nnodes > 1:
             # Replicas start identical (--init-seed; a resumed run too). Across nodes a node
             # whose worker was replaced (root) averages too, as the other nodes do.
