@@ -169,8 +169,8 @@ def test_between_nodes_each_run_has_a_key_of_its_own():
         recorded = pump(hub, link)
         assert hub._accept(recorded)[:2] == (1, "JOIN")
         assert not link.secret_mismatch
-        hub.send(1, "START")
-        assert link.receive("START", timeout=10) == ({}, [])
+        hub.send(1, "START", {"gen": 0, "joining": False})
+        assert link.receive("START", timeout=10) == ({"gen": 0, "joining": False}, [])
     finally:
         link.close()
         hub.close()

@@ -318,6 +318,10 @@ class Hub:
         k = self._silent(now, self.node_timeout)
         if k is not None:
             self._drop(k, WorkerFailed(None, self._gone(k), node=k))
+        for k in [k for k in self.coming if now - self.node_beat[k] > self.node_timeout]:
+            del self.coming[k]  # it never joined: the run goes on as it was
+            self.listener.forget(k)
+            self.log(f"{self._gone(k)} before it joined")
         if self.node_since is not None and now - self.node_since > self.progress_timeout:
             absent = min(k for k in self.alive if k not in self.arrived)
             raise WorkerFailed(None, f"node {absent} reached no barrier in "
