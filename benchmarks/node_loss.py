@@ -1,7 +1,9 @@
 """A node lost and the others going on: 2 nodes of CPU workers on this host, --min-workers,
-node 1's launcher (or one of its workers) killed once node 0 has checkpointed an epoch; a
-table of the seconds from the kill to node 0's next completed exchange, the statuses, the
-final test error against an undisturbed run, and what was left behind.
+node 1's launcher (or one of its workers) killed once node 0 has checkpointed an epoch (with
+``rejoin``: its launcher, then started again once node 0 goes on alone); a table of the
+seconds from the kill to node 0's next completed exchange (and from the new start to the
+join, and the others' pause for it), the statuses, the final test error against an
+undisturbed run, and what was left behind.
 
     python benchmarks/node_loss.py --data-dir /usr/share/datasets/fashion-mnist --runs 3
 
@@ -35,11 +37,14 @@ def run(args, out, victim):
             "--coordinator", f"127.0.0.1:{port}", "--epochs", str(args.epochs), "--quiet",
             *(["--data-dir", args.data_dir] if args.data_dir else []),
             *(["--min-workers", str(args.cpu)] if victim else [])]
-    procs = [subprocess.Popen(base + ["--node-rank", str(k)] + (["--out", out] if k == 0
-                                                                 else []),
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True, start_new_session=True) for k in range(2)]
-    killed = None
+    def node(k):
+        return subprocess.Popen(base + ["--node-rank", str(k)] + (["--out", out] if k == 0
+                                                                  else []),
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+    procs = [node(k) for k in range(2)]
+    metrics = os.path.join(out, "metrics.jsonl")
+    killed = again = None
     try:
         if victim:
             while not os.path.exists(os.path.join(out, "checkpoint.npz")):
@@ -51,7 +56,14 @@ def run(args, out, victim):
                                             text=True).stdout.split()[-1])
             killed = time.time()
             os.kill(target, signal.SIGKILL)
+        if victim == "rejoin":  # started again once node 0 goes on alone
+            while '"membership"' not in open(metrics).read():
+                time.sleep(0.02)
+            procs[1].wait()
+            again = time.time()
+            procs.append(node(1))
         codes = [p.wait(timeout=3600) for p in procs]
+        codes = [codes[0], codes[-1]]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -59,6 +71,8 @@ def run(args, out, victim):
     records = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
     change = next((r for r in records if r.get("event") == "membership"), None)
     seconds = change["time"] - killed if change and killed else None
+    join = next((r for r in records if r.get("joined")), None)
+    joined = (join["time"] - again, join["seconds"]) if join and again else None
     def left():  # processes of either session still alive (a moment allowed to exit)
         return sum(bool(subprocess.run(["ps", "-o", "pid=", "-s", str(p.pid)],
                                        capture_output=True, text=True).stdout.strip())
@@ -67,7 +81,7 @@ def run(args, out, victim):
     while left() and time.monotonic() < deadline:
         time.sleep(0.1)
     epochs = [r for r in records if "test_error" in r]
-    return (seconds, codes[0], codes[1], epochs[-1]["test_error"], left(),
+    return (seconds, joined, codes[0], codes[1], epochs[-1]["test_error"], left(),
             len(set(glob.glob("/dev/shm/pympgu-*")) - before))
 
 
@@ -78,7 +92,7 @@ def main():
     p.add_argument("--cpu", type=int, default=2, help="workers a node (default: 2)")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--runs", type=int, default=3, help="runs of each victim")
-    p.add_argument("--victims", nargs="+", default=["launcher", "worker"])
+    p.add_argument("--victims", nargs="+", default=["launcher", "worker", "rejoin"])
     args = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="pympgu-node-loss-") as tmp:
@@ -87,12 +101,14 @@ def main():
             row = run(args, os.path.join(tmp, str(k)), victim)
             rows.append((victim or "none (undisturbed)", *row))
             print(rows[-1], flush=True)
-    print("\n| killed | kill to node 0's next exchange | node 0's status | node 1's | test "
-          "error | orphans | /dev/shm left |")
-    print("|---|---|---|---|---|---|---|")
-    for victim, seconds, c0, c1, err, left, shm in rows:
-        print(f"| {victim} | {'-' if seconds is None else f'{seconds:.2f} s'} | {c0} | {c1} | "
-              f"{100 * err:.2f}% | {left} | {shm} |")
+    print("\n| killed | kill to node 0's next exchange | started again to joined (the "
+          "others' pause) | node 0's status | node 1's | test error | orphans | /dev/shm "
+          "left |")
+    print("|---|---|---|---|---|---|---|---|")
+    for victim, seconds, joined, c0, c1, err, left, shm in rows:
+        join = "-" if joined is None else f"{joined[0]:.2f} s ({joined[1]:.2f} s)"
+        print(f"| {victim} | {'-' if seconds is None else f'{seconds:.2f} s'} | {join} | "
+              f"{c0} | {c1} | {100 * err:.2f}% | {left} | {shm} |")
 
 
 if __name__ == "__main__":

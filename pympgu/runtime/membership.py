@@ -163,8 +163,8 @@ class Membership:
         (``lost``), why (``reason``), the workers of every node that go on, and the ranks
         that other nodes' replacements take (``joined``)."""
         rec = self.recovering
-        # (a node that joins late holds no step of its own: node 0's REGROUP says it)
-        rec["steps"] = {**rec.get("steps", {}), tuple(back_to[:2]): back_to[2]}
+        if len(back_to) > 2:  # node 0's REGROUP says the step (a node that joins holds none)
+            rec["steps"] = {**rec.get("steps", {}), tuple(back_to[:2]): back_to[2]}
         back_to = tuple(back_to[:2])
         rec["lost"] = rec["lost"] + [(r, reason if k == 0 else None)
                                      for k, r in enumerate(lost)]
