@@ -5,9 +5,11 @@ error and the bytes each node sends between nodes a epoch, in a table.
 
 Each row is one run of two launchers on loopback (--nnodes 2), ``--cpu 2`` each: exact
 every step, and every H steps plain (local SGD), by DiLoCo's outer step or by EASGD's
-elastic pull. Loopback is no
-slow link: the table shows what crosses and what it costs in accuracy, not time."""
+elastic pull. Loopback is no slow link: the table shows what crosses and what it costs in
+accuracy; its time is a slow link's only with ``--link-rate`` (root: loopback's bandwidth
+held to that rate by tc's token bucket for the benchmark's length; no added latency)."""
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -20,6 +22,28 @@ def _port():
     with socket.socket() as a:
         a.bind(("127.0.0.1", 0))
         return a.getsockname()[1]
+
+
+@contextlib.contextmanager
+def shaped(rate):
+    """Loopback held to ``rate`` (tc's units: 1gbit, 100mbit) while inside; None: as it is."""
+    if rate is None:
+        yield
+        return
+    now = subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True)
+    if now.returncode or "noqueue" not in now.stdout.split("\n")[0]:
+        raise SystemExit(f"--link-rate: loopback's queue is not tc's default "
+                         f"({now.stdout.strip() or now.stderr.strip()}); left as it is")
+    # A burst of at least a loopback packet (64 KiB) and a tick's worth at the rate.
+    add = subprocess.run(["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate,
+                          "burst", "1mb", "latency", "200ms"], capture_output=True, text=True)
+    if add.returncode:
+        raise SystemExit(f"--link-rate needs tc and the right to change loopback's queue "
+                         f"(root): {add.stderr.strip()}")
+    try:
+        yield
+    finally:
+        subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
 
 
 def run(args, out, flags):
@@ -54,13 +78,16 @@ def main():
                    help="what DiLoCo and EASGD send, at each H")
     p.add_argument("--overlaps", type=int, nargs="+", default=[0], metavar="T",
                    help="DiLoCo's and EASGD's --outer-overlap, each a row (0: blocking)")
+    p.add_argument("--link-rate", metavar="RATE",
+                   help="hold loopback to RATE (tc's units: 1gbit, 100mbit) while the runs "
+                        "last (root); default: as fast as loopback goes")
     p.add_argument("--no-baseline", action="store_true",
                    help="leave out the every-step row (the fewer-bytes column then has none)")
     p.add_argument("--more", nargs=argparse.REMAINDER, default=[],
                    help="more flags for pympgu.train (a --model, say)")
     args = p.parse_args()
     rows = []
-    with tempfile.TemporaryDirectory(prefix="pympgu-across-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="pympgu-across-") as tmp, shaped(args.link_rate):
         plans = [] if args.no_baseline else [("every-step", None, "float32", 0)]
         plans += [(w, h, d, t) for h in args.every for w in args.ways
                   for d in (["float32"] if w == "average" else args.dtypes)

@@ -179,7 +179,7 @@ def test_the_survivors_go_back_to_the_newest_state_all_of_them_hold():
     assert m.recovered(2, [[0, 4, 1], [0, 8, 2]], [0, 8, 2]) is None
     reform = m.recovered(3, [[0, 4, 1], [0, 8, 2]], [0, 8, 2])
     assert reform == {"members": [0, 2, 3], "back_to": [0, 8, 2], "root": None, "node": 0,
-                      "nnodes": 1}
+                      "nnodes": 1, "source": None}
     record = m.record(now=1.5)
     assert (record["lost"], record["at_step"], record["from_step"], record["workers"],
             record["seconds"]) == ([1], 4, 3, 3, 1.5)
@@ -232,7 +232,7 @@ def test_a_joiner_holds_nothing_until_an_exchange_with_the_others():
     m.recovered(1, [[0, 8, 3]], None)  # what it says is not taken: it holds nothing yet
     reform = m.recovered(0, [[0, 8, 3], [0, 10, 4]], None)
     assert reform == {"members": [0, 1], "back_to": [0, 10, 4], "root": 0, "node": 0,
-                      "nnodes": 1}
+                      "nnodes": 1, "source": None}
     m.record()
     assert not m.fresh
 

@@ -175,8 +175,7 @@ class Membership:
         told = self.announce or {"lost": [], "reason": [], "since": rec["since"]}
         self.announce = {
             "lost": told["lost"] + [r for r, _ in rec["lost"]],
-            "joined": sorted({*(self.members.index(s) for s in self.fresh), *joined,
-                              *told.get("joined", [])}),
+            "joined": sorted({*(self.members.index(s) for s in self.fresh), *joined}),
             "reason": told["reason"] + [w for _, w in rec["lost"] if w is not None],
             # Steps counted from 1: the one under way when the loss came, the next to run.
             "at_step": max((a[2] for a in rec["at"]), default=rec["steps"][back_to]) + 1,
