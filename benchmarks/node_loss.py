@@ -57,7 +57,7 @@ def run(args, out, victim):
             killed = time.time()
             os.kill(target, signal.SIGKILL)
         if victim == "rejoin":  # started again once node 0 goes on alone
-            while '"membership"' not in open(metrics).read():
+            while not (os.path.exists(metrics) and '"membership"' in open(metrics).read()):
                 time.sleep(0.02)
             procs[1].wait()
             again = time.time()
