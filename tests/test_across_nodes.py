@@ -350,7 +350,7 @@ def test_diloco_goes_on_without_a_lost_node_and_takes_it_back(tmp_path):
     finally:
         for p in procs:
             kill_session(p)
-    assert codes == [0, 0, 0], [e[-3000:] for e in errs]
+    assert codes == [0, 0, 0], "\n-----\n".join(e[-3000:] for e in errs)
     records = [json.loads(line) for line in open(metrics)]
     assert [r["epoch"] for r in records if "event" not in r][-1] == 300
     assert [(c["lost"], c["joined"], c["workers"]) for c in changes()] == \

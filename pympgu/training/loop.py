@@ -156,9 +156,13 @@ class Training:
             # The run's step, from which a resumed run goes on.
             rate = rep.apply_rate(self.schedule, self.at[2])
             t0 = sync.seconds
-            state["costs"].append(sync.step(idx, step, last, self._reach(last)))
+            reach = self._reach(last)
+            state["costs"].append(sync.step(idx, step, last, reach))
             state["exchange_s"] += sync.seconds - t0
-            if self.recovery.enabled and (last or not (step + 1) % cfg.sync_every):
+            # A point to go back to: where every replica of every node met (between the
+            # nodes' meetings each node goes its own way, as far as the next meeting).
+            if self.recovery.enabled and (last or not (step + 1) % cfg.sync_every) \
+                    and reach != "node":
                 state["kept_costs"] = len(state["costs"])
                 self.recovery.keep([epoch, done + n, self.step_of(epoch, done + n)],
                                    dict(state))
