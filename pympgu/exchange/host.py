@@ -86,9 +86,7 @@ class HostBackend:
         parameters, the rest the node's average) or 'outer-all' (the same, the rest averaged
         across the nodes too)."""
         rank = self.rank
-        chunk = -(-count // self.nranks)
-        lo = min(count, rank * chunk)
-        hi = min(count, lo + chunk)
+        chunk, lo, hi = self._bounds(count)
         arrays = self.views[dtype]
         self.ctx.meet(self.barrier)  # every rank of the node has packed
         mine = arrays[rank][lo:hi]
@@ -117,7 +115,6 @@ class HostBackend:
                 if whole:
                     n = self.outer.params_in(lo, hi)
                     self.outer.reset(mine[:n], slice(0, n))
-                    self.outer.version += 1
             else:
                 self._outer(part[:hi - lo], mine, lo, hi, reach == "outer-all")
         for r, a in enumerate(arrays):
@@ -151,7 +148,6 @@ class HostBackend:
             part = sums[at]
             outer.step(part, at, self.nranks)
             mine[at] = outer.finish(self._across(part, outer.wire), at, everything)
-            outer.version += 1
         mine[:at.start] = sums[:at.start] / local
         mine[at.stop:n] = sums[at.stop:n] / local
         if n < hi - lo:
@@ -169,9 +165,14 @@ class HostBackend:
         beside, self.beside = self.beside, None
         total = beside.wait(self.ctx.check)
         new = self.outer.finish(total, beside.at, False)
-        self.outer.version += 1
         if mine is not None:
             mine[beside.at] += new - beside.then
+
+    def _bounds(self, count):
+        """The chunk of ``count`` elements each rank sums, and this rank's [lo, hi)."""
+        chunk = -(-count // self.nranks)
+        lo = min(count, self.rank * chunk)
+        return chunk, lo, min(count, lo + chunk)
 
     def _slice(self, rank):
         chunk = -(-self.ex.total // self.nranks)
@@ -214,9 +215,7 @@ class HostBackend:
         ranks hold the same): each rank's slice of them crosses from that node's rank of
         its local index."""
         rank, arrays = self.rank, self.views[dtype]
-        chunk = -(-count // self.nranks)
-        lo = min(count, rank * chunk)
-        hi = min(count, lo + chunk)
+        _, lo, hi = self._bounds(count)
         self.ctx.meet(self.barrier)  # every rank of the node has packed
         mine = arrays[rank][lo:hi]
         if self.across is not None:

@@ -11,7 +11,7 @@ class Outer:
 
     A subclass names itself (``name``), the RunConfig fields its settings come from
     (``flags``: setting -> field) and the arrays a checkpoint keeps (``saved``: checkpoint
-    key -> attribute), and defines reset, step and finish on ``at``, a range of its slice."""
+    key -> attribute), and defines _reset, step and _finish on ``at``, a range of its slice."""
 
     name = None
     flags = {}
@@ -60,7 +60,8 @@ class Outer:
 
     def reset(self, mine, at):
         """After an exact average across the nodes (``mine``: this range of it)."""
-        raise NotImplementedError
+        self._reset(mine, at)
+        self.version += 1
 
     def step(self, part, at, nlocal):
         """``part``: the node's sum of this range over its ``nlocal`` ranks; it becomes what
@@ -71,7 +72,8 @@ class Outer:
         """``total``: the contributions' sum across the nodes (this range); returns the
         node's parameters after the outer step: the shared state itself where
         ``everything`` (the epoch's end: every node then holds the same bits)."""
-        raise NotImplementedError
+        self.version += 1
+        return self._finish(total, at, everything)
 
     def _check_ready(self):
         if not self.ready:

@@ -22,7 +22,7 @@ class DiLoCo(Outer):
         self.g = zeros(chunk)  # this rank's slice of the global parameters
         self.v = zeros(chunk)  # and of the outer momentum
 
-    def reset(self, mine, at):
+    def _reset(self, mine, at):
         self.g[at] = mine
         self.ready = True
 
@@ -30,7 +30,7 @@ class DiLoCo(Outer):
         self._check_ready()
         part[:] = self.g[at] - part / np.float32(nlocal)
 
-    def finish(self, total, at, everything):
+    def _finish(self, total, at, everything):
         d = total / np.float32(self.nnodes)
         v, g = self.v[at], self.g[at]
         v *= self.mu

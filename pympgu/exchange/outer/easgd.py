@@ -23,7 +23,7 @@ class EASGD(Outer):
         self.c = zeros(chunk)  # this rank's slice of the centre
         self.x = zeros(chunk)  # and of this node's mean, between step and finish
 
-    def reset(self, mine, at):
+    def _reset(self, mine, at):
         self.c[at] = mine
         self.ready = True
 
@@ -33,7 +33,7 @@ class EASGD(Outer):
         np.divide(part, np.float32(nlocal), out=x)
         np.subtract(x, self.c[at], out=part)
 
-    def finish(self, total, at, everything):
+    def _finish(self, total, at, everything):
         c, x = self.c[at], self.x[at]
         x -= self.alpha * (x - c)  # (c before this step)
         c += self.alpha * total
