@@ -13,7 +13,7 @@ from pympgu.exchange.outer import EASGD, DiLoCo
 from pympgu.training import RunConfig
 from pympgu.training.config import UsageError
 from processes import kill_session, wait_until
-from test_nodes import finish, free_port, node_argv, start
+from test_nodes import _workers, finish, free_port, node_argv, start
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -321,16 +321,20 @@ def test_a_run_that_goes_back_takes_the_outer_state_back(seed, kind, settings):
         np.testing.assert_array_equal(a, b)
 
 
-def test_diloco_goes_on_without_a_lost_node_and_takes_it_back(tmp_path):
+@pytest.mark.parametrize("flags", [("--outer-every", "5"), ("--outer-every", "6",
+                                    "--outer-streams", "2", "--outer-overlap", "2")],
+                         ids=["blocking", "overlapped"])
+def test_diloco_goes_on_without_a_lost_node_and_takes_it_back(tmp_path, flags):
     """3 nodes x 1 worker, DiLoCo, --min-workers 2: node 2's launcher killed; nodes 0 and 1
-    go back to their last common exchange with the outer state they held there and go on;
-    node 2 started again joins, taking node 0's state and its slice of the outer state (the
-    nodes compare their replicas after every epoch: a joiner with an outer state of its own
-    would differ), and the three finish every epoch, status 0."""
+    go back to their last common exchange with the outer state they held there and go on
+    (overlapped: to the last fragment settled, a sum on the way, whose link to node 2
+    closed, left); node 2 started again joins, taking node 0's state and its slice of the
+    outer state (the nodes compare their replicas after every epoch: a joiner with an outer
+    state of its own would differ), and the three finish every epoch, status 0."""
     port = free_port()
     out = tmp_path / "run"
     argv = [sys.executable, "-m", "pympgu.train", "--cpu", "1", "--hidden", "16", "--epochs",
-            "300", "--across-nodes", "diloco", "--outer-every", "5", "--min-workers", "2",
+            "300", "--across-nodes", "diloco", *flags, "--min-workers", "2",
             "--nnodes", "3", "--coordinator", f"127.0.0.1:{port}"]
     node = lambda k: start(argv + ["--node-rank", str(k),  # noqa: E731
                                    *(["--out", str(out)] if k == 0 else [])])
@@ -355,3 +359,73 @@ def test_diloco_goes_on_without_a_lost_node_and_takes_it_back(tmp_path):
     assert [r["epoch"] for r in records if "event" not in r][-1] == 300
     assert [(c["lost"], c["joined"], c["workers"]) for c in changes()] == \
         [([2], [], 2), ([], [2], 3)], changes()
+
+
+DILOCO = ("--epochs", "6", "--across-nodes", "diloco", "--outer-every", "6", "--outer-streams",
+          "2")
+
+
+@pytest.fixture(scope="module")
+def diloco_undisturbed(tmp_path_factory):
+    """The epochs of 2 nodes x 2 workers under DiLoCo with 2 streams and ``flags``, nothing
+    lost (each run once)."""
+    runs = {}
+
+    def run(*flags):
+        if flags not in runs:
+            port, out = free_port(), tmp_path_factory.mktemp("diloco") / "run"
+            procs = [start(node_argv(k, port, *DILOCO, *flags,
+                                     *(["--out", str(out)] if k == 0 else [])))
+                     for k in range(2)]
+            (code0, _, err0), (code1, _, err1) = finish(procs)
+            assert (code0, code1) == (0, 0), (err0[-3000:], err1[-3000:])
+            runs[flags] = [json.loads(line) for line in open(out / "metrics.jsonl")]
+        return runs[flags]
+    return run
+
+
+# A node's first worker: with momentum SGD's state as large as the parameters, the second
+# worker's slice of a node's state is the momentum alone, and holds no outer slice. With
+# --outer-overlap a fragment's sum runs across the nodes for 2 of every 3 steps: a kill
+# mostly finds one on the way.
+@pytest.mark.parametrize("node,flags", [(1, ()), (0, ()), (1, ("--outer-overlap", "2"))],
+                         ids=["node1", "node0", "node1-overlapped"])
+def test_a_worker_restarted_under_diloco_takes_its_outer_slice_from_another_node(
+        tmp_path, node, flags, diloco_undisturbed):
+    """2 nodes x 2 workers, DiLoCo with 2 streams, --restart-workers: node 1's (or node 0's)
+    first worker killed; every node goes back to the nodes' last meeting with the outer
+    state it held there (overlapped: the last settled fragment, leaving the sum on the way),
+    the new worker takes its node's replica and, from the other node's worker of its local
+    index, its slice of the global parameters, the momentum and the fragments' turn. The 4
+    then redo the same steps: every epoch's loss and validation error equal those of a run
+    that lost nothing (a replacement that re-formed its slice from the replicas, or nodes
+    whose inner states were averaged at the re-forming, would not)."""
+    port = free_port()
+    out = tmp_path / "run"
+    procs = [start(node_argv(k, port, *DILOCO, *flags, "--min-workers", "2",
+                             "--restart-workers", "1",
+                             *(["--out", str(out)] if k == 0 else []))) for k in range(2)]
+    metrics = out / "metrics.jsonl"
+
+    def changes():
+        records = [json.loads(line) for line in open(metrics)] if metrics.exists() else []
+        return [r for r in records if r.get("event") == "membership"]
+    try:
+        assert wait_until((out / "checkpoint.npz").exists, 120, every=0.05)
+        os.kill(min(_workers(procs[node])), signal.SIGKILL)
+        assert wait_until(changes, 60, every=0.05)
+        (code0, _, err0), (code1, _, err1) = finish(procs)
+    finally:
+        for p in procs:
+            kill_session(p)
+    assert (code0, code1) == (0, 0), (err0[-3000:], err1[-3000:])
+    lost = 2 * node
+    change, = changes()
+    assert (change["lost"], change["joined"], change["workers"]) == ([lost], [lost], 4)
+    # An epoch's loss is rank 0's batches' mean: a new rank 0 counts the part of the epoch
+    # before it by its node's survivor's batches.
+    key = lambda r: (r["epoch"], r["valid_error"],  # noqa: E731
+                     None if lost == 0 and r["epoch"] == change["epoch"] else r["loss"])
+    done = [r for r in (json.loads(line) for line in open(metrics)) if "event" not in r]
+    assert [key(r) for r in done] == \
+        [key(r) for r in diloco_undisturbed(*flags) if "event" not in r]

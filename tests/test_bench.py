@@ -504,3 +504,25 @@ def test_the_nodes_table_sets_the_hierarchy_against_flat_nccl():
     assert text[-1].split() == ["4", "KiB", "|", "70.0", "80.0"]
     alone = table([{k: v for k, v in r.items() if k != "flat"} for r in rows])
     assert "flat/hierarchy" not in alone and alone.endswith("which NCCL refuses")
+
+
+def test_kills_bench_runs_with_the_training_flags_it_is_given(tmp_path):
+    """``python -m pympgu.bench kills``: an undisturbed run, then one with a kill, on 2 nodes
+    of 2 CPU workers under DiLoCo, the lost one replaced (--train-flags reach every run);
+    the table's row says what ran, and the JSON holds every run's status and what was left
+    behind."""
+    out = tmp_path / "kills.json"
+    r = subprocess.run([sys.executable, "-m", "pympgu.bench", "kills", "--nnodes", "2", "--cpu",
+                        "2", "--min-workers", "1", "--restart-workers", "1", "--runs", "1",
+                        "--kills", "1", "--epochs", "20", "--spacing", "0.5", "--train-flags",
+                        "--hidden 16 --across-nodes diloco --outer-every 5", "--json", str(out)],
+                       capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    assert "| 2 x 2 --hidden 16 --across-nodes diloco --outer-every 5 (min 1, 1 restarts) |" \
+        in r.stdout, r.stdout
+    rows = json.loads(out.read_text())
+    assert rows["args"]["train_flags"] == "--hidden 16 --across-nodes diloco --outer-every 5"
+    assert rows["undisturbed"]["status"] == 0
+    run, = rows["runs"]
+    assert (run["status"], run["orphans"], run["shm_left"]) == (0, 0, 0), run
+    assert run["kills"] == run["recovered"] == 1, run

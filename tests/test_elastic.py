@@ -125,10 +125,6 @@ def _model():
 
 @pytest.mark.parametrize("changes,message", [
     (dict(devices=(0, 1)), "on CPU workers only"),
-    (dict(nnodes=2, across_nodes="diloco", min_workers=2, outer_overlap=1, outer_streams=5),
-     "--min-workers across nodes with --outer-overlap"),
-    (dict(nnodes=2, across_nodes="easgd", min_workers=2, restart_workers=1),
-     "--restart-workers with --across-nodes easgd: a new worker would hold no slice"),
 ])
 def test_what_cannot_go_on_without_a_worker_yet_is_refused(changes, message):
     from pympgu.training.config import UsageError
@@ -179,7 +175,7 @@ def test_the_survivors_go_back_to_the_newest_state_all_of_them_hold():
     assert m.recovered(2, [[0, 4, 1], [0, 8, 2]], [0, 8, 2]) is None
     reform = m.recovered(3, [[0, 4, 1], [0, 8, 2]], [0, 8, 2])
     assert reform == {"members": [0, 2, 3], "back_to": [0, 8, 2], "root": None, "node": 0,
-                      "nnodes": 1, "source": None}
+                      "nnodes": 1, "source": None, "keeper": None}
     record = m.record(now=1.5)
     assert (record["lost"], record["at_step"], record["from_step"], record["workers"],
             record["seconds"]) == ([1], 4, 3, 3, 1.5)
@@ -232,7 +228,7 @@ def test_a_joiner_holds_nothing_until_an_exchange_with_the_others():
     m.recovered(1, [[0, 8, 3]], None)  # what it says is not taken: it holds nothing yet
     reform = m.recovered(0, [[0, 8, 3], [0, 10, 4]], None)
     assert reform == {"members": [0, 1], "back_to": [0, 10, 4], "root": 0, "node": 0,
-                      "nnodes": 1, "source": None}
+                      "nnodes": 1, "source": None, "keeper": None}
     m.record()
     assert not m.fresh
 

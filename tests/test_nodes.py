@@ -343,6 +343,47 @@ def test_a_worker_lost_on_any_node_is_restarted_and_every_node_goes_on(tmp_path,
     _nothing_left(procs, before)
 
 
+def _run_alone_workers(out, port, victim=None):
+    """2 nodes x 1 worker, --restart-workers 1, 6 epochs; ``victim``: the node whose only
+    worker is killed after the first checkpoint. Returns the launchers' status and stderr."""
+    procs = [start(node_argv(k, port, "--cpu", "1", "--epochs", EPOCHS, "--min-workers", "1",
+                             "--restart-workers", "1",
+                             *(["--out", str(out)] if k == 0 else []))) for k in range(2)]
+    try:
+        if victim is not None:
+            assert wait_until((out / "checkpoint.npz").exists, 120, every=0.05)
+            os.kill(min(_workers(procs[victim])), signal.SIGKILL)
+            assert wait_until(lambda: _changes(out / "metrics.jsonl"), 60, every=0.05)
+        codes = [p.wait(timeout=150) for p in procs]
+        return codes, [p.stderr.read() for p in procs], procs
+    finally:
+        for p in procs:
+            kill_session(p)
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_nodes_only_worker_restarted_takes_another_nodes_state(tmp_path, victim):
+    """2 nodes x 1 worker, --restart-workers: the only worker of node 1 (or of node 0) killed;
+    its node then holds nothing, and its new worker takes the other node's state across the
+    data links, as a node that joins does. Both nodes end with status 0 (a launcher with no
+    worker for a moment waits for the new one), and every epoch has the validation error
+    and loss of a run that lost nothing (a new rank 0 counts the part of its epoch before it
+    by the other node's batches)."""
+    before = set(glob.glob("/dev/shm/pympgu-*"))
+    codes, errs, _ = _run_alone_workers(tmp_path / "base", free_port())
+    assert codes == [0, 0], [e[-3000:] for e in errs]
+    out = tmp_path / "run"
+    codes, errs, procs = _run_alone_workers(out, free_port(), victim)
+    assert codes == [0, 0], [e[-3000:] for e in errs]
+    change, = _changes(out / "metrics.jsonl")
+    assert (change["lost"], change["joined"], change["workers"]) == ([victim], [victim], 2)
+    key = lambda r: (r["epoch"], r["valid_error"],  # noqa: E731
+                     None if victim == 0 and r["epoch"] == change["epoch"] else r["loss"])
+    assert [key(r) for r in epochs(out / "metrics.jsonl") if "event" not in r] == \
+        [key(r) for r in epochs(tmp_path / "base" / "metrics.jsonl")]
+    _nothing_left(procs, before)
+
+
 def test_a_node_started_again_joins_the_run_and_takes_its_state(tmp_path):
     """2 nodes x 2 workers, --min-workers 2: node 1's launcher killed, node 0 goes on
     alone; node 1 started again with the same command joins (its workers take node 0's

@@ -14,6 +14,7 @@ import json
 import os
 import random
 import secrets
+import shlex
 import signal
 import socket
 import subprocess
@@ -84,6 +85,7 @@ def _start(args, out):
             "--restart-workers", str(args.restart_workers)]
     if args.data_dir:
         argv += ["--data-dir", args.data_dir]
+    argv += shlex.split(args.train_flags)
     env = dict(os.environ)
     if args.nnodes > 1:
         env["PYMPGU_SECRET"] = secrets.token_hex(32)
@@ -164,6 +166,9 @@ def main(argv=None):
     p.add_argument("--spacing", type=float, default=3.0,
                    help="at most this many seconds between kills (default: 3)")
     p.add_argument("--data-dir", help="as pympgu.train's (default: the embedded MNIST)")
+    p.add_argument("--train-flags", default="", metavar="FLAGS",
+                   help="more of pympgu.train's flags for every run, in one argument (e.g. "
+                   "'--across-nodes diloco --outer-every 50')")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the rows here too")
     args = p.parse_args(argv)
@@ -193,6 +198,7 @@ def main(argv=None):
     median = times[len(times) // 2] if times else float("nan")
     worst = max(errors, key=lambda e: abs(e - base["test_error"]), default=float("nan"))
     shape = f"{args.nnodes} x {args.cpu}" if args.nnodes > 1 else f"{args.cpu}"
+    shape += f" {args.train_flags}" if args.train_flags else ""
     print(f"| {shape} (min {args.min_workers}, {args.restart_workers} restarts) | {kills} | "
           f"{sum(r['status'] == 0 for r in rows)}/{len(rows)} | {len(times)}/{kills} | "
           f"{median:.2f} s ({max(times, default=float('nan')):.2f} s) | "

@@ -162,8 +162,13 @@ class HostBackend:
         step finished and, with ``mine`` (the node's mean now, this rank's slice), the
         fragment moved by what the step changed (the global parameters minus the node's
         mean it began from)."""
+        from .across import WORD_S, LinkLost
         beside, self.beside = self.beside, None
-        total = beside.wait(self.ctx.check)
+        try:
+            total = beside.wait(self.ctx.check)
+        except LinkLost:  # another node gone: the launcher's word (a loss) comes first
+            self.ctx.await_word(WORD_S)
+            raise
         new = self.outer.finish(total, beside.at, False)
         if mine is not None:
             mine[beside.at] += new - beside.then

@@ -25,7 +25,7 @@ class WorkerContext:
         self.progress_timeout = progress_timeout
         # A restarted worker, to join the run at its next epoch (pympgu.training.recovery).
         self.joining = joining
-        self.source = None  # (recover)
+        self.source = self.keeper = None  # (recover)
         # Barriers counted apart: the run's, whose numbers every node compares, and this
         # node's alone (a node's own business, such as taking in a replacement worker).
         self._seq = {False: 0, True: 0}
@@ -102,6 +102,8 @@ class WorkerContext:
         # node after node among the nodes that remain.
         self.node, self.nnodes = data["node"], data["nnodes"]
         self.source = data["source"]  # the node whose state a node that joins takes
+        # The node from which a replaced worker takes what every node keeps alike.
+        self.keeper = data["keeper"]
         self.rank = self.node * self.local_nranks + self.local_rank
         self.nranks = self.nnodes * self.local_nranks
         self._seq = {False: 0, True: 0}

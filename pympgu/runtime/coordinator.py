@@ -103,7 +103,9 @@ class NodeCoordinator:
         self.reading = {}
         for outs in self.outputs:
             self._watch(outs)
-        while not (len(self.results) == len(self.membership.members) and self.above.done()):
+        # (No members left: a node's only worker, lost and being replaced.)
+        while not (self.membership.members and len(self.results) == len(self.membership.members)
+                   and self.above.done()):
             ready = dict(self.poller.poll(100))
             if self.listener.socket in ready:
                 self.drain()
@@ -346,7 +348,8 @@ class NodeCoordinator:
                                         workers=len(nodes) * self.n, joined=joined)
         for r in [r for r, state in self.joiners.items() if state == "joining"]:
             del self.joiners[r]  # a worker of the run from now on
-        reform.update(node=place, nnodes=len(nodes), source=data.get("source"))
+        reform.update(node=place, nnodes=len(nodes), source=data.get("source"),
+                      keeper=data.get("keeper"))
         self.offset = place * self.n
         self.since = None
         self.listener.broadcast("REFORM", reform, ranks=self.membership.members)

@@ -38,6 +38,7 @@ class Hub:
         # what a node sent in an earlier one is dropped); while the others go back:
         # what each node holds (HOLD), and the drop's facts.
         self.alive, self.gen, self.holding, self.dropping = list(range(nnodes)), 0, None, None
+        self.paused = set()  # nodes whose lost worker is replaced, until the next REGROUP
         # Nodes that join a run under way: "starting" (told START), then "ready" (their
         # workers compiled: HOLD), then taken in at the next REGROUP ("joining").
         self.started, self.coming = False, {}
@@ -128,6 +129,10 @@ class Hub:
         elif kind == "HOLD":
             self.holds(k, data)
         elif kind == "FINISH":
+            if self.holding is not None and k not in self.holding:
+                # Ended while the others wait to hear what it holds: they would wait on.
+                raise WorkerFailed(None, f"node {k} finished while every node went back to "
+                                   "an exchange all hold", node=k)
             self.finished[k] = data["results"]
 
     def _from_late_node(self, k, kind, data):
@@ -267,6 +272,7 @@ class Hub:
                          "joined": first.get("joined", []) + ([rank] if k else []),
                          "reason": first.get("reason", reason)}
         self.holding = {}
+        self.paused.add(k)
         self.listener.broadcast("DROP", {"gen": self.gen, "reason": reason, "node": k},
                                 ranks=self.others)
         if k != 0:
@@ -284,22 +290,34 @@ class Hub:
         self.holding[k] = data
         if len(self.holding) < len(self.alive):
             return
-        sets = [{tuple(p[:2]) for p in h["kept"]} for h in self.holding.values()]
-        common = set.intersection(*sets)
+        # A node whose workers are all new (one worker a node, replaced) holds nothing: it
+        # takes another node's state, as a node that joins does.
+        empty = {k for k, h in self.holding.items() if not h["kept"] and k in self.paused}
+        held = [h for k, h in self.holding.items() if k not in empty]
+        common = set.intersection(*[{tuple(p[:2]) for p in h["kept"]} for h in held]) \
+            if held else set()
         if not common:
             from .membership import stops
             raise WorkerFailed(None, f"{self.dropping['reason']} "
                                      f"{stops(any(h.get('fresh') for h in self.holding.values()))}")
         back_to = max(common)
-        step = next(p[2] for p in self.holding[0]["kept"] if tuple(p[:2]) == back_to)
+        step = next(p[2] for p in held[0]["kept"] if tuple(p[:2]) == back_to)
         joining = sorted(k for k, state in self.coming.items() if state == "joining")
         nodes = sorted(self.alive + joining)
         n = self.coordinator.n
         joined = [nodes.index(k) * n + r for k in joining for r in range(n)]
-        # Node 0 (place 0) hands its state to the nodes that join.
+        # The first node whose workers all came through (its place) hands its state to the
+        # nodes that join or hold nothing, and to a replaced worker what each node keeps
+        # alike besides the replicas (an outer optimizer's slices); None: every node had a
+        # worker replaced (docs/DECISIONS.md, "A worker restarted across nodes").
+        keeper = next((nodes.index(k) for k in self.alive if k not in self.paused), None)
+        source = keeper if keeper is not None else next(
+            nodes.index(k) for k in self.alive if k not in empty)
         regroup = {"gen": self.gen, "back_to": [*back_to, step], "nodes": nodes,
-                   "source": 0 if joining else None}
+                   "source": source if joining or empty else None,
+                   "keeper": keeper if self.paused & set(nodes) else None}
         dropping, self.holding, self.dropping = self.dropping, None, None
+        self.paused = set()
         self.alive = nodes
         for k in joining:
             del self.coming[k]

@@ -185,7 +185,8 @@ class Membership:
         self.recovering = None
         root = self.members.index(holding[0]) if self.fresh and holding else None
         return {"members": self.members, "back_to": [*back_to, rec["steps"][back_to]],
-                "root": root, "node": 0, "nnodes": 1, "source": None}
+                "root": root, "node": 0, "nnodes": 1, "source": None,
+                "keeper": None}
 
     def record(self, now=None):
         """The membership change in metrics.jsonl's words, once the survivors have completed

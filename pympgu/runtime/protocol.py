@@ -31,7 +31,7 @@ import hmac
 import json
 import secrets
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 SECRET_BYTES = 32
 NONCE_BYTES = 16
 # A frame's most bytes (ZMQ_MAXMSGSIZE): far above any real message (a layout of thousands
@@ -68,7 +68,8 @@ SCHEMA = {
     "STOP": ({"reason": str}, 0, False, _TEXT),
     "SHRINK": ({"lost": (int, _NONE), "reason": str}, 0, False, _TEXT),
     "REFORM": ({"members": list, "back_to": list, "root": (int, _NONE), "node": int,
-                "nnodes": int, "source": (int, _NONE)}, 0, False, _SMALL),
+                "nnodes": int, "source": (int, _NONE), "keeper": (int, _NONE)}, 0, False,
+               _SMALL),
     "JOIN": ({"version": int, "pid": int, "host": str, "nlocal": int}, 0, False, _SMALL),
     "ARRIVE": ({"seq": int, "what": (str, _NONE), "value": ANY, "shared": ANY,
                 "values": (list, _NONE), "gen": int}, 0, False, _BIG),
@@ -80,8 +81,8 @@ SCHEMA = {
              _SMALL),
     "PAUSE": ({"gen": int, "rank": int, "reason": str}, 0, False, _TEXT),
     "DROP": ({"gen": int, "reason": str, "node": (int, _NONE)}, 0, False, _TEXT),
-    "REGROUP": ({"gen": int, "back_to": list, "nodes": list, "source": (int, _NONE)}, 0,
-                False, _SMALL),
+    "REGROUP": ({"gen": int, "back_to": list, "nodes": list, "source": (int, _NONE),
+                 "keeper": (int, _NONE)}, 0, False, _SMALL),
 }
 TO_COORDINATOR_DIRECTION, TO_WORKER_DIRECTION = b"C", b"W"  # under the MAC
 NONCE_DIRECTION = b"N"  # node 0's answer to a knock, under the MAC of the nodes' secret

@@ -202,13 +202,6 @@ class RunConfig:
         # a lost worker"): said here rather than found out at the first loss.
         need(self.cpu, "--min-workers", "goes on without a lost worker on CPU workers only, "
              "for now: GPU workers stop the run at a loss (give every worker, or --cpu N)")
-        outer = self.across_nodes not in ("every-step", "average")
-        need(self.nnodes == 1 or not (outer and self.outer_overlap), "--min-workers",
-             "across nodes with --outer-overlap: a fragment's sum in flight is not carried "
-             "through a loss; drop one of them")
-        need(self.nnodes == 1 or not (outer and self.restart_workers), "--restart-workers",
-             f"with --across-nodes {self.across_nodes}: a new worker would hold no slice of "
-             "the outer optimizer's state; give --min-workers alone (a lost node is dropped)")
         need(not self.overlap, "--min-workers", "needs replicas identical after each "
              "exchange; --overlap leaves them alike only at the epoch's end: drop one of them")
 

@@ -47,17 +47,7 @@ class Training:
             while True:
                 try:
                     if self.ex is None and self.ctx.nranks > 1:
-                        self.ex, self.inside = self.connect(self.ctx, self.rep, self.cfg,
-                                                            root=root)
-                        if root is not None:
-                            self._welcome(root)
-                        elif self.recovery.outer_back is not None and self.ctx.nnodes > 1:
-                            # The outer optimizer's slice as it was there: the exchange just
-                            # re-formed started its shared state from the replicas.
-                            self.ex.backend.outer.restore(self.recovery.outer_back)
-                        if self.ctx.source is not None:  # a node joined: from node source
-                            self._welcome(self.ctx.source * self.ctx.local_nranks, local=False)
-                            self.ex.backend.take_outer(self.ctx.source)
+                        self._connect(root)
                     if self.ctx.rank == 0 and self.at is None:
                         self.ctx.metric(kind="stage", text=f"training from epoch "
                                         f"{start_epoch + 1} (its first steps compile)")
@@ -75,6 +65,31 @@ class Training:
                 self.out.close()
         return {"rank": self.ctx.rank, "history": self.history if self.ctx.rank == 0 else None,
                 "digest": digest, "diverged": diverged}
+
+    def _connect(self, root):
+        """The exchange (re-)formed; after a recovery under an outer optimizer across
+        nodes, its state as it was at the point gone back to, each node's replicas as they
+        stand (docs/DECISIONS.md, "A worker restarted across nodes")."""
+        ctx, back = self.ctx, self.recovery.outer_back
+        outer_kind = self.cfg.across_nodes in outer.REGISTRY and ctx.nnodes > 1
+        # Put back rather than re-formed from the replicas (which a 'world' first exchange
+        # does, averaging the nodes' inner states): from the kept snapshot, and a replaced
+        # worker's slice from a node that kept its own (keeper). Every node decides alike:
+        # without a keeper, a node with a replaced worker (root) has one only if all have.
+        put_back = outer_kind and ctx.source is None and (
+            ctx.keeper is not None or (root is None and back is not None))
+        self.ex, self.inside = self.connect(ctx, self.rep, self.cfg, root=root,
+                                            reach="node" if put_back else "world")
+        if root is not None:
+            self._welcome(root)
+        if back is not None and (put_back or (outer_kind and ctx.source is not None)):
+            self.ex.backend.outer.restore(back)  # (the source's is what a new node takes)
+        if ctx.source is not None:  # a node joined: from node source
+            self._welcome(ctx.source * ctx.local_nranks, local=False)
+            self.ex.backend.take_outer(ctx.source)
+        elif put_back and ctx.keeper is not None:
+            # The same local index's slice on every node that kept its own.
+            self.ex.backend.take_outer(ctx.keeper)
 
     def _welcome(self, root, local=True):
         """A worker joined (its state now rank root's): it learns from rank root the run's
@@ -145,6 +160,8 @@ class Training:
                                      cfg.seed, epoch, start, state["total"])
         rep.seed_noise(epoch)
         sync = Sync(rep, self.ex, cfg.sync_every, cfg.overlap, self.inside)
+        # (_met) An epoch begins where no fragment's sum runs: its last step settles it.
+        self.settles = None
         report_every = max(1, len(batches) // 20)
         n, steps = ctx.nranks, start // ctx.nranks + len(batches)
         rate = None
@@ -159,10 +176,8 @@ class Training:
             reach = self._reach(last)
             state["costs"].append(sync.step(idx, step, last, reach))
             state["exchange_s"] += sync.seconds - t0
-            # A point to go back to: where every replica of every node met (between the
-            # nodes' meetings each node goes its own way, as far as the next meeting).
             if self.recovery.enabled and (last or not (step + 1) % cfg.sync_every) \
-                    and reach != "node":
+                    and self._met(step, reach):
                 state["kept_costs"] = len(state["costs"])
                 self.recovery.keep([epoch, done + n, self.step_of(epoch, done + n)],
                                    dict(state))
@@ -191,6 +206,18 @@ class Training:
                 # without jaxlib's headers, say).
                 "road": road(ctx, sync, self.inside),
                 **({} if between is None else {"between_nodes_bytes": between})}
+
+    def _met(self, step, reach):
+        """Whether the exchange just made (``step`` of the epoch's loop) is a point to go
+        back to: one where every replica of every node met (between the nodes' meetings each
+        node goes its own way, as far as the next meeting) with nothing left on the way.
+        With --outer-overlap that is where a fragment's sum across the nodes is settled,
+        --outer-overlap exchanges after the meeting that started it."""
+        d = self.cfg.outer_overlap
+        if d and reach == "outer":
+            self.settles = step + d
+            return False
+        return reach != "node" or step == self.settles
 
     def _reach(self, last):
         """How far this step's exchange goes (Sync.step): None, every rank as K says; with

@@ -46,11 +46,13 @@ def make_schedule(cfg, ntrain, nranks):
     return Schedule(cfg.lr, cfg.epochs * per_epoch, cfg.schedule, round(cfg.warmup * per_epoch))
 
 
-def make_exchanger(ctx, rep, cfg, inside=True, root=None):
+def make_exchanger(ctx, rep, cfg, inside=True, root=None, reach="world"):
     """The worker's Exchanger, after one exact exchange (which also proves it works), and
     its StepExchange (None without ``inside``: the exchanges are then queued from Python
     after each step); (None, None) for a lone worker. With ``root`` (CPU workers that a
-    restarted one joins) every replica takes rank root's state instead."""
+    restarted one joins) every replica takes rank root's state instead. ``reach``: the
+    first exchange's (Exchanger.start); 'node' where each node's replicas, as they stand,
+    go on under an outer optimizer's state put back after it."""
     from .. import methods, settings
     from ..exchange import Exchanger
     from ..xla import StepExchange, copies_to_every_peer
@@ -90,7 +92,7 @@ def make_exchanger(ctx, rep, cfg, inside=True, root=None):
         if root is None or ctx.nnodes > 1:
             # Replicas start identical (--init-seed; a resumed run too). Across nodes a node
             # whose worker was replaced (root) averages too, as the other nodes do.
-            rep.exchange(ex)
+            rep.exchange(ex, reach)
     except BaseException:
         ex.close()
         raise
