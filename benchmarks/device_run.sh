@@ -52,15 +52,21 @@ for step in ${*:-tests train bench}; do
       tail -15 "$OUT/nodes_tests.log"
       timeout 300 python3 -m pympgu.bench --nnodes 2 --gpus 0 ${BENCH:---sizes 4K 64K 1M 64M 256M} \
         --json "$OUT/bench_nodes.json" 2>&1 | tail -20 ;;
-    # CPU workers on this host's cores: the exchange's share of the step, and the bench
-    # against DDP on gloo, at 2 and 4 workers; then 2 nodes x 2 workers on loopback.
+    # CPU workers on this host's cores: the exchange's share of the step, unpinned and
+    # pinned (pympgu.runtime.cores), and the bench against DDP on gloo (pinned alike), at 2
+    # and 4 workers; then 2 nodes x 2 workers on loopback, each node on half the cores.
     cpu) for n in 2 4; do
-           timeout 200 python3 -m pympgu.train --cpu $n --epochs 4 2>&1 | quiet | grep -E "^epoch|^done"
+           for pin in 0 1; do echo "$n workers, PYMPGU_PIN_CPU_WORKERS=$pin"
+             PYMPGU_PIN_CPU_WORKERS=$pin timeout 200 python3 -m pympgu.train --cpu $n --epochs 4 \
+               2>&1 | quiet | grep -E "^epoch   4|^done"
+           done
            timeout 250 python3 -m pympgu.bench train --cpu $n --models seed --batch-size 128 \
              --variants sync1 --steps 300 --repeats 3 2>&1 | quiet | tail -8
          done
          export PYMPGU_SECRET=$(python3 -c "import secrets; print(secrets.token_hex(32))")
-         for k in 1 0; do timeout 200 python3 -m pympgu.train --cpu 2 --epochs 4 --nnodes 2 --node-rank $k \
+         half=$(( $(nproc) / 2 ))
+         for k in 1 0; do taskset -c $(( k * half ))-$(( k * half + half - 1 )) timeout 200 \
+           python3 -m pympgu.train --cpu 2 --epochs 4 --nnodes 2 --node-rank $k \
            --coordinator 127.0.0.1:29611 > "$OUT/node$k.log" 2>&1 & done; wait
          grep -E "^epoch|^done" "$OUT/node0.log" ;;
     # One GPU, no exchange: the loop's step against plain JAX.

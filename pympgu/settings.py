@@ -44,6 +44,9 @@ class Settings:
     # Average by the copy method with host barriers even where GPUs have peer access: for
     # machines whose peer-to-peer path is reported but broken.
     no_p2p: bool = False
+    # Each CPU worker of a node on its own share of the cores (pympgu.runtime.cores;
+    # DECISIONS.md, "CPU workers on cores of their own"); 0 leaves them to the kernel.
+    pin_cpu_workers: bool = True
 
     def fingerprint(self):
         """The settings every rank of a group must share, as text."""
