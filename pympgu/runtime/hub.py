@@ -232,6 +232,7 @@ class Hub:
             raise WorkerFailed(error.rank, f"{error.reason}; {left} worker(s) would remain "
                                f"without node {k}, fewer than --min-workers "
                                f"{self.min_workers}: the run stops", error.details, node=k)
+        self._not_finished(error.reason, k, error.rank)
         place = self.alive.index(k)
         self.alive.remove(k)
         self.listener.send(k, "STOP", {"reason": f"node 0 goes on without this node: "
@@ -261,6 +262,7 @@ class Hub:
         its place: every node's workers go back to an exchange all hold, and node ``k``
         says what it holds once the replacement is ready (docs/DECISIONS.md, "A worker
         restarted across nodes")."""
+        self._not_finished(reason, k, rank)
         self.gen += 1
         self.arrived.clear()
         self.node_since = None
@@ -278,6 +280,14 @@ class Hub:
         if k != 0:
             self.coordinator.dropped(reason)
 
+    def _not_finished(self, reason, k, rank):
+        """A loss once a node has finished (the run's very end) stops the run: the finished
+        nodes would never say what they hold."""
+        done = sorted(j for j in self.finished if j in self.alive)
+        if done:
+            raise WorkerFailed(rank, f"{reason} after node(s) {done} finished: the run "
+                               "stops there", node=k)
+
     def hold(self, data):
         """Node 0's workers' HOLD."""
         self.holds(0, data)
@@ -294,8 +304,10 @@ class Hub:
         # takes another node's state, as a node that joins does.
         empty = {k for k, h in self.holding.items() if not h["kept"] and k in self.paused}
         held = [h for k, h in self.holding.items() if k not in empty]
-        common = set.intersection(*[{tuple(p[:2]) for p in h["kept"]} for h in held]) \
-            if held else set()
+        if not held:
+            raise WorkerFailed(None, f"{self.dropping['reason']}: every node's workers are "
+                               "new, and none holds the run's state: the run stops")
+        common = set.intersection(*[{tuple(p[:2]) for p in h["kept"]} for h in held])
         if not common:
             from .membership import stops
             raise WorkerFailed(None, f"{self.dropping['reason']} "
