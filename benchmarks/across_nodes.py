@@ -17,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 
+from pympgu.runtime import cores
+
 
 def _port():
     with socket.socket() as a:
@@ -58,7 +60,8 @@ def run(args, out, flags):
     procs = [subprocess.Popen(base + ["--node-rank", str(k)] + (["--out", out] if k == 0
                                                                  else []),
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for k in range(2)]
+                              text=True, preexec_fn=cores.on_one_host(2, k))
+             for k in range(2)]
     for p in procs:
         _, err = p.communicate(timeout=3600)
         if p.returncode:

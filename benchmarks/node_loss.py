@@ -20,6 +20,8 @@ import sys
 import tempfile
 import time
 
+from pympgu.runtime import cores
+
 
 def _port():
     with socket.socket() as s:
@@ -41,7 +43,8 @@ def run(args, out, victim):
         return subprocess.Popen(base + ["--node-rank", str(k)] + (["--out", out] if k == 0
                                                                   else []),
                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
+                                text=True, start_new_session=True,
+                                preexec_fn=cores.on_one_host(2, k))
     procs = [node(k) for k in range(2)]
     metrics = os.path.join(out, "metrics.jsonl")
     killed = again = None

@@ -13,7 +13,7 @@ from pympgu.exchange.outer import EASGD, DiLoCo
 from pympgu.training import RunConfig
 from pympgu.training.config import UsageError
 from processes import kill_session, wait_until
-from test_nodes import _workers, finish, free_port, node_argv, start
+from test_nodes import _changes, _workers, finish, free_port, node_argv, start
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -340,10 +340,7 @@ def test_diloco_goes_on_without_a_lost_node_and_takes_it_back(tmp_path, flags):
                                    *(["--out", str(out)] if k == 0 else [])])
     procs = [node(k) for k in range(3)]
     metrics = out / "metrics.jsonl"
-
-    def changes():
-        records = [json.loads(line) for line in open(metrics)] if metrics.exists() else []
-        return [r for r in records if r.get("event") == "membership"]
+    changes = lambda: _changes(metrics)  # noqa: E731
     try:
         assert wait_until((out / "checkpoint.npz").exists, 120, every=0.05)
         os.kill(procs[2].pid, signal.SIGKILL)
@@ -406,10 +403,7 @@ def test_a_worker_restarted_under_diloco_takes_its_outer_slice_from_another_node
                              "--restart-workers", "1",
                              *(["--out", str(out)] if k == 0 else []))) for k in range(2)]
     metrics = out / "metrics.jsonl"
-
-    def changes():
-        records = [json.loads(line) for line in open(metrics)] if metrics.exists() else []
-        return [r for r in records if r.get("event") == "membership"]
+    changes = lambda: _changes(metrics)  # noqa: E731
     try:
         assert wait_until((out / "checkpoint.npz").exists, 120, every=0.05)
         os.kill(min(_workers(procs[node])), signal.SIGKILL)

@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+from ..runtime import cores
+
 
 def _workers(pid):
     """The launcher ``pid``'s worker processes (spawned children; not its resource tracker)."""
@@ -98,7 +100,8 @@ def _start(args, out):
                      where]
         procs.append(subprocess.Popen(argv + more, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, env=env,
-                                      start_new_session=True))
+                                      start_new_session=True,
+                                      preexec_fn=cores.on_one_host(args.nnodes, k)))
     return procs
 
 

@@ -48,3 +48,10 @@ def pin(nlocal, local_rank):
     if mine is not None:
         os.sched_setaffinity(0, mine)
     return mine
+
+
+def on_one_host(nnodes, node):
+    """For a node's launcher started beside the others on one host (a benchmark's, a
+    test's): Popen's preexec_fn that gives it its share of this process's cores, which its
+    workers then share out."""
+    return lambda: pin(nnodes, node)
