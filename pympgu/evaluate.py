@@ -164,7 +164,8 @@ def load(run, checkpoint="best", data=None, backend="auto", batch_size=500) -> "
         backend = auto_backend(cpu=True)
     # Before PyTensor and JAX are imported: JAX on the CPU, its warnings as a worker's.
     from .training.worker import setup_backend
-    setup_backend(types.SimpleNamespace(device=None, nranks=1, rank=0), backend)
+    setup_backend(types.SimpleNamespace(device=None, nranks=1, rank=0, local_nranks=1,
+                                        local_rank=0), backend)
     from . import data as datamod
     dataset = datamod.load(data if data is not None else config.data)
     from .models import ModelError

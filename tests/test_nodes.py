@@ -26,6 +26,9 @@ def free_port():
 
 def start(argv, env=None, secret=SECRET):
     env = dict(os.environ, **(env or {}))
+    # Several nodes on one host would each pin their workers to the same cores
+    # (pympgu.runtime.cores): left to the kernel, as docs/TRAINING.md advises.
+    env.setdefault("PYMPGU_PIN_CPU_WORKERS", "0")
     env.pop(nodes.SECRET_ENV, None)
     if secret:
         env[nodes.SECRET_ENV] = secret
