@@ -514,7 +514,7 @@ def test_kills_bench_runs_with_the_training_flags_it_is_given(tmp_path):
     out = tmp_path / "kills.json"
     r = subprocess.run([sys.executable, "-m", "pympgu.bench", "kills", "--nnodes", "2", "--cpu",
                         "2", "--min-workers", "1", "--restart-workers", "1", "--runs", "1",
-                        "--kills", "1", "--epochs", "20", "--spacing", "0.5", "--train-flags",
+                        "--kills", "1", "--epochs", "300", "--spacing", "0.5", "--train-flags",
                         "--hidden 16 --across-nodes diloco --outer-every 5", "--json", str(out)],
                        capture_output=True, text=True, timeout=280)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
