@@ -93,9 +93,8 @@ def ddp_rank(rank, world, devices, cfg, layout, hook, n_in, n_out, steps, warmup
     if device is not None:
         torch.cuda.set_device(device)
     else:  # each rank its own cores, as pympgu's CPU workers (pympgu.runtime.cores)
-        from .. import settings
         from ..runtime import cores
-        mine = cores.pin(world, rank) if settings.get().pin_cpu_workers else None
+        mine = cores.pin(world, rank)
         if mine is not None:
             torch.set_num_threads(len(mine))
     # JAX multiplies float32 matrices in TF32 on these GPUs by default; torch does not.

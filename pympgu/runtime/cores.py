@@ -41,8 +41,9 @@ def share(cores, nlocal, local_rank):
 
 def pin(nlocal, local_rank):
     """Pin this process to its share (``share``) of the CPUs it may run on now; returns
-    them, or None where it is left as it was."""
-    if not hasattr(os, "sched_getaffinity"):
+    them, or None where it is left as it was (PYMPGU_PIN_CPU_WORKERS=0, among others)."""
+    from .. import settings
+    if not hasattr(os, "sched_getaffinity") or not settings.get().pin_cpu_workers:
         return None
     mine = share(physical_cores(os.sched_getaffinity(0)), nlocal, local_rank)
     if mine is not None:

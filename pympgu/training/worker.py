@@ -28,8 +28,7 @@ def setup_backend(ctx, backend):
         # then fails on the rank of GPU 1: "Device id 1 is out of range [0, 1)".
         if ctx.device is None:
             os.environ["JAX_PLATFORMS"] = "cpu"
-    from .. import settings
-    if ctx.device is None and settings.get().pin_cpu_workers:
+    if ctx.device is None:
         from ..runtime import cores
         cores.pin(ctx.local_nranks, ctx.local_rank)  # (before XLA sizes its thread pool)
     # Workers compile the same graphs at once; separate cache dirs avoid lock waits.
