@@ -120,7 +120,10 @@ size_t pmg_dtype_size(int dtype); /* 0 for an unknown dtype */
 size_t pmg_ll_bytes(int nranks);
 
 /* ---- host averaging (csrc/host_average.cpp; builds without CUDA) ---- */
-int pmg_host_average(const void *const *inputs, int nranks, void *out, size_t n, int dtype);
+/* The mean of nranks inputs (summed in rank order in fp32, divided once) stored into each of
+ * nouts outputs, which may be among the inputs. */
+int pmg_host_average(const void *const *inputs, int nranks, void *const *outs, int nouts,
+                     size_t n, int dtype);
 
 /* A low-precision wire for fp32 parameters. Every rank keeps ref, the fp32 result of the
  * last exchange (identical on every rank). It sends wire[i] = round(x[i] - ref[i]) in

@@ -12,7 +12,8 @@ cdef extern from "pympgu.h" nogil:
     const char *pmg_status_name(int status)
     const char *pmg_status_string(int status)
     size_t pmg_dtype_size(int dtype)
-    int pmg_host_average(const void *const *inputs, int nranks, void *out, size_t n, int dtype)
+    int pmg_host_average(const void *const *inputs, int nranks, void *const *outs,
+                         int nouts, size_t n, int dtype)
     int pmg_host_delta(const float *x, const float *ref, void *wire, size_t n, int wire_dtype)
     int pmg_host_accumulate(float *ref, const void *avg, size_t n, int wire_dtype)
     int pmg_host_barrier_arrive(void *words, int nranks, int rank, uint32_t *generation)

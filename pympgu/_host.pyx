@@ -78,19 +78,28 @@ def host_accumulate(ref, avg, wire_dtype="bfloat16"):
 
 
 def host_average(inputs, out, dtype=None):
-    """Write the mean of the arrays in inputs (rank order) into out; out may be one of them."""
+    """Write the mean of the arrays in inputs (rank order) into out, or into each array of
+    the list out (one pass: the node's every replica at once); any may be an input."""
     cdef const void *ptrs[PMG_MAX_RANKS]
+    cdef void *dsts[PMG_MAX_RANKS]
     cdef int nranks = len(inputs)
     if nranks < 1 or nranks > PMG_MAX_RANKS:
         raise ValueError(f"host_average takes 1 to {PMG_MAX_RANKS} inputs, got {nranks}")
-    name = str(out.dtype if dtype is None else dtype)
+    outs = list(out) if isinstance(out, (list, tuple)) else [out]
+    cdef int nouts = len(outs)
+    if nouts < 1 or nouts > PMG_MAX_RANKS:
+        raise ValueError(f"host_average writes 1 to {PMG_MAX_RANKS} outputs, got {nouts}")
+    name = str(outs[0].dtype if dtype is None else dtype)
     cdef int code = dtype_code(name)
     cdef size_t esize = pmg_dtype_size(code)
-    if not (out.flags.c_contiguous and out.flags.writeable):
-        raise ValueError("out must be a writable C-contiguous array")
-    if out.itemsize != esize:
-        raise ValueError(f"out holds {out.itemsize}-byte items, {name} needs {esize}")
-    cdef size_t n = out.size
+    cdef size_t n = outs[0].size
+    for o, a in enumerate(outs):
+        if not (a.flags.c_contiguous and a.flags.writeable):
+            raise ValueError(f"output {o} must be a writable C-contiguous array")
+        if a.size != n or a.itemsize != esize:
+            raise ValueError(f"output {o} has {a.size} items of {a.itemsize} bytes; "
+                             f"{name} needs {n} of {esize}")
+        dsts[o] = <void *><uintptr_t>a.ctypes.data
     for r, a in enumerate(inputs):
         if not a.flags.c_contiguous:
             raise ValueError(f"input {r} is not C-contiguous")
@@ -99,10 +108,9 @@ def host_average(inputs, out, dtype=None):
                 f"input {r} has {a.size} items of {a.itemsize} bytes; out has {n} of {esize}"
             )
         ptrs[r] = <const void *><uintptr_t>a.ctypes.data
-    cdef void *dst = <void *><uintptr_t>out.ctypes.data
     cdef int status
     with nogil:
-        status = pmg_host_average(ptrs, nranks, dst, n, code)
+        status = pmg_host_average(ptrs, nranks, dsts, nouts, n, code)
     _check(status)
     return out
 

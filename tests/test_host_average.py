@@ -42,6 +42,31 @@ def test_in_place(dtype, seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nranks", [1, 2, 5, 8])
+@pytest.mark.parametrize("n", [1, 2047, 2048, 2049, 10_001])  # around the kernel's block
+def test_into_every_input(dtype, nranks, n, seed):
+    """The mean stored into every replica at once, each an input too: the node's exchange."""
+    rng = np.random.default_rng(seed)
+    inputs = random_replicas(rng, nranks, n, dtype)
+    expected = model_average(inputs, dtype)
+    pympgu.host_average(inputs, inputs, dtype=dtype)
+    for a in inputs:
+        assert same_bits(a, expected, dtype)
+
+
+def test_every_output_checked():
+    a = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="output 1 has 3 items"):
+        pympgu.host_average([a], [a.copy(), np.zeros(3, np.float32)])
+    with pytest.raises(ValueError, match="output 0 must be a writable"):
+        ro = np.zeros(4, np.float32)
+        ro.flags.writeable = False
+        pympgu.host_average([a], [ro])
+    with pytest.raises(ValueError, match="writes 1 to 8 outputs, got 0"):
+        pympgu.host_average([a], [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_nan_and_inf_propagate(dtype, seed):
     rng = np.random.default_rng(seed)
     a, b = (to_f32(x, dtype) for x in random_replicas(rng, 2, 64, dtype))

@@ -213,3 +213,35 @@ def test_overlap_with_k_sends_the_whole_state_in_the_due_step():
     assert [s[0][0] for s in ex.sent] == [3.0, 5.5]
     sync.drain()
     assert [v[0] for v in rep.state] == [3.75, 28.75]
+
+
+@pytest.mark.parametrize("identical,affine,expected", [
+    (False, True, ["params", "params", "state"]),  # the momentum stays each rank's own
+    (True, True, ["state"] * 3),  # --min-workers: every exchange a point to go back to
+    (False, False, ["state"] * 3),  # Adam's moments are not affine in the gradients
+])
+def test_cpu_exchanges_send_the_parameters_alone(identical, affine, expected):
+    # CPU workers' plain exchanges after every step: SGD's momentum may stay local but at
+    # the epoch's last exchange, which leaves the whole state identical.
+    rep = FakeRep(0.0, 0.0, params=1, affine=affine)
+    ex = FakeEx(lambda a: a)
+    run(Sync(rep, ex, 1, identical=identical), rep, [1.0] * 3)
+    assert [{(0, 1): "params", (0, 2): "state"}[e] for e in ex.entries] == expected
+    assert [len(s) for s in ex.sent] == [{"params": 1, "state": 2}[p] for p in expected]
+
+
+def test_cpu_exchange_across_nodes_sends_the_state():
+    # A meeting of the nodes (reach) carries the outer step and the nodes' inner states.
+    rep = FakeRep(0.0, 0.0, params=1)
+    sent = []
+
+    class Ex(FakeEx):
+        def start(self, arrays, entries=None, reach="world"):
+            sent.append((entries, reach))
+            self.sent.append(arrays)
+            self.pending = "exact"
+
+    sync = Sync(rep, Ex(lambda a: a), 1)
+    rep.step(1.0)
+    sync.after_step(0, reach="outer")
+    assert sent == [((0, 2), "outer")]

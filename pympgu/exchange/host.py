@@ -9,6 +9,17 @@ from .. import _host
 from ..runtime import shm
 
 
+ALIGN = 64  # bytes: XLA's CPU client aliases host arrays aligned so
+
+
+def aligned_empty(n, dtype):
+    """An uninitialised 1-D array of n ``dtype`` elements starting on an ALIGN boundary."""
+    itemsize = np.dtype(dtype).itemsize
+    raw = np.empty(n * itemsize + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start:start + n * itemsize].view(dtype)
+
+
 class HostBackend:
     """CPU workers: staging buffers in POSIX shared memory, averaged by the host kernel.
 
@@ -85,11 +96,10 @@ class HostBackend:
         'outer' (the node's ranks, then across the nodes the outer step (self.outer) on the
         parameters, the rest the node's average) or 'outer-all' (the same, the rest averaged
         across the nodes too)."""
-        rank = self.rank
         chunk, lo, hi = self._bounds(count)
         arrays = self.views[dtype]
         self.ctx.meet(self.barrier)  # every rank of the node has packed
-        mine = arrays[rank][lo:hi]
+        mine = arrays[self.rank][lo:hi]
         whole = self.outer is not None and count == self.outer.total
         if reach.startswith("outer") and not whole:
             raise ValueError("the outer step takes the whole state")
@@ -97,19 +107,25 @@ class HostBackend:
             # Before anything else crosses: at the epoch's end every parameter then takes
             # the state the nodes share, this fragment's too.
             self._settle()
+        slices = [a[lo:hi] for a in arrays]
         if self.across is None or reach == "node":
-            _host.host_average([a[lo:hi] for a in arrays], mine, dtype=dtype)
-            if self.beside is not None and whole:
+            settling = self.beside is not None and whole
+            if settling:
                 self.beside.countdown -= 1
-                if self.beside.countdown <= 0:
-                    self._settle(mine)
+            if settling and self.beside.countdown <= 0:
+                _host.host_average(slices, mine, dtype=dtype)
+                self._settle(mine)
+                self._to_all(slices, mine)
+            else:
+                # Into every replica of the node in the same pass.
+                _host.host_average(slices, slices, dtype=dtype)
         else:
             # Summed in rank order as the host kernel sums, across the nodes, then divided
             # once (what pads the slice is summed too, and dropped).
             part = self.part[:chunk]
-            part[:hi - lo] = arrays[0][lo:hi]
-            for a in arrays[1:]:
-                part[:hi - lo] += a[lo:hi]
+            part[:hi - lo] = slices[0]
+            for a in slices[1:]:
+                part[:hi - lo] += a
             if reach == "world":
                 mine[:] = self._across(part)[:hi - lo] / np.float32(self.ctx.nranks)
                 if whole:
@@ -117,10 +133,14 @@ class HostBackend:
                     self.outer.reset(mine[:n], slice(0, n))
             else:
                 self._outer(part[:hi - lo], mine, lo, hi, reach == "outer-all")
-        for r, a in enumerate(arrays):
-            if r != rank:
-                a[lo:hi] = mine
+            self._to_all(slices, mine)
         self.ctx.meet(self.barrier)  # every slice has reached every rank of the node
+
+    def _to_all(self, slices, mine):
+        """This rank's averaged slice ``mine`` into the node's other replicas."""
+        for r, a in enumerate(slices):
+            if r != self.rank:
+                a[:] = mine
 
     def _across(self, x, wire=None):
         """``x`` summed across the nodes (pympgu.exchange.across), its bytes counted."""
@@ -225,9 +245,7 @@ class HostBackend:
         mine = arrays[rank][lo:hi]
         if self.across is not None:
             mine[:] = self.across.take(mine, source)
-        for r, a in enumerate(arrays):
-            if r != rank:
-                a[lo:hi] = mine
+        self._to_all([a[lo:hi] for a in arrays], mine)
         self.ctx.meet(self.barrier)  # every slice has reached every rank of the node
 
     def take_outer(self, source):
@@ -259,9 +277,13 @@ class HostBackend:
             else:
                 ref[:] = result
             result = ref
+        # One allocation, aligned as XLA's CPU client takes a host array without copying it
+        # (docs/DECISIONS.md, "CPU workers' results aligned"); entries keep their offsets.
+        out = aligned_empty(result.size, result.dtype)
+        np.copyto(out, result)
         if flat:
-            return result.copy()
-        return [result[off:off + size].reshape(shape).copy()
+            return out
+        return [out[off:off + size].reshape(shape)
                 for (_, shape, _), off, size in zip(ex.layout[:k], ex.offsets, ex.sizes)]
 
     def close(self):

@@ -159,7 +159,8 @@ class Training:
         batches = data.shard_batches(self.ntrain, cfg.batch_size, ctx.nranks, ctx.rank,
                                      cfg.seed, epoch, start, state["total"])
         rep.seed_noise(epoch)
-        sync = Sync(rep, self.ex, cfg.sync_every, cfg.overlap, self.inside)
+        sync = Sync(rep, self.ex, cfg.sync_every, cfg.overlap, self.inside,
+                    identical=self.recovery.enabled)
         # (_met) An epoch begins where no fragment's sum runs: its last step settles it.
         self.settles = None
         report_every = max(1, len(batches) // 20)

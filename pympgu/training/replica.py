@@ -238,11 +238,13 @@ class Replica:
         if self.jax is not None:
             self.jax.block_until_ready(self.values())
 
-    def exchange(self, ex, reach="world"):
-        """Average parameters and momentum with every other replica (``reach``: see
-        Exchanger.start; CPU workers)."""
-        self._start(ex, self.values(), "state", reach)
-        self.set_values(self._adopt(ex, len(self.model.state)))
+    def exchange(self, ex, reach="world", part="state"):
+        """Average ``part`` of the state (Replica.part: by default parameters and momentum)
+        with every other replica (``reach``: see Exchanger.start; CPU workers)."""
+        lo, hi = self.part(part)
+        values = list(self.values())
+        self._start(ex, values[lo:hi], part, reach)
+        self.set_values(values[:lo] + list(self._adopt(ex, hi - lo)) + values[hi:])
 
     def adopt(self, ex, root=None, source=None):
         """Take rank ``root``'s whole state, or node ``source``'s (CPU workers): a joining

@@ -57,16 +57,20 @@ class Sync:
     whole state is averaged).
     """
 
-    def __init__(self, rep, ex, every=1, overlap=False, inside=None):
+    def __init__(self, rep, ex, every=1, overlap=False, inside=None, identical=False):
         self.rep, self.ex, self.inside = rep, ex, inside
         self.every, self.overlap = every, overlap
         self.seconds = 0.0
         self.stepped = False  # a step was taken since the pending exchange started
         self.fused = (inside is not None and rep.jax is not None
                       and inside.unavailable(gradients=same_start(every, overlap)) is None)
-        # SGD's momentum may stay local (below), Adam's moments may not.
-        self.params_only = (self.fused and every == 1  # but the epoch's last exchange
-                            and rep.model.affine_update)
+        # SGD's momentum may stay local (below), Adam's moments may not; nor any state
+        # where ``identical`` asks every exchange to leave the whole state alike (a point
+        # to go back to after a lost worker). CPU workers' exchanges queued from Python
+        # take the same road (half the bytes through shared memory); GPU workers' queued
+        # ones (no XLA call to join) average everything.
+        self.params_only = ((self.fused or rep.ctx.is_cpu) and every == 1
+                            and rep.model.affine_update and not identical)
         self.gradients = self.fused and same_start(every, overlap)
 
     @property
@@ -144,7 +148,9 @@ class Sync:
             self.rep.exchange_start(self.ex, begin)
             self.stepped = False
         elif due:
-            self.rep.exchange(self.ex, reach or "world")
+            # Across nodes (``reach``) the outer step and the nodes' meetings take the state.
+            part = "params" if self.params_only and not last and reach is None else "state"
+            self.rep.exchange(self.ex, reach or "world", part)
         self.seconds += time.perf_counter() - t0
 
     def drain(self):
