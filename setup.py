@@ -114,8 +114,9 @@ def extensions():
     cxx = ["-O3", "-std=c++17"]
     exts = [
         Extension("pympgu._host", ["pympgu/_host.pyx", f"{CSRC}/host_average.cpp",
-                                   f"{CSRC}/host_barrier.cpp"],
-                  include_dirs=[CSRC], language="c++", extra_compile_args=cxx),
+                                   f"{CSRC}/host_barrier.cpp", f"{CSRC}/host_threads.cpp"],
+                  include_dirs=[CSRC], language="c++", extra_compile_args=cxx,
+                  extra_link_args=["-pthread"]),
     ]
     home = find_cuda()
     if home is None:
@@ -135,8 +136,8 @@ def extensions():
                   file=sys.stderr)
         ext = Extension(
             "pympgu._cuda._core",
-            ["pympgu/_cuda/_core.pyx", f"{CSRC}/host_average.cpp", f"{CSRC}/xla_ffi.cc",
-             f"{CSRC}/nccl.cc"],
+            ["pympgu/_cuda/_core.pyx", f"{CSRC}/host_average.cpp", f"{CSRC}/host_threads.cpp",
+             f"{CSRC}/xla_ffi.cc", f"{CSRC}/nccl.cc"],
             include_dirs=include_dirs, language="c++",
             define_macros=macros, extra_compile_args=flags,
             library_dirs=[cuda_libdir(home)],

@@ -2,8 +2,10 @@
 // one IEEE division by R, round-to-nearest-even back to the storage type. CPU-only runs use
 // it, and the tests use it as the reference that the GPU must match bit for bit.
 // Built without CUDA headers so that the host part installs on a machine with no toolkit.
+#include <algorithm>
 #include <cstring>
 
+#include "host_threads.h"
 #include "pympgu.h"
 
 namespace {
@@ -182,12 +184,29 @@ int pmg_host_average(const void *const *inputs, int nranks, void *const *outs, i
     if (!inputs[r] && n) return PMG_ERR_INVALID_ARGUMENT;
   for (int o = 0; o < nouts; ++o)
     if (!outs[o] && n) return PMG_ERR_INVALID_ARGUMENT;
+  void (*run)(const void *const *, int, void *const *, int, size_t);
   switch (dtype) {
-    case PMG_FLOAT32: average<F32>(inputs, nranks, outs, nouts, n); return 0;
-    case PMG_FLOAT16: average<F16>(inputs, nranks, outs, nouts, n); return 0;
-    case PMG_BFLOAT16: average<BF16>(inputs, nranks, outs, nouts, n); return 0;
+    case PMG_FLOAT32: run = average<F32>; break;
+    case PMG_FLOAT16: run = average<F16>; break;
+    case PMG_BFLOAT16: run = average<BF16>; break;
     default: return PMG_ERR_UNSUPPORTED_DTYPE;
   }
+  // Whole blocks a part: an element's result does not depend on how the range is cut.
+  const size_t esize = pmg_dtype_size(dtype);
+  const size_t blocks = (n + kBlock - 1) / kBlock;
+  const int parts = int(std::min<size_t>(pmg::parts_for(n * esize * (nranks + nouts)),
+                                         blocks ? blocks : 1));
+  pmg::parallel(parts, [&](int p) {
+    const size_t lo = blocks * size_t(p) / size_t(parts) * kBlock;
+    const size_t hi = std::min(n, blocks * size_t(p + 1) / size_t(parts) * kBlock);
+    if (lo >= hi) return;
+    const void *in[PMG_MAX_RANKS];
+    void *out[PMG_MAX_RANKS];
+    for (int r = 0; r < nranks; ++r) in[r] = static_cast<const char *>(inputs[r]) + lo * esize;
+    for (int o = 0; o < nouts; ++o) out[o] = static_cast<char *>(outs[o]) + lo * esize;
+    run(in, nranks, out, nouts, hi - lo);
+  });
+  return 0;
 }
 
 int pmg_host_delta(const float *x, const float *ref, void *wire, size_t n, int wire_dtype) {

@@ -21,6 +21,7 @@ extern "C" {
 #endif
 
 #define PMG_MAX_RANKS 8
+#define PMG_MAX_HOST_THREADS 64 /* pmg_host_set_threads */
 #define PMG_MAX_BLOCKS 512
 #define PMG_IPC_HANDLE_BYTES 64
 
@@ -124,6 +125,14 @@ size_t pmg_ll_bytes(int nranks);
  * nouts outputs, which may be among the inputs. */
 int pmg_host_average(const void *const *inputs, int nranks, void *const *outs, int nouts,
                      size_t n, int dtype);
+
+/* The process's helper threads for the host copies and averages (csrc/host_threads.cpp):
+ * n in all, the caller's included (1, the default: none). Made in the calling thread's CPU
+ * set. */
+int pmg_host_set_threads(int n);
+int pmg_host_threads(void);
+/* count copies of nbytes[i] bytes from srcs[i] to dsts[i], shared out among the threads. */
+int pmg_host_copy(const void *const *srcs, void *const *dsts, const size_t *nbytes, int count);
 
 /* A low-precision wire for fp32 parameters. Every rank keeps ref, the fp32 result of the
  * last exchange (identical on every rank). It sends wire[i] = round(x[i] - ref[i]) in

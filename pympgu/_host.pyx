@@ -6,6 +6,7 @@ what the device kernels produce. Arrays are numpy arrays (or anything exporting 
 C-contiguous buffer); bfloat16 data travels as uint16 storage with ``dtype="bfloat16"``.
 """
 from libc.stdint cimport int64_t, uint32_t, uintptr_t
+from libc.stdlib cimport free, malloc
 
 import numpy as np
 
@@ -113,6 +114,49 @@ def host_average(inputs, out, dtype=None):
         status = pmg_host_average(ptrs, nranks, dsts, nouts, n, code)
     _check(status)
     return out
+
+
+def set_threads(int n):
+    """Use n threads in all (the caller's among them) for host_average and host_copy from
+    now on, made in this thread's CPU set; 1 (the default): the caller's alone."""
+    if not 1 <= n <= PMG_MAX_HOST_THREADS:
+        raise ValueError(f"threads must be 1 to {PMG_MAX_HOST_THREADS}, got {n}")
+    _check(pmg_host_set_threads(n))
+
+
+def threads():
+    """The threads host_average and host_copy use (set_threads)."""
+    return pmg_host_threads()
+
+
+def host_copy(pairs):
+    """Copy each (source, destination) pair of arrays, of equal byte sizes, C-contiguous,
+    the work shared out among the threads (set_threads)."""
+    cdef int count = len(pairs)
+    cdef const void **srcs = <const void **>malloc(max(count, 1) * sizeof(void *))
+    cdef void **dsts = <void **>malloc(max(count, 1) * sizeof(void *))
+    cdef size_t *sizes = <size_t *>malloc(max(count, 1) * sizeof(size_t))
+    cdef int status
+    try:
+        if srcs == NULL or dsts == NULL or sizes == NULL:
+            raise MemoryError()
+        for i, (src, dst) in enumerate(pairs):
+            if not src.flags.c_contiguous:
+                raise ValueError(f"source {i} is not C-contiguous")
+            if not (dst.flags.c_contiguous and dst.flags.writeable):
+                raise ValueError(f"destination {i} must be a writable C-contiguous array")
+            if src.nbytes != dst.nbytes:
+                raise ValueError(f"pair {i}: {src.nbytes} bytes into {dst.nbytes}")
+            srcs[i] = <const void *><uintptr_t>src.ctypes.data
+            dsts[i] = <void *><uintptr_t>dst.ctypes.data
+            sizes[i] = src.nbytes
+        with nogil:
+            status = pmg_host_copy(srcs, dsts, sizes, count)
+        _check(status)
+    finally:
+        free(srcs)
+        free(dsts)
+        free(sizes)
 
 
 cdef class Barrier:

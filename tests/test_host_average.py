@@ -143,3 +143,58 @@ def test_wire_rejects_bad_arguments():
         host_delta(x, x, np.zeros(3, np.uint16), "bfloat16")
     with pytest.raises(ValueError, match="ref must be float32"):
         host_accumulate(np.zeros(4, np.float64), np.zeros(4, np.uint16), "bfloat16")
+
+
+@pytest.fixture
+def threads():
+    """Sets the host code's threads for one test, and puts back one after it."""
+    from pympgu import _host
+    yield _host.set_threads
+    _host.set_threads(1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nthreads", [2, 3, 8])
+def test_threads_give_the_same_bits(dtype, nthreads, threads, seed):
+    """Shared out among threads (a part a run of whole blocks), every element is what one
+    thread computes, into every output."""
+    from pympgu import _host
+    rng = np.random.default_rng(seed)
+    for nranks, n in [(2, 1_000_003), (3, 300_001), (8, 70_000), (2, 100)]:
+        inputs = random_replicas(rng, nranks, n, dtype)
+        expected = model_average(inputs, dtype)
+        threads(nthreads)
+        assert _host.threads() == nthreads
+        outs = [storage_empty(n, dtype) for _ in range(2)]
+        for o in outs:
+            o.view(np.uint8)[:] = 0xFF  # poison (NaN): every element must be written
+        pympgu.host_average(inputs, outs, dtype=dtype)
+        pympgu.host_average(inputs, inputs, dtype=dtype)
+        for a in outs + inputs:
+            assert same_bits(a, expected, dtype)
+
+
+@pytest.mark.parametrize("nthreads", [1, 2, 5])
+def test_copies_shared_out_among_threads(nthreads, threads):
+    from pympgu import _host
+    rng = np.random.default_rng(0)
+    threads(nthreads)
+    # Entries of every size, the parts' bounds falling inside them and between them.
+    sizes = [0, 1, 3, 700_001, 64, 250_000, 5]
+    srcs = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+    dsts = [np.full(n, np.nan, np.float32) for n in sizes]
+    _host.host_copy(list(zip(srcs, dsts)))
+    for s, d in zip(srcs, dsts):
+        assert s.tobytes() == d.tobytes()
+
+
+def test_copy_and_threads_refuse_bad_arguments(threads):
+    from pympgu import _host
+    a = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="pair 0: 16 bytes into 12"):
+        _host.host_copy([(a, np.zeros(3, np.float32))])
+    with pytest.raises(ValueError, match="destination 0 must be a writable"):
+        _host.host_copy([(a, a[::2])])
+    for n in (0, 65):
+        with pytest.raises(ValueError, match="threads must be 1 to 64"):
+            threads(n)

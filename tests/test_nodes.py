@@ -283,10 +283,11 @@ EPOCHS = "6"
 
 @pytest.fixture(scope="module")
 def undisturbed(tmp_path_factory):
-    """The epochs of 2 nodes x 2 workers, nothing lost."""
+    """The epochs of 2 nodes x 2 workers, nothing lost; with --min-workers, as the runs it
+    is compared with (every exchange then averages the whole state, momentum too)."""
     port, out = free_port(), tmp_path_factory.mktemp("undisturbed") / "run"
-    procs = [start(node_argv(k, port, "--epochs", EPOCHS, *(["--out", str(out)] if k == 0
-                                                          else []))) for k in range(2)]
+    procs = [start(node_argv(k, port, "--epochs", EPOCHS, "--min-workers", "2",
+                             *(["--out", str(out)] if k == 0 else []))) for k in range(2)]
     try:
         codes = [p.wait(timeout=150) for p in procs]
     finally:

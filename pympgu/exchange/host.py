@@ -20,6 +20,15 @@ def aligned_empty(n, dtype):
     return raw[start:start + n * itemsize].view(dtype)
 
 
+MAX_THREADS = 8  # a stream of copies saturates memory before more help
+
+
+def host_threads():
+    """The threads of a CPU worker's copies and average: one a CPU it may run on."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    return max(1, min(MAX_THREADS, cpus))
+
+
 class HostBackend:
     """CPU workers: staging buffers in POSIX shared memory, averaged by the host kernel.
 
@@ -73,22 +82,31 @@ class HostBackend:
             self.views[dtype] = [np.frombuffer(s.buffer, dtype=storage, count=ex.total)
                                  for s in self.segments]
         self.ref = np.zeros(ex.total, np.float32) if ex.wire_dtype else None
+        # The copies and the average on the cores this worker may use, which its XLA pool
+        # leaves idle meanwhile (docs/DECISIONS.md, "CPU workers' copies on every core of
+        # theirs").
+        _host.set_threads(host_threads())
 
     def pack(self, pairs, kind, shift):
         """pairs: (name, dtype, offset, size, array) for each array to pack; shift: how far
         past its offset in the buffer each array's reference is (a part, Exchanger.start)."""
         ex, rank = self.ex, self.rank
         own = self.views[ex.wire_dtype if kind == "delta" else ex.dtype][rank]
+        copies = []
         for name, _, off, size, a in pairs:
             a = np.asarray(a)
             if a.size != size:
                 raise ValueError(f"parameter {name!r} has {a.size} elements, layout says {size}")
+            into = own[off:off + size]
             if kind == "delta":
                 ref = self.ref[shift + off:shift + off + size]
-                _host.host_delta(np.ascontiguousarray(a, np.float32).reshape(-1), ref,
-                                 own[off:off + size], ex.wire_dtype)
+                _host.host_delta(np.ascontiguousarray(a, np.float32).reshape(-1), ref, into,
+                                 ex.wire_dtype)
+            elif a.dtype == into.dtype and a.flags.c_contiguous:
+                copies.append((a.reshape(-1), into))
             else:
-                own[off:off + size] = a.reshape(-1)
+                into[:] = a.reshape(-1)  # (converted)
+        _host.host_copy(copies)  # in one call, on this worker's cores
 
     def average(self, dtype, count, reach="world"):
         """Average the buffers' first count elements: this rank's 1/R slice of them.
@@ -280,13 +298,14 @@ class HostBackend:
         # One allocation, aligned as XLA's CPU client takes a host array without copying it
         # (docs/DECISIONS.md, "CPU workers' results aligned"); entries keep their offsets.
         out = aligned_empty(result.size, result.dtype)
-        np.copyto(out, result)
+        _host.host_copy([(result, out)])
         if flat:
             return out
         return [out[off:off + size].reshape(shape)
                 for (_, shape, _), off, size in zip(ex.layout[:k], ex.offsets, ex.sizes)]
 
     def close(self):
+        _host.set_threads(1)  # (nothing left running)
         if self.beside is not None:
             self.beside.cancel()
             self.beside = None
