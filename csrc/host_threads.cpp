@@ -3,15 +3,21 @@
 // while one thread streams the state through memory (docs/DECISIONS.md, "CPU workers'
 // copies on every core of theirs"). The threads are made by pmg_host_set_threads in the
 // worker after it is pinned, so they run on its cores; between calls they sleep on a
-// condition variable.
+// futex.
 #include <atomic>
-#include <condition_variable>
+#include <chrono>
+#include <climits>
+#include <cstdint>
 #include <cstring>
 #include <mutex>
 #include <thread>
 #include <vector>
 
 #include <unistd.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#endif
 
 #include "host_threads.h"
 #include "pympgu.h"
@@ -19,6 +25,28 @@
 namespace pmg {
 namespace {
 
+#ifdef __linux__
+void sleep_on(std::atomic<uint32_t> *word, uint32_t seen) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t *>(word), FUTEX_WAIT_PRIVATE, seen, nullptr,
+          nullptr, 0);
+}
+void wake_all(std::atomic<uint32_t> *word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t *>(word), FUTEX_WAKE_PRIVATE, INT32_MAX,
+          nullptr, nullptr, 0);
+}
+#else
+void sleep_on(std::atomic<uint32_t> *, uint32_t) { std::this_thread::yield(); }
+void wake_all(std::atomic<uint32_t> *) {}
+#endif
+
+// A helper done with its part looks for the next call this long before it sleeps: an
+// exchange's copies and average come within microseconds of each other, a step's compute
+// (which the spinning would slow) only after the exchange.
+constexpr auto kSpin = std::chrono::microseconds(30);
+
+// The caller publishes a call by bumping `round_` (waking the helpers that sleep on it),
+// takes parts itself, and spins until every helper has finished: no lock on the way, as
+// a condition variable's would hand the wake-ups over one helper at a time.
 class Pool {
  public:
   static Pool &get() {
@@ -27,46 +55,37 @@ class Pool {
   }
 
   int size() {
-    std::lock_guard<std::mutex> lk(m_);
+    std::lock_guard<std::mutex> lk(call_);
     forked();
     return int(workers_.size()) + 1;
   }
 
   void resize(int n) {
-    std::lock_guard<std::mutex> call(call_);
-    {
-      std::lock_guard<std::mutex> lk(m_);
-      forked();
-    }
+    std::lock_guard<std::mutex> lk(call_);
+    forked();
     stop_all();
-    std::lock_guard<std::mutex> lk(m_);
-    stop_ = false;
-    for (int i = 1; i < n; ++i) workers_.emplace_back([this] { serve(); });
+    stop_.store(false);
+    // Each helper starts from the round now, not from whatever it reads once it runs: a
+    // call may come before that.
+    const uint32_t now = round_.load();
+    for (int i = 1; i < n; ++i) workers_.emplace_back([this, now] { serve(now); });
   }
 
   void run(int parts, const std::function<void(int)> &f) {
-    std::lock_guard<std::mutex> call(call_);
-    size_t helpers;
-    {
-      std::lock_guard<std::mutex> lk(m_);
-      forked();
-      helpers = workers_.size();
-      if (helpers) {
-        task_ = &f;
-        parts_ = parts;
-        next_.store(0);
-        busy_ = int(helpers);
-        ++round_;
-      }
-    }
-    if (!helpers) {
+    std::lock_guard<std::mutex> lk(call_);
+    forked();
+    if (workers_.empty()) {
       for (int i = 0; i < parts; ++i) f(i);
       return;
     }
-    wake_.notify_all();
+    task_ = &f;
+    parts_ = parts;
+    next_.store(0, std::memory_order_relaxed);
+    busy_.store(int(workers_.size()), std::memory_order_relaxed);
+    round_.fetch_add(1, std::memory_order_seq_cst);  // publishes the three above
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) wake_all(&round_);
     take(f, parts);
-    std::unique_lock<std::mutex> lk(m_);
-    done_.wait(lk, [this] { return busy_ == 0; });
+    while (busy_.load(std::memory_order_acquire) != 0) std::this_thread::yield();
     task_ = nullptr;
   }
 
@@ -77,19 +96,26 @@ class Pool {
     for (int i = next_.fetch_add(1); i < parts; i = next_.fetch_add(1)) f(i);
   }
 
-  void serve() {
-    uint64_t seen = 0;
-    std::unique_lock<std::mutex> lk(m_);
+  void serve(uint32_t seen) {
     for (;;) {
-      wake_.wait(lk, [&] { return stop_ || round_ != seen; });
-      if (stop_) return;
-      seen = round_;
-      const std::function<void(int)> *f = task_;
-      const int parts = parts_;
-      lk.unlock();
-      take(*f, parts);
-      lk.lock();
-      if (--busy_ == 0) done_.notify_one();
+      uint32_t now;
+      auto start = std::chrono::steady_clock::now();
+      while ((now = round_.load(std::memory_order_acquire)) == seen && !stop_.load()) {
+        if (std::chrono::steady_clock::now() - start < kSpin) {
+          std::this_thread::yield();  // (a core shared with the caller goes to it)
+          continue;
+        }
+        // Counted before the last look: a caller that bumps the round after it wakes us.
+        sleepers_.fetch_add(1, std::memory_order_seq_cst);
+        if (round_.load(std::memory_order_seq_cst) == seen && !stop_.load())
+          sleep_on(&round_, seen);
+        sleepers_.fetch_sub(1, std::memory_order_relaxed);
+        start = std::chrono::steady_clock::now();
+      }
+      if (stop_.load()) return;
+      seen = now;
+      take(*task_, parts_);
+      busy_.fetch_sub(1, std::memory_order_release);
     }
   }
 
@@ -103,25 +129,20 @@ class Pool {
   }
 
   void stop_all() {
-    {
-      std::lock_guard<std::mutex> lk(m_);
-      stop_ = true;
-    }
-    wake_.notify_all();
+    stop_.store(true);
+    round_.fetch_add(1, std::memory_order_seq_cst);
+    wake_all(&round_);
     for (auto &t : workers_) t.join();
     workers_.clear();
   }
 
   std::mutex call_;  // one run or resize at a time
-  std::mutex m_;     // what follows
-  std::condition_variable wake_, done_;
   std::vector<std::thread> workers_;
   const std::function<void(int)> *task_ = nullptr;
   int parts_ = 0;
-  std::atomic<int> next_{0};
-  int busy_ = 0;
-  uint64_t round_ = 0;
-  bool stop_ = false;
+  std::atomic<int> next_{0}, busy_{0}, sleepers_{0};
+  std::atomic<uint32_t> round_{0};
+  std::atomic<bool> stop_{false};
   pid_t owner_ = getpid();
 };
 

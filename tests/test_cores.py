@@ -95,3 +95,12 @@ def _ranges(cpus):
             run = [c, c]
     out.append(run)
     return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in out)
+
+
+def test_a_worker_counts_its_own_cpus(monkeypatch):
+    """The threads of a CPU worker's copies: the CPUs it was pinned to, else its share."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(cores, "_pinned", None)
+    assert [cores.own_cpus(n) for n in (1, 2, 3, 32)] == [16, 8, 5, 1]
+    monkeypatch.setattr(cores, "_pinned", [4, 5, 6])
+    assert cores.own_cpus(2) == 3

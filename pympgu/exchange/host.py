@@ -6,7 +6,7 @@ import threading
 import numpy as np
 
 from .. import _host
-from ..runtime import shm
+from ..runtime import cores, shm
 
 
 ALIGN = 64  # bytes: XLA's CPU client aliases host arrays aligned so
@@ -20,13 +20,7 @@ def aligned_empty(n, dtype):
     return raw[start:start + n * itemsize].view(dtype)
 
 
-MAX_THREADS = 8  # a stream of copies saturates memory before more help
-
-
-def host_threads():
-    """The threads of a CPU worker's copies and average: one a CPU it may run on."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-    return max(1, min(MAX_THREADS, cpus))
+MAX_THREADS = 8  # (docs/DECISIONS.md, "CPU workers' copies on every core of theirs")
 
 
 class HostBackend:
@@ -85,7 +79,7 @@ class HostBackend:
         # The copies and the average on the cores this worker may use, which its XLA pool
         # leaves idle meanwhile (docs/DECISIONS.md, "CPU workers' copies on every core of
         # theirs").
-        _host.set_threads(host_threads())
+        _host.set_threads(min(MAX_THREADS, cores.own_cpus(self.nranks)))
 
     def pack(self, pairs, kind, shift):
         """pairs: (name, dtype, offset, size, array) for each array to pack; shift: how far

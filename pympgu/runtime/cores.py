@@ -45,10 +45,24 @@ def pin(nlocal, local_rank):
     from .. import settings
     if not hasattr(os, "sched_getaffinity") or not settings.get().pin_cpu_workers:
         return None
+    global _pinned
     mine = share(physical_cores(os.sched_getaffinity(0)), nlocal, local_rank)
     if mine is not None:
         os.sched_setaffinity(0, mine)
+        _pinned = mine
     return mine
+
+
+_pinned = None
+
+
+def own_cpus(nlocal):
+    """How many CPUs this worker of ``nlocal`` may count as its own: those it was pinned
+    to (pin), else its share of those it may run on."""
+    if _pinned is not None:
+        return len(_pinned)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    return max(1, cpus // nlocal)
 
 
 def on_one_host(nnodes, node):
