@@ -289,8 +289,9 @@ class HostBackend:
             else:
                 ref[:] = result
             result = ref
-        # One allocation, aligned as XLA's CPU client takes a host array without copying it
-        # (docs/DECISIONS.md, "CPU workers' results aligned"); entries keep their offsets.
+        # One allocation, aligned as XLA's CPU client takes a host array without copying
+        # it (docs/DECISIONS.md, "CPU workers' copies on every core of theirs"); entries
+        # keep their offsets.
         out = aligned_empty(result.size, result.dtype)
         _host.host_copy([(result, out)])
         if flat:
