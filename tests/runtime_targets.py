@@ -349,3 +349,26 @@ def average_then_squat(ctx, rounds):
     if ctx.rank == 0:
         as_nobody(squat, paths)
     return paths
+
+
+def results_outlive(ctx, rounds):
+    """Each round's result checked again after the next round, and the last one after the
+    Exchanger closed: results are views of the rank's buffers, taken in turn."""
+    from pympgu.exchange import Exchanger
+
+    def model(k):
+        return [model_average([rank_params(r, k)[t].ravel() for r in range(ctx.nranks)],
+                              "float32") for t in range(len(LAYOUT))]
+
+    previous = None
+    with Exchanger(ctx, LAYOUT) as ex:
+        for k in range(rounds):
+            out = ex.average_arrays(rank_params(ctx.rank, k))
+            check_bits([a.ravel() for a in out], model(k), LAYOUT, f"rank {ctx.rank} round {k}")
+            if previous is not None:
+                check_bits([a.ravel() for a in previous], model(k - 1), LAYOUT,
+                           f"rank {ctx.rank} round {k - 1}, after round {k}")
+            previous = out
+    check_bits([a.ravel() for a in previous], model(rounds - 1), LAYOUT,
+               f"rank {ctx.rank} the last round, after close")
+    return ctx.run_id

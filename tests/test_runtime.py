@@ -14,8 +14,8 @@ import pytest
 
 from pympgu.runtime import WorkerFailed, launch
 from processes import alive, kill_session, start, wait_until
-from runtime_targets import (attack_then_average, average_rounds, part_rounds, shared_rounds,
-                             shm_left, wire_rounds)
+from runtime_targets import (attack_then_average, average_rounds, part_rounds, results_outlive,
+                             shared_rounds, shm_left, wire_rounds)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,6 +29,12 @@ def test_cpu_workers_average_exactly(nworkers):
     assert all(r["stats"]["exchanges"] == 3 for r in results)
     assert sorted(metrics) == sorted((r, k) for r in range(nworkers) for k in range(3))
     assert not shm_left(results[0]["run_id"])
+
+
+@pytest.mark.parametrize("nworkers", [1, 3])
+def test_a_result_stays_until_the_exchange_after_next_and_outlives_the_exchanger(nworkers):
+    run_ids = launch(results_outlive, (4,), cpu=nworkers)
+    assert not shm_left(run_ids[0])
 
 
 def test_a_barrier_gives_every_rank_rank_0s_shared_value():

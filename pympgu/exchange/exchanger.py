@@ -159,14 +159,16 @@ class Exchanger:
         return self.offsets[hi - lo] if hi - lo < n else self.total
 
     def finish(self, flat=False, wait=True) -> list:
-        """Complete the started exchange; the averaged arrays (numpy, or DeviceArray views).
+        """Complete the started exchange; the averaged arrays (views of the shared buffer:
+        numpy arrays on CPU workers, DeviceArrays on GPUs).
 
         flat=True returns one 1-D array instead, each entry at its offset in ``offsets``
         (``total`` elements; after ``start(entries=...)``, the part's count, laid out as the
         first entries): a framework then imports the result once, not per array.
         wait=False (GPU) does not wait for the average: the views are then for consumers
         that import them through DLPack naming their stream, which orders them after it.
-        Either way they hold the result until the next start().
+        Either way they hold the result until the next start() (CPU workers': until the
+        start after it, the exchanges taking two buffers in turn); copy what is kept longer.
         """
         if self.pending is None:
             raise RuntimeError("Exchanger.finish called with no exchange started")

@@ -49,9 +49,13 @@ class HostBackend:
             self.across = NodeSum(ctx)
             # This rank's slice, padded to one length on every rank of its local index.
             self.part = np.zeros(-(-ex.total // self.nranks), np.float32)
-        # Local rank 0's segment holds the node's barrier after its buffer (docs/DECISIONS.md,
-        # "CPU workers meet in shared memory"); a new segment is zeroed, as the barrier needs.
-        self.barrier_at = -(-ex.nbytes // 64) * 64
+        # Two buffers a rank, exchanges taking them in turn: a result is handed out as a view
+        # of one, and the next exchange writes the other (docs/DECISIONS.md, "CPU workers'
+        # copies on every core of theirs"). Local rank 0's segment holds the node's barrier
+        # after them ("CPU workers meet in shared memory"); a new segment is zeroed, as the
+        # barrier needs.
+        self.side_bytes = -(-ex.nbytes // 4096) * 4096
+        self.barrier_at = 2 * self.side_bytes
         nbytes = self.barrier_at + _host.BARRIER_BYTES
         self.segments = []
         self.own = shm.Segment(shm.new_name(shm.segment_name(ctx.run_id, ctx.local_rank)),
@@ -70,16 +74,24 @@ class HostBackend:
         except BaseException:
             self.close()
             raise
-        self.views = {}
+        self.side = 0  # the buffer the next exchange takes
+        self.sides = ({}, {})
         for dtype in {ex.dtype, ex.wire_dtype or ex.dtype}:
             storage = np.uint16 if dtype == "bfloat16" else np.dtype(dtype)
-            self.views[dtype] = [np.frombuffer(s.buffer, dtype=storage, count=ex.total)
-                                 for s in self.segments]
+            for side, views in enumerate(self.sides):
+                views[dtype] = [np.frombuffer(s.buffer, dtype=storage, count=ex.total,
+                                              offset=side * self.side_bytes)
+                                for s in self.segments]
         self.ref = np.zeros(ex.total, np.float32) if ex.wire_dtype else None
         # The copies and the average on the cores this worker may use, which its XLA pool
         # leaves idle meanwhile (docs/DECISIONS.md, "CPU workers' copies on every core of
         # theirs").
         _host.set_threads(min(MAX_THREADS, cores.own_cpus(self.nranks)))
+
+    @property
+    def views(self):
+        """Each dtype's arrays over every rank's buffer of the next exchange, in rank order."""
+        return self.sides[self.side]
 
     def pack(self, pairs, kind, shift):
         """pairs: (name, dtype, offset, size, array) for each array to pack; shift: how far
@@ -97,7 +109,8 @@ class HostBackend:
                 _host.host_delta(np.ascontiguousarray(a, np.float32).reshape(-1), ref, into,
                                  ex.wire_dtype)
             elif a.dtype == into.dtype and a.flags.c_contiguous:
-                copies.append((a.reshape(-1), into))
+                if a.ctypes.data != into.ctypes.data:  # (a result of two exchanges ago)
+                    copies.append((a.reshape(-1), into))
             else:
                 into[:] = a.reshape(-1)  # (converted)
         _host.host_copy(copies)  # in one call, on this worker's cores
@@ -288,15 +301,17 @@ class HostBackend:
                                       ex.wire_dtype)
             else:
                 ref[:] = result
-            result = ref
-        # One allocation, aligned as XLA's CPU client takes a host array without copying
-        # it (docs/DECISIONS.md, "CPU workers' copies on every core of theirs"); entries
-        # keep their offsets.
-        out = aligned_empty(result.size, result.dtype)
-        _host.host_copy([(result, out)])
+            # ref stays this rank's: a copy, aligned as XLA's CPU client takes a host array
+            # without copying it (docs/DECISIONS.md, "CPU workers' copies on every core of
+            # theirs"); entries keep their offsets.
+            result = aligned_empty(count, ref.dtype)
+            _host.host_copy([(ref, result)])
+        # Else the buffer itself (page-aligned, entries 256 bytes apart): the next exchange
+        # writes the other one, the one after this one again (Exchanger.finish).
+        self.side = 1 - self.side
         if flat:
-            return out
-        return [out[off:off + size].reshape(shape)
+            return result
+        return [result[off:off + size].reshape(shape)
                 for (_, shape, _), off, size in zip(ex.layout[:k], ex.offsets, ex.sizes)]
 
     def close(self):
@@ -307,7 +322,9 @@ class HostBackend:
         if self.across is not None:
             self.across.close()
             self.across = None
-        self.views = {}  # drop the numpy views first, or the mappings cannot close
+        # Drop the numpy views first, or the mappings cannot close (results handed out
+        # keep theirs mapped while they live: shm.Segment.close).
+        self.sides = ({}, {})
         self.barrier = None
         for seg in self.segments:
             if seg is not self.own:

@@ -30,11 +30,10 @@ class Recovery:
         if not self.enabled:
             return
         import numpy as np
-        # A JAX step never writes into its inputs: after a CPU workers' exchange the state is
-        # numpy arrays that nothing writes again, and holding them is enough. PyTensor's C
-        # backend updates its arrays in place: those are copied.
-        values = [v if self.rep.jax is not None and isinstance(v, np.ndarray)
-                  else np.array(v, copy=True) for v in self.rep.values()]
+        # Copies: after a CPU workers' exchange the state is views of a shared buffer that
+        # the exchange after next writes again (Exchanger.finish), and PyTensor's C backend
+        # updates its arrays in place.
+        values = [np.array(v, copy=True) for v in self.rep.values()]
         entry = (list(position), values, note, self.outer())
         if self.kept and self.kept[-1][0][:2] == entry[0][:2]:
             self.kept[-1] = entry  # the same point again (the exchange re-formed)
