@@ -12,8 +12,8 @@ parameters:
 3. unpack: hand the result back. On the CPU these are numpy views of the rank's own buffer,
    of which it has two, taken in turn: valid until the exchange after next (new arrays with
    a half-precision wire). On the GPU they are DeviceArray views of pympgu memory, valid
-   until the next exchange starts; the caller
-   imports them into its framework and copies them there (``jax.dlpack`` then a copy), so
+   until the next exchange starts; the caller imports them into its framework and copies
+   them there (``jax.dlpack`` then a copy), so
    results only ever reach a framework through DLPack and never by writing into memory the
    framework owns.
 
