@@ -13,9 +13,8 @@ parameters:
    of which it has two, taken in turn: valid until the exchange after next (new arrays with
    a half-precision wire). On the GPU they are DeviceArray views of pympgu memory, valid
    until the next exchange starts; the caller imports them into its framework and copies
-   them there (``jax.dlpack`` then a copy), so
-   results only ever reach a framework through DLPack and never by writing into memory the
-   framework owns.
+   them there (``jax.dlpack`` then a copy), so results only ever reach a framework through
+   DLPack and never by writing into memory the framework owns.
 
 ``start(arrays)`` does steps 1 and 2 and, on the GPU, returns while the average still runs on
 pympgu's own stream; ``finish()`` waits and does step 3. Between the two the caller may
