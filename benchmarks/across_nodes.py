@@ -3,7 +3,8 @@ error and the bytes each node sends between nodes a epoch, in a table.
 
     python benchmarks/across_nodes.py --data-dir /usr/share/datasets/fashion-mnist
 
-Each row is one run of two launchers on loopback (--nnodes 2), ``--cpu 2`` each: exact
+Each row is one run of two launchers on loopback (--nnodes 2), ``--cpu 2`` each (``--gpu``:
+two GPU workers a node sharing GPU 0, NCCL taking the nodes for two hosts): exact
 every step, and every H steps plain (local SGD), by DiLoCo's outer step or by EASGD's
 elastic pull. Loopback is no slow link: the table shows what crosses and what it costs in
 accuracy; its time is a slow link's only with ``--link-rate`` (root: loopback's bandwidth
@@ -52,21 +53,29 @@ def run(args, out, flags):
     """One run of two nodes; node 0's metrics.jsonl records."""
     port = _port()
     env = dict(os.environ, PYMPGU_SECRET=os.urandom(16).hex())
-    base = [sys.executable, "-m", "pympgu.train", "--cpu", "2", "--nnodes", "2",
+    workers = ["--gpus", "0", "0"] if args.gpu else ["--cpu", "2"]
+    base = [sys.executable, "-m", "pympgu.train", *workers, "--nnodes", "2",
             "--coordinator", f"127.0.0.1:{port}", "--epochs", str(args.epochs),
             "--batch-size", str(args.batch_size), "--quiet", *args.more, *flags]
     if args.data_dir:
         base += ["--data-dir", args.data_dir]
     procs = [subprocess.Popen(base + ["--node-rank", str(k)] + (["--out", out] if k == 0
                                                                  else []),
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, preexec_fn=cores.on_one_host(2, k))
+                              env=dict(env, **_node_env(k)) if args.gpu else env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=None if args.gpu else cores.on_one_host(2, k))
              for k in range(2)]
     for p in procs:
         _, err = p.communicate(timeout=3600)
         if p.returncode:
             raise RuntimeError(f"{flags}: status {p.returncode}\n{err[-2000:]}")
     return [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def _node_env(k):
+    """Node k's NCCL: a host of its own (the every-step row), met over loopback."""
+    return {"NCCL_HOSTID": f"pympgu-bench-node-{k}", "NCCL_SOCKET_IFNAME": "lo",
+            "NCCL_IB_DISABLE": "1"}
 
 
 def main():
@@ -86,6 +95,9 @@ def main():
                         "last (root); default: as fast as loopback goes")
     p.add_argument("--no-baseline", action="store_true",
                    help="leave out the every-step row (the fewer-bytes column then has none)")
+    p.add_argument("--gpu", action="store_true",
+                   help="two GPU workers a node, both on GPU 0 (the logic's bits, not NVLink's "
+                        "time); NCCL's bytes every step are not counted")
     p.add_argument("--more", nargs=argparse.REMAINDER, default=[],
                    help="more flags for pympgu.train (a --model, say)")
     args = p.parse_args()
@@ -103,13 +115,15 @@ def main():
                 flags += ["--outer-overlap", str(overlap)]
             records = run(args, os.path.join(tmp, str(k)), flags)
             last = records[-1]
-            per_epoch = sum(r["between_nodes_bytes"] for r in records) / len(records)
+            # (None: NCCL's, every step on GPUs, which no record counts)
+            sent = [r.get("between_nodes_bytes") for r in records]
+            per_epoch = None if None in sent else sum(sent) / len(sent)
             # The epochs after the first (which compiles).
             seconds = sum(r["time_s"] for r in records[1:]) / max(1, len(records) - 1)
             rows.append((way, h, dtype, overlap, last["test_error"], per_epoch,
                          records[-1]["loss"], seconds))
             print(f"{way} H={h} {dtype} overlap {overlap}: test error "
-                  f"{100 * last['test_error']:.2f}%, {per_epoch / 2 ** 20:.2f} MiB a node a "
+                  f"{100 * last['test_error']:.2f}%, {_mib(per_epoch)} MiB a node a "
                   f"epoch, {seconds:.2f} s an epoch", flush=True)
     base = None if args.no_baseline else rows[0][5]
     print("\n| between nodes | H | on the wire | overlap | test error | MiB a node an epoch "
@@ -117,8 +131,12 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|")
     for way, h, dtype, overlap, err, b, loss, seconds in rows:
         print(f"| {way} | {h or 1} | {dtype} | {overlap} | {100 * err:.2f}% | "
-              f"{b / 2 ** 20:.2f} | {f'{base / b:.0f}x' if base else '-'} | {loss:.4f} | "
+              f"{_mib(b)} | {f'{base / b:.0f}x' if base and b else '-'} | {loss:.4f} | "
               f"{seconds:.2f} |")
+
+
+def _mib(b):
+    return "-" if b is None else f"{b / 2 ** 20:.2f}"
 
 
 if __name__ == "__main__":

@@ -177,7 +177,8 @@ def test_a_compressed_wire_costs_what_it_says():
 
 @pytest.mark.parametrize("changes,message", [
     (dict(across_nodes="diloco"), "is between nodes: give --nnodes 2 or more"),
-    (dict(across_nodes="diloco", nnodes=2, devices=(0, 1)), "runs on CPU workers only"),
+    (dict(across_nodes="diloco", nnodes=2, devices=(0, 1), method="nccl"),
+     "--method nccl spans every node; with --across-nodes diloco the GPU exchange stays"),
     (dict(across_nodes="average", nnodes=2, overlap=True), "drop --overlap"),
     (dict(across_nodes="diloco", nnodes=2, outer_every=0), "--outer-every must be at least 1"),
     (dict(across_nodes="diloco", nnodes=2, outer_momentum=1.0), "--outer-momentum must be"),

@@ -122,6 +122,65 @@ def test_two_gpu_nodes_train_as_two_ranks_on_one(tmp_path, flags):
         assert a["valid_error"] == pytest.approx(b["valid_error"], abs=1e-3), (a, b)
 
 
+def train_nodes(tmp_path, name, *flags, workers=("--gpus", "0", "0")):
+    """python -m pympgu.train on 2 "nodes" of this host, each with ``workers`` (two GPU
+    workers sharing GPU 0 by default); node 0's metrics.jsonl records."""
+    port = free_port(pair=True)
+    out = tmp_path / name
+    argv = [sys.executable, "-m", "pympgu.train", *workers, "--hidden", "64", "--epochs", "2",
+            "--quiet", "--nnodes", "2", "--coordinator", f"127.0.0.1:{port}", *flags]
+    procs = [subprocess.Popen(argv + ["--node-rank", str(k)] + (
+        ["--out", str(out)] if k == 0 else []), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env=dict(node_env(k, tmp_path), PYMPGU_PIN_CPU_WORKERS="0")) for k in range(2)]
+    for code, _, err in communicate_all(procs, 400):
+        assert code == 0, err[-4000:]
+    return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+
+def test_gpu_nodes_meet_through_the_host_as_cpu_nodes_do(tmp_path):
+    """--across-nodes diloco, easgd and average on GPU workers: the kernels inside each
+    node, the host between the nodes every H steps. The same bytes cross as on CPU workers
+    (the same meetings), the nodes' replicas are compared every epoch (a difference fails
+    the run), the road says so, and every way learns."""
+    flags = ["--across-nodes", "diloco", "--outer-every", "5"]
+    before = set(glob.glob("/dev/shm/pympgu-*"))
+    gpu = train_nodes(tmp_path, "gpu", *flags)
+    cpu = train_nodes(tmp_path, "cpu", *flags, workers=("--cpu", "2"))
+    assert [e["between_nodes_bytes"] for e in gpu] == [e["between_nodes_bytes"] for e in cpu]
+    assert "between the nodes every 5 steps (diloco) through the host" in gpu[0]["road"], gpu
+    for a, b in zip(gpu, cpu):  # one computation, on two kinds of device (TF32's rounding)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-2), (a, b)
+    easgd = train_nodes(tmp_path, "easgd", "--across-nodes", "easgd", "--outer-every", "5",
+                        "--outer-dtype", "int8")
+    local = train_nodes(tmp_path, "local", "--across-nodes", "average", "--outer-every", "5")
+    assert easgd[0]["between_nodes_bytes"] < gpu[0]["between_nodes_bytes"]
+    for records in (gpu, easgd, local):
+        assert records[1]["loss"] < records[0]["loss"], records
+    assert not set(glob.glob("/dev/shm/pympgu-*")) - before
+
+
+def test_gpu_diloco_at_rate_1_every_step_is_exact_averaging(tmp_path):
+    """G - 1 * (G - mean x) is the mean: DiLoCo at outer rate 1, momentum 0, H = 1 on GPU
+    workers trains as every-step exact averaging (NCCL between the nodes), to float32
+    rounding; and a run resumed after its first epoch goes on as the one that never
+    stopped (the outer momentum in the checkpoint)."""
+    needs_nccl()
+    every = train_nodes(tmp_path, "every")
+    diloco = train_nodes(tmp_path, "diloco", "--across-nodes", "diloco", "--outer-every", "1",
+                         "--outer-lr", "1", "--outer-momentum", "0")
+    for a, b in zip(every, diloco):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a, b)
+    flags = ["--across-nodes", "diloco", "--outer-every", "4"]
+    whole = train_nodes(tmp_path, "whole", *flags)
+    train_nodes(tmp_path, "half", *flags, "--epochs", "1")
+    resumed = train_nodes(tmp_path, "again", "--resume", str(tmp_path / "half"))
+    assert [e["epoch"] for e in resumed] == [1, 2]
+    # (to the rounding of XLA's GPU reductions, which may differ from run to run)
+    assert resumed[1]["loss"] == pytest.approx(whole[1]["loss"], rel=1e-5), (resumed, whole)
+    assert resumed[1]["valid_error"] == pytest.approx(whole[1]["valid_error"], abs=2e-3)
+
+
 @pytest.mark.parametrize("victim", ["a worker of node 1", "node 1's launcher"])
 def test_a_gpu_node_lost_during_training_stops_the_other_within_seconds(tmp_path, victim):
     """Training across 2 GPU "nodes": a node's worker or launcher killed while NCCL and the

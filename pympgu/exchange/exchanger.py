@@ -25,11 +25,15 @@ class Exchanger:
     that overlap computation then need no pack, and can cut a training step in two.
     ``stream_barriers=False`` (GPUs; every rank the same) makes the XLA exchanges' barriers
     kernels, as on drivers without stream memory operations.
+    ``host=True`` takes the CPU workers' road (shared memory, and pympgu's TCP links between
+    nodes) whatever the workers' devices: the arrays cross to the host and back (GPU
+    workers' outer optimizer between nodes, every H steps); ``nodes=False`` keeps a GPU
+    exchange inside its node (``between`` then carries what crosses the nodes).
     ``stats`` adds up the host seconds spent in each step and counts exchanges.
     """
 
     def __init__(self, ctx, layout, method="auto", wire_dtype=None, timeout=60.0,
-                 max_blocks=None, shadow=False, stream_barriers=True):
+                 max_blocks=None, shadow=False, stream_barriers=True, host=False, nodes=True):
         self.way = methods.get(method)  # what it can do
         self.ctx = ctx
         self.layout = [(str(n), [int(s) for s in shape], str(d)) for n, shape, d in layout]
@@ -53,7 +57,12 @@ class Exchanger:
         self.pending = None  # the kind of exchange started and not finished
         self._started = None  # its entries (lo, hi) and their count of elements
         self.stats = {"pack_s": 0.0, "average_s": 0.0, "unpack_s": 0.0, "exchanges": 0}
-        if ctx.is_cpu:
+        self.on_host = bool(ctx.is_cpu or host)
+        self.nodes = bool(nodes)  # whether this exchange crosses the nodes
+        # The host Exchanger of an exchange kept inside its node (GPU workers under an outer
+        # optimizer between nodes: pympgu.training.worker.make_exchanger); closed with it.
+        self.between = None
+        if self.on_host:
             from .host import HostBackend
             self.backend = HostBackend(self, timeout)
         else:
@@ -82,7 +91,7 @@ class Exchanger:
         ``root`` (CPU workers): every rank gets rank root's arrays instead of the average
         (a worker that joins a run takes its state so); ``source`` (CPU workers across
         nodes): every rank gets node source's (a node that joins late takes them so).
-        ``reach`` (CPU workers across nodes): 'world', every rank's average; 'node', this
+        ``reach`` (host exchanges across nodes): 'world', every rank's average; 'node', this
         node's ranks' alone; 'outer', the node's, then the outer step set by
         ``set_outer`` across the nodes on the parameters (pympgu.exchange.outer);
         'outer-all', the same and the rest averaged across the nodes too.
@@ -103,11 +112,11 @@ class Exchanger:
         t0 = time.perf_counter()
         self.backend.pack(pairs, kind, self.offsets[lo])
         t1 = time.perf_counter()
-        if reach != "world" and not (self.ctx.is_cpu and root is None and kind == "exact"):
-            raise ValueError(f"Exchanger.start(reach={reach!r}) averages exact arrays of CPU "
-                             "workers only")
+        if reach != "world" and not (self.on_host and root is None and kind == "exact"):
+            raise ValueError(f"Exchanger.start(reach={reach!r}) averages exact arrays of host "
+                             "exchanges only")
         if source is not None:
-            if kind != "exact" or not self.ctx.is_cpu or reach != "world":
+            if kind != "exact" or not self.on_host or reach != "world":
                 raise ValueError("Exchanger.start(source=...) copies exact arrays between "
                                  "CPU workers only")
             self.backend.copy_from_node(source, self.dtype, count)
@@ -115,7 +124,7 @@ class Exchanger:
             self.backend.average(self.dtype, count, reach)
         elif root is None:
             self.backend.average(self.wire_dtype if kind == "delta" else self.dtype, count)
-        elif kind != "exact" or not self.ctx.is_cpu:
+        elif kind != "exact" or not self.on_host:
             raise ValueError("Exchanger.start(root=...) copies exact arrays between CPU "
                              "workers only")
         else:
@@ -126,7 +135,7 @@ class Exchanger:
         self._started = (lo, hi, count)
 
     def set_outer(self, name, count, wire=None, streams=1, overlap=0, **settings) -> None:
-        """The outer optimizer ``name`` between the nodes (CPU workers; a name of
+        """The outer optimizer ``name`` between the nodes (host exchanges; a name of
         pympgu.exchange.outer's registry) on the first ``count`` elements of the buffer (the
         parameters), for start(reach='outer' or 'outer-all'); ``wire``: what crosses between
         the nodes (None, 'bfloat16', 'int8'); ``streams``: the parameters' fragments that
@@ -136,8 +145,9 @@ class Exchanger:
         the optimizer's own."""
         from . import outer
         backend = self.backend
-        if not self.ctx.is_cpu or backend.across is None:
-            raise ValueError("an outer step is between the nodes of CPU workers")
+        if not self.on_host or backend.across is None:
+            raise ValueError("an outer step is between the nodes of a host exchange "
+                             "(Exchanger(host=True) on several nodes)")
         if name not in outer.REGISTRY:
             raise ValueError(f"no outer optimizer {name!r}: one of {', '.join(outer.NAMES)}")
         chunk = -(-self.total // backend.nranks)
@@ -194,6 +204,9 @@ class Exchanger:
 
     def close(self) -> None:
         """Release the staging buffer and every peer mapping; calling it again does nothing."""
+        between, self.between = self.between, None
+        if between is not None:
+            between.close()
         if self.backend is not None:
             self.backend.close()
             self.backend = None

@@ -35,7 +35,9 @@ class CudaBackend:
         ctx = self.ctx = ex.ctx
         self.ex = ex
         way = ex.way
-        _check_road(ex, ctx.nnodes)
+        # Nodes apart unless the exchange stays inside its node (Exchanger's nodes=False).
+        nnodes = self.nnodes = ctx.nnodes if ex.nodes else 1
+        _check_road(ex, nnodes)
         rank, nranks = ctx.local_rank, ctx.local_nranks
         self.keep = None
         self.across = None
@@ -67,8 +69,11 @@ class CudaBackend:
             ctx.barrier(local=True)  # every rank has mapped every flags page: no name need stay
             self.group.release_names()
             if way.nccl:
+                if nnodes != ctx.nnodes:
+                    raise ValueError("the nccl method's communicator spans every node: an "
+                                     "exchange kept inside its node takes a kernel method")
                 self._join_nccl(timeout, flat=True)
-            elif ctx.nnodes > 1:
+            elif nnodes > 1:
                 if not self.peer_ok:
                     raise ValueError(f"rank {ctx.rank}: pympgu's exchange across nodes needs "
                                      f"peer access between this node's GPUs ({devices}; "
@@ -93,7 +98,7 @@ class CudaBackend:
         under PYMPGU_NO_P2P); inside one node, a warning where the copy method stands in."""
         ctx, way = self.ctx, self.ex.way
         ok = all(d == ctx.device or self.cuda.can_access_peer(ctx.device, d) for d in devices)
-        fallback = not way.nccl and ctx.nnodes == 1  # else NCCL, or a refusal
+        fallback = not way.nccl and self.nnodes == 1  # else NCCL, or a refusal
         if not ok and fallback:
             warnings.warn(f"rank {ctx.rank}: GPU {ctx.device} has no peer access to every "
                           f"GPU of {devices}; falling back to the copy method with host "

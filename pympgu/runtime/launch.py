@@ -130,7 +130,7 @@ def launch(target, args=(), *, gpus=None, cpu=None, on_metric=None, heartbeat_ti
             above = _above(nodes, secret, nlocal, log, node_timeout, join_timeout,
                            progress_timeout, min_workers) if multi else Alone()
             nnodes, node = (nodes.nnodes, nodes.node_rank) if multi else (1, 0)
-            # Node 0's host: CPU workers' data links listen on the interface toward it.
+            # Node 0's host: host exchanges' data links listen on the interface toward it.
             data_address = nodes.host if multi else None
 
             def start(r, joining=False):

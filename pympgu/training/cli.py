@@ -306,7 +306,8 @@ def resolve(args, parser, where=None):
     if not cpu:
         _check_jax_for_gpus(parser)
         nccl = methods.get(cfg.method).nccl
-        if cfg.nnodes > 1 or nccl:
+        # (an outer step between nodes goes through the host: no NCCL)
+        if (cfg.nnodes > 1 and cfg.across_nodes == "every-step") or nccl:
             _check_nccl(parser, f"--method {cfg.method}" if nccl else "--nnodes")
     changed = resuming.changes(before, cfg) if before is not None else None
     return Resolved(cfg, note, changed, given)

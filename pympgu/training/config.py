@@ -243,8 +243,11 @@ class RunConfig:
             return
         need(self.nnodes > 1, "--across-nodes", f"{self.across_nodes} is between nodes: give "
              "--nnodes 2 or more")
-        need(self.cpu, "--across-nodes", f"{self.across_nodes} runs on CPU workers only, for "
-             "now: GPU workers exchange across nodes every step")
+        # GPU workers: the kernels inside the node, the host between (docs/DECISIONS.md,
+        # "Outer optimizers on GPU workers").
+        need(self.cpu or not methods.get(self.method).nccl, "--method",
+             f"{self.method} spans every node; with --across-nodes {self.across_nodes} the "
+             "GPU exchange stays inside the node: give a kernel method (default: auto)")
         need(not self.overlap, "--across-nodes", f"{self.across_nodes} takes plain exchanges "
              "inside the node; drop --overlap")
 

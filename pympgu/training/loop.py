@@ -83,13 +83,13 @@ class Training:
         if root is not None:
             self._welcome(root)
         if back is not None and (put_back or (outer_kind and ctx.source is not None)):
-            self.ex.backend.outer.restore(back)  # (the source's is what a new node takes)
+            self._nodes.backend.outer.restore(back)  # (the source's is what a new node takes)
         if ctx.source is not None:  # a node joined: from node source
             self._welcome(ctx.source * ctx.local_nranks, local=False)
-            self.ex.backend.take_outer(ctx.source)
+            self._nodes.backend.take_outer(ctx.source)
         elif put_back and ctx.keeper is not None:
             # The same local index's slice on every node that kept its own.
-            self.ex.backend.take_outer(ctx.keeper)
+            self._nodes.backend.take_outer(ctx.keeper)
 
     def _welcome(self, root, local=True):
         """A worker joined (its state now rank root's): it learns from rank root the run's
@@ -113,8 +113,8 @@ class Training:
             self.at = self.recovery.back_to  # (not a run's start to tell)
 
     def _outer(self):
-        """The outer optimizer's slice of this CPU worker now (Outer.snapshot), or None."""
-        outer = getattr(self.ex.backend, "outer", None) if self.ex is not None else None
+        """The outer optimizer's slice of this worker now (Outer.snapshot), or None."""
+        outer = getattr(self._nodes.backend, "outer", None) if self.ex is not None else None
         return outer.snapshot() if outer is not None else None
 
     def _disconnect(self):
@@ -142,11 +142,19 @@ class Training:
                 "costs": [], "t0": time.perf_counter(), "exchange_s": 0.0, "done": 0,
                 "sent0": self._sent() or 0}
 
+    @property
+    def _nodes(self):
+        """The Exchanger that meets the other nodes: the host's of GPU workers under an
+        outer optimizer (Exchanger.between), else the exchange itself; None alone."""
+        return None if self.ex is None else self.ex.between or self.ex
+
     def _sent(self):
-        """The bytes this CPU worker has sent between nodes (None: it sends none)."""
-        if self.ex is None or not self.ctx.is_cpu or self.ctx.nnodes == 1:
+        """The bytes this worker has sent between nodes through the host (None: it sends
+        none, or NCCL does)."""
+        nodes = self._nodes
+        if nodes is None or not nodes.on_host or self.ctx.nnodes == 1:
             return None
-        return self.ex.backend.across_bytes
+        return nodes.backend.across_bytes
 
     def _epoch(self, epoch, start):
         """Train ``epoch`` from its batch ``start`` on; returns its record (loss, rate,
@@ -244,7 +252,7 @@ class Training:
         if cfg.across_nodes in outer.REGISTRY and self._sent() is not None:
             # The outer optimizer's state goes into the checkpoint (DiLoCo's momentum; the
             # state the nodes share is the replicas' own after the epoch's last exchange).
-            extra = {key: self.ex.backend.outer_state(attr) for key, attr in
+            extra = {key: self._nodes.backend.outer_state(attr) for key, attr in
                      outer.REGISTRY[cfg.across_nodes].saved.items()} or None
         if ctx.rank == 0:
             if not math.isfinite(record["loss"]):
@@ -308,6 +316,13 @@ def road(ctx, sync, inside):
                       f"({cfg.across_nodes}) over TCP")
         return f"averaged after {every}, through shared memory{across} (CPU workers)"
     outside = sync.outside
+    if sync.between is not None:  # (a road in words even where XLA's says none)
+        cfg = sync.rep.cfg
+        between = (f"inside the node; between the nodes every {cfg.outer_every} steps "
+                   f"({cfg.across_nodes}) through the host, over TCP")
+        if outside:
+            return f"queued from Python after the step ({outside}), {between}"
+        return f"{getattr(inside, 'road', None) or 'inside the step'}, {between}"
     if outside:
         return f"queued from Python after the step: {outside}"
     return None if inside is None else inside.road

@@ -240,7 +240,7 @@ class Replica:
 
     def exchange(self, ex, reach="world", part="state"):
         """Average ``part`` of the state (Replica.part: by default parameters and momentum)
-        with every other replica (``reach``: see Exchanger.start; CPU workers)."""
+        with every other replica (``reach``: see Exchanger.start; host exchanges)."""
         lo, hi = self.part(part)
         values = list(self.values())
         self._start(ex, values[lo:hi], part, reach)
@@ -254,9 +254,10 @@ class Replica:
 
     def _start(self, ex, values, part, reach="world"):
         lo, hi = self.part(part)
-        if self.jax is None or self.ctx.is_cpu:
+        if self.jax is None or ex.on_host:
             # CPU JAX arrays are host memory already: pack reads them where they are
-            # (docs/DECISIONS.md, "One export of the state").
+            # (docs/DECISIONS.md, "One export of the state"); a GPU's cross to it (a host
+            # exchange between nodes, every H steps).
             ex.start(values, entries=(lo, hi), reach=reach)
         else:
             # JAX packs its arrays into one (a jitted concatenation) and hands pympgu a
@@ -299,6 +300,8 @@ class Replica:
         """Finish ex and return its result (k arrays) as this backend's arrays."""
         if self.ctx.is_cpu:
             return ex.finish()
+        if ex.on_host:  # back to the GPU: copies, the host buffers being reused
+            return [self.jnp.array(a) for a in ex.finish()]
         # One DLPack import of pympgu's whole buffer, then one jitted split into JAX-owned
         # arrays (jit outputs never alias its inputs): the buffer is reused by the next
         # exchange, so JAX must not keep pointing into it (docs/DECISIONS.md, "One export of

@@ -9,6 +9,10 @@ def same_start(every, overlap):
     return every == 1 and not overlap
 
 
+# The reaches (Sync.step) that meet the other nodes.
+ACROSS = ("world", "outer", "outer-all")
+
+
 class Sync:
     """When and how a replica meets the others: every ``every`` steps, plainly or overlapped.
 
@@ -72,6 +76,9 @@ class Sync:
         self.params_only = ((self.fused or rep.ctx.is_cpu) and every == 1
                             and rep.model.affine_update and not identical)
         self.gradients = self.fused and same_start(every, overlap)
+        # GPU workers under an outer optimizer: their exchange stays inside the node, and
+        # the host's (Exchanger.between) meets the other nodes as ``reach`` says.
+        self.between = getattr(ex, "between", None)
 
     @property
     def outside(self):
@@ -108,11 +115,16 @@ class Sync:
         exchange if one is due (`last` forces one); returns the step's cost. ``reach``
         (CPU workers across nodes, --across-nodes): this step's exchange is inside the
         node ('node'), or across the nodes too ('world', 'outer', 'outer-all': due whatever
-        K says)."""
+        K says; GPU workers: after the node's own exchange, through Exchanger.between)."""
         if not self.fused:
             cost = self.rep.step(idx)
             self.after_step(step, last, reach)
             return cost
+        cost = self._fused(idx, step, last)
+        self._between(reach)
+        return cost
+
+    def _fused(self, idx, step, last):
         if last:  # the whole state, plain: replicas end identical
             return self.rep.step(idx, self.inside, gradients=self.gradients)
         if self.overlap:
@@ -125,13 +137,27 @@ class Sync:
                                  gradients=self.gradients)
         return self.rep.step(idx)
 
+    def _between(self, reach):
+        """The host's exchange between the nodes, where ``reach`` asks for one."""
+        if self.between is None or reach not in ACROSS:
+            return
+        t0 = time.perf_counter()
+        self.rep.exchange(self.between, reach, "state")
+        self.seconds += time.perf_counter() - t0
+
     def after_step(self, step, last=False, reach=None):
         """Call after step `step` (counted from 0) of an epoch; `last` forces a sync."""
         self.stepped = True
         if self.ex is None:
             return
-        due = (not (step + 1) % self.every and not self.overlap) or last or reach in (
-            "world", "outer", "outer-all")
+        if self.between is not None:  # the node's exchange as K says, then the nodes'
+            self._after(step, last, None)
+            self._between(reach)
+        else:
+            self._after(step, last, reach)
+
+    def _after(self, step, last, reach):
+        due = (not (step + 1) % self.every and not self.overlap) or last or reach in ACROSS
         pending = self.overlap and self.ex.pending
         begin = self.overlap and not last and self.spanning(step + 1)
         if not (due or pending or begin):

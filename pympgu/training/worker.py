@@ -66,28 +66,36 @@ def make_exchanger(ctx, rep, cfg, inside=True, root=None, reach="world"):
         # The averaging kernel runs beside the next step's kernels, capped as any kernel
         # beside XLA's work is (docs/DECISIONS.md, "Kernels beside the step").
         blocks = settings.get().beside_blocks
+    # GPU workers under an outer optimizer exchange inside their node as on one node, and
+    # meet the other nodes through the host every H steps (docs/DECISIONS.md, "Outer
+    # optimizers on GPU workers").
+    within = not ctx.is_cpu and ctx.nnodes > 1 and cfg.across_nodes != "every-step"
     # A shared shadow lets the exchanges inside the step's XLA call start as soon as the
     # last layers are computed, and spares the overlapped one its pack ('gather'). It costs
     # nranks - 1 copies of the state on each GPU: only where one of the two will use it.
     shadow = (rep.jax is not None and not ctx.is_cpu and inside
-              and methods.get(cfg.method).shadow and ctx.nnodes == 1 and copies_to_every_peer(ctx.nranks)
+              and methods.get(cfg.method).shadow and (ctx.nnodes == 1 or within)
+              and copies_to_every_peer(ctx.local_nranks)
               and (cfg.exchange_dtype == "float32" or same_start(cfg.sync_every, cfg.overlap)))
     ex = Exchanger(ctx, rep.layout, method=cfg.method, wire_dtype=cfg.exchange_dtype,
-                   max_blocks=blocks, shadow=shadow)
+                   max_blocks=blocks, shadow=shadow, nodes=not within)
     try:
+        if within:
+            ex.between = Exchanger(ctx, rep.layout, host=True)
+        nodes = ex.between or ex  # the exchange that meets the other nodes
         # Its shared state: what the first exchange gives (none once a single node is left).
         if cfg.across_nodes in outer.REGISTRY and ctx.nnodes > 1:
             kind = outer.REGISTRY[cfg.across_nodes]
             lo, hi = rep.part("params")
-            ex.set_outer(cfg.across_nodes, ex.part(lo, hi),
-                         None if cfg.outer_dtype == "float32" else cfg.outer_dtype,
-                         cfg.outer_streams, cfg.outer_overlap,
-                         **{k: getattr(cfg, field) for k, field in kind.flags.items()})
+            nodes.set_outer(cfg.across_nodes, nodes.part(lo, hi),
+                            None if cfg.outer_dtype == "float32" else cfg.outer_dtype,
+                            cfg.outer_streams, cfg.outer_overlap,
+                            **{k: getattr(cfg, field) for k, field in kind.flags.items()})
             for key, attr in kind.saved.items() if cfg.resume else ():
                 from . import checkpoint
                 whole = checkpoint.read_extra(cfg.resume, key)
                 if whole is not None:  # (none: resumed from a run without it, from rest)
-                    ex.backend.set_outer_state(attr, whole)
+                    nodes.backend.set_outer_state(attr, whole)
         if root is not None:
             rep.adopt(ex, root=root)
         if ctx.source is not None:  # a node joins: every node takes node source's state
@@ -96,6 +104,8 @@ def make_exchanger(ctx, rep, cfg, inside=True, root=None, reach="world"):
             # Replicas start identical (--init-seed; a resumed run too). Across nodes a node
             # whose worker was replaced (root) averages too, as the other nodes do.
             rep.exchange(ex, reach)
+            if ex.between is not None:
+                rep.exchange(ex.between, reach)
     except BaseException:
         ex.close()
         raise
