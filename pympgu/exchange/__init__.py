@@ -39,8 +39,8 @@ Layouts (names, shapes, dtypes) must be identical on every rank; the launcher co
 before any training and names both layouts if they differ.
 
 Modules: layout (where each array lies in the buffer), exchanger (the Exchanger), host (CPU
-workers' shared memory), across (CPU workers' sums between nodes) and gpu (GPU workers'
-PeerGroup).
+workers' shared memory, and every worker's host road between nodes), across (that road's
+sums between nodes), outer (the outer optimizers on it) and gpu (GPU workers' PeerGroup).
 """
 from .exchanger import METHODS, WIRE_DTYPES, Exchanger
 from .layout import ALIGN_BYTES, ITEMSIZE, plan_layout

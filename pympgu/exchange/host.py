@@ -1,5 +1,6 @@
 """CPU workers' exchange: staging buffers in POSIX shared memory, averaged by the host kernel
-inside a node, and summed across nodes by pympgu.exchange.across."""
+inside a node, and summed across nodes by pympgu.exchange.across. GPU workers take it too
+for their meetings between nodes under an outer optimizer (Exchanger(host=True))."""
 import os
 import threading
 
