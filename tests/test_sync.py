@@ -245,3 +245,61 @@ def test_cpu_exchange_across_nodes_sends_the_state():
     rep.step(1.0)
     sync.after_step(0, reach="outer")
     assert sent == [((0, 2), "outer")]
+
+
+class FakeBetween(FakeEx):
+    """The host Exchanger of GPU workers under an outer optimizer: it records each
+    meeting's reach and entries in ``log`` beside the node's own exchanges."""
+
+    on_host = True
+
+    def __init__(self, log):
+        super().__init__(lambda a: a + 10)
+        self.log = log
+
+    def start(self, arrays, entries=None, reach="world"):
+        self.log.append((reach, entries))
+        self.sent.append([a.copy() for a in arrays])
+        self.pending = "exact"
+
+
+def test_gpu_workers_meet_the_other_nodes_after_their_nodes_exchange():
+    """Exchanger.between: the node's exchange as K says (inside the node: reach 'world' of
+    the node), then, where the loop's reach goes across the nodes, the host's meeting with
+    the whole state, whose result the replica takes; 'node' meets no other node."""
+    rep = FakeRep(0.0, 0.0, params=1)
+    log = []
+    ex = FakeEx(lambda a: a * 0.5)
+    ex.between = FakeBetween(log)
+    start = ex.start
+    ex.start = lambda *a, **k: (log.append(("node", k.get("entries"))), start(*a, **k))[1]
+    sync = Sync(rep, ex, 2)
+    for i, reach in enumerate(["node", "outer", "node", "outer-all"]):
+        rep.step(1.0)
+        sync.after_step(i, last=i == 3, reach=reach)
+    whole = (0, 2)
+    assert log == [("node", whole), ("outer", whole), ("node", whole), ("outer-all", whole)]
+    # Step 2: (0 + 1 + 1) * 0.5 + 10; step 4: (11 + 1 + 1) * 0.5 + 10.
+    assert [float(v[0]) for v in rep.state] == [16.5, 16.5]
+
+
+def test_fused_gpu_steps_then_meet_the_other_nodes_through_the_host():
+    """Inside XLA the step averages inside the node (the gradients' road at K = 1); the
+    meetings across the nodes follow the steps whose reach asks for them, whole state."""
+    log = []
+
+    class Rep(FakeRep):
+        def step(self, idx, inside=None, part="state", overlap=False, gradients=False):
+            log.append(("step" if inside is None else part) + (" gradients" if gradients else ""))
+
+    rep = Rep(0.0, 0.0, params=1)
+    rep.jax = object()
+    ex = FakeEx(lambda a: a)
+    ex.between = FakeBetween(log)
+    sync = Sync(rep, ex, 1, False, Inside())
+    for i, reach in enumerate(["node", "outer", "node", "outer-all"]):
+        sync.step(None, i, last=i == 3, reach=reach)
+    assert log == ["params gradients", "params gradients", ("outer", (0, 2)),
+                   "params gradients", "state gradients", ("outer-all", (0, 2))]
+    assert not ex.sent  # the node's exchanges all inside the step
+
