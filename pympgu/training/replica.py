@@ -256,8 +256,10 @@ class Replica:
         lo, hi = self.part(part)
         if self.jax is None or ex.on_host:
             # CPU JAX arrays are host memory already: pack reads them where they are
-            # (docs/DECISIONS.md, "One export of the state"); a GPU's cross to it (a host
-            # exchange between nodes, every H steps).
+            # (docs/DECISIONS.md, "One export of the state"); a GPU's cross to it in one
+            # call (a host exchange between nodes, every H steps).
+            if self.jax is not None and not self.ctx.is_cpu:
+                values = self.jax.device_get(list(values))
             ex.start(values, entries=(lo, hi), reach=reach)
         else:
             # JAX packs its arrays into one (a jitted concatenation) and hands pympgu a
