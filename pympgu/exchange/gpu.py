@@ -69,9 +69,6 @@ class CudaBackend:
             ctx.barrier(local=True)  # every rank has mapped every flags page: no name need stay
             self.group.release_names()
             if way.nccl:
-                if nnodes != ctx.nnodes:
-                    raise ValueError("the nccl method's communicator spans every node: an "
-                                     "exchange kept inside its node takes a kernel method")
                 self._join_nccl(timeout, flat=True)
             elif nnodes > 1:
                 if not self.peer_ok:
@@ -228,6 +225,9 @@ def _check_road(ex, nnodes):
     way = ex.way
     if way.nccl and ex.shadow:
         raise ValueError(f"the {way.name} method takes no shadow")
+    if way.nccl and not ex.nodes:
+        raise ValueError("the nccl method's communicator spans every node: an exchange kept "
+                         "inside its node (nodes=False) takes a kernel method")
     if nnodes > 1 and not way.crosses_nodes and (
             ex.dtype != "float32" or ex.wire_dtype or ex.shadow or way.peer_copies):
         raise ValueError("pympgu's exchange across nodes averages float32 parameters, "
