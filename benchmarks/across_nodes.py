@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 
+import pympgu
 from pympgu.runtime import cores
 
 
@@ -52,9 +53,13 @@ def shaped(rate):
 def run(args, out, flags):
     """One run of two nodes; node 0's metrics.jsonl records."""
     port = _port()
-    env = dict(os.environ, PYMPGU_SECRET=os.urandom(16).hex())
-    workers = ["--gpus", "0", "0"] if args.gpu else ["--cpu", "2"]
-    base = [sys.executable, "-m", "pympgu.train", *workers, "--nnodes", "2",
+    # The shared-GPU script imports pympgu from where this benchmark found it.
+    home = os.path.dirname(os.path.dirname(pympgu.__file__))
+    env = dict(os.environ, PYMPGU_SECRET=os.urandom(16).hex(),
+               PYTHONPATH=os.pathsep.join([home, os.environ.get("PYTHONPATH", "")]))
+    shared = os.path.join(os.path.dirname(os.path.abspath(__file__)), "two_on_one_gpu.py")
+    workers = [shared, "--gpus", "0"] if args.gpu else ["-m", "pympgu.train", "--cpu", "2"]
+    base = [sys.executable, *workers, "--nnodes", "2",
             "--coordinator", f"127.0.0.1:{port}", "--epochs", str(args.epochs),
             "--batch-size", str(args.batch_size), "--quiet", *args.more, *flags]
     if args.data_dir:

@@ -12,11 +12,14 @@ import time
 
 import pytest
 
+import pympgu
+
 from processes import communicate_all, free_port, kill_session, session_left, wait_until
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+SHARED = os.path.join(os.path.dirname(HERE), "benchmarks", "two_on_one_gpu.py")
 SECRET = "a secret of the GPU nodes' tests, long enough"
 
 
@@ -122,17 +125,20 @@ def test_two_gpu_nodes_train_as_two_ranks_on_one(tmp_path, flags):
         assert a["valid_error"] == pytest.approx(b["valid_error"], abs=1e-3), (a, b)
 
 
-def train_nodes(tmp_path, name, *flags, workers=("--gpus", "0", "0")):
-    """python -m pympgu.train on 2 "nodes" of this host, each with ``workers`` (two GPU
-    workers sharing GPU 0 by default); node 0's metrics.jsonl records."""
+def train_nodes(tmp_path, name, *flags, cpu=False):
+    """python -m pympgu.train on 2 "nodes" of this host, each of two GPU workers sharing
+    GPU 0 (or two CPU workers); node 0's metrics.jsonl records."""
     port = free_port(pair=True)
     out = tmp_path / name
-    argv = [sys.executable, "-m", "pympgu.train", *workers, "--hidden", "64", "--epochs", "2",
+    workers = ["-m", "pympgu.train", "--cpu", "2"] if cpu else [SHARED, "--gpus", "0"]
+    argv = [sys.executable, *workers, "--hidden", "64", "--epochs", "2",
             "--quiet", "--nnodes", "2", "--coordinator", f"127.0.0.1:{port}", *flags]
     procs = [subprocess.Popen(argv + ["--node-rank", str(k)] + (
         ["--out", str(out)] if k == 0 else []), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True,
-        env=dict(node_env(k, tmp_path), PYMPGU_PIN_CPU_WORKERS="0")) for k in range(2)]
+        env=dict(node_env(k, tmp_path), PYMPGU_PIN_CPU_WORKERS="0", PYTHONPATH=os.pathsep.join(
+            [os.path.dirname(os.path.dirname(pympgu.__file__)), os.environ.get("PYTHONPATH", "")])))
+        for k in range(2)]
     for code, _, err in communicate_all(procs, 400):
         assert code == 0, err[-4000:]
     return [json.loads(line) for line in open(out / "metrics.jsonl")]
@@ -146,7 +152,7 @@ def test_gpu_nodes_meet_through_the_host_as_cpu_nodes_do(tmp_path):
     flags = ["--across-nodes", "diloco", "--outer-every", "5"]
     before = set(glob.glob("/dev/shm/pympgu-*"))
     gpu = train_nodes(tmp_path, "gpu", *flags)
-    cpu = train_nodes(tmp_path, "cpu", *flags, workers=("--cpu", "2"))
+    cpu = train_nodes(tmp_path, "cpu", *flags, cpu=True)
     assert [e["between_nodes_bytes"] for e in gpu] == [e["between_nodes_bytes"] for e in cpu]
     assert "between the nodes every 5 steps (diloco) through the host" in gpu[0]["road"], gpu
     for a, b in zip(gpu, cpu):  # one computation, on two kinds of device (TF32's rounding)
