@@ -134,6 +134,12 @@ class Exchanger:
         self.pending = kind
         self._started = (lo, hi, count)
 
+    @property
+    def across(self):
+        """The Exchanger that meets the other nodes: ``between`` where this exchange is kept
+        inside its node, else this one."""
+        return self.between or self
+
     def set_outer(self, name, count, wire=None, streams=1, overlap=0, **settings) -> None:
         """The outer optimizer ``name`` between the nodes (host exchanges; a name of
         pympgu.exchange.outer's registry) on the first ``count`` elements of the buffer (the

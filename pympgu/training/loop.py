@@ -144,9 +144,8 @@ class Training:
 
     @property
     def _nodes(self):
-        """The Exchanger that meets the other nodes: the host's of GPU workers under an
-        outer optimizer (Exchanger.between), else the exchange itself; None alone."""
-        return None if self.ex is None else self.ex.between or self.ex
+        """The Exchanger that meets the other nodes (Exchanger.across); None alone."""
+        return None if self.ex is None else self.ex.across
 
     def _sent(self):
         """The bytes this worker has sent between nodes through the host (None: it sends
@@ -307,19 +306,17 @@ def road(ctx, sync, inside):
     through shared memory (and between nodes over pympgu's TCP links)."""
     if sync.ex is None:
         return None
+    cfg = sync.rep.cfg
+    outer = f"between the nodes every {cfg.outer_every} steps ({cfg.across_nodes})"
     if ctx.is_cpu:
         every = "the step" if sync.every == 1 else f"every {sync.every} steps"
         across = ", and between the nodes over TCP" if ctx.nnodes > 1 else ""
-        cfg = sync.rep.cfg
         if ctx.nnodes > 1 and cfg.across_nodes != "every-step":
-            across = (f", and between the nodes every {cfg.outer_every} steps "
-                      f"({cfg.across_nodes}) over TCP")
+            across = f", and {outer} over TCP"
         return f"averaged after {every}, through shared memory{across} (CPU workers)"
     outside = sync.outside
     if sync.between is not None:  # (a road in words even where XLA's says none)
-        cfg = sync.rep.cfg
-        between = (f"inside the node; between the nodes every {cfg.outer_every} steps "
-                   f"({cfg.across_nodes}) through the host, over TCP")
+        between = f"inside the node; {outer} through the host, over TCP"
         if outside:
             return f"queued from Python after the step ({outside}), {between}"
         return f"{getattr(inside, 'road', None) or 'inside the step'}, {between}"

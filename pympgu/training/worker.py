@@ -82,7 +82,7 @@ def make_exchanger(ctx, rep, cfg, inside=True, root=None, reach="world"):
     try:
         if within:
             ex.between = Exchanger(ctx, rep.layout, host=True)
-        nodes = ex.between or ex  # the exchange that meets the other nodes
+        nodes = ex.across
         # Its shared state: what the first exchange gives (none once a single node is left).
         if cfg.across_nodes in outer.REGISTRY and ctx.nnodes > 1:
             kind = outer.REGISTRY[cfg.across_nodes]
