@@ -3,7 +3,7 @@ node 1's launcher (or one of its workers) killed once node 0 has checkpointed an
 ``rejoin``: its launcher, then started again once node 0 goes on alone); a table of the
 seconds from the kill to node 0's next completed exchange (and from the new start to the
 join, and the others' pause for it), the statuses, the final test error against an
-undisturbed run, and what was left behind.
+undisturbed run, and what was left behind (``--gpu``: GPU workers).
 
     python benchmarks/node_loss.py --data-dir /usr/share/datasets/fashion-mnist --runs 3
 
@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 
+import pympgu
 from pympgu.runtime import cores
 
 
@@ -32,13 +33,18 @@ def _port():
 def run(args, out, victim):
     """One run; returns (seconds from the kill to the next exchange, node 0's status, node
     1's, the last test error, orphans, names left in /dev/shm)."""
-    env = dict(os.environ, PYMPGU_SECRET=os.urandom(16).hex())
+    home = os.path.dirname(os.path.dirname(pympgu.__file__))  # (the GPU script's pympgu)
+    env = dict(os.environ, PYMPGU_SECRET=os.urandom(16).hex(),
+               PYTHONPATH=os.pathsep.join([home, os.environ.get("PYTHONPATH", "")]))
     port = _port()
     before = set(glob.glob("/dev/shm/pympgu-*"))
-    base = [sys.executable, "-m", "pympgu.train", "--cpu", str(args.cpu), "--nnodes", "2",
+    shared = os.path.join(os.path.dirname(os.path.abspath(__file__)), "two_on_one_gpu.py")
+    workers = ([shared, "--gpus", "0", "--across-nodes", "diloco", "--outer-every", "10"]
+               if args.gpu else ["-m", "pympgu.train", "--cpu", str(args.cpu)])
+    base = [sys.executable, *workers, "--nnodes", "2",
             "--coordinator", f"127.0.0.1:{port}", "--epochs", str(args.epochs), "--quiet",
             *(["--data-dir", args.data_dir] if args.data_dir else []),
-            *(["--min-workers", str(args.cpu)] if victim else [])]
+            *(["--min-workers", str(2 if args.gpu else args.cpu)] if victim else [])]
     def node(k):
         return subprocess.Popen(base + ["--node-rank", str(k)] + (["--out", out] if k == 0
                                                                   else []),
@@ -96,6 +102,9 @@ def main():
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--runs", type=int, default=3, help="runs of each victim")
     p.add_argument("--victims", nargs="+", default=["launcher", "worker", "rejoin"])
+    p.add_argument("--gpu", action="store_true",
+                   help="two GPU workers a node sharing GPU 0 (a lost worker takes its node "
+                        "with it), DiLoCo every 10 steps between the nodes")
     args = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="pympgu-node-loss-") as tmp:

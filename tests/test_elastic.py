@@ -124,7 +124,10 @@ def _model():
 
 
 @pytest.mark.parametrize("changes,message", [
-    (dict(devices=(0, 1)), "on CPU workers only"),
+    (dict(devices=(0, 1)), "only across nodes that meet every H steps"),
+    (dict(devices=(0, 1), nnodes=2), "only across nodes that meet every H steps"),
+    (dict(devices=(0, 1), nnodes=2, across_nodes="diloco", restart_workers=1),
+     "restarts CPU workers only"),
 ])
 def test_what_cannot_go_on_without_a_worker_yet_is_refused(changes, message):
     from pympgu.training.config import UsageError

@@ -125,20 +125,25 @@ def test_two_gpu_nodes_train_as_two_ranks_on_one(tmp_path, flags):
         assert a["valid_error"] == pytest.approx(b["valid_error"], abs=1e-3), (a, b)
 
 
-def train_nodes(tmp_path, name, *flags, cpu=False):
-    """python -m pympgu.train on 2 "nodes" of this host, each of two GPU workers sharing
-    GPU 0 (or two CPU workers); node 0's metrics.jsonl records."""
-    port = free_port(pair=True)
-    out = tmp_path / name
+def start_shared(k, port, nnodes, out, *flags, cpu=False):
+    """Node ``k`` of ``nnodes`` on this host: python -m pympgu.train with two GPU workers
+    sharing GPU 0 (or two CPU workers); node 0 writes to ``out``."""
     workers = ["-m", "pympgu.train", "--cpu", "2"] if cpu else [SHARED, "--gpus", "0"]
-    argv = [sys.executable, *workers, "--hidden", "64", "--epochs", "2",
-            "--quiet", "--nnodes", "2", "--coordinator", f"127.0.0.1:{port}", *flags]
-    procs = [subprocess.Popen(argv + ["--node-rank", str(k)] + (
-        ["--out", str(out)] if k == 0 else []), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
-        env=dict(node_env(k, tmp_path), PYMPGU_PIN_CPU_WORKERS="0", PYTHONPATH=os.pathsep.join(
-            [os.path.dirname(os.path.dirname(pympgu.__file__)), os.environ.get("PYTHONPATH", "")])))
-        for k in range(2)]
+    argv = [sys.executable, *workers, "--hidden", "64", "--epochs", "2", "--quiet",
+            "--nnodes", str(nnodes), "--coordinator", f"127.0.0.1:{port}", *flags,
+            "--node-rank", str(k), *(["--out", str(out)] if k == 0 else [])]
+    home = os.path.dirname(os.path.dirname(pympgu.__file__))  # (the script's pympgu)
+    env = dict(node_env(k, out.parent), PYMPGU_PIN_CPU_WORKERS="0",
+               PYTHONPATH=os.pathsep.join([home, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=env)
+
+
+def train_nodes(tmp_path, name, *flags, cpu=False):
+    """2 "nodes" of this host (start_shared) trained to the end; node 0's metrics.jsonl
+    records."""
+    port, out = free_port(pair=True), tmp_path / name
+    procs = [start_shared(k, port, 2, out, *flags, cpu=cpu) for k in range(2)]
     for code, _, err in communicate_all(procs, 400):
         assert code == 0, err[-4000:]
     return [json.loads(line) for line in open(out / "metrics.jsonl")]
@@ -185,6 +190,42 @@ def test_gpu_diloco_at_rate_1_every_step_is_exact_averaging(tmp_path):
     # (to the rounding of XLA's GPU reductions, which may differ from run to run)
     assert resumed[1]["loss"] == pytest.approx(whole[1]["loss"], rel=1e-5), (resumed, whole)
     assert resumed[1]["valid_error"] == pytest.approx(whole[1]["valid_error"], abs=2e-3)
+
+
+def test_gpu_nodes_go_on_without_a_node_whose_worker_died_and_take_it_back(tmp_path):
+    """3 nodes x 2 GPU workers sharing GPU 0, DiLoCo every 5 steps, --min-workers 4: a
+    worker of node 2 killed, its node leaves the run (its launcher stops the peer, whose
+    kernels wait for the dead one); nodes 0 and 1 go back to their last meeting and go on,
+    their exchange in the node and step re-formed; node 2 started again joins, taking node
+    0's state through the host. All three finish every epoch (the nodes compare their
+    replicas after each), status 0, nothing left in /dev/shm."""
+    from test_nodes import _changes, _workers
+    port, out = free_port(pair=True), tmp_path / "run"
+    before = set(glob.glob("/dev/shm/pympgu-*"))
+    flags = ["--hidden", "16", "--epochs", "200", "--across-nodes", "diloco",
+             "--outer-every", "5", "--min-workers", "4"]
+    procs = [start_shared(k, port, 3, out, *flags) for k in range(3)]
+    metrics = out / "metrics.jsonl"
+    try:
+        assert wait_until((out / "checkpoint.npz").exists, 300, every=0.1), \
+            procs[0].poll() is not None and procs[0].stderr.read()[-3000:]
+        t0 = time.monotonic()
+        os.kill(max(_workers(procs[2])), signal.SIGKILL)
+        assert wait_until(lambda: _changes(metrics), 60, every=0.05)
+        went_on = time.monotonic() - t0
+        assert procs[2].wait(timeout=60) != 0
+        procs.append(start_shared(2, port, 3, out, *flags))
+        codes = [p.wait(timeout=400) for p in (procs[0], procs[1], procs[3])]
+        errs = [p.stderr.read() for p in (procs[0], procs[1], procs[3])]
+    finally:
+        for p in procs:
+            kill_session(p)
+    assert codes == [0, 0, 0], "\n-----\n".join(e[-3000:] for e in errs)
+    records = [json.loads(line) for line in open(metrics)]
+    assert [r["epoch"] for r in records if "event" not in r][-1] == 200
+    changes = [(c["lost"], c["workers"]) for c in _changes(metrics)]
+    assert changes == [([4, 5], 4), ([], 6)], (changes, went_on)
+    assert not set(glob.glob("/dev/shm/pympgu-*")) - before
 
 
 @pytest.mark.parametrize("victim", ["a worker of node 1", "node 1's launcher"])

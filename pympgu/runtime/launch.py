@@ -108,10 +108,11 @@ def launch(target, args=(), *, gpus=None, cpu=None, on_metric=None, heartbeat_ti
     if not 1 <= nlocal <= 8:
         raise ValueError(f"pympgu runs 1 to 8 workers a node, got {nlocal}")
     nnodes = nodes.nnodes if nodes is not None else 1
-    if min_workers is not None and min_workers < nlocal * nnodes and devices[0] is not None:
-        raise ValueError("min_workers below the workers goes on without a lost worker on CPU "
-                         "workers only, for now (docs/DECISIONS.md, \"Going on without a "
-                         "lost worker\")")
+    if min_workers is not None and min_workers < nlocal * nnodes and devices[0] is not None \
+            and (nnodes == 1 or restarts):
+        # (docs/DECISIONS.md, "A lost GPU worker takes its node with it")
+        raise ValueError("min_workers below the workers goes on without a lost GPU worker "
+                         "only across nodes (its node leaves the run), and restarts none")
     log = log or _logger().warning
     multi = nodes is not None and nodes.nnodes > 1
     if multi and not secret:

@@ -62,12 +62,13 @@ def _flags_where(p):
                    help="N CPU workers instead of GPUs (default without a usable GPU: 2)")
     g.add_argument("--min-workers", type=int, metavar="N",
                    help="go on without a lost worker while N remain (default: every worker: "
-                        "any loss stops the run; CPU workers; across nodes a node other "
-                        "than node 0 is lost whole)")
+                        "any loss stops the run; across nodes a node other than node 0 is "
+                        "lost whole; GPU workers: only across nodes under --across-nodes "
+                        "average, diloco or easgd)")
     g.add_argument("--restart-workers", type=int, metavar="K",
                    help="with --min-workers: start a new worker in a lost one's place, K "
                         "times in all (on each node); it joins the others with their state; "
-                        "across nodes every node waits for it (default: 0)")
+                        "across nodes every node waits for it (default: 0; CPU workers)")
 
 
 def _flags_nodes(p):

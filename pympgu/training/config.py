@@ -198,10 +198,16 @@ class RunConfig:
             return
         need(1 <= self.min_workers <= n, "--min-workers",
              f"must be 1 to the {n} workers, got {self.min_workers}")
-        # What goes on without a lost worker so far (docs/DECISIONS.md, "Going on without
-        # a lost worker"): said here rather than found out at the first loss.
-        need(self.cpu, "--min-workers", "goes on without a lost worker on CPU workers only, "
-             "for now: GPU workers stop the run at a loss (give every worker, or --cpu N)")
+        # What goes on without a lost worker, said here rather than found out at the first
+        # loss: GPU workers lose a node whole, and only where the nodes meet through the
+        # host (docs/DECISIONS.md, "A lost GPU worker takes its node with it").
+        need(self.cpu or (self.nnodes > 1 and self.across_nodes != "every-step"),
+             "--min-workers", "goes on without a lost GPU worker only across nodes that meet "
+             "every H steps (--across-nodes average, diloco or easgd), where its node leaves "
+             "the run: give every worker, --cpu N, or one of those")
+        need(self.cpu or not self.restart_workers, "--restart-workers",
+             "restarts CPU workers only: a GPU node that left the run joins again when its "
+             "command is started again")
         need(not self.overlap, "--min-workers", "needs replicas identical after each "
              "exchange; --overlap leaves them alike only at the epoch's end: drop one of them")
 

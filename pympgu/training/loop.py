@@ -55,8 +55,12 @@ class Training:
                     diverged = self._epochs(position)
                     break
                 except Shrunk:
-                    self._disconnect()
+                    # GPU workers close their exchange once every survivor has stopped
+                    # stepping (recover): until then a peer's kernel may read its buffer.
+                    if self.ctx.is_cpu:
+                        self._disconnect()
                     position, self.epoch_state, root = self.recovery.recover(self.at)
+                    self._disconnect()
             # Replicas must end identical: a digest per rank lets the launcher's caller check.
             digest = self.rep.digest()
         finally:
@@ -120,6 +124,7 @@ class Training:
     def _disconnect(self):
         if self.ex is not None:
             ex, self.ex, self.inside = self.ex, None, None
+            self.rep.forget()
             ex.close()
 
     def _epochs(self, position):
@@ -172,16 +177,28 @@ class Training:
         self.settles = None
         report_every = max(1, len(batches) // 20)
         n, steps = ctx.nranks, start // ctx.nranks + len(batches)
-        rate = None
+        rate = held = None
         for step, idx in enumerate(rep.device_batches(batches)):
             last = step == len(batches) - 1
             done = start + step * n
             self.at = [epoch, done, self.step_of(epoch, done)]
-            ctx.check()  # Ctrl-C or a lost peer, heard where no exchange meets the launcher
+            try:
+                ctx.check()  # Ctrl-C or a lost peer, heard where no exchange meets the launcher
+            except Shrunk as lost:
+                if ctx.is_cpu:
+                    raise
+                held = held or lost
             # The run's step, from which a resumed run goes on.
             rate = rep.apply_rate(self.schedule, self.at[2])
             t0 = sync.seconds
             reach = self._reach(last)
+            if held is not None and reach != "node":
+                # GPU workers of a node stop together where the nodes meet, this step's
+                # exchange in the node made: each one's kernels wait for every peer's
+                # (docs/DECISIONS.md, "A lost GPU worker takes its node with it").
+                sync.step(idx, step, last, "node")
+                rep.wait()
+                raise held
             state["costs"].append(sync.step(idx, step, last, reach))
             state["exchange_s"] += sync.seconds - t0
             if self.recovery.enabled and (last or not (step + 1) % cfg.sync_every) \

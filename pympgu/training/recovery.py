@@ -33,7 +33,10 @@ class Recovery:
         # Copies: after a CPU workers' exchange the state is views of a shared buffer that
         # the exchange after next writes again (Exchanger.finish), and PyTensor's C backend
         # updates its arrays in place.
-        values = [np.array(v, copy=True) for v in self.rep.values()]
+        values = self.rep.values()
+        if self.rep.jax is not None and not self.ctx.is_cpu:
+            values = self.rep.jax.device_get(list(values))  # (a GPU's: in one call)
+        values = [np.array(v, copy=True) for v in values]
         entry = (list(position), values, note, self.outer())
         if self.kept and self.kept[-1][0][:2] == entry[0][:2]:
             self.kept[-1] = entry  # the same point again (the exchange re-formed)
@@ -69,6 +72,10 @@ class Recovery:
         import numpy as np
         position, values, note, self.outer_back = entry
         # Copies: the kept arrays must stay as they are, whatever the step does with its own.
-        self.rep.set_values([np.array(v, copy=True) for v in values])
+        if self.rep.jax is not None and not self.ctx.is_cpu:
+            values = [self.rep.jnp.asarray(v) for v in values]  # (a GPU's: to the device)
+        else:
+            values = [np.array(v, copy=True) for v in values]
+        self.rep.set_values(values)
         self.kept = [entry]
         return position, note, root

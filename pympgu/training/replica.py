@@ -155,6 +155,12 @@ class Replica:
             return self.train_fn(idx)
         return self.jax_step(inside, part, overlap, gradients)(idx)
 
+    def forget(self):
+        """Drop what was compiled around an exchange now closed (its buffers are in the
+        program): an exchange re-formed after a loss gets programs of its own."""
+        self._steps = {key: fn for key, fn in self._steps.items() if not key[0]}
+        self._jit_cache = {}
+
     def jax_step(self, inside=None, part="state", overlap=False, gradients=False):
         """The JaxStep that step() calls for these arguments, built once."""
         key = (inside is not None, part, overlap, gradients)
@@ -249,18 +255,22 @@ class Replica:
     def adopt(self, ex, root=None, source=None):
         """Take rank ``root``'s whole state, or node ``source``'s (CPU workers): a joining
         worker's, or a joining node's, first exchange."""
-        ex.start(self.values(), root=root, source=source)
+        ex.start(self._on_host(ex, self.values()), root=root, source=source)
         self.set_values(self._adopt(ex, len(self.model.state)))
+
+    def _on_host(self, ex, values):
+        """``values`` as a host exchange takes them: a GPU's cross to the host in one call
+        (GPU workers' exchange between nodes, every H steps)."""
+        if ex.on_host and self.jax is not None and not self.ctx.is_cpu:
+            return self.jax.device_get(list(values))
+        return values
 
     def _start(self, ex, values, part, reach="world"):
         lo, hi = self.part(part)
         if self.jax is None or ex.on_host:
             # CPU JAX arrays are host memory already: pack reads them where they are
-            # (docs/DECISIONS.md, "One export of the state"); a GPU's cross to it in one
-            # call (a host exchange between nodes, every H steps).
-            if self.jax is not None and not self.ctx.is_cpu:
-                values = self.jax.device_get(list(values))
-            ex.start(values, entries=(lo, hi), reach=reach)
+            # (docs/DECISIONS.md, "One export of the state").
+            ex.start(self._on_host(ex, values), entries=(lo, hi), reach=reach)
         else:
             # JAX packs its arrays into one (a jitted concatenation) and hands pympgu a
             # single DLPack export: one more pass on the GPU, and one export's host time

@@ -99,7 +99,7 @@ def make_exchanger(ctx, rep, cfg, inside=True, root=None, reach="world"):
         if root is not None:
             rep.adopt(ex, root=root)
         if ctx.source is not None:  # a node joins: every node takes node source's state
-            rep.adopt(ex, source=ctx.source)
+            rep.adopt(nodes, source=ctx.source)
         if root is None or ctx.nnodes > 1:
             # Replicas start identical (--init-seed; a resumed run too). Across nodes a node
             # whose worker was replaced (root) averages too, as the other nodes do.
