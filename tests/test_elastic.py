@@ -136,6 +136,18 @@ def test_what_cannot_go_on_without_a_worker_yet_is_refused(changes, message):
     assert message in str(info.value)
 
 
+def test_launch_goes_on_without_a_gpu_worker_only_across_nodes_and_restarts_none():
+    """A GPU worker lost inside a node leaves its peers' kernels waiting: launch refuses
+    min_workers for GPU workers of one node, and restarts for them across nodes, before
+    any process starts."""
+    from pympgu.runtime.nodes import Nodes
+    with pytest.raises(ValueError, match="only across nodes"):
+        launch(dying_worker, gpus=[0, 1], min_workers=1)
+    two = Nodes(nnodes=2, node_rank=0, port=1)
+    with pytest.raises(ValueError, match="restarts none"):
+        launch(dying_worker, gpus=[0, 1], min_workers=2, restarts=1, nodes=two, secret=b"s")
+
+
 def test_the_command_goes_on_without_a_killed_worker(tmp_path):
     """python -m pympgu.train --min-workers: a worker killed from outside, the run ends with
     status 0, says what happened in one line, and its log records it."""
