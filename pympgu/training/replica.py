@@ -253,8 +253,9 @@ class Replica:
         self.set_values(values[:lo] + list(self._adopt(ex, hi - lo)) + values[hi:])
 
     def adopt(self, ex, root=None, source=None):
-        """Take rank ``root``'s whole state, or node ``source``'s (CPU workers): a joining
-        worker's, or a joining node's, first exchange."""
+        """Take rank ``root``'s whole state (CPU workers), or node ``source``'s (``ex``
+        the exchange that meets the other nodes): a joining worker's, or a joining node's,
+        first exchange."""
         ex.start(self._on_host(ex, self.values()), root=root, source=source)
         self.set_values(self._adopt(ex, len(self.model.state)))
 
