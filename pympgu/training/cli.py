@@ -25,8 +25,8 @@ from ..precision import DTYPES as COMPUTE_DTYPES
 from ..schedule import SCHEDULES
 from . import checkpoint
 from . import resume as resuming
-from .config import (ACROSS_NODES, OUTER_DTYPES, ADAM_LR, ADAMW_DECAY, MAX_WORKERS, PRESETS, RunConfig,
-                     UsageError, auto_backend, optimizer_defaults)
+from .config import (ACROSS_NODES, OUTER_DTYPES, ADAM_LR, ADAMW_DECAY, MAX_WORKERS, PRESETS,
+                     RunConfig, UsageError, auto_backend, optimizer_defaults)
 
 DEFAULTS = RunConfig()
 
