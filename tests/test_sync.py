@@ -40,6 +40,7 @@ class FakeRep:
     part = Replica.part
     _adopt = Replica._adopt
     _start = Replica._start
+    _on_host = Replica._on_host
 
     def __init__(self, *values, params=None, affine=True):
         self.np, self.jax, self.snapshot = np, None, None

@@ -262,7 +262,7 @@ class Replica:
     def _on_host(self, ex, values):
         """``values`` as a host exchange takes them: a GPU's cross to the host in one call
         (GPU workers' exchange between nodes, every H steps)."""
-        if ex.on_host and self.jax is not None and not self.ctx.is_cpu:
+        if self.jax is not None and not self.ctx.is_cpu and ex.on_host:
             return self.jax.device_get(list(values))
         return values
 
