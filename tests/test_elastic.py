@@ -126,8 +126,8 @@ def _model():
 @pytest.mark.parametrize("changes,message", [
     (dict(devices=(0, 1)), "only across nodes that meet every H steps"),
     (dict(devices=(0, 1), nnodes=2), "only across nodes that meet every H steps"),
-    (dict(devices=(0, 1), nnodes=2, across_nodes="diloco", restart_workers=1),
-     "restarts CPU workers only"),
+    (dict(devices=(0, 1), nnodes=2, restart_workers=1),
+     "only across nodes that meet every H steps"),
 ])
 def test_what_cannot_go_on_without_a_worker_yet_is_refused(changes, message):
     from pympgu.training.config import UsageError
@@ -136,16 +136,103 @@ def test_what_cannot_go_on_without_a_worker_yet_is_refused(changes, message):
     assert message in str(info.value)
 
 
-def test_launch_goes_on_without_a_gpu_worker_only_across_nodes_and_restarts_none():
+def test_gpu_workers_across_nodes_that_meet_every_h_steps_may_be_restarted():
+    cfg = RunConfig(**{**CONFIG, "devices": (0, 1), "nnodes": 2, "min_workers": 2,
+                       "across_nodes": "diloco", "restart_workers": 3})
+    assert cfg.restart_workers == 3
+
+
+def test_launch_goes_on_without_a_gpu_worker_only_across_nodes():
     """A GPU worker lost inside a node leaves its peers' kernels waiting: launch refuses
-    min_workers for GPU workers of one node, and restarts for them across nodes, before
-    any process starts."""
-    from pympgu.runtime.nodes import Nodes
+    min_workers for GPU workers of one node before any process starts."""
     with pytest.raises(ValueError, match="only across nodes"):
         launch(dying_worker, gpus=[0, 1], min_workers=1)
-    two = Nodes(nnodes=2, node_rank=0, port=1)
-    with pytest.raises(ValueError, match="restarts none"):
-        launch(dying_worker, gpus=[0, 1], min_workers=2, restarts=1, nodes=two, secret=b"s")
+
+
+class _Proc:
+    """A worker process as the coordinator sees it."""
+
+    def __init__(self, exitcode=None):
+        self.exitcode, self.killed, self.pid = exitcode, False, 1
+
+    def kill(self):
+        self.killed, self.exitcode = True, -9
+
+    def join(self, timeout=None):
+        pass
+
+
+class _Listener:
+    socket = None
+
+    def __init__(self):
+        self.sent, self.forgotten = [], []
+
+    def broadcast(self, kind, data, blobs=(), ranks=None):
+        self.sent.append((kind, data, ranks))
+
+    def send(self, rank, kind, data=None):
+        self.sent.append((kind, data, [rank]))
+
+    def forget(self, rank):
+        self.forgotten.append(rank)
+
+
+class _Above:
+    sockets = ()
+
+    def __init__(self):
+        self.paused, self.held = [], []
+
+    def attach(self, coordinator):
+        pass
+
+    def pause(self, rank, reason, joined):
+        self.paused.append((rank, reason, joined))
+
+    def hold(self, data):
+        self.held.append(data)
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_gpu_nodes_lost_worker_is_restarted_with_its_peers(whole):
+    """Across nodes with restarts, node 1's worker in slot 1 dies. GPU workers (whole):
+    its peer, whose kernels would wait for it, is killed too, both slots start again as
+    one restart, and the node holds nothing once both new workers are ready; CPU workers:
+    the lost slot alone starts again, and the peer stays."""
+    from pympgu.runtime.coordinator import NodeCoordinator
+    first = [_Proc(), _Proc(exitcode=-9)]
+    procs, started = list(first), []
+
+    def start(slot, joining=False):
+        started.append((slot, joining))
+        return _Proc(), []
+    listener, above = _Listener(), _Above()
+    c = NodeCoordinator(listener, procs, [[], []], node=1, nnodes=2, above=above,
+                        on_metric=None, log=lambda text: None, heartbeat_timeout=60,
+                        progress_timeout=60, restarting=(start, 2, [], whole))
+    c.running = True
+    c._lose(1, WorkerFailed(3, "was killed by signal 9", node=1), now=0.0)
+    assert first[0].killed is whole
+    assert started == ([(0, True), (1, True)] if whole else [(1, True)])
+    assert c.restarts == 1
+    assert above.paused == [(3, "rank 3 was killed by signal 9 (node 1)",
+                             [2, 3] if whole else [3])]
+    assert c.membership.members == ([] if whole else [0])
+    if not whole:
+        return
+    for slot in (0, 1):
+        c._from_worker(slot, "HELLO", {}, [])
+        assert listener.sent[-1] == ("RUN", {"joining": True}, [slot])
+    c._from_worker(0, "RECOVER", {"kept": [], "at": None}, [])
+    assert above.held == []  # (its peer is not ready yet)
+    c._from_worker(1, "RECOVER", {"kept": [], "at": None}, [])
+    assert [h["kept"] for h in above.held] == [[]]  # (the hub has it take a keeper's state)
+    c.regroup({"nodes": [0, 1], "back_to": [0, 6, 12], "source": 0, "keeper": 0})
+    kind, reform, ranks = listener.sent[-1]
+    assert (kind, ranks, reform["members"], reform["source"]) == ("REFORM", [0, 1], [0, 1], 0)
+    record = c.membership.record(now=1.0)
+    assert (record["lost"], record["joined"], record["workers"]) == ([3], [0, 1], 4)
 
 
 def test_the_command_goes_on_without_a_killed_worker(tmp_path):

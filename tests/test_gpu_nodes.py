@@ -228,6 +228,45 @@ def test_gpu_nodes_go_on_without_a_node_whose_worker_died_and_take_it_back(tmp_p
     assert not set(glob.glob("/dev/shm/pympgu-*")) - before
 
 
+def test_a_gpu_node_starts_its_workers_again_when_one_dies_and_every_node_goes_on(tmp_path):
+    """2 nodes x 2 GPU workers sharing GPU 0, DiLoCo every 5 steps, --min-workers 2
+    --restart-workers 2: a worker of node 1 killed, then one of node 0 (whose launcher
+    hosts the run). Each time the dead one's peer is stopped too (its kernels wait for the
+    dead one) and both start again; the other node goes back to its last meeting and waits
+    for them; they take its state through the host. Both nodes finish every epoch (the
+    nodes compare their replicas after each) with status 0; the records say who was lost
+    and which ranks are new; no process or /dev/shm name is left."""
+    from test_nodes import _changes, _workers
+    port, out = free_port(pair=True), tmp_path / "run"
+    before = set(glob.glob("/dev/shm/pympgu-*"))
+    flags = ["--hidden", "16", "--epochs", "200", "--across-nodes", "diloco",
+             "--outer-every", "5", "--min-workers", "2", "--restart-workers", "2"]
+    procs = [start_shared(k, port, 2, out, *flags) for k in range(2)]
+    metrics = out / "metrics.jsonl"
+    try:
+        assert wait_until((out / "checkpoint.npz").exists, 300, every=0.1), \
+            procs[0].poll() is not None and procs[0].stderr.read()[-3000:]
+        for i, node in enumerate([1, 0]):
+            os.kill(max(_workers(procs[node])), signal.SIGKILL)
+            assert wait_until(lambda: len(_changes(metrics)) > i, 120, every=0.05), \
+                [p.poll() for p in procs]
+        codes = [p.wait(timeout=400) for p in procs]
+        errs = [p.stderr.read() for p in procs]
+        wait_until(lambda: not any(session_left(p.pid) for p in procs), 10, every=0.2)
+        left = [session_left(p.pid) for p in procs]
+    finally:
+        for p in procs:
+            kill_session(p)
+    assert codes == [0, 0], "\n-----\n".join(e[-3000:] for e in errs)
+    records = [json.loads(line) for line in open(metrics)]
+    assert [r["epoch"] for r in records if "event" not in r][-1] == 200
+    changes = [(c["lost"], c["joined"], c["workers"]) for c in _changes(metrics)]
+    assert changes == [([3], [2, 3], 4), ([1], [0, 1], 4)], changes
+    assert "2 new workers take their places" in errs[0] + errs[1]
+    assert not any(left), left
+    assert not set(glob.glob("/dev/shm/pympgu-*")) - before
+
+
 @pytest.mark.parametrize("victim", ["a worker of node 1", "node 1's launcher"])
 def test_a_gpu_node_lost_during_training_stops_the_other_within_seconds(tmp_path, victim):
     """Training across 2 GPU "nodes": a node's worker or launcher killed while NCCL and the

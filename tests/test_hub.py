@@ -47,7 +47,7 @@ def test_a_node_whose_only_worker_was_replaced_takes_a_keepers_state(hub):
     """3 nodes of one worker: node 1's lost and replaced. Node 1 then holds nothing; the
     others go back to their newest common exchange, and node 0, whose worker came through,
     is named both as the source of node 1's state and as the keeper of the outer slices."""
-    hub._pause(1, 1, "was killed by signal 9")
+    hub._pause(1, 1, "was killed by signal 9", [1])
     assert hub.sent[-1] == ("DROP", {"gen": 1, "reason": "was killed by signal 9", "node": 1})
     hub.holds(0, held((0, 4), (0, 5)))
     hub.holds(2, held((0, 5), (0, 6)))
@@ -60,7 +60,7 @@ def test_a_node_whose_only_worker_was_replaced_takes_a_keepers_state(hub):
 
 def test_a_replaced_worker_on_node_0_is_kept_for_by_the_next_node(hub):
     """Node 0's worker replaced (3 nodes of one worker): node 1 keeps the slices."""
-    hub._pause(0, 0, "was killed by signal 9")
+    hub._pause(0, 0, "was killed by signal 9", [0])
     for k in (1, 2):
         hub.holds(k, held((0, 5)))
     hub.holds(0, {**held(), "fresh": True})
@@ -69,7 +69,7 @@ def test_a_replaced_worker_on_node_0_is_kept_for_by_the_next_node(hub):
 
 def test_with_every_node_paused_no_node_holds_anything_and_the_run_stops(hub):
     for k in range(3):
-        hub._pause(k, k, "was killed by signal 9")
+        hub._pause(k, k, "was killed by signal 9", [k])
     with pytest.raises(WorkerFailed, match="every node's workers are new, and none holds"):
         for k in range(3):
             hub.holds(k, {**held(), "fresh": True})
@@ -80,10 +80,10 @@ def test_a_loss_after_a_node_finished_stops_the_run(hub):
     lost. Node 2 would never say what it holds: the run stops rather than wait for it."""
     hub.finished[2] = []
     with pytest.raises(WorkerFailed, match=r"after node\(s\) \[2\] finished"):
-        hub._pause(1, 1, "was killed by signal 9")
+        hub._pause(1, 1, "was killed by signal 9", [1])
 
 
 def test_a_node_that_finishes_while_the_others_go_back_stops_the_run(hub):
-    hub._pause(1, 1, "was killed by signal 9")
+    hub._pause(1, 1, "was killed by signal 9", [1])
     with pytest.raises(WorkerFailed, match="node 2 finished while every node went back"):
         hub._from_node(2, "FINISH", {"results": []}, [])

@@ -66,10 +66,11 @@ def _wait(done, timeout):
 
 
 def _joined(metrics):
-    """How many restarted workers metrics.jsonl says have joined."""
+    """How many times metrics.jsonl says restarted workers joined (a GPU node's workers
+    start again together: one time, several ranks)."""
     try:
         with open(metrics) as f:
-            return sum(len(json.loads(x).get("joined") or []) for x in f if '"joined"' in x)
+            return sum(bool(json.loads(x).get("joined")) for x in f if '"joined"' in x)
     except (OSError, ValueError):
         return 0
 
@@ -82,9 +83,10 @@ def _free_port():
 
 def _start(args, out):
     """The run's launchers: one, or one a node (node 0's keeps ``out``)."""
-    argv = [sys.executable, "-m", "pympgu.train", "--cpu", str(args.cpu), "--epochs",
-            str(args.epochs), "--quiet", "--min-workers", str(args.min_workers),
-            "--restart-workers", str(args.restart_workers)]
+    command = (shlex.split(args.command) if args.command else
+               [sys.executable, "-m", "pympgu.train", "--cpu", str(args.cpu)])
+    argv = command + ["--epochs", str(args.epochs), "--quiet", "--min-workers",
+                      str(args.min_workers), "--restart-workers", str(args.restart_workers)]
     if args.data_dir:
         argv += ["--data-dir", args.data_dir]
     argv += shlex.split(args.train_flags)
@@ -159,6 +161,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m pympgu.bench kills", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu", type=int, default=4, help="CPU workers a node (default: 4)")
+    p.add_argument("--command", help="what trains instead of 'python -m pympgu.train --cpu "
+                   "N', in one argument: GPU workers, e.g. 'python -m pympgu.train --gpus 0 "
+                   "1' (or 'python benchmarks/two_on_one_gpu.py --gpus 0' for two a GPU)")
     p.add_argument("--nnodes", type=int, default=1,
                    help="nodes, each a launcher of this host on loopback (default: 1)")
     p.add_argument("--min-workers", type=int, default=1, help="(default: 1)")
@@ -200,7 +205,8 @@ def main(argv=None):
           "kills, worst | orphans | /dev/shm left |\n|---|---|---|---|---|---|---|---|---|---|")
     median = times[len(times) // 2] if times else float("nan")
     worst = max(errors, key=lambda e: abs(e - base["test_error"]), default=float("nan"))
-    shape = f"{args.nnodes} x {args.cpu}" if args.nnodes > 1 else f"{args.cpu}"
+    workers = args.command or f"{args.cpu}"
+    shape = f"{args.nnodes} x {workers}" if args.nnodes > 1 else workers
     shape += f" {args.train_flags}" if args.train_flags else ""
     print(f"| {shape} (min {args.min_workers}, {args.restart_workers} restarts) | {kills} | "
           f"{sum(r['status'] == 0 for r in rows)}/{len(rows)} | {len(times)}/{kills} | "

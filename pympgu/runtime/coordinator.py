@@ -61,9 +61,11 @@ class NodeCoordinator:
     from a barrier (or register) for ``progress_timeout`` seconds while another rank waits
     there, fails the run; or, while more than ``min_workers`` remain (a run of one node),
     is dropped, killed if it still runs, and the others go on without it (Membership).
-    ``restarting``: (start, restarts, retired): start(slot, joining=True) starts a new
-    worker in a lost one's place, at most ``restarts`` times in all, which joins the
-    others once it is ready; the outputs it replaces go to ``retired``."""
+    ``restarting``: (start, restarts, retired, whole): start(slot, joining=True) starts a
+    new worker in a lost one's place, at most ``restarts`` times in all, which joins the
+    others once it is ready; the outputs it replaces go to ``retired``; ``whole``: across
+    nodes every worker of the node is started again with the lost one (GPU workers, whose
+    peers' kernels wait for it: docs/DECISIONS.md, "A GPU node starts its workers again")."""
 
     # Across nodes: how long a rank's error is held, and how long a node's silence then
     # says it is lost (the heartbeats come every second).
@@ -80,7 +82,8 @@ class NodeCoordinator:
         # Across nodes a node is lost whole (docs/DECISIONS.md, "A node lost"): a worker's
         # loss fails its node, and node 0's hub decides whether the others go on.
         self.membership = Membership(self.n, min_workers if nnodes == 1 else None)
-        self.start_worker, self.restarts, self.retired = restarting or (None, 0, [])
+        self.start_worker, self.restarts, self.retired, self.whole = \
+            restarting or (None, 0, [], False)
         # Restarted workers not yet in the run, by slot: "starting", "ready" (its RECOVER
         # came) or "joining" (the others are taking it in).
         self.joiners = {}
@@ -231,9 +234,10 @@ class NodeCoordinator:
             self.joiners[r] = "joining"
         self._reshape(self.membership.grow(ready, time.monotonic()))
 
-    def _restart(self, local, now):
-        """A new worker in slot ``local``'s place, to join once ready."""
-        self.restarts -= 1
+    def _restart(self, local, now, spend=True):
+        """A new worker in slot ``local``'s place, to join once ready (``spend``: counted
+        against the restarts; a node started again whole counts once)."""
+        self.restarts -= spend
         self.listener.forget(local)
         self.retired.extend(self.outputs[local])
         self.procs[local], self.outputs[local] = self.start_worker(local, joining=True)
@@ -297,18 +301,26 @@ class NodeCoordinator:
 
     def _pause(self, local, error, now):
         """Across nodes, with restarts left: the worker in slot ``local`` failed with
-        ``error``; a new one takes its slot, and every node goes back and waits for it
-        (docs/DECISIONS.md, "A worker restarted across nodes")."""
+        ``error``; a new one takes its slot (with ``whole``, new ones take every slot of
+        the node), and every node goes back and waits for it (docs/DECISIONS.md, "A worker
+        restarted across nodes")."""
         rank = self.rank_of(local)
-        self.membership.pause(local, rank, error.reason, now)
-        p = self.procs[local]
-        if p.exitcode is None:  # hung: it must not wake and write into the exchange
-            p.kill()
-            p.join(5)
-        self.last_beat.pop(local, None)
+        slots = list(self.membership.members) if self.whole else [local]
+        joined = [self.rank_of(s) for s in slots]
+        for s in slots:  # (the lost one's rank and reason only: the rest stop with it)
+            self.membership.pause(s, rank if s == local else None, error.reason, now)
+            p = self.procs[s]
+            if p.exitcode is None:  # hung, or a peer waiting for it: it must not write on
+                p.kill()
+                p.join(5)
+            self.last_beat.pop(s, None)
         self._reshape({"lost": rank, "reason": error.reason})
-        self._restart(local, now)
-        self.above.pause(rank, str(error).split("\n")[0])
+        for s in slots:
+            self._restart(s, now, spend=s == local)
+        if self.whole and len(slots) > 1:
+            self.log(f"node {self.node}'s other worker(s) stopped with rank {rank}: "
+                     f"{len(slots)} new workers take their places")
+        self.above.pause(rank, str(error).split("\n")[0], joined)
 
     def _restartable(self):
         """Across nodes: whether a lost worker is replaced (restarts left, training under

@@ -103,7 +103,8 @@ class Hub:
         if k == 0:
             return  # node 0 is this launcher: nothing of its own comes over the socket
         if k in self.alive and kind == "PAUSE":  # whatever its generation: it must be heard
-            self._pause(k, data["rank"], printable(data["reason"], 2000))
+            self._pause(k, data["rank"], printable(data["reason"], 2000),
+                        [r for r in data["joined"] if isinstance(r, int)])
             return
         if k not in self.alive and self.started:
             self._from_late_node(k, kind, data)
@@ -253,15 +254,15 @@ class Hub:
                                          "node": None}, ranks=self.others)
         self.coordinator.dropped(self.dropping["reason"])
 
-    def pause(self, rank, reason):
+    def pause(self, rank, reason, joined):
         """Node 0's own worker ``rank`` lost, its replacement starting."""
-        self._pause(0, rank, reason)
+        self._pause(0, rank, reason, joined)
 
-    def _pause(self, k, rank, reason):
+    def _pause(self, k, rank, reason, joined):
         """A worker of node ``k`` (``rank``) was lost (``reason``) and a new one starts in
-        its place: every node's workers go back to an exchange all hold, and node ``k``
-        says what it holds once the replacement is ready (docs/DECISIONS.md, "A worker
-        restarted across nodes")."""
+        its place (new ones in the ranks ``joined``): every node's workers go back to an
+        exchange all hold, and node ``k`` says what it holds once the replacement is ready
+        (docs/DECISIONS.md, "A worker restarted across nodes")."""
         self._not_finished(reason, k, rank)
         self.gen += 1
         self.arrived.clear()
@@ -271,7 +272,7 @@ class Hub:
         first = self.dropping or {}
         # Node 0's record takes its own workers' losses from its own membership.
         self.dropping = {"lost": first.get("lost", []) + ([rank] if k else []),
-                         "joined": first.get("joined", []) + ([rank] if k else []),
+                         "joined": first.get("joined", []) + (joined if k else []),
                          "reason": first.get("reason", reason)}
         self.holding = {}
         self.paused.add(k)

@@ -109,10 +109,11 @@ def launch(target, args=(), *, gpus=None, cpu=None, on_metric=None, heartbeat_ti
         raise ValueError(f"pympgu runs 1 to 8 workers a node, got {nlocal}")
     nnodes = nodes.nnodes if nodes is not None else 1
     if min_workers is not None and min_workers < nlocal * nnodes and devices[0] is not None \
-            and (nnodes == 1 or restarts):
+            and nnodes == 1:
         # (docs/DECISIONS.md, "A lost GPU worker takes its node with it")
         raise ValueError("min_workers below the workers goes on without a lost GPU worker "
-                         "only across nodes (its node leaves the run), and restarts none")
+                         "only across nodes (its node leaves the run, or with restarts "
+                         "starts its workers again)")
     log = log or _logger().warning
     multi = nodes is not None and nodes.nnodes > 1
     if multi and not secret:
@@ -153,7 +154,8 @@ def launch(target, args=(), *, gpus=None, cpu=None, on_metric=None, heartbeat_ti
                 outputs.append(outs)
             return NodeCoordinator(listener, procs, outputs, node, nnodes, above, on_metric,
                                    log, heartbeat_timeout, progress_timeout,
-                                   min_workers, (start, restarts, retired)).run()
+                                   min_workers,
+                                   (start, restarts, retired, devices[0] is not None)).run()
         except BaseException as e:
             if listener is not None:
                 listener.broadcast("STOP", {"reason": "the run is stopping"})

@@ -79,10 +79,12 @@ class Membership:
     def pause(self, slot, rank, reason, now):
         """Across nodes, with restarts: the worker in ``slot`` (the run's ``rank``) is lost
         and its replacement will take the same slot; the survivors go back, and this node
-        holds nothing to say until the replacement is ready (``ready``)."""
+        holds nothing to say until the replacement is ready (``ready``). ``rank`` None: a
+        worker that was not lost, stopped to be started again with its node's."""
         self.members.remove(slot)
         first = self.recovering or {}
-        self.recovering = {"lost": first.get("lost", []) + [(rank, reason)],
+        lost = [(rank, reason)] if rank is not None else []
+        self.recovering = {"lost": first.get("lost", []) + lost,
                            "joining": first.get("joining", []),
                            "waiting": first.get("waiting", set()) | {slot},
                            "since": first.get("since", now), "kept": {}, "at": []}

@@ -20,7 +20,7 @@ lost, or a restarted one joins: stop where you are), REFORM (the workers from no
 exchange they all go back to, the rank a joiner takes the state from, the worker's node
 and the nodes' number, and the node whose state a node that joins late takes). Between node launchers and node 0's: JOIN, ARRIVE, REPORT, FAIL,
 FINISH, HOLD (after a DROP: the exchanges every worker of the node holds), PAUSE (a worker
-of the node lost, its replacement starting) and HEARTBEAT up; START, RELEASE, STOP, DROP (a
+of the node lost, its replacement starting, and the ranks whose workers are new) and HEARTBEAT up; START, RELEASE, STOP, DROP (a
 node was dropped, one waits for a replacement or one joins: every worker goes back),
 REGROUP (the nodes from now on, where they go back to, whose state a joining node takes)
 and HEARTBEAT down; START says whether the node joins a run under way. ARRIVE, DROP, HOLD, PAUSE
@@ -31,7 +31,7 @@ import hmac
 import json
 import secrets
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 SECRET_BYTES = 32
 NONCE_BYTES = 16
 # A frame's most bytes (ZMQ_MAXMSGSIZE): far above any real message (a layout of thousands
@@ -79,7 +79,7 @@ SCHEMA = {
     "START": ({"gen": int, "joining": bool}, 0, False, _SMALL),
     "HOLD": ({"gen": int, "kept": list, "at": (list, _NONE), "fresh": bool}, 0, False,
              _SMALL),
-    "PAUSE": ({"gen": int, "rank": int, "reason": str}, 0, False, _TEXT),
+    "PAUSE": ({"gen": int, "rank": int, "joined": list, "reason": str}, 0, False, _TEXT),
     "DROP": ({"gen": int, "reason": str, "node": (int, _NONE)}, 0, False, _TEXT),
     "REGROUP": ({"gen": int, "back_to": list, "nodes": list, "source": (int, _NONE),
                  "keeper": (int, _NONE)}, 0, False, _SMALL),

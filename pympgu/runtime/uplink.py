@@ -65,10 +65,11 @@ class Uplink:
     def hold(self, data):
         self.link.send("HOLD", dict(data, gen=self.gen))
 
-    def pause(self, rank, reason):
-        """A worker of this node (``rank``) lost, its replacement starting: every node
-        goes back and waits for it."""
-        self.link.send("PAUSE", {"gen": self.gen, "rank": rank, "reason": reason})
+    def pause(self, rank, reason, joined):
+        """A worker of this node (``rank``) lost, its replacement starting (new workers in
+        the ranks ``joined``): every node goes back and waits for it."""
+        self.link.send("PAUSE", {"gen": self.gen, "rank": rank, "joined": joined,
+                                 "reason": reason})
 
     def report(self, rank, data):
         self.link.send("REPORT", {"rank": rank, "data": data})

@@ -205,9 +205,6 @@ class RunConfig:
              "--min-workers", "goes on without a lost GPU worker only across nodes that meet "
              "every H steps (--across-nodes average, diloco or easgd), where its node leaves "
              "the run: give every worker, --cpu N, or one of those")
-        need(self.cpu or not self.restart_workers, "--restart-workers",
-             "restarts CPU workers only: a GPU node that left the run joins again when its "
-             "command is started again")
         need(not self.overlap, "--min-workers", "needs replicas identical after each "
              "exchange; --overlap leaves them alike only at the epoch's end: drop one of them")
 
