@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a GPU machine: build, then the named steps; logs and JSON go to $OUT.
-# Usage: bash benchmarks/device_run.sh [tests|sanitize|train|trainbench|bench|ddp|pip|nodes|cpu|probe ...]
+# Usage: bash benchmarks/device_run.sh [tests|sanitize|train|trainbench|bench|ddp|pip|nodes|cpu|probe|kills ...]
 # Wheels for packages the machine lacks (pyzmq, pytensor) are read from .whl/.
 # On one GPU, ranks share it: results check the logic, not NVLink's speed.
 set -uo pipefail
@@ -72,6 +72,13 @@ for step in ${*:-tests train bench}; do
     # One GPU, no exchange: the loop's step against plain JAX.
     probe) timeout 300 python3 benchmarks/probe_step.py --gpus 0 2>&1 | quiet | tail -14
            timeout 300 python3 -m pympgu.bench train --gpus 0 --models wide --no-ddp --repeats 3 2>&1 | quiet | tail -8 ;;
+    # Random kills of GPU workers: 2 nodes x 2 workers sharing GPU 0, DiLoCo between them,
+    # each kill's node starting its workers again (KILLS: the runs, kills and epochs).
+    kills) PYTHONPATH=$PWD:${PYTHONPATH:-} timeout ${KILLS_S:-560} python3 -m pympgu.bench kills \
+             --nnodes 2 --command "python3 benchmarks/two_on_one_gpu.py --gpus 0" --min-workers 2 \
+             --restart-workers 50 ${KILLS:---runs 3 --kills 5 --epochs 30} --data-dir $DATA \
+             --train-flags "--across-nodes diloco --outer-every 10" --json "$OUT/kills.json" 2>&1 \
+             | quiet | tail -14 ;;
     *) echo "unknown step: $step"; exit 2 ;;
   esac
 done

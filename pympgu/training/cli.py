@@ -68,7 +68,8 @@ def _flags_where(p):
     g.add_argument("--restart-workers", type=int, metavar="K",
                    help="with --min-workers: start a new worker in a lost one's place, K "
                         "times in all (on each node); it joins the others with their state; "
-                        "across nodes every node waits for it (default: 0; CPU workers)")
+                        "across nodes every node waits for it, and GPU workers start again "
+                        "as a node (default: 0)")
 
 
 def _flags_nodes(p):
