@@ -301,6 +301,25 @@ def _changes(path):
     return [r for r in epochs(path) if r.get("event") == "membership"] if path.exists() else []
 
 
+def _kill_in_turn(procs, out, victims):
+    """Once node 0 (writing to ``out``) has checkpointed, kill a worker of each of
+    ``victims`` (node, which of its workers' pids) in turn, each once the last loss is
+    recorded; check that both nodes then end with status 0. Their stderr."""
+    try:
+        assert wait_until((out / "checkpoint.npz").exists, 120, every=0.05)
+        for i, (node, which) in enumerate(victims):
+            os.kill(which(_workers(procs[node])), signal.SIGKILL)
+            assert wait_until(lambda: len(_changes(out / "metrics.jsonl")) > i, 60,
+                              every=0.05)
+        codes = [p.wait(timeout=150) for p in procs]
+        errs = [p.stderr.read() for p in procs]
+    finally:
+        for p in procs:
+            kill_session(p)
+    assert codes == [0, 0], [e[-3000:] for e in errs]
+    return errs
+
+
 # (node, its worker started first or last): a second kill takes the worker that was no
 # replacement, which holds the node's state while its new peer holds nothing yet.
 @pytest.mark.parametrize("victims", [[(1, max)], [(0, max)], [(1, max), (1, min)]])
@@ -319,18 +338,7 @@ def test_a_worker_lost_on_any_node_is_restarted_and_every_node_goes_on(tmp_path,
     procs = [start(node_argv(k, port, "--epochs", EPOCHS, "--min-workers", "2",
                              "--restart-workers", str(len(victims)),
                              *(["--out", str(out)] if k == 0 else []))) for k in range(2)]
-    try:
-        assert wait_until((out / "checkpoint.npz").exists, 120, every=0.05)
-        for i, (node, which) in enumerate(victims):
-            os.kill(which(_workers(procs[node])), signal.SIGKILL)
-            assert wait_until(lambda: len(_changes(out / "metrics.jsonl")) > i, 60,
-                              every=0.05)
-        codes = [p.wait(timeout=150) for p in procs]
-        errs = [p.stderr.read() for p in procs]
-    finally:
-        for p in procs:
-            kill_session(p)
-    assert codes == [0, 0], [e[-3000:] for e in errs]
+    errs = _kill_in_turn(procs, out, victims)
     records = epochs(out / "metrics.jsonl")
     done = [r for r in records if r.get("event") != "membership"]
     assert [(r["epoch"], r["loss"], r["valid_error"]) for r in done] == \
@@ -367,18 +375,7 @@ def test_a_node_that_starts_every_worker_again_takes_another_nodes_state(tmp_pat
                                      "--restart-workers", "2",
                                      *(["--out", str(out)] if k == 0 else []))[len(TRAIN):],
                    env) for k in range(2)]
-    try:
-        assert wait_until((out / "checkpoint.npz").exists, 120, every=0.05)
-        for i, node in enumerate([1, 0]):
-            os.kill(max(_workers(procs[node])), signal.SIGKILL)
-            assert wait_until(lambda: len(_changes(out / "metrics.jsonl")) > i, 60,
-                              every=0.05)
-        codes = [p.wait(timeout=150) for p in procs]
-        errs = [p.stderr.read() for p in procs]
-    finally:
-        for p in procs:
-            kill_session(p)
-    assert codes == [0, 0], [e[-3000:] for e in errs]
+    errs = _kill_in_turn(procs, out, [(1, max), (0, max)])
     changes = _changes(out / "metrics.jsonl")
     assert [(c["lost"], c["joined"], c["workers"]) for c in changes] == \
         [([3], [2, 3], 4), ([1], [0, 1], 4)], changes
