@@ -426,3 +426,33 @@ def test_a_worker_restarted_under_diloco_takes_its_outer_slice_from_another_node
     done = [r for r in (json.loads(line) for line in open(metrics)) if "event" not in r]
     assert [key(r) for r in done] == \
         [key(r) for r in diloco_undisturbed(*flags) if "event" not in r]
+
+
+@pytest.mark.parametrize("node", [1, 0])
+def test_a_node_that_starts_every_worker_again_under_diloco_loses_nothing(
+        tmp_path, node, diloco_undisturbed):
+    """2 nodes x 2 workers, DiLoCo with 2 streams, whose nodes start every worker again when
+    one is lost, as GPU workers' nodes do: a worker of node 1 (or node 0) killed. Its node's
+    new workers take up what their predecessors kept at the nodes' last meeting (the node's
+    own inner state, which no other node holds, and the outer slices), so every epoch's loss
+    and validation error equal those of a run that lost nothing; taking another node's
+    state would not."""
+    from test_nodes import start_whole
+    port, out = free_port(), tmp_path / "run"
+    procs = [start_whole(k, port, *DILOCO, "--min-workers", "2", "--restart-workers", "1",
+                         *(["--out", str(out)] if k == 0 else [])) for k in range(2)]
+    metrics = out / "metrics.jsonl"
+    try:
+        assert wait_until((out / "checkpoint.npz").exists, 120, every=0.05)
+        os.kill(max(_workers(procs[node])), signal.SIGKILL)
+        assert wait_until(lambda: _changes(metrics), 60, every=0.05)
+        (code0, _, err0), (code1, _, err1) = finish(procs)
+    finally:
+        for p in procs:
+            kill_session(p)
+    assert (code0, code1) == (0, 0), (err0[-3000:], err1[-3000:])
+    change, = _changes(metrics)
+    assert (change["lost"], change["joined"]) == ([2 * node + 1], [2 * node, 2 * node + 1])
+    key = lambda r: (r["epoch"], r["valid_error"], r["loss"])  # noqa: E731
+    done = [r for r in (json.loads(line) for line in open(metrics)) if "event" not in r]
+    assert [key(r) for r in done] == [key(r) for r in diloco_undisturbed() if "event" not in r]

@@ -194,12 +194,17 @@ class _Above:
         self.held.append(data)
 
 
-@pytest.mark.parametrize("whole", [True, False])
-def test_a_gpu_nodes_lost_worker_is_restarted_with_its_peers(whole):
+# (whole, what each new worker took up of its predecessor's: the positions it kept)
+@pytest.mark.parametrize("whole,took", [
+    (True, [[], []]), (True, [[[0, 6, 12], [0, 8, 16]], [[0, 8, 16]]]), (False, None)],
+    ids=["gpu-nothing-kept", "gpu-kept", "cpu"])
+def test_a_gpu_nodes_lost_worker_is_restarted_with_its_peers(whole, took):
     """Across nodes with restarts, node 1's worker in slot 1 dies. GPU workers (whole):
     its peer, whose kernels would wait for it, is killed too, both slots start again as
-    one restart, and the node holds nothing once both new workers are ready; CPU workers:
-    the lost slot alone starts again, and the peer stays."""
+    one restart, and once both new workers are ready the node holds what they took up
+    from their predecessors (every worker keeps its state where its successor finds it),
+    or, where they kept nothing, nothing; CPU workers: the lost slot alone starts again,
+    and the peer stays."""
     from pympgu.runtime.coordinator import NodeCoordinator
     first = [_Proc(), _Proc(exitcode=-9)]
     procs, started = list(first), []
@@ -223,14 +228,19 @@ def test_a_gpu_nodes_lost_worker_is_restarted_with_its_peers(whole):
         return
     for slot in (0, 1):
         c._from_worker(slot, "HELLO", {}, [])
-        assert listener.sent[-1] == ("RUN", {"joining": True}, [slot])
-    c._from_worker(0, "RECOVER", {"kept": [], "at": None}, [])
+        assert listener.sent[-1] == ("RUN", {"joining": True, "carry": True}, [slot])
+    c._from_worker(0, "RECOVER", {"kept": took[0], "at": None}, [])
     assert above.held == []  # (its peer is not ready yet)
-    c._from_worker(1, "RECOVER", {"kept": [], "at": None}, [])
-    assert [h["kept"] for h in above.held] == [[]]  # (the hub has it take a keeper's state)
-    c.regroup({"nodes": [0, 1], "back_to": [0, 6, 12], "source": 0, "keeper": 0})
+    c._from_worker(1, "RECOVER", {"kept": took[1], "at": None}, [])
+    if not took[0]:
+        assert [h["kept"] for h in above.held] == [[]]  # (the hub has it take another's)
+        c.regroup({"nodes": [0, 1], "back_to": [0, 6, 12], "source": 0, "keeper": 0})
+    else:  # the newest both hold, its step with it; no worker takes another's state
+        assert [h["kept"] for h in above.held] == [[[0, 8, 16]]]
+        c.regroup({"nodes": [0, 1], "back_to": [0, 8, 16], "source": None, "keeper": 0})
     kind, reform, ranks = listener.sent[-1]
-    assert (kind, ranks, reform["members"], reform["source"]) == ("REFORM", [0, 1], [0, 1], 0)
+    assert (kind, ranks, reform["members"], reform["root"]) == ("REFORM", [0, 1], [0, 1], None)
+    assert reform["source"] == (None if took[0] else 0)
     record = c.membership.record(now=1.0)
     assert (record["lost"], record["joined"], record["workers"]) == ([3], [0, 1], 4)
 
@@ -345,3 +355,27 @@ def test_a_worker_killed_while_a_restarted_one_joins(tmp_path):
     assert changes[-1]["joined"] == [1] and changes[-1]["workers"] == 2, changes
     assert len(results) == 2 and len({r["digest"] for r in results}) == 1
     assert [e["epoch"] for e in records if e.get("kind") == "epoch"] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_worker_keeps_its_state_where_its_successor_takes_it_up(tmp_path):
+    """Each kept point is written once (a file), then the slot's index naming the points
+    kept and the history; the next worker in the slot reads exactly those, and what its
+    predecessor left half written, or no longer named, goes. Other slots' files stay."""
+    from pympgu.training.carried import Carried
+    where = str(tmp_path / "kept")
+    a, b, c = [([0, k, k], [np.full(3, k, np.float32)], {"costs": [k]}, None) for k in (1, 2, 3)]
+    first, other = Carried(where, 0), Carried(where, 1)
+    first.write([a], {"history": []})
+    other.write([a], {"history": []})
+    first.write([a, b], {"history": [{"epoch": 1}]})
+    assert len([n for n in os.listdir(where) if n.startswith("slot0-")]) == 2  # (a's once)
+    first.write([b, c], {"history": [{"epoch": 1}]})
+    open(os.path.join(where, "slot0-1-9.tmp"), "wb").write(b"torn")  # (killed mid-write)
+    entries, extra = Carried(where, 0).read()
+    assert [e[0] for e in entries] == [[0, 2, 2], [0, 3, 3]]
+    assert [e[1][0].tolist() for e in entries] == [[2.0] * 3, [3.0] * 3]
+    assert (entries[1][2], extra) == ({"costs": [3]}, {"history": [{"epoch": 1}]})
+    left = sorted(os.listdir(where))
+    assert len([n for n in left if n.startswith("slot0-")]) == 2 and "slot0" in left
+    assert "slot1" in left and len([n for n in left if n.startswith("slot1-")]) == 1
+    assert Carried(str(tmp_path / "none"), 0).read() is None

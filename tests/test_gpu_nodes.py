@@ -233,15 +233,19 @@ def test_a_gpu_node_starts_its_workers_again_when_one_dies_and_every_node_goes_o
     --restart-workers 2: a worker of node 1 killed, then one of node 0 (whose launcher
     hosts the run). Each time the dead one's peer is stopped too (its kernels wait for the
     dead one) and both start again; the other node goes back to its last meeting and waits
-    for them; they take its state through the host. Both nodes finish every epoch (the
-    nodes compare their replicas after each) with status 0; the records say who was lost
-    and which ranks are new; no process or /dev/shm name is left."""
+    for them; they take up what their predecessors kept there (the node's own inner state).
+    Both nodes finish every epoch with status 0 and the losses and validation errors of the
+    same run beside it that lost nothing; the records say who was lost and which ranks are
+    new; no process or /dev/shm name is left."""
     from test_nodes import _changes, _workers
     port, out = free_port(pair=True), tmp_path / "run"
     before = set(glob.glob("/dev/shm/pympgu-*"))
     flags = ["--hidden", "16", "--epochs", "200", "--across-nodes", "diloco",
              "--outer-every", "5", "--min-workers", "2", "--restart-workers", "2"]
+    still = tmp_path / "still" / "run"
+    still.parent.mkdir()
     procs = [start_shared(k, port, 2, out, *flags) for k in range(2)]
+    procs += [start_shared(k, free_port(pair=True), 2, still, *flags) for k in range(2)]
     metrics = out / "metrics.jsonl"
     try:
         assert wait_until((out / "checkpoint.npz").exists, 300, every=0.1), \
@@ -257,9 +261,11 @@ def test_a_gpu_node_starts_its_workers_again_when_one_dies_and_every_node_goes_o
     finally:
         for p in procs:
             kill_session(p)
-    assert codes == [0, 0], "\n-----\n".join(e[-3000:] for e in errs)
-    records = [json.loads(line) for line in open(metrics)]
-    assert [r["epoch"] for r in records if "event" not in r][-1] == 200
+    assert codes == [0, 0, 0, 0], "\n-----\n".join(e[-3000:] for e in errs)
+    key = lambda r: (r["epoch"], r["loss"], r["valid_error"])  # noqa: E731
+    records, undisturbed = ([key(json.loads(line)) for line in open(path) if '"event"' not in line]
+                            for path in (metrics, still / "metrics.jsonl"))
+    assert len(records) == 200 and records == undisturbed
     changes = [(c["lost"], c["joined"], c["workers"]) for c in _changes(metrics)]
     assert changes == [([3], [2, 3], 4), ([1], [0, 1], 4)], changes
     assert "2 new workers take their places" in errs[0] + errs[1]

@@ -16,7 +16,7 @@ class WorkerContext:
     coordinator."""
 
     def __init__(self, place, device, run_id, link, data_address=None, joining=False,
-                 progress_timeout=600.0):
+                 progress_timeout=600.0, carry=None):
         (self.rank, self.nranks, self.local_rank, self.local_nranks, self.node,
          self.nnodes) = place
         self.device, self.run_id, self.link = device, run_id, link
@@ -25,6 +25,9 @@ class WorkerContext:
         self.progress_timeout = progress_timeout
         # A restarted worker, to join the run at its next epoch (pympgu.training.recovery).
         self.joining = joining
+        # Where this worker keeps its state for the one that may take its place (None:
+        # survivors hand it over instead): pympgu.training.carried.
+        self.carry = carry
         self.source = self.keeper = None  # (recover)
         # Barriers counted apart: the run's, whose numbers every node compares, and this
         # node's alone (a node's own business, such as taking in a replacement worker).

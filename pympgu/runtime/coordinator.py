@@ -84,6 +84,9 @@ class NodeCoordinator:
         self.membership = Membership(self.n, min_workers if nnodes == 1 else None)
         self.start_worker, self.restarts, self.retired, self.whole = \
             restarting or (None, 0, [], False)
+        # Where a node starts every worker again, each keeps its state where the new one in
+        # its place takes it up (pympgu.training.carried).
+        self.carries = bool(self.whole and nnodes > 1 and self.restarts > 0)
         # Restarted workers not yet in the run, by slot: "starting", "ready" (its RECOVER
         # came) or "joining" (the others are taking it in).
         self.joiners = {}
@@ -145,7 +148,7 @@ class NodeCoordinator:
 
     def _from_worker(self, local, kind, data, blobs):
         if local in self.joiners and kind != "ERROR":  # a joiner's exception fails the run
-            self._from_joiner(local, kind)
+            self._from_joiner(local, kind, data)
             return
         if local not in self.joiners and not self.membership.heard(local, kind):
             return  # the dead's last words, or what a survivor said before it recovered
@@ -208,17 +211,17 @@ class NodeCoordinator:
         elif kind == "DONE":
             self.results[local] = data["result"]
 
-    def _from_joiner(self, local, kind):
+    def _from_joiner(self, local, kind, data):
         """A restarted worker: started, then ready to join (its RECOVER) as soon as every
         other worker is back in step."""
         self.last_beat[local] = time.monotonic()
         if kind == "HELLO":
-            self.listener.send(local, "RUN", {"joining": True})
+            self.listener.send(local, "RUN", {"joining": True, "carry": self.carries})
         elif kind == "RECOVER" and self.joiners[local] == "starting":
             self.joiners[local] = "ready"
             if self.nnodes > 1:  # every node waits for it (pause): this node may say now
                 self.joiners[local] = "joining"
-                held = self.membership.ready(local)
+                held = self.membership.ready(local, data["kept"])
                 if held is not None:
                     self.above.hold(held)
                 return
@@ -266,7 +269,7 @@ class NodeCoordinator:
         joining = getattr(self.above, "joining", False)
         if joining:  # a node that joins a run under way: its workers hold nothing yet
             self.membership.late(time.monotonic())
-        self.listener.broadcast("RUN", {"joining": joining})
+        self.listener.broadcast("RUN", {"joining": joining, "carry": self.carries})
 
     def _local_barrier(self):
         members = self.membership.members

@@ -63,7 +63,8 @@ def _worker_main(place, device, address, secret, run_id, data_address, private, 
         # (joining a run under way: restarted in a lost worker's place, or on a node that
         # joins late)
         ctx = WorkerContext(place, device, run_id, link, data_address,
-                            joining or run["joining"], progress_timeout)
+                            joining or run["joining"], progress_timeout,
+                            os.path.join(private, "kept") if run["carry"] else None)
         result = target(ctx, *args)
         link.send("DONE", {"result": result})
     except control.Stopped:

@@ -27,6 +27,9 @@ class Membership:
         # Joined, but not yet through an exchange with the others: they hold no state of
         # the run until then, whatever comes in between.
         self.fresh = set()
+        # New workers that took up their predecessors' state (``ready``): they hold it, and
+        # are told as joined all the same.
+        self.renewed = set()
 
     @property
     def elastic(self):
@@ -95,13 +98,18 @@ class Membership:
         self.recovering = {"lost": [], "joining": [], "since": now, "kept": {}, "at": []}
         self.fresh = set(self.members)
 
-    def ready(self, slot):
-        """The replacement in ``slot`` is ready to join: what ``holds`` returns."""
+    def ready(self, slot, kept=()):
+        """The replacement in ``slot`` is ready to join: what ``holds`` returns. ``kept``:
+        the positions of the state it took up from its predecessor, if any (a node that
+        starts every worker again: pympgu.training.carried)."""
         rec = self.recovering
         if rec is None or slot not in rec.get("waiting", ()):
             return None
         rec["waiting"].discard(slot)
         rec["joining"].append(slot)
+        if kept:
+            rec.setdefault("carried", {})[slot] = [tuple(p[:2]) for p in kept]
+            rec["steps"] = {**rec.get("steps", {}), **{tuple(p[:2]): p[2] for p in kept}}
         return self._held()
 
     def drop_joiner(self, slot):
@@ -146,6 +154,7 @@ class Membership:
         if len(rec["kept"]) < len(self.members) or rec.get("waiting"):
             return None
         holders = [set(k) for k in rec["kept"].values() if k is not None]
+        holders += [set(k) for k in rec.get("carried", {}).values()]
         common = set.intersection(*holders) if holders else set()
         return {"kept": [[*p, rec["steps"][p]] for p in sorted(common)],
                 "at": max(rec["at"], default=None, key=lambda a: a[2]),
@@ -170,14 +179,17 @@ class Membership:
         back_to = tuple(back_to[:2])
         rec["lost"] = rec["lost"] + [(r, reason if k == 0 else None)
                                      for k, r in enumerate(lost)]
-        holding = [s for s in self.members if rec["kept"][s] is not None]
-        self.fresh |= set(rec["joining"])
+        carried = sorted(rec.get("carried", {}))
+        holding = [s for s in self.members if rec["kept"][s] is not None] + carried
+        self.fresh |= set(rec["joining"]) - set(carried)
+        self.renewed |= set(carried)
         self.members = sorted(self.members + rec["joining"])
         # Told once the workers are through an exchange: what happened since the last time.
         told = self.announce or {"lost": [], "reason": [], "since": rec["since"]}
         self.announce = {
             "lost": told["lost"] + [r for r, _ in rec["lost"]],
-            "joined": sorted({*(self.members.index(s) for s in self.fresh), *joined}),
+            "joined": sorted({*(self.members.index(s) for s in self.fresh | self.renewed),
+                              *joined}),
             "reason": told["reason"] + [w for _, w in rec["lost"] if w is not None],
             # Steps counted from 1: the one under way when the loss came, the next to run.
             "at_step": max((a[2] for a in rec["at"]), default=rec["steps"][back_to]) + 1,
@@ -198,6 +210,7 @@ class Membership:
             return None
         a["reason"] = "; ".join(a["reason"])
         self.fresh.clear()  # through an exchange with the others: they hold the run's state
+        self.renewed.clear()
         now = time.monotonic() if now is None else now
         return {"kind": "membership", "event": "membership", "epoch": a["epoch"],
                 "lost": a["lost"], "joined": a["joined"], "reason": a["reason"],

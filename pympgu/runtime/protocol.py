@@ -15,8 +15,9 @@ device facts; the IPC handle or shared-memory name as a blob), BARRIER (seq), WA
 barrier in shared memory, for long, or no longer), METRIC (any JSON object), HEARTBEAT (sent
 by a thread on its own socket), ERROR (traceback, or a message that says it all), RECOVER
 (after a SHRINK: the exchanges this rank completed last), DONE (result). Coordinator to
-worker: RUN, PEERS (every rank's registration), RELEASE (seq), STOP, SHRINK (a rank was
-lost, or a restarted one joins: stop where you are), REFORM (the workers from now on, the
+worker: RUN (whether it joins a run under way, and whether it keeps its state where a
+worker in its place finds it), PEERS (every rank's registration), RELEASE (seq), STOP,
+SHRINK (a rank was lost, or a restarted one joins: stop where you are), REFORM (the workers from now on, the
 exchange they all go back to, the rank a joiner takes the state from, the worker's node
 and the nodes' number, and the node whose state a node that joins late takes). Between node launchers and node 0's: JOIN, ARRIVE, REPORT, FAIL,
 FINISH, HOLD (after a DROP: the exchanges every worker of the node holds), PAUSE (a worker
@@ -31,7 +32,7 @@ import hmac
 import json
 import secrets
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 SECRET_BYTES = 32
 NONCE_BYTES = 16
 # A frame's most bytes (ZMQ_MAXMSGSIZE): far above any real message (a layout of thousands
@@ -62,7 +63,7 @@ SCHEMA = {
     "ERROR": ({"traceback": str, "message": (str, _NONE)}, 0, False, 2 * _TEXT),
     "RECOVER": ({"kept": list, "at": (list, _NONE)}, 0, False, _SMALL),
     "DONE": ({"result": ANY}, 0, False, _BIG),
-    "RUN": ({"joining": bool}, 0, False, _SMALL),
+    "RUN": ({"joining": bool, "carry": bool}, 0, False, _SMALL),
     "PEERS": ({"facts": list, "max_blocks": (int, _NONE)}, 8, False, _BIG),
     "RELEASE": ({"seq": int, "shared": ANY, "values": (list, _NONE)}, 0, False, _BIG),
     "STOP": ({"reason": str}, 0, False, _TEXT),

@@ -30,7 +30,8 @@ class Training:
         self.per_epoch = data.batches_per_epoch(self.ntrain, cfg.batch_size, self.n0) // self.n0
         self.schedule = make_schedule(cfg, self.ntrain, self.n0)
         elastic = cfg.min_workers is not None and cfg.min_workers < cfg.nworkers
-        self.recovery = Recovery(ctx, rep, elastic, self._outer)
+        self.recovery = Recovery(ctx, rep, elastic, self._outer, lambda: {
+            "history": self.history, "start": self.start_epoch})
         self.at = None  # where this worker is: [epoch, batches of the epoch done, step]
         self.epoch_state = None  # the epoch under way: its batches, costs, clocks
 
@@ -43,7 +44,12 @@ class Training:
         position, diverged, root = [start_epoch, 0, self.step_of(start_epoch, 0)], None, None
         try:
             if self.ctx.joining:  # a restarted worker: taken in when the others are ready
+                took = self.recovery.take_up()  # (its predecessor's state, where kept)
+                if took is not None:
+                    self.history, self.start_epoch = took["history"], took["start"]
                 position, self.epoch_state, root = self.recovery.recover(None)
+                if took is not None:
+                    self.at = list(position)  # (not a run's start to tell)
             while True:
                 try:
                     if self.ex is None and self.ctx.nranks > 1:

@@ -18,9 +18,16 @@ class Recovery:
     epoch done, the run's step]. ``outer``: the outer optimizer's slice now (Outer.snapshot),
     or None."""
 
-    def __init__(self, ctx, rep, enabled, outer=lambda: None):
+    def __init__(self, ctx, rep, enabled, outer=lambda: None, extra=lambda: None):
         self.ctx, self.rep, self.enabled, self.outer = ctx, rep, enabled, outer
         self.kept = []
+        # Where a node starts every worker again: each point kept on the host too, for the
+        # worker that takes this one's place (``extra()``: the loop's history beside it).
+        self.carried = None
+        if enabled and ctx.carry is not None:
+            from .carried import Carried
+            self.carried = Carried(ctx.carry, ctx.link.rank)
+        self.extra = extra
         self.back_to = None  # since a recovery: tell the launcher of the next exchange
         self.outer_back = None  # the outer optimizer's slice where a recovery went back to
 
@@ -42,10 +49,23 @@ class Recovery:
             self.kept[-1] = entry  # the same point again (the exchange re-formed)
         else:
             self.kept = (self.kept + [entry])[-KEEP:]
+        if self.carried is not None:
+            self.carried.write(self.kept, self.extra())
         if self.back_to is not None and position[:2] != self.back_to[:2]:
             self.back_to = None
             if self.ctx.local_rank == 0:  # (each node's: its launcher learns it so)
                 self.ctx.metric(kind="recovered")
+
+    def take_up(self):
+        """A new worker in a lost one's place takes up what that one kept (``carry``): then
+        it holds the node's state and is no longer a joiner. Returns the loop's ``extra``
+        then, or None where there was nothing to take up."""
+        found = self.carried.read() if self.carried is not None else None
+        if found is None or not found[0]:
+            return None
+        self.kept, extra = found
+        self.ctx.joining = False
+        return extra
 
     def recover(self, at):
         """After control.Shrunk (the exchange closed): agree with the survivors on the
