@@ -379,3 +379,25 @@ def test_a_worker_keeps_its_state_where_its_successor_takes_it_up(tmp_path):
     assert len([n for n in left if n.startswith("slot0-")]) == 2 and "slot0" in left
     assert "slot1" in left and len([n for n in left if n.startswith("slot1-")]) == 1
     assert Carried(str(tmp_path / "none"), 0).read() is None
+
+
+def test_a_node_told_the_run_ended_finishes_with_the_results_it_has():
+    """Node 1's worker in slot 1 died after the run's last barrier and node 0's hub said
+    the run is over (END): the node restarts nothing, lets go of a survivor that would
+    recover (STOP), and finishes once its other worker's result is in, with that alone."""
+    from pympgu.runtime.coordinator import NodeCoordinator
+    procs = [_Proc(), _Proc(exitcode=-9)]
+    listener, above = _Listener(), _Above()
+    above.done = lambda: True
+    c = NodeCoordinator(listener, procs, [[], []], node=1, nnodes=2, above=above,
+                        on_metric=None, log=lambda text: None, heartbeat_timeout=60,
+                        progress_timeout=60, restarting=(None, 2, [], True))
+    c.running = True
+    c.end()
+    c._lose(1, WorkerFailed(3, "was killed by signal 9", node=1), now=0.0)
+    assert (above.paused, c.restarts, procs[0].killed) == ([], 2, False)
+    assert not c._finished()
+    c._from_worker(0, "RECOVER", {"kept": [], "at": None}, [])
+    assert listener.sent[-1] == ("STOP", {"reason": "the run has ended"}, [0])
+    c._from_worker(0, "DONE", {"result": {"rank": 2}}, [])
+    assert c._finished()

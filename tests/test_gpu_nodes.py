@@ -245,7 +245,8 @@ def test_a_gpu_node_starts_its_workers_again_when_one_dies_and_every_node_goes_o
     still = tmp_path / "still" / "run"
     still.parent.mkdir()
     procs = [start_shared(k, port, 2, out, *flags) for k in range(2)]
-    procs += [start_shared(k, free_port(pair=True), 2, still, *flags) for k in range(2)]
+    port = free_port(pair=True)
+    procs += [start_shared(k, port, 2, still, *flags) for k in range(2)]
     metrics = out / "metrics.jsonl"
     try:
         assert wait_until((out / "checkpoint.npz").exists, 300, every=0.1), \

@@ -16,12 +16,16 @@ class Node0:
 
     def __init__(self):
         self.regroups = []
+        self.ended = False
 
     def dropped(self, reason):
         pass
 
     def regroup(self, data, lost=(), reason=None, joined=()):
         self.regroups.append(data)
+
+    def end(self):
+        self.ended = True
 
 
 @pytest.fixture
@@ -75,15 +79,32 @@ def test_with_every_node_paused_no_node_holds_anything_and_the_run_stops(hub):
             hub.holds(k, {**held(), "fresh": True})
 
 
-def test_a_loss_after_a_node_finished_stops_the_run(hub):
-    """The run's very end: node 2 finished (its launcher gone), then a worker of node 1 is
-    lost. Node 2 would never say what it holds: the run stops rather than wait for it."""
-    hub.finished[2] = []
-    with pytest.raises(WorkerFailed, match=r"after node\(s\) \[2\] finished"):
-        hub._pause(1, 1, "was killed by signal 9", [1])
-
-
-def test_a_node_that_finishes_while_the_others_go_back_stops_the_run(hub):
+def test_a_loss_after_a_node_finished_ends_the_run(hub):
+    """The run's very end: node 2 finished, so every rank passed the last barrier; then a
+    worker of node 1 is lost. Nothing is left to redo: node 1 is told to finish (END) with
+    what its workers give, node 0 too, and no node goes back."""
+    hub.finished[2] = [{"rank": 2}]
     hub._pause(1, 1, "was killed by signal 9", [1])
-    with pytest.raises(WorkerFailed, match="node 2 finished while every node went back"):
-        hub._from_node(2, "FINISH", {"results": []}, [])
+    assert hub.sent == [("END", {"reason": "was killed by signal 9 after node(s) [2] "
+                                           "finished"})]
+    assert hub.coordinator.ended and hub.holding is None and hub.gen == 0
+    assert not hub.done()
+    hub._from_node(1, "FINISH", {"results": [{"rank": 1}]}, [])
+    assert hub.done() and hub.finish([{"rank": 0}]) == [{"rank": r} for r in range(3)]
+
+
+def test_a_node_that_finishes_while_the_others_go_back_ends_the_run(hub):
+    """Node 1's worker lost, every node going back; then node 2 finishes: it had passed the
+    last barrier, so the loss came at the very end, and the run ends rather than wait for
+    what node 2 holds."""
+    hub._pause(1, 1, "was killed by signal 9", [1])
+    hub._from_node(2, "FINISH", {"results": []}, [])
+    assert hub.sent[-1] == ("END", {"reason": "was killed by signal 9, and node 2 "
+                                              "finished"})
+    assert hub.coordinator.ended and hub.holding is None and hub.paused == set()
+
+
+def test_a_node_lost_after_another_finished_leaves_the_run_without_stopping_it(hub):
+    hub.finished[2] = []
+    hub._drop(1, WorkerFailed(None, "stopped answering", node=1))
+    assert hub.alive == [0, 2] and hub.coordinator.ended and hub.done()

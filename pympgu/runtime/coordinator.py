@@ -98,6 +98,7 @@ class NodeCoordinator:
         self.metric_failed = False
         self.running = False
         self.pending = None  # (a rank's error, when): held a moment across nodes
+        self.ended = False  # a loss came after the run's last barrier (end)
         above.attach(self)
 
     def run(self):
@@ -110,8 +111,7 @@ class NodeCoordinator:
         for outs in self.outputs:
             self._watch(outs)
         # (No members left: a node's only worker, lost and being replaced.)
-        while not (self.membership.members and len(self.results) == len(self.membership.members)
-                   and self.above.done()):
+        while not self._finished():
             ready = dict(self.poller.poll(100))
             if self.listener.socket in ready:
                 self.drain()
@@ -125,7 +125,28 @@ class NodeCoordinator:
         if self.joiners:  # restarted, and the run ended before they could join
             self.listener.broadcast("STOP", {"reason": "the run ended before this worker "
                                              "joined"}, ranks=list(self.joiners))
-        return self.above.finish([self.results[r] for r in self.membership.members])
+        return self.above.finish([self.results[r] for r in self.membership.members
+                                  if r in self.results])
+
+    def _finished(self):
+        """Every worker gave its result (once the run ended: every one still alive did)
+        and the level above is done."""
+        members = self.membership.members
+        if self.ended:
+            return self.above.done() and all(
+                r in self.results or self.procs[r].exitcode is not None for r in members)
+        return members and len(self.results) == len(members) and self.above.done()
+
+    def end(self):
+        """A loss came after every rank passed the run's last barrier (node 0's hub knows
+        it by a node that finished): nothing is left to redo. This node finishes with the
+        results of its workers still alive; a worker lost now, or waiting to recover, is
+        let go (docs/DECISIONS.md, "A loss at the run's very end")."""
+        self.ended = True
+        self.since = None
+        waiting = sorted(self.membership.recovered_slots)
+        if waiting:
+            self.listener.broadcast("STOP", {"reason": "the run has ended"}, ranks=waiting)
 
     def _watch(self, outs):
         import zmq
@@ -183,6 +204,8 @@ class NodeCoordinator:
                 if data is None or self.offset:  # node 0's record is the run's
                     return
             self.above.report(rank, data)
+        elif kind == "RECOVER" and self.ended:
+            self.listener.send(local, "STOP", {"reason": "the run has ended"})
         elif kind == "RECOVER" and self.nnodes > 1:
             held = self.membership.holds(local, data["kept"], data["at"])
             if held is not None:
@@ -334,6 +357,8 @@ class NodeCoordinator:
         """The worker in slot ``local`` failed with ``error``: raise it, or, where
         --min-workers allows, drop the worker (killed if it still runs) and tell the others
         to go on without it; across nodes, replace it while restarts are left."""
+        if self.ended:  # past the run's last barrier: nothing to redo
+            return
         if self._restartable():
             self._pause(local, error, now)
             return
@@ -403,7 +428,7 @@ class NodeCoordinator:
                 continue
             if p.exitcode is not None:
                 error = self._exited(local, p)
-                if error is None:
+                if error is None or self.ended:
                     continue
                 if self.nnodes == 1:
                     self._lose(local, error, now)

@@ -42,6 +42,8 @@ class Hub:
         # Nodes that join a run under way: "starting" (told START), then "ready" (their
         # workers compiled: HOLD), then taken in at the next REGROUP ("joining").
         self.started, self.coming = False, {}
+        # Once a loss came after the run's last barrier: nothing is left to redo (_over).
+        self.ended = False
 
     @property
     def address(self):
@@ -82,6 +84,21 @@ class Hub:
 
     def done(self):
         return all(k in self.finished for k in self.others)
+
+    def _over(self, why):
+        """A loss after some node finished: that node's workers passed the run's last
+        barrier, so every rank of every node did, and the last checkpoint is written.
+        Nothing is left to redo: the nodes not finished are told (END) and finish with the
+        results their workers give (docs/DECISIONS.md, "A loss at the run's very end")."""
+        if self.ended:
+            return
+        self.ended = True
+        self.log(f"{why}: every rank had done the run's last epoch; the run ends")
+        self.holding = self.dropping = None
+        self.paused = set()
+        self.listener.broadcast("END", {"reason": why},
+                                ranks=[k for k in self.others if k not in self.finished])
+        self.coordinator.end()
 
     def finish(self, mine):
         if self.coming:
@@ -130,11 +147,11 @@ class Hub:
         elif kind == "HOLD":
             self.holds(k, data)
         elif kind == "FINISH":
-            if self.holding is not None and k not in self.holding:
-                # Ended while the others wait to hear what it holds: they would wait on.
-                raise WorkerFailed(None, f"node {k} finished while every node went back to "
-                                   "an exchange all hold", node=k)
             self.finished[k] = data["results"]
+            if self.holding is not None and k not in self.holding:
+                # Ended while the others went back to hear what it holds: past the end.
+                why = (self.dropping or {}).get("reason", "a node joined")
+                self._over(f"{why}, and node {k} finished")
 
     def _from_late_node(self, k, kind, data):
         """A node that joins the run under way (started again, or late)."""
@@ -233,7 +250,10 @@ class Hub:
             raise WorkerFailed(error.rank, f"{error.reason}; {left} worker(s) would remain "
                                f"without node {k}, fewer than --min-workers "
                                f"{self.min_workers}: the run stops", error.details, node=k)
-        self._not_finished(error.reason, k, error.rank)
+        if self._not_finished(error.reason):
+            self.alive.remove(k)  # (it will not finish)
+            self.listener.forget(k)
+            return
         place = self.alive.index(k)
         self.alive.remove(k)
         self.listener.send(k, "STOP", {"reason": f"node 0 goes on without this node: "
@@ -263,7 +283,8 @@ class Hub:
         its place (new ones in the ranks ``joined``): every node's workers go back to an
         exchange all hold, and node ``k`` says what it holds once the replacement is ready
         (docs/DECISIONS.md, "A worker restarted across nodes")."""
-        self._not_finished(reason, k, rank)
+        if self._not_finished(reason):
+            return
         self.gen += 1
         self.arrived.clear()
         self.node_since = None
@@ -281,13 +302,13 @@ class Hub:
         if k != 0:
             self.coordinator.dropped(reason)
 
-    def _not_finished(self, reason, k, rank):
-        """A loss once a node has finished (the run's very end) stops the run: the finished
-        nodes would never say what they hold."""
+    def _not_finished(self, reason):
+        """Whether a loss (``reason``) came at the run's very end, after some node finished
+        (or the run was over already): then the run ends (_over) and True."""
         done = sorted(j for j in self.finished if j in self.alive)
         if done:
-            raise WorkerFailed(rank, f"{reason} after node(s) {done} finished: the run "
-                               "stops there", node=k)
+            self._over(f"{reason} after node(s) {done} finished")
+        return self.ended
 
     def hold(self, data):
         """Node 0's workers' HOLD."""

@@ -23,8 +23,9 @@ and the nodes' number, and the node whose state a node that joins late takes). B
 FINISH, HOLD (after a DROP: the exchanges every worker of the node holds), PAUSE (a worker
 of the node lost, its replacement starting, and the ranks whose workers are new) and HEARTBEAT up; START, RELEASE, STOP, DROP (a
 node was dropped, one waits for a replacement or one joins: every worker goes back),
-REGROUP (the nodes from now on, where they go back to, whose state a joining node takes)
-and HEARTBEAT down; START says whether the node joins a run under way. ARRIVE, DROP, HOLD, PAUSE
+REGROUP (the nodes from now on, where they go back to, whose state a joining node takes),
+END (a loss came after the run's last barrier: finish with what the workers give) and
+HEARTBEAT down; START says whether the node joins a run under way. ARRIVE, DROP, HOLD, PAUSE
 and REGROUP carry the membership's generation: what an earlier one sent is dropped.
 """
 import hashlib
@@ -45,7 +46,7 @@ TO_COORDINATOR = {"HELLO", "REGISTER", "BARRIER", "WAITING", "METRIC", "HEARTBEA
                   "RECOVER", "DONE"}
 TO_WORKER = {"RUN", "PEERS", "RELEASE", "STOP", "SHRINK", "REFORM"}
 TO_HUB = {"JOIN", "ARRIVE", "REPORT", "FAIL", "FINISH", "HOLD", "PAUSE", "HEARTBEAT"}
-TO_NODE = {"START", "RELEASE", "STOP", "DROP", "REGROUP", "HEARTBEAT"}
+TO_NODE = {"START", "RELEASE", "STOP", "DROP", "REGROUP", "END", "HEARTBEAT"}
 
 ANY = object()
 _NONE = type(None)
@@ -62,6 +63,7 @@ SCHEMA = {
     "HEARTBEAT": ({}, 0, False, _SMALL),
     "ERROR": ({"traceback": str, "message": (str, _NONE)}, 0, False, 2 * _TEXT),
     "RECOVER": ({"kept": list, "at": (list, _NONE)}, 0, False, _SMALL),
+    "END": ({"reason": str}, 0, False, _TEXT),
     "DONE": ({"result": ANY}, 0, False, _BIG),
     "RUN": ({"joining": bool, "carry": bool}, 0, False, _SMALL),
     "PEERS": ({"facts": list, "max_blocks": (int, _NONE)}, 8, False, _BIG),

@@ -52,6 +52,8 @@ class Uplink:
         elif kind == "REGROUP" and (data["gen"] == self.gen or self.joining):
             self.gen, self.joining = data["gen"], False
             self.coordinator.regroup(data)
+        elif kind == "END":  # a loss came after the run's last barrier: finish
+            self.coordinator.end()
         elif kind == "STOP":
             raise NodeStopped(None, f"node 0 stopped the run: "
                               f"{printable(data['reason'], 2000)}")

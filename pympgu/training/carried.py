@@ -1,16 +1,12 @@
 """A worker's points to go back to, kept where the worker that replaces it finds them: files
 in the launcher's private directory, which outlives its workers and goes with the run.
 
-GPU workers whose node starts every worker again (docs/DECISIONS.md, "A GPU node starts its
-workers again") leave no survivor on the node to hand the new ones its state; with these
-files each new worker takes up its predecessor's, the node's own, and the run keeps the
-losses of one that lost nothing, as CPU workers' replacements do.
-
-One file a kept point (its values, the loop's note, the outer optimizer's slice), written
-once, then the slot's index naming the points kept and the run's history; each written
-under a temporary name and renamed, so that a worker killed while writing leaves the last
-index and every file it names whole. Pickle, as the directory is this user's alone (mode
-0700): nothing another user wrote is read.
+A node that starts every worker again (GPU workers') leaves no survivor to hand the new ones
+its state; with these files each new worker takes up its predecessor's, the node's own
+(docs/DECISIONS.md, "A node's state outlives its workers"). One file a kept point, written
+once, then the slot's index naming the points and the loop's history; each written under a
+temporary name and renamed, so that a worker killed while writing leaves the last index and
+every file it names whole. Pickle, as the directory is this user's alone (mode 0700).
 """
 import os
 import pickle

@@ -73,7 +73,9 @@ class Training:
             self._disconnect()
             if self.out is not None:
                 self.out.close()
-        return {"rank": self.ctx.rank, "history": self.history if self.ctx.rank == 0 else None,
+        # Every rank's history: where the run ends after a loss at its very end, rank 0's
+        # result may be missing (docs/DECISIONS.md, "A loss at the run's very end").
+        return {"rank": self.ctx.rank, "history": self.history,
                 "digest": digest, "diverged": diverged}
 
     def _connect(self, root):
