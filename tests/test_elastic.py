@@ -401,3 +401,33 @@ def test_a_node_told_the_run_ended_finishes_with_the_results_it_has():
     assert listener.sent[-1] == ("STOP", {"reason": "the run has ended"}, [0])
     c._from_worker(0, "DONE", {"result": {"rank": 2}}, [])
     assert c._finished()
+
+
+def test_a_worker_that_cannot_keep_its_state_trains_on_and_leaves_none(tmp_path,
+                                                                       monkeypatch, capsys):
+    """A full disk under the kept files: the worker says so once, removes what it kept and
+    goes on keeping its points in memory; a successor that cannot read what its predecessor
+    kept joins holding nothing (it will take another node's state)."""
+    from types import SimpleNamespace
+    from pympgu.training import carried
+    from pympgu.training.recovery import Recovery
+    where = tmp_path / "kept"
+    ctx = SimpleNamespace(carry=str(where), link=SimpleNamespace(rank=0), rank=0,
+                          is_cpu=True, local_rank=0, joining=False)
+    rep = SimpleNamespace(values=lambda: [np.zeros(2, np.float32)], jax=None)
+    recovery = Recovery(ctx, rep, True)
+    recovery.keep([0, 1, 1])
+    assert "slot0" in os.listdir(where)
+
+    def full(path, value):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(carried, "_write", full)
+    recovery.keep([0, 2, 2])
+    assert recovery.carried is None and os.listdir(where) == []
+    assert [e[0] for e in recovery.kept] == [[0, 1, 1], [0, 2, 2]]
+    said = capsys.readouterr().err
+    assert "its state could not be kept" in said and "No space left" in said
+    (where / "slot0").write_bytes(b"not a pickle")
+    ctx.joining = True
+    assert Recovery(ctx, rep, True).take_up() is None and ctx.joining
+    assert "could not be read" in capsys.readouterr().err and os.listdir(where) == []

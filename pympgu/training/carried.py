@@ -76,6 +76,18 @@ class Carried:
                 self._remove(n)
         return entries, index["extra"]
 
+    def forget(self):
+        """Remove what this slot keeps: a worker that cannot keep it leaves none behind."""
+        try:
+            names = os.listdir(self.where)
+        except FileNotFoundError:
+            names = []
+        for n in names:
+            if n.startswith(f"slot{self.slot}-") or n.startswith(f"slot{self.slot}."):
+                self._remove(n)
+        self._remove(os.path.basename(self.index))
+        self.written = []
+
     def _remove(self, name):
         try:
             os.unlink(os.path.join(self.where, name))

@@ -7,6 +7,8 @@ slices averaged, some not) or while some survivors have passed it and others hav
 noticed yet, so each worker keeps the last two such states (docs/DECISIONS.md, "Going on
 without a lost worker"): the launcher picks the newest that every survivor holds.
 """
+import pickle
+
 from ..runtime.control import Shrunk
 
 KEEP = 2  # a survivor is at most one exchange ahead of another
@@ -50,7 +52,10 @@ class Recovery:
         else:
             self.kept = (self.kept + [entry])[-KEEP:]
         if self.carried is not None:
-            self.carried.write(self.kept, self.extra())
+            try:
+                self.carried.write(self.kept, self.extra())
+            except OSError as e:  # (a full disk, say: this worker trains on all the same)
+                self._stop_carrying(f"its state could not be kept in {self.ctx.carry} ({e})")
         if self.back_to is not None and position[:2] != self.back_to[:2]:
             self.back_to = None
             if self.ctx.local_rank == 0:  # (each node's: its launcher learns it so)
@@ -60,12 +65,24 @@ class Recovery:
         """A new worker in a lost one's place takes up what that one kept (``carry``): then
         it holds the node's state and is no longer a joiner. Returns the loop's ``extra``
         then, or None where there was nothing to take up."""
-        found = self.carried.read() if self.carried is not None else None
+        try:
+            found = self.carried.read() if self.carried is not None else None
+        except (OSError, EOFError, ValueError, KeyError, pickle.UnpicklingError) as e:
+            self._stop_carrying(f"what its predecessor kept in {self.ctx.carry} could not be "
+                                f"read ({e})")
+            found = None
         if found is None or not found[0]:
             return None
         self.kept, extra = found
         self.ctx.joining = False
         return extra
+
+    def _stop_carrying(self, why):
+        from ..log import log
+        log.warning(f"rank {self.ctx.rank}: {why}; were its node to start its workers "
+                    "again, they would take another node's state")
+        self.carried.forget()
+        self.carried = None
 
     def recover(self, at):
         """After control.Shrunk (the exchange closed): agree with the survivors on the
