@@ -431,3 +431,21 @@ def test_a_worker_that_cannot_keep_its_state_trains_on_and_leaves_none(tmp_path,
     ctx.joining = True
     assert Recovery(ctx, rep, True).take_up() is None and ctx.joining
     assert "could not be read" in capsys.readouterr().err and os.listdir(where) == []
+
+
+@pytest.mark.parametrize("restarts", [0, 2])
+def test_with_restarts_new_workers_compile_from_the_runs_own_cache(tmp_path, monkeypatch,
+                                                                   restarts):
+    """--restart-workers: a worker's compiled programs go to a cache in the run's private
+    directory (its temporary directory), which the worker started in a lost one's place
+    reads; without restarts nothing is cached."""
+    import tempfile
+    from types import SimpleNamespace
+    from pympgu.training.worker import setup_backend
+    for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                 "XLA_PYTHON_CLIENT_PREALLOCATE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    setup_backend(SimpleNamespace(device=0, nranks=1, rank=0), "jax", restarts)
+    where = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    assert where == (str(tmp_path / "xla") if restarts else None)

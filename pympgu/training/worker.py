@@ -8,8 +8,17 @@ from .replica import Replica
 from .sync import same_start
 
 
-def setup_backend(ctx, backend):
-    """Environment for PyTensor and JAX in this worker; must run before they are imported."""
+def setup_backend(ctx, backend, restarts=0):
+    """Environment for PyTensor and JAX in this worker; must run before they are imported.
+    ``restarts``: --restart-workers."""
+    if backend == "jax" and restarts:
+        # A worker started in a lost one's place compiles what its predecessor compiled:
+        # from the run's own cache, which goes with it (docs/DECISIONS.md, "New workers
+        # compile from the run's cache").
+        import tempfile
+        os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                              os.path.join(tempfile.gettempdir(), "xla"))
+        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     if backend == "jax":
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         # PyTensor asks for float64 accumulators of float32 sums (and int64 indices); JAX,
@@ -117,7 +126,7 @@ def worker(ctx, cfg):
     0's history, a digest of the replica, and the epoch and loss where the loss stopped
     being finite, if it did (``diverged``)."""
     from .loop import Training
-    setup_backend(ctx, cfg.backend)
+    setup_backend(ctx, cfg.backend, cfg.restart_workers)
     stage(ctx, "building the model and compiling its step")
     rep = Replica(ctx, cfg)
     start_epoch, history = 0, []
