@@ -436,9 +436,9 @@ def test_a_worker_that_cannot_keep_its_state_trains_on_and_leaves_none(tmp_path,
 @pytest.mark.parametrize("restarts", [0, 2])
 def test_with_restarts_new_workers_compile_from_the_runs_own_cache(tmp_path, monkeypatch,
                                                                    restarts):
-    """--restart-workers: a worker's compiled programs go to a cache in the run's private
-    directory (its temporary directory), which the worker started in a lost one's place
-    reads; without restarts nothing is cached."""
+    """--restart-workers: a CPU worker's compiled programs go to a cache in the run's
+    private directory (its temporary directory), which the worker started in a lost one's
+    place reads; without restarts nothing is cached, nor for GPU workers."""
     import tempfile
     from types import SimpleNamespace
     from pympgu.training.worker import setup_backend
@@ -446,6 +446,11 @@ def test_with_restarts_new_workers_compile_from_the_runs_own_cache(tmp_path, mon
                  "XLA_PYTHON_CLIENT_PREALLOCATE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr("pympgu.runtime.cores.pin", lambda n, r: None)  # (this process's)
     setup_backend(SimpleNamespace(device=0, nranks=1, rank=0), "jax", restarts)
+    assert "JAX_COMPILATION_CACHE_DIR" not in os.environ  # (GPU workers: not measured)
+    monkeypatch.setenv("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", ""))
+    setup_backend(SimpleNamespace(device=None, nranks=1, rank=0, local_nranks=1,
+                                  local_rank=0), "jax", restarts)
     where = os.environ.get("JAX_COMPILATION_CACHE_DIR")
     assert where == (str(tmp_path / "xla") if restarts else None)

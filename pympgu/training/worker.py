@@ -11,10 +11,10 @@ from .sync import same_start
 def setup_backend(ctx, backend, restarts=0):
     """Environment for PyTensor and JAX in this worker; must run before they are imported.
     ``restarts``: --restart-workers."""
-    if backend == "jax" and restarts:
+    if backend == "jax" and restarts and ctx.device is None:
         # A worker started in a lost one's place compiles what its predecessor compiled:
         # from the run's own cache, which goes with it (docs/DECISIONS.md, "New workers
-        # compile from the run's cache").
+        # compile from the run's cache"; CPU workers').
         import tempfile
         os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                               os.path.join(tempfile.gettempdir(), "xla"))
