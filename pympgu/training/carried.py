@@ -70,23 +70,24 @@ class Carried:
             entries.append((d["position"], d["values"], d["note"], d["outer"]))
         self.written = list(zip(entries, (n for _, n in index["entries"])))
         named = {n for _, n in self.written} | {os.path.basename(self.index)}
-        prefix = f"slot{self.slot}"
-        for n in os.listdir(self.where):
-            if (n.startswith(prefix + "-") or n == prefix + SUFFIX) and n not in named:
-                self._remove(n)
+        for n in self._files() - named:
+            self._remove(n)
         return entries, index["extra"]
 
     def forget(self):
         """Remove what this slot keeps: a worker that cannot keep it leaves none behind."""
+        for n in self._files():
+            self._remove(n)
+        self.written = []
+
+    def _files(self):
+        """The names of this slot's files: its index, its points, what is half written."""
+        index = os.path.basename(self.index)
         try:
             names = os.listdir(self.where)
         except FileNotFoundError:
-            names = []
-        for n in names:
-            if n.startswith(f"slot{self.slot}-") or n.startswith(f"slot{self.slot}."):
-                self._remove(n)
-        self._remove(os.path.basename(self.index))
-        self.written = []
+            return set()
+        return {n for n in names if n in (index, index + SUFFIX) or n.startswith(index + "-")}
 
     def _remove(self, name):
         try:
