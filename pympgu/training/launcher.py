@@ -16,7 +16,7 @@ from .worker import make_schedule, worker
 
 def run(cfg, quiet=False, nodes=None, secret=None, changed=None, fit_batch=None):
     """Train as ``cfg`` (a RunConfig) says: launch the workers, report as they go, and
-    return rank 0's history. Raises UsageError for a setting the data or model cannot take,
+    return the run's history. Raises UsageError for a setting the data or model cannot take,
     before any worker starts; pympgu.runtime.WorkerFailed when a worker fails.
 
     ``changed``: what a resumed run changes of the run it continues ({setting: [before,

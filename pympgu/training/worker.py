@@ -122,8 +122,8 @@ def make_exchanger(ctx, rep, cfg, inside=True, root=None, reach="world"):
 
 
 def worker(ctx, cfg):
-    """The training loop of one worker (``cfg``: a RunConfig); returns its summary: rank
-    0's history, a digest of the replica, and the epoch and loss where the loss stopped
+    """The training loop of one worker (``cfg``: a RunConfig); returns its summary: the
+    run's history (every rank holds it), a digest of the replica, and the epoch and loss where the loss stopped
     being finite, if it did (``diverged``)."""
     from .loop import Training
     setup_backend(ctx, cfg.backend, cfg.restart_workers)
